@@ -1,0 +1,60 @@
+-- commit.lua: the reconcile phase. Charges what generation actually used against what the hold
+-- charged: the difference is refunded, or charged as debt when usage overran the hold.
+--
+-- KEYS[1] the reservation record
+-- KEYS[2] the tenant's lease index
+-- ARGV[1] reservation id
+-- ARGV[2] prompt tokens used
+-- ARGV[3] output tokens used
+--
+-- Reply: {state, duplicate (0|1), used, held, refunded, overrun}
+--   state: committed | late_committed, or not_found | released when nothing was charged
+--   A commit of an already committed id returns the first commit's result with duplicate = 1.
+--
+-- Invariants: each record is charged for usage at most once; a hold whose lease has passed is
+-- settled as expired first (whether or not a sweep reached it), then late-committed, so the
+-- outcome does not depend on when the sweep ran.
+
+local rk = KEYS[1]
+local leases = KEYS[2]
+local id = ARGV[1]
+local prompt = tonumber(ARGV[2])
+local output = tonumber(ARGV[3])
+
+local r = load(rk)
+if not r then
+  return { 'not_found', 0, 0, 0, 0, 0 }
+end
+if r.st == 'committed' or r.st == 'late_committed' then
+  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov) }
+end
+if r.st == 'released' then
+  return { 'released', 0, 0, r.h, 0, 0 }
+end
+
+local now = now_ms()
+if r.st == 'reserved' and now >= r.le then
+  expire(rk, id, r, leases)
+end
+
+local keys = split(r.ks)
+local used = prompt + output
+if r.sl == '1' then
+  free_slots(keys)
+end
+if used < r.ch then
+  refund(keys, r.ch - used, r.dy)
+else
+  charge(keys, used - r.ch, now)
+end
+
+local state = 'committed'
+if r.st == 'expired' then
+  state = 'late_committed'
+end
+local refunded = math.max(0, r.h - used)
+local overrun = math.max(0, used - r.h)
+redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
+  'rf', refunded, 'ov', overrun)
+close(rk, id, r, leases)
+return { state, 0, used, r.h, refunded, overrun }

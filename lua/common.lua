@@ -1,0 +1,144 @@
+-- common.lua: helpers shared by every phase. scripts.rs prepends this file to each phase script, so
+-- each phase is still one script, run atomically, and the helpers exist once.
+--
+-- Reservation record (a hash, one per reservation, key built by keys.rs):
+--   st  state: reserved | committed | released | expired | late_committed
+--   h   tokens held at admission            ch  tokens currently charged to the buckets
+--   sl  1 while the hold occupies a concurrency slot in every scope
+--   le  lease expiry (ms, Redis clock)      at  attempts (idempotent replays + 1)
+--   dy  day number (UTC) the hold was charged to
+--   ks  the scope hashes it charged, space separated
+--   xp  expired-usage policy: charge | refund
+--   ik  idempotency key name, or empty      rt  retention (ms) once settled
+--   pt ot us rf ov  commit result: prompt, output, used, refunded, overrun tokens
+--
+-- Scope hash (one per tenant / user / model scope):
+--   t tt tc  token bucket: tokens, last refill (ms), capacity
+--   r rt     request bucket: permits, last refill (ms)
+--   c        holds in flight
+--   d du     day number and tokens charged that day
+
+local DAY_MS = 86400000
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function split(s)
+  local out = {}
+  for w in string.gmatch(s, '%S+') do
+    out[#out + 1] = w
+  end
+  return out
+end
+
+local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov' }
+
+-- Reads a record into a table; returns nil when it does not exist.
+local function load(rk)
+  local v = redis.call('HMGET', rk, unpack(RECORD_FIELDS))
+  if not v[1] then
+    return nil
+  end
+  local r = {}
+  for i, f in ipairs(RECORD_FIELDS) do
+    r[f] = v[i]
+  end
+  r.h = tonumber(r.h)
+  r.ch = tonumber(r.ch)
+  r.le = tonumber(r.le)
+  r.at = tonumber(r.at)
+  r.dy = tonumber(r.dy)
+  r.rt = tonumber(r.rt)
+  return r
+end
+
+-- Frees the concurrency slot a hold occupies in each of its scopes.
+local function free_slots(keys)
+  for _, k in ipairs(keys) do
+    local c = tonumber(redis.call('HGET', k, 'c'))
+    if c and c > 0 then
+      redis.call('HSET', k, 'c', c - 1)
+    end
+  end
+end
+
+-- Gives tokens back: to each token bucket (never above its capacity), and to the day's usage when
+-- the hold was charged to the current day.
+local function refund(keys, amount, day)
+  if amount <= 0 then
+    return
+  end
+  for _, k in ipairs(keys) do
+    local v = redis.call('HMGET', k, 't', 'tc', 'd', 'du')
+    if v[1] then
+      local t = tonumber(v[1]) + amount
+      local cap = tonumber(v[2])
+      if cap and t > cap then
+        t = cap
+      end
+      redis.call('HSET', k, 't', t)
+    end
+    if v[3] and tonumber(v[3]) == day then
+      local du = tonumber(v[4]) - amount
+      if du < 0 then
+        du = 0
+      end
+      redis.call('HSET', k, 'du', du)
+    end
+  end
+end
+
+-- Charges tokens beyond the hold as debt: a bucket may go negative, down to minus its capacity, and
+-- the debt is repaid by refill (it shows in the next Retry-After). A scope hash that has already
+-- expired (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
+local function charge(keys, amount, now)
+  if amount <= 0 then
+    return
+  end
+  local today = math.floor(now / DAY_MS)
+  for _, k in ipairs(keys) do
+    local v = redis.call('HMGET', k, 't', 'tc', 'd', 'du')
+    if v[1] then
+      local t = tonumber(v[1]) - amount
+      local cap = tonumber(v[2])
+      if cap and t < -cap then
+        t = -cap
+      end
+      redis.call('HSET', k, 't', t)
+    end
+    if v[3] and tonumber(v[3]) == today then
+      redis.call('HSET', k, 'du', tonumber(v[4]) + amount)
+    elseif v[3] then
+      redis.call('HSET', k, 'd', today, 'du', amount)
+    end
+  end
+end
+
+-- Ends a record's hold: off the lease index, its idempotency key dropped, kept for `rt` ms so that
+-- a repeated commit or release can still be answered.
+local function close(rk, id, r, leases)
+  redis.call('ZREM', leases, id)
+  if r.ik and r.ik ~= '' and redis.call('GET', r.ik) == id then
+    redis.call('DEL', r.ik)
+  end
+  redis.call('PEXPIRE', rk, r.rt)
+end
+
+-- Settles a hold whose lease ran out: the slot is freed; the tokens stay charged (charge) or come
+-- back (refund). Missing usage is not zero usage, so charge is the default policy.
+local function expire(rk, id, r, leases)
+  local keys = split(r.ks)
+  if r.sl == '1' then
+    free_slots(keys)
+  end
+  if r.xp == 'refund' then
+    refund(keys, r.ch, r.dy)
+    r.ch = 0
+  end
+  r.st = 'expired'
+  r.sl = '0'
+  redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch)
+  close(rk, id, r, leases)
+end

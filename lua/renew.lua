@@ -1,0 +1,40 @@
+-- renew.lua: extends the lease of a live hold, for streams that outlive one lease.
+--
+-- KEYS[1] the reservation record
+-- KEYS[2] the tenant's lease index
+-- ARGV[1] reservation id
+-- ARGV[2] new lease, from now (ms)
+-- ARGV[3] idle TTL of the index and live records (ms)
+--
+-- Reply: {state, lease remaining ms}
+--   state: reserved when renewed; otherwise the record's state (expired, committed, ...) or
+--   not_found, and nothing changes but the settlement of a hold whose lease has already passed.
+
+local rk = KEYS[1]
+local leases = KEYS[2]
+local id = ARGV[1]
+local lease = tonumber(ARGV[2])
+local idle = tonumber(ARGV[3])
+
+local r = load(rk)
+if not r then
+  return { 'not_found', 0 }
+end
+if r.st ~= 'reserved' then
+  return { r.st, 0 }
+end
+local now = now_ms()
+if now >= r.le then
+  expire(rk, id, r, leases)
+  return { 'expired', 0 }
+end
+
+local expiry = now + lease
+redis.call('HSET', rk, 'le', expiry)
+redis.call('PEXPIRE', rk, idle)
+redis.call('ZADD', leases, expiry, id)
+redis.call('PEXPIRE', leases, idle)
+if r.ik ~= '' then
+  redis.call('PEXPIRE', r.ik, lease)
+end
+return { 'reserved', lease }

@@ -1,0 +1,204 @@
+-- reserve.lua: the admission phase. Settles a bounded batch of the tenant's expired holds, then
+-- refills and checks every scope, reading every counter before it mutates any, then holds.
+--
+-- KEYS[1]   the tenant's lease index (sorted set: reservation id by lease expiry)
+-- KEYS[2]   the new reservation record
+-- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is '0')
+-- KEYS[4..] the scope hashes: tenant first, then user and model where they apply
+--
+-- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
+-- ARGV[3]  tokens to hold            ARGV[4]  lease (ms)
+-- ARGV[5]  idle TTL of scope hashes, index and live records (ms)
+-- ARGV[6]  retention of settled records (ms)
+-- ARGV[7]  expired-usage policy: charge | refund
+-- ARGV[8]  sweep batch: most expired holds settled by this call
+-- ARGV[9]  '1' when KEYS[3] is a real idempotency key
+-- ARGV[10] most attempts one idempotency key may make
+-- ARGV[11] cap on the concurrency Retry-After (ms)
+-- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
+--   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
+--
+-- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
+--                   remaining requests, request limit, request reset ms}
+--   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
+--    scope limits them)
+-- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
+--                   token reset ms}
+--   reason: token_rate | request_rate | concurrency | budget | attempts
+--
+-- Invariants: a denial writes nothing but the settlement of already-expired holds; one call either
+-- charges every scope or none; a bucket never refills above its capacity.
+
+local leases = KEYS[1]
+local id = ARGV[1]
+local prefix = ARGV[2]
+local hold = tonumber(ARGV[3])
+local lease = tonumber(ARGV[4])
+local idle = tonumber(ARGV[5])
+local retention = tonumber(ARGV[6])
+local policy = ARGV[7]
+local batch = tonumber(ARGV[8])
+local idem = ARGV[9] == '1'
+local attempt_limit = tonumber(ARGV[10])
+local concurrency_wait_cap = tonumber(ARGV[11])
+
+local now = now_ms()
+local today = math.floor(now / DAY_MS)
+
+-- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
+local due = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)
+for _, due_id in ipairs(due) do
+  local rk = prefix .. due_id
+  local r = load(rk)
+  if r and r.st == 'reserved' then
+    expire(rk, due_id, r, leases)
+  else
+    redis.call('ZREM', leases, due_id)
+  end
+end
+
+-- 2. Read and refill every scope; nothing is written yet.
+local scopes = {}
+for i = 4, #KEYS do
+  local b = 11 + (i - 4) * 6
+  local s = {
+    key = KEYS[i],
+    tcap = tonumber(ARGV[b + 1]),
+    trate = tonumber(ARGV[b + 2]),
+    rcap = tonumber(ARGV[b + 3]),
+    rrate = tonumber(ARGV[b + 4]),
+    cmax = tonumber(ARGV[b + 5]),
+    budget = tonumber(ARGV[b + 6]),
+  }
+  local v = redis.call('HMGET', s.key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
+  if s.tcap > 0 then
+    local t = tonumber(v[1])
+    if t == nil then
+      s.t = s.tcap
+    else
+      s.t = math.min(s.tcap, t + s.trate * math.max(0, now - tonumber(v[2])))
+    end
+  end
+  if s.rcap > 0 then
+    local r = tonumber(v[3])
+    if r == nil then
+      s.r = s.rcap
+    else
+      s.r = math.min(s.rcap, r + s.rrate * math.max(0, now - tonumber(v[4])))
+    end
+  end
+  s.c = tonumber(v[5]) or 0
+  if tonumber(v[6]) == today then
+    s.du = tonumber(v[7])
+  else
+    s.du = 0
+  end
+  scopes[#scopes + 1] = s
+end
+
+-- The scope with the fewest tokens (requests) left after taking `take`, for the rate-limit headers.
+local function headroom(take_tokens, take_requests)
+  local rem, lim, reset = -1, -1, -1
+  local rrem, rlim, rreset = -1, -1, -1
+  for _, s in ipairs(scopes) do
+    if s.tcap > 0 and (rem == -1 or s.t - take_tokens < rem) then
+      rem = math.max(0, s.t - take_tokens)
+      lim = s.tcap
+      reset = math.ceil((s.tcap - rem) / s.trate)
+    end
+    if s.rcap > 0 and (rrem == -1 or s.r - take_requests < rrem) then
+      rrem = math.max(0, s.r - take_requests)
+      rlim = s.rcap
+      rreset = math.ceil((s.rcap - rrem) / s.rrate)
+    end
+  end
+  return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
+end
+
+-- 3. Idempotency: a live hold under the same key is returned again and charges nothing new.
+if idem then
+  local prior = redis.call('GET', KEYS[3])
+  if prior then
+    local rk = prefix .. prior
+    local r = load(rk)
+    if r and r.st == 'reserved' and r.le > now then
+      if r.at >= attempt_limit then
+        return { 0, 'attempts', 1, 0, -1, -1, -1 }
+      end
+      redis.call('HSET', rk, 'at', r.at + 1)
+      local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
+      return { 1, prior, r.h, r.at + 1, rem, lim, reset, rrem, rlim, rreset }
+    end
+  end
+end
+
+-- 4. Decide. Every failing limit is considered; the one that frees last is the reason.
+local reason, where, wait = nil, 0, -1
+local function deny(why, i, ms)
+  ms = math.max(1, math.ceil(ms))
+  if ms > wait then
+    reason, where, wait = why, i, ms
+  end
+end
+for i, s in ipairs(scopes) do
+  if s.tcap > 0 and s.t < hold then
+    deny('token_rate', i, (hold - s.t) / s.trate)
+  end
+  if s.rcap > 0 and s.r < 1 then
+    deny('request_rate', i, (1 - s.r) / s.rrate)
+  end
+  if s.cmax > 0 and s.c >= s.cmax then
+    -- A slot frees at the latest when the oldest lease runs out; usually sooner, by a commit.
+    local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+    local ms = concurrency_wait_cap
+    if first[2] then
+      ms = math.min(ms, tonumber(first[2]) - now)
+    end
+    deny('concurrency', i, ms)
+  end
+  if s.budget > 0 and s.du + hold > s.budget then
+    deny('budget', i, (today + 1) * DAY_MS - now)
+  end
+end
+if reason then
+  local rem, lim, reset = headroom(0, 0)
+  return { 0, reason, where, wait, rem, lim, reset }
+end
+
+-- 5. Hold: charge every scope, write the record, index its lease.
+local names = {}
+for _, s in ipairs(scopes) do
+  local f = { 'c', s.c + 1, 'd', today, 'du', s.du + hold }
+  if s.tcap > 0 then
+    f[#f + 1] = 't'
+    f[#f + 1] = s.t - hold
+    f[#f + 1] = 'tt'
+    f[#f + 1] = now
+    f[#f + 1] = 'tc'
+    f[#f + 1] = s.tcap
+  end
+  if s.rcap > 0 then
+    f[#f + 1] = 'r'
+    f[#f + 1] = s.r - 1
+    f[#f + 1] = 'rt'
+    f[#f + 1] = now
+  end
+  redis.call('HSET', s.key, unpack(f))
+  redis.call('PEXPIRE', s.key, idle)
+  names[#names + 1] = s.key
+end
+
+local expiry = now + lease
+local ik = ''
+if idem then
+  ik = KEYS[3]
+  redis.call('SET', ik, id, 'PX', lease)
+end
+redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', 1,
+  'dy', today, 'ks', table.concat(names, ' '), 'xp', policy, 'ik', ik, 'rt', retention)
+redis.call('PEXPIRE', KEYS[2], idle)
+redis.call('ZADD', leases, expiry, id)
+redis.call('PEXPIRE', leases, idle)
+
+local rem, lim, reset, rrem, rlim, rreset = headroom(hold, 1)
+return { 1, id, hold, 1, rem, lim, reset, rrem, rlim, rreset }

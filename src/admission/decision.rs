@@ -1,0 +1,126 @@
+//! What admission answers. The reason table lives here, once: each reason's HTTP status and
+//! whether retrying can ever help. `grpc::response` turns a [`Decision`] into headers and a body.
+
+use crate::store::Headroom;
+
+/// Why a request was refused. Distinct reasons, because one 429 for everything tells a client to
+/// retry when retrying is hopeless, and tells a proxy that a saturated backend is a quota problem.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The token bucket of the limiting scope is empty.
+    TokenRate,
+    RequestRate,
+    /// Every concurrency slot is held.
+    Concurrency,
+    /// The day's token budget is spent.
+    Budget,
+    /// Backend capacity, not client quota.
+    QueueFull,
+    /// The predicted wait already exceeds the caller's deadline.
+    Deadline,
+    /// Larger than the scope's whole capacity: retrying can never work.
+    Unsatisfiable,
+    /// No tenant identity.
+    Unauthenticated,
+    InvalidRequest,
+    /// The store is down and the tenant fails closed.
+    StoreUnavailable,
+}
+
+impl Reason {
+    /// The code in `x-tollgate-reason` and in the error body.
+    pub fn code(self) -> &'static str {
+        match self {
+            Reason::TokenRate => "token_rate",
+            Reason::RequestRate => "request_rate",
+            Reason::Concurrency => "concurrency",
+            Reason::Budget => "budget",
+            Reason::QueueFull => "queue_full",
+            Reason::Deadline => "deadline",
+            Reason::Unsatisfiable => "unsatisfiable",
+            Reason::Unauthenticated => "unauthenticated",
+            Reason::InvalidRequest => "invalid_request",
+            Reason::StoreUnavailable => "store_unavailable",
+        }
+    }
+
+    pub fn http_status(self) -> u16 {
+        match self {
+            Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => 429,
+            Reason::QueueFull | Reason::Deadline | Reason::StoreUnavailable => 503,
+            Reason::Unsatisfiable | Reason::InvalidRequest => 400,
+            Reason::Unauthenticated => 401,
+        }
+    }
+
+    /// Whether waiting and retrying the same request can succeed; drives `retry-after` and
+    /// `x-should-retry`.
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            Reason::TokenRate
+                | Reason::RequestRate
+                | Reason::Concurrency
+                | Reason::Budget
+                | Reason::QueueFull
+                | Reason::StoreUnavailable
+        )
+    }
+
+    /// The OpenAI-style error `type` for the body.
+    pub fn error_type(self) -> &'static str {
+        match self {
+            Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => "rate_limit_error",
+            Reason::QueueFull | Reason::Deadline | Reason::StoreUnavailable => "overloaded_error",
+            Reason::Unsatisfiable | Reason::InvalidRequest => "invalid_request_error",
+            Reason::Unauthenticated => "authentication_error",
+        }
+    }
+
+    /// Every reason, in table order.
+    pub const ALL: [Reason; 10] = [
+        Reason::TokenRate,
+        Reason::RequestRate,
+        Reason::Concurrency,
+        Reason::Budget,
+        Reason::QueueFull,
+        Reason::Deadline,
+        Reason::Unsatisfiable,
+        Reason::Unauthenticated,
+        Reason::InvalidRequest,
+        Reason::StoreUnavailable,
+    ];
+}
+
+/// A request admitted: its hold is live until committed, released or expired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admitted {
+    pub reservation_id: String,
+    pub reserved_tokens: u64,
+    /// 1, or more when an idempotency key returned an existing hold.
+    pub attempts: u32,
+    pub headroom: Headroom,
+}
+
+/// A request refused. Nothing was charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Denial {
+    pub reason: Reason,
+    pub message: String,
+    /// When retrying can help, how long to wait; computed from the limiting scope.
+    pub retry_after_ms: Option<u64>,
+    pub headroom: Headroom,
+}
+
+impl Denial {
+    /// A refusal decided before the store was asked: no wait, no headroom.
+    pub fn now(reason: Reason, message: impl Into<String>) -> Self {
+        Denial { reason, message: message.into(), retry_after_ms: None, headroom: Headroom::default() }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Admitted(Admitted),
+    Denied(Denial),
+}

@@ -1,0 +1,105 @@
+//! The command line, and the wiring from a policy to a running server.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::Admission;
+use crate::config::{ConfigError, Policy, StoreChoice};
+use crate::grpc::server::{ServeError, serve as serve_grpc};
+use crate::store::embedded::EmbeddedStore;
+use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
+use crate::store::{Protocol, Store, StoreError};
+
+#[derive(Debug, Parser)]
+#[command(name = "tollgate", version, about = "Token-based admission for LLM inference, as an Envoy ext_authz sidecar")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve Envoy's Authorization, tollgate's Admission, health and reflection on one port.
+    Serve {
+        /// The policy file (YAML).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Overrides server.listen from the policy.
+        #[arg(long)]
+        listen: Option<SocketAddr>,
+        /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
+        #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+        otlp_endpoint: Option<String>,
+        /// Log filter, as for RUST_LOG.
+        #[arg(long, default_value = "info")]
+        log: String,
+    },
+    /// Validate a policy file and print what it enforces.
+    CheckConfig {
+        /// The policy file (YAML).
+        file: PathBuf,
+    },
+}
+
+/// Why `serve` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+}
+
+/// Binds the policy's (or the override's) address.
+pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<TcpListener, RunError> {
+    let addr = listen.unwrap_or(policy.server.listen);
+    TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })
+}
+
+/// Connects the policy's store, loads the scripts, and serves on `listener` until `shutdown`.
+pub async fn serve(policy: Arc<Policy>, listener: TcpListener, shutdown: CancellationToken) -> Result<(), RunError> {
+    let options = RedisOptions {
+        connect_timeout: policy.store.connect_timeout,
+        command_timeout: policy.store.command_timeout,
+    };
+    match policy.store.choice.clone() {
+        StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listener, shutdown).await,
+        StoreChoice::Redis { url } => {
+            let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
+            run_on(store, policy, listener, shutdown).await
+        }
+        StoreChoice::Cluster { nodes } => {
+            let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
+            run_on(store, policy, listener, shutdown).await
+        }
+    }
+}
+
+async fn run_on<S: Store>(
+    store: S,
+    policy: Arc<Policy>,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let protocol = Protocol::new(store).await?;
+    let drain = policy.server.drain_timeout;
+    let addr = listener.local_addr().ok();
+    tracing::info!(?addr, store = ?policy.store.choice, "tollgate serving");
+    let admission = Arc::new(Admission::new(policy, protocol));
+    serve_grpc(listener, admission, shutdown, drain).await?;
+    tracing::info!("tollgate stopped");
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! The policy file exactly as written. Every struct denies unknown fields.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::store::ExpiredUsage;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub store: RawStore,
+    #[serde(default)]
+    pub defaults: RawDefaults,
+    #[serde(default)]
+    pub models: BTreeMap<String, RawModel>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, RawTenant>,
+    pub default_tenant: Option<RawTenant>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    pub listen: Option<String>,
+    pub tenant_header: Option<String>,
+    pub drain_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawStore {
+    pub redis_url: Option<String>,
+    pub redis_cluster: Option<Vec<String>>,
+    pub connect_timeout_ms: Option<u64>,
+    pub command_timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDefaults {
+    pub lease_ttl_ms: Option<u64>,
+    pub expired_usage: Option<ExpiredUsage>,
+    pub record_retention_ms: Option<u64>,
+    pub sweep_batch: Option<u32>,
+    pub max_attempts: Option<u32>,
+    pub concurrency_retry_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawModel {
+    pub max_output_tokens: u64,
+    #[serde(default = "default_bytes_per_token")]
+    pub bytes_per_token: f64,
+}
+
+fn default_bytes_per_token() -> f64 {
+    4.0
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTenant {
+    #[serde(default)]
+    pub limits: Limits,
+    pub lease_ttl_ms: Option<u64>,
+    pub expired_usage: Option<ExpiredUsage>,
+    pub default_user: Option<Limits>,
+    #[serde(default)]
+    pub users: BTreeMap<String, Limits>,
+    #[serde(default)]
+    pub models: BTreeMap<String, Limits>,
+}
+
+/// The limits of one scope (tenant, user or model). Every field is optional; an absent one does
+/// not limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Refill rate of the token bucket.
+    pub tokens_per_minute: Option<u64>,
+    /// Capacity of the token bucket; defaults to one minute of refill.
+    pub burst_tokens: Option<u64>,
+    pub requests_per_minute: Option<u64>,
+    pub max_concurrency: Option<u64>,
+    /// Token budget per UTC day.
+    pub tokens_per_day: Option<u64>,
+}

@@ -1,0 +1,254 @@
+//! Raw policy → [`Policy`], or the first problem as (field path, why).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::raw::{RawPolicy, RawTenant};
+use super::{Limits, ModelPolicy, Policy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy};
+use crate::admission::ids;
+
+type Problem = (String, String);
+
+const MIN_LEASE_MS: u64 = 50;
+const MAX_LEASE_MS: u64 = 86_400_000;
+const DAY_MS: u64 = 86_400_000;
+/// The largest output ceiling a model may declare: far above any model today, low enough that
+/// token arithmetic never nears overflow.
+const MAX_OUTPUT_CEILING: u64 = 10_000_000;
+
+fn problem(field: impl Into<String>, why: impl Into<String>) -> Problem {
+    (field.into(), why.into())
+}
+
+pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
+    let listen = raw.server.listen.as_deref().unwrap_or("127.0.0.1:50051");
+    let listen: SocketAddr = listen
+        .parse()
+        .map_err(|_| problem("server.listen", format!("{listen:?} is not an address like 127.0.0.1:50051")))?;
+    let tenant_header = raw.server.tenant_header.unwrap_or_else(|| "x-tenant-id".into()).to_ascii_lowercase();
+    if tenant_header.is_empty() || !tenant_header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+        return Err(problem("server.tenant_header", format!("{tenant_header:?} is not a header name")));
+    }
+    let server = ServerSettings {
+        listen,
+        tenant_header,
+        drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
+    };
+
+    let choice = match (raw.store.redis_url, raw.store.redis_cluster) {
+        (Some(_), Some(_)) => {
+            return Err(problem("store", "set redis_url or redis_cluster, not both"));
+        }
+        (Some(url), None) => {
+            if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+                return Err(problem("store.redis_url", format!("{url:?} is not a redis:// URL")));
+            }
+            StoreChoice::Redis { url }
+        }
+        (None, Some(nodes)) => {
+            if nodes.is_empty() {
+                return Err(problem("store.redis_cluster", "name at least one node as host:port"));
+            }
+            for (i, node) in nodes.iter().enumerate() {
+                let port = node.rsplit_once(':').and_then(|(_, p)| p.parse::<u16>().ok());
+                if port.is_none() {
+                    return Err(problem(format!("store.redis_cluster[{i}]"), format!("{node:?} is not host:port")));
+                }
+            }
+            StoreChoice::Cluster { nodes }
+        }
+        (None, None) => StoreChoice::Embedded,
+    };
+    let store = StoreSettings {
+        choice,
+        connect_timeout: Duration::from_millis(positive("store.connect_timeout_ms", raw.store.connect_timeout_ms, 3_000)?),
+        command_timeout: Duration::from_millis(positive("store.command_timeout_ms", raw.store.command_timeout_ms, 500)?),
+    };
+
+    let d = raw.defaults;
+    let lease_ttl_ms = lease("defaults.lease_ttl_ms", d.lease_ttl_ms.unwrap_or(120_000))?;
+    let expired_usage = d.expired_usage.unwrap_or_default();
+    let record_retention_ms = positive("defaults.record_retention_ms", d.record_retention_ms, 3_600_000)?;
+    let sweep_batch = positive("defaults.sweep_batch", d.sweep_batch.map(u64::from), 16)? as u32;
+    let max_attempts = positive("defaults.max_attempts", d.max_attempts.map(u64::from), 3)? as u32;
+    let concurrency_retry_ms = positive("defaults.concurrency_retry_ms", d.concurrency_retry_ms, 1_000)?;
+
+    if raw.models.is_empty() {
+        return Err(problem("models", "name at least one model: a request for an unknown model is refused"));
+    }
+    let mut models = HashMap::new();
+    for (name, m) in raw.models {
+        let field = format!("models.{name}");
+        if name.is_empty() || name.len() > ids::MAX_ID_LEN || !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(problem(field, "a model name is 1-128 visible ASCII characters"));
+        }
+        if m.max_output_tokens == 0 || m.max_output_tokens > MAX_OUTPUT_CEILING {
+            return Err(problem(
+                format!("{field}.max_output_tokens"),
+                format!("{} is outside 1..={MAX_OUTPUT_CEILING}", m.max_output_tokens),
+            ));
+        }
+        if !(m.bytes_per_token.is_finite() && m.bytes_per_token > 0.0) {
+            return Err(problem(format!("{field}.bytes_per_token"), "must be a positive number"));
+        }
+        models.insert(name, ModelPolicy { max_output_tokens: m.max_output_tokens, bytes_per_token: m.bytes_per_token });
+    }
+
+    let tenant = |field: String, t: RawTenant| {
+        tenant_policy(&field, t, lease_ttl_ms, expired_usage, record_retention_ms, &models)
+    };
+    let mut tenants = HashMap::new();
+    for (name, t) in raw.tenants {
+        let field = format!("tenants.{name}");
+        ids::check_tenant(&name).map_err(|why| problem(field.clone(), why.to_string()))?;
+        tenants.insert(name, Arc::new(tenant(field, t)?));
+    }
+    let default_tenant = match raw.default_tenant {
+        Some(t) => Some(Arc::new(tenant("default_tenant".into(), t)?)),
+        None => None,
+    };
+
+    Ok(Policy {
+        server,
+        store,
+        models,
+        tenants,
+        default_tenant,
+        record_retention_ms,
+        sweep_batch,
+        max_attempts,
+        concurrency_retry_ms,
+    })
+}
+
+fn tenant_policy(
+    field: &str,
+    t: RawTenant,
+    default_lease: u64,
+    default_expired: crate::store::ExpiredUsage,
+    retention_ms: u64,
+    models: &HashMap<String, ModelPolicy>,
+) -> Result<TenantPolicy, Problem> {
+    check_limits(&format!("{field}.limits"), &t.limits)?;
+    let lease_ttl_ms = lease(&format!("{field}.lease_ttl_ms"), t.lease_ttl_ms.unwrap_or(default_lease))?;
+    if let Some(user) = &t.default_user {
+        let f = format!("{field}.default_user");
+        check_limits(&f, user)?;
+        check_within(&f, user, &t.limits)?;
+    }
+    let users = children(field, "users", t.users, &t.limits, |name| {
+        ids::check_user(name).map_err(|why| why.to_string())
+    })?;
+    let tenant_models = children(field, "models", t.models, &t.limits, |name| {
+        if models.contains_key(name) { Ok(()) } else { Err("is not one of the models this policy names".into()) }
+    })?;
+
+    // Keys must outlive everything they remember: a full refill, two leases, a day's budget.
+    let mut idle = 2 * lease_ttl_ms + retention_ms.min(lease_ttl_ms);
+    let all = std::iter::once(&t.limits)
+        .chain(t.default_user.iter())
+        .chain(users.values())
+        .chain(tenant_models.values());
+    for limits in all {
+        let s = limits.scope_limits();
+        if s.token_capacity > 0 {
+            idle = idle.max((s.token_capacity as f64 / s.tokens_per_ms).ceil() as u64);
+        }
+        if s.request_capacity > 0 {
+            idle = idle.max((s.request_capacity as f64 / s.requests_per_ms).ceil() as u64);
+        }
+        if s.daily_budget > 0 {
+            idle = idle.max(2 * DAY_MS);
+        }
+    }
+
+    Ok(TenantPolicy {
+        limits: t.limits,
+        users,
+        default_user: t.default_user,
+        models: tenant_models,
+        lease_ttl_ms,
+        expired_usage: t.expired_usage.unwrap_or(default_expired),
+        idle_ttl_ms: idle + 60_000,
+    })
+}
+
+/// Users or models of a tenant: each name checked, each within the tenant's limits.
+fn children(
+    field: &str,
+    kind: &str,
+    raw: BTreeMap<String, Limits>,
+    parent: &Limits,
+    check_name: impl Fn(&str) -> Result<(), String>,
+) -> Result<HashMap<String, Limits>, Problem> {
+    let mut out = HashMap::new();
+    for (name, limits) in raw {
+        let f = format!("{field}.{kind}.{name}");
+        check_name(&name).map_err(|why| problem(f.clone(), why))?;
+        check_limits(&f, &limits)?;
+        check_within(&f, &limits, parent)?;
+        out.insert(name, limits);
+    }
+    Ok(out)
+}
+
+fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
+    let named = [
+        ("tokens_per_minute", l.tokens_per_minute),
+        ("burst_tokens", l.burst_tokens),
+        ("requests_per_minute", l.requests_per_minute),
+        ("max_concurrency", l.max_concurrency),
+        ("tokens_per_day", l.tokens_per_day),
+    ];
+    for (name, value) in named {
+        if value == Some(0) {
+            return Err(problem(format!("{field}.{name}"), "must be at least 1 (leave it out for no limit)"));
+        }
+        if value.is_some_and(|v| v > 1_000_000_000_000) {
+            return Err(problem(format!("{field}.{name}"), "is above 10^12"));
+        }
+    }
+    if l.burst_tokens.is_some() && l.tokens_per_minute.is_none() {
+        return Err(problem(format!("{field}.burst_tokens"), "needs tokens_per_minute (the bucket's refill rate)"));
+    }
+    Ok(())
+}
+
+/// A child scope may not allow more than its tenant: every request passes both, so a larger child
+/// limit could never be used and is almost certainly a mistake.
+fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Problem> {
+    let (c, p) = (child.scope_limits(), parent.scope_limits());
+    let pairs = [
+        ("tokens_per_minute", child.tokens_per_minute, parent.tokens_per_minute),
+        ("burst_tokens", (c.token_capacity > 0).then_some(c.token_capacity), (p.token_capacity > 0).then_some(p.token_capacity)),
+        ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
+        ("max_concurrency", child.max_concurrency, parent.max_concurrency),
+        ("tokens_per_day", child.tokens_per_day, parent.tokens_per_day),
+    ];
+    for (name, mine, theirs) in pairs {
+        if let (Some(mine), Some(theirs)) = (mine, theirs)
+            && mine > theirs
+        {
+            return Err(problem(format!("{field}.{name}"), format!("{mine} is above the tenant's {theirs}")));
+        }
+    }
+    Ok(())
+}
+
+fn lease(field: &str, ms: u64) -> Result<u64, Problem> {
+    if (MIN_LEASE_MS..=MAX_LEASE_MS).contains(&ms) {
+        Ok(ms)
+    } else {
+        Err(problem(field, format!("{ms} is outside {MIN_LEASE_MS}..={MAX_LEASE_MS} ms")))
+    }
+}
+
+fn positive(field: &str, value: Option<u64>, default: u64) -> Result<u64, Problem> {
+    match value {
+        Some(0) => Err(problem(field, "must be at least 1")),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    }
+}

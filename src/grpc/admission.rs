@@ -1,0 +1,137 @@
+//! The `tollgate.v1.Admission` service: Reserve for callers not behind Envoy, and the phases
+//! ext_authz cannot carry (Commit, Renew, Release).
+
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::admission::{Admission, AdmissionError, Attributes, Decision};
+use crate::estimate::PromptSize;
+use crate::proto::admission_server;
+use crate::proto::{
+    CommitRequest, CommitResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest,
+    ReserveResponse,
+};
+use crate::store::Store;
+
+#[derive(Debug)]
+pub struct AdmissionService<S> {
+    admission: Arc<Admission<S>>,
+}
+
+impl<S> AdmissionService<S> {
+    pub fn new(admission: Arc<Admission<S>>) -> Self {
+        AdmissionService { admission }
+    }
+}
+
+fn status(e: AdmissionError) -> Status {
+    match e {
+        AdmissionError::BadReservationId(_) => Status::invalid_argument(e.to_string()),
+        AdmissionError::Store(s) if s.is_transient() => Status::unavailable(s.to_string()),
+        AdmissionError::Store(s) => Status::internal(s.to_string()),
+    }
+}
+
+fn non_empty(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
+}
+
+#[tonic::async_trait]
+impl<S: Store> admission_server::Admission for AdmissionService<S> {
+    async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+        let r = request.into_inner();
+        let priority = match r.priority.as_str() {
+            "" => Default::default(),
+            p => p.parse().map_err(Status::invalid_argument)?,
+        };
+        let attributes = Attributes {
+            tenant: non_empty(r.tenant),
+            user: non_empty(r.user),
+            model: non_empty(r.model),
+            priority,
+            deadline_ms: (r.deadline_ms > 0).then_some(r.deadline_ms),
+            idempotency_key: non_empty(r.idempotency_key),
+            prompt: if r.prompt_tokens > 0 { PromptSize::Tokens(r.prompt_tokens) } else { PromptSize::Bytes(r.prompt_bytes) },
+            max_tokens: (r.max_tokens > 0).then_some(r.max_tokens),
+            stream: false,
+        };
+        let reply = match self.admission.reserve(&attributes).await {
+            Decision::Admitted(a) => {
+                let tokens = a.headroom.tokens;
+                ReserveResponse {
+                    admitted: true,
+                    reservation_id: a.reservation_id,
+                    reserved_tokens: a.reserved_tokens,
+                    http_status: 200,
+                    attempts: u64::from(a.attempts),
+                    remaining_tokens: tokens.map_or(-1, |w| w.remaining),
+                    limit_tokens: tokens.map_or(0, |w| w.limit),
+                    reset_tokens_ms: tokens.map_or(0, |w| w.reset_ms),
+                    ..Default::default()
+                }
+            }
+            Decision::Denied(d) => {
+                let tokens = d.headroom.tokens;
+                ReserveResponse {
+                    admitted: false,
+                    reason: d.reason.code().to_string(),
+                    http_status: u32::from(d.reason.http_status()),
+                    retry_after_ms: d.retry_after_ms.unwrap_or(0),
+                    should_retry: d.reason.retryable(),
+                    message: d.message,
+                    remaining_tokens: tokens.map_or(-1, |w| w.remaining),
+                    limit_tokens: tokens.map_or(0, |w| w.limit),
+                    reset_tokens_ms: tokens.map_or(0, |w| w.reset_ms),
+                    ..Default::default()
+                }
+            }
+        };
+        Ok(Response::new(reply))
+    }
+
+    async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
+        let r = request.into_inner();
+        let o = self
+            .admission
+            .commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens)
+            .await
+            .map_err(status)?;
+        match o.state.as_str() {
+            "not_found" => Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id))),
+            "released" => Err(Status::failed_precondition(format!(
+                "reservation {} was released; it cannot be committed",
+                r.reservation_id
+            ))),
+            _ => {
+                tracing::debug!(reservation = %r.reservation_id, state = %o.state, used = o.used, duplicate = o.duplicate, "committed");
+                Ok(Response::new(CommitResponse {
+                    state: o.state,
+                    duplicate: o.duplicate,
+                    used_tokens: o.used,
+                    reserved_tokens: o.held,
+                    refunded_tokens: o.refunded,
+                    overrun_tokens: o.overrun,
+                }))
+            }
+        }
+    }
+
+    async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
+        let r = request.into_inner();
+        let o = self.admission.renew(&r.reservation_id, r.lease_ms).await.map_err(status)?;
+        if o.state == "not_found" {
+            return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
+        }
+        Ok(Response::new(RenewResponse { state: o.state, lease_remaining_ms: o.lease_remaining_ms }))
+    }
+
+    async fn release(&self, request: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+        let r = request.into_inner();
+        let o = self.admission.release(&r.reservation_id).await.map_err(status)?;
+        if o.state == "not_found" {
+            return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
+        }
+        Ok(Response::new(ReleaseResponse { state: o.state, refunded_tokens: o.refunded }))
+    }
+}

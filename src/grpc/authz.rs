@@ -1,0 +1,117 @@
+//! Envoy ext_authz `Check` = the reserve phase. This file only translates: `CheckRequest` →
+//! [`Attributes`], and the decision back through [`super::response`].
+
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::auth::v3::{
+    AttributeContext, CheckRequest, CheckResponse, attribute_context::HttpRequest, authorization_server::Authorization,
+};
+use tonic::{Request, Response, Status};
+
+use super::response::check_response;
+use crate::admission::{Admission, Attributes, Decision, Denial, Reason, body};
+use crate::estimate::PromptSize;
+use crate::store::Store;
+
+/// Envoy sets this when it sent only the first bytes of the body.
+const PARTIAL_BODY_HEADER: &str = "x-envoy-auth-partial-body";
+
+/// The `envoy.service.auth.v3.Authorization` service.
+#[derive(Debug)]
+pub struct AuthzService<S> {
+    admission: Arc<Admission<S>>,
+}
+
+impl<S> AuthzService<S> {
+    pub fn new(admission: Arc<Admission<S>>) -> Self {
+        AuthzService { admission }
+    }
+}
+
+#[tonic::async_trait]
+impl<S: Store> Authorization for AuthzService<S> {
+    async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
+        let header = &self.admission.policy().server.tenant_header;
+        let decision = match attributes(request.get_ref(), header) {
+            Ok(a) => {
+                let d = self.admission.reserve(&a).await;
+                log_decision(&a, &d);
+                d
+            }
+            Err(denial) => {
+                tracing::debug!(reason = denial.reason.code(), message = %denial.message, "check refused before reserve");
+                Decision::Denied(denial)
+            }
+        };
+        Ok(Response::new(check_response(&decision)))
+    }
+}
+
+fn log_decision(a: &Attributes, d: &Decision) {
+    match d {
+        Decision::Admitted(ok) => tracing::debug!(
+            tenant = a.tenant.as_deref(),
+            reservation = %ok.reservation_id,
+            tokens = ok.reserved_tokens,
+            "admitted"
+        ),
+        Decision::Denied(no) => tracing::debug!(
+            tenant = a.tenant.as_deref(),
+            reason = no.reason.code(),
+            retry_after_ms = no.retry_after_ms,
+            "denied"
+        ),
+    }
+}
+
+/// A header by its lower-case name, from either of the two places Envoy may put headers.
+fn header<'a>(http: &'a HttpRequest, name: &str) -> Option<&'a str> {
+    if let Some(v) = http.headers.get(name) {
+        return Some(v.as_str());
+    }
+    let map = http.header_map.as_ref()?;
+    map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)).and_then(|h| {
+        if h.value.is_empty() { std::str::from_utf8(&h.raw_value).ok() } else { Some(h.value.as_str()) }
+    })
+}
+
+/// Reads the attributes of a Check request; a request that cannot be read is refused here.
+pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attributes, Denial> {
+    let invalid = |m: String| Denial::now(Reason::InvalidRequest, m);
+    let http = request
+        .attributes
+        .as_ref()
+        .and_then(|a: &AttributeContext| a.request.as_ref())
+        .and_then(|r| r.http.as_ref())
+        .ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
+
+    let text = |name: &str| header(http, name).map(str::trim).filter(|v| !v.is_empty()).map(str::to_string);
+    let number = |name: &str| -> Result<Option<u64>, Denial> {
+        match header(http, name).map(str::trim) {
+            None | Some("") => Ok(None),
+            Some(v) => v.parse::<u64>().map(Some).map_err(|_| invalid(format!("{name} {v:?} is not a non-negative integer"))),
+        }
+    };
+
+    let body_bytes: &[u8] = if http.raw_body.is_empty() { http.body.as_bytes() } else { &http.raw_body };
+    let partial = header(http, PARTIAL_BODY_HEADER).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let fields = body::parse(body_bytes, partial).map_err(|e| invalid(e.0))?;
+    let declared = number("content-length")?.unwrap_or(0);
+    let size = (http.size.max(0) as u64).max(declared).max(body_bytes.len() as u64);
+
+    let priority = match text("x-priority") {
+        Some(p) => p.parse().map_err(invalid)?,
+        None => Default::default(),
+    };
+    Ok(Attributes {
+        tenant: text(tenant_header),
+        user: text("x-user-id"),
+        model: fields.model,
+        priority,
+        deadline_ms: number("x-request-deadline-ms")?,
+        idempotency_key: text("idempotency-key"),
+        prompt: PromptSize::Bytes(size),
+        max_tokens: fields.max_tokens,
+        stream: fields.stream,
+    })
+}

@@ -1,0 +1,176 @@
+//! Decision → Envoy `CheckResponse`: the one place that decides statuses, headers and bodies.
+//!
+//! A denial is an OK gRPC reply holding a Denied response (Envoy answers the client with it); a
+//! gRPC error would mean tollgate itself failed, and Envoy would answer `status_on_error`.
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::auth::v3::{
+    CheckResponse, DeniedHttpResponse, OkHttpResponse, check_response::HttpResponse,
+};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+
+use crate::admission::{Admitted, Decision, Denial};
+use crate::store::Headroom;
+
+/// Upstream: the reservation the backend commits against.
+pub const RESERVATION_HEADER: &str = "x-tollgate-reservation";
+/// Upstream: how many tokens the hold took.
+pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
+pub const REASON_HEADER: &str = "x-tollgate-reason";
+
+/// google.rpc.Code values Envoy reads from `CheckResponse.status`.
+const RPC_OK: i32 = 0;
+const RPC_PERMISSION_DENIED: i32 = 7;
+
+pub fn check_response(decision: &Decision) -> CheckResponse {
+    match decision {
+        Decision::Admitted(a) => admitted(a),
+        Decision::Denied(d) => denied(d),
+    }
+}
+
+fn admitted(a: &Admitted) -> CheckResponse {
+    let headers = vec![
+        header(RESERVATION_HEADER, a.reservation_id.clone()),
+        header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+    ];
+    CheckResponse {
+        status: Some(RpcStatus { code: RPC_OK, ..Default::default() }),
+        http_response: Some(HttpResponse::OkResponse(OkHttpResponse {
+            headers,
+            response_headers_to_add: rate_limit_headers(&a.headroom),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn denied(d: &Denial) -> CheckResponse {
+    let mut headers = vec![
+        header(REASON_HEADER, d.reason.code().to_string()),
+        header("content-type", "application/json".to_string()),
+    ];
+    match d.retry_after_ms {
+        Some(ms) => {
+            headers.push(header("retry-after", retry_after_seconds(ms).to_string()));
+            headers.push(header("retry-after-ms", ms.to_string()));
+        }
+        None if !d.reason.retryable() => headers.push(header("x-should-retry", "false".to_string())),
+        None => {}
+    }
+    headers.extend(rate_limit_headers(&d.headroom));
+    CheckResponse {
+        status: Some(RpcStatus { code: RPC_PERMISSION_DENIED, message: d.reason.code().to_string(), ..Default::default() }),
+        http_response: Some(HttpResponse::DeniedResponse(DeniedHttpResponse {
+            status: Some(HttpStatus { code: i32::from(d.reason.http_status()) }),
+            headers,
+            body: error_body(d),
+        })),
+        ..Default::default()
+    }
+}
+
+/// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse.
+pub fn error_body(d: &Denial) -> String {
+    serde_json::json!({
+        "error": {
+            "message": d.message,
+            "type": d.reason.error_type(),
+            "code": d.reason.code(),
+        }
+    })
+    .to_string()
+}
+
+/// `retry-after` is whole seconds, rounded up, never 0 (0 would invite an immediate retry).
+pub fn retry_after_seconds(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+fn rate_limit_headers(h: &Headroom) -> Vec<HeaderValueOption> {
+    let mut out = Vec::new();
+    for (kind, window) in [("tokens", h.tokens), ("requests", h.requests)] {
+        if let Some(w) = window {
+            out.push(header(&format!("x-ratelimit-limit-{kind}"), w.limit.to_string()));
+            out.push(header(&format!("x-ratelimit-remaining-{kind}"), w.remaining.max(0).to_string()));
+            out.push(header(&format!("x-ratelimit-reset-{kind}"), duration_text(w.reset_ms)));
+        }
+    }
+    out
+}
+
+/// A duration as OpenAI writes it in `x-ratelimit-reset-*`: `250ms`, `1.5s`, `6m0s`.
+pub fn duration_text(ms: u64) -> String {
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if ms < 60_000 {
+        let s = format!("{:.3}", ms as f64 / 1000.0);
+        format!("{}s", s.trim_end_matches('0').trim_end_matches('.'))
+    } else {
+        let minutes = ms / 60_000;
+        let rest = (ms % 60_000) / 1000;
+        if minutes < 60 {
+            format!("{minutes}m{rest}s")
+        } else {
+            format!("{}h{}m{rest}s", minutes / 60, minutes % 60)
+        }
+    }
+}
+
+fn header(key: &str, value: String) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue { key: key.to_string(), value, ..Default::default() }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::Reason;
+
+    fn headers(r: &CheckResponse) -> Vec<(String, String)> {
+        let list = match &r.http_response {
+            Some(HttpResponse::DeniedResponse(d)) => &d.headers,
+            Some(HttpResponse::OkResponse(o)) => &o.headers,
+            _ => panic!("no http response"),
+        };
+        list.iter().map(|h| h.header.as_ref().map(|h| (h.key.clone(), h.value.clone())).unwrap()).collect()
+    }
+
+    #[test]
+    fn every_reason_has_its_status_and_retry_hints() {
+        for reason in Reason::ALL {
+            let retry = reason.retryable().then_some(1500);
+            let d = Denial { retry_after_ms: retry, ..Denial::now(reason, "m") };
+            let r = check_response(&Decision::Denied(d.clone()));
+            let Some(HttpResponse::DeniedResponse(denied)) = &r.http_response else { panic!() };
+            assert_eq!(denied.status.as_ref().unwrap().code, i32::from(reason.http_status()));
+            let h = headers(&r);
+            let get = |k: &str| h.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+            assert_eq!(get(REASON_HEADER), Some(reason.code()));
+            if reason.retryable() {
+                assert_eq!(get("retry-after"), Some("2"), "{reason:?}: 1500 ms rounds up to 2 s");
+                assert_eq!(get("retry-after-ms"), Some("1500"));
+            } else {
+                assert_eq!(get("retry-after"), None, "{reason:?}");
+                assert_eq!(get("x-should-retry"), Some("false"), "{reason:?}");
+            }
+            let body: serde_json::Value = serde_json::from_str(&denied.body).unwrap();
+            assert_eq!(body["error"]["code"], reason.code());
+        }
+    }
+
+    #[test]
+    fn durations_read_like_openai_headers() {
+        assert_eq!(duration_text(250), "250ms");
+        assert_eq!(duration_text(1500), "1.5s");
+        assert_eq!(duration_text(2000), "2s");
+        assert_eq!(duration_text(360_000), "6m0s");
+        assert_eq!(retry_after_seconds(1), 1);
+        assert_eq!(retry_after_seconds(1000), 1);
+        assert_eq!(retry_after_seconds(1001), 2);
+    }
+}

@@ -1,0 +1,84 @@
+//! One port, every service: Envoy's `Authorization`, tollgate's `Admission`, `grpc.health.v1`, and
+//! server reflection v1 and v1alpha (grpcurl 1.8 speaks only v1alpha). The stack is built here and
+//! nowhere else.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::auth::v3::authorization_server::AuthorizationServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+
+use super::admission::AdmissionService;
+use super::authz::AuthzService;
+use crate::admission::Admission;
+use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
+use crate::store::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("reflection descriptors are broken: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves until `shutdown` is cancelled, then stops accepting, lets in-flight calls finish for at
+/// most `drain`, and returns. Tests call this with a listener on port 0.
+pub async fn serve<S: Store>(
+    listener: TcpListener,
+    admission: Arc<Admission<S>>,
+    shutdown: CancellationToken,
+    drain: Duration,
+) -> Result<(), ServeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
+    health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
+
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(REFLECTION_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+
+    // Kubernetes stops sending traffic once the probe says NOT_SERVING; flip it as drain begins.
+    let draining = shutdown.clone();
+    let reporter = health.clone();
+    tokio::spawn(async move {
+        draining.cancelled().await;
+        reporter.set_not_serving::<AuthorizationServer<AuthzService<S>>>().await;
+        reporter.set_not_serving::<AdmissionServer<AdmissionService<S>>>().await;
+    });
+
+    let server = Server::builder()
+        // Decisions are a few hundred bytes: Nagle's algorithm would only add latency.
+        .tcp_nodelay(true)
+        // Envoy keeps HTTP/2 connections open; pings find dead peers.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        // A call stuck behind a dead store gives up instead of holding a stream forever; the
+        // store's own command timeout is far shorter, so this is a backstop.
+        .timeout(Duration::from_secs(5))
+        // Past this many in-flight calls on one connection, refuse at once (RESOURCE_EXHAUSTED,
+        // Envoy then answers status_on_error) rather than queue: a queue only adds latency.
+        .concurrency_limit_per_connection(4096)
+        .load_shed(true)
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
+        .add_service(AdmissionServer::new(AdmissionService::new(admission)))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.clone().cancelled_owned());
+
+    tokio::select! {
+        result = server => result?,
+        () = async { shutdown.cancelled().await; tokio::time::sleep(drain).await } => {
+            tracing::warn!(?drain, "drain period over with calls still in flight; stopping anyway");
+        }
+    }
+    Ok(())
+}

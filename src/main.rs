@@ -1,0 +1,82 @@
+//! The `tollgate` binary: parse the command line, start telemetry, serve until SIGTERM or SIGINT.
+
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+use tollgate::cli::{self, Cli, Command};
+use tollgate::config::Policy;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => match Policy::load(&file) {
+            Ok(policy) => {
+                print!("{}", policy.summary());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tollgate: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Serve { config, listen, otlp_endpoint, log } => {
+            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("tollgate: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            runtime.block_on(async move {
+                let _telemetry = match tollgate::telemetry::init(&log, otlp_endpoint.as_deref()) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        eprintln!("tollgate: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let result = async {
+                    let policy = Arc::new(Policy::load(&config)?);
+                    let listener = cli::bind(&policy, listen).await?;
+                    let shutdown = CancellationToken::new();
+                    tokio::spawn(cancel_on_signal(shutdown.clone()));
+                    cli::serve(policy, listener, shutdown).await
+                }
+                .await;
+                match result {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        tracing::error!("{e}");
+                        eprintln!("tollgate: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            })
+        }
+    }
+}
+
+/// Kubernetes sends SIGTERM to stop a pod; a terminal sends SIGINT. Either starts the drain.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+        () = terminate => tracing::info!("SIGTERM: draining"),
+    }
+    shutdown.cancel();
+}

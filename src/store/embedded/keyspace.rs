@@ -1,0 +1,473 @@
+//! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
+//! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
+//!
+//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HGETALL, ZADD,
+//! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT). Anything else is an error, so a script that
+//! starts using a new command fails its conformance test on the embedded store at once.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeSet, HashMap};
+
+/// A command's reply, as Redis would send it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Resp {
+    Nil,
+    Int(i64),
+    Bulk(Vec<u8>),
+    Array(Vec<Resp>),
+    Status(&'static str),
+}
+
+#[derive(Debug)]
+enum Value {
+    Str(Vec<u8>),
+    Hash(HashMap<Vec<u8>, Vec<u8>>),
+    ZSet(ZSet),
+}
+
+/// A score with the total order Redis uses for sorted sets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Score(f64);
+
+impl Eq for Score {}
+
+impl PartialOrd for Score {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Score {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+#[derive(Debug, Default)]
+struct ZSet {
+    by_score: BTreeSet<(Score, Vec<u8>)>,
+    scores: HashMap<Vec<u8>, Score>,
+}
+
+impl ZSet {
+    fn add(&mut self, score: f64, member: Vec<u8>) -> i64 {
+        let added = match self.scores.insert(member.clone(), Score(score)) {
+            Some(old) => {
+                self.by_score.remove(&(old, member.clone()));
+                0
+            }
+            None => 1,
+        };
+        self.by_score.insert((Score(score), member));
+        added
+    }
+
+    fn remove(&mut self, member: &[u8]) -> bool {
+        match self.scores.remove(member) {
+            Some(score) => self.by_score.remove(&(score, member.to_vec())),
+            None => false,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    value: Value,
+    expires_at: Option<u64>,
+}
+
+/// The keyspace. Expired keys vanish when touched, and [`Keyspace::purge_expired`] reclaims a
+/// bounded number of untouched ones per call, so an idle tenant's keys do not stay forever.
+#[derive(Debug, Default)]
+pub struct Keyspace {
+    entries: HashMap<Vec<u8>, Entry>,
+    expiries: BTreeSet<(u64, Vec<u8>)>,
+}
+
+type CmdResult = Result<Resp, String>;
+
+impl Keyspace {
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Removes up to `limit` keys whose TTL has passed.
+    pub fn purge_expired(&mut self, now: u64, limit: usize) {
+        for _ in 0..limit {
+            let Some((at, key)) = self.expiries.first().cloned() else { return };
+            if at > now {
+                return;
+            }
+            self.expiries.pop_first();
+            if self.entries.get(&key).and_then(|e| e.expires_at) == Some(at) {
+                self.entries.remove(&key);
+            }
+        }
+    }
+
+    /// Runs one command; `now` is the store clock in milliseconds.
+    pub fn command(&mut self, now: u64, args: &[Vec<u8>]) -> CmdResult {
+        let Some(name) = args.first() else {
+            return Err("ERR wrong number of arguments".into());
+        };
+        let name = String::from_utf8_lossy(name).to_ascii_uppercase();
+        let a = &args[1..];
+        match name.as_str() {
+            "TIME" => Ok(Resp::Array(vec![
+                Resp::Bulk((now / 1000).to_string().into_bytes()),
+                Resp::Bulk(((now % 1000) * 1000).to_string().into_bytes()),
+            ])),
+            "TYPE" => {
+                arity(a, 1)?;
+                let t = match self.live(now, &a[0]).map(|e| &e.value) {
+                    None => "none",
+                    Some(Value::Str(_)) => "string",
+                    Some(Value::Hash(_)) => "hash",
+                    Some(Value::ZSet(_)) => "zset",
+                };
+                Ok(Resp::Status(t))
+            }
+            "GET" => {
+                arity(a, 1)?;
+                match self.live(now, &a[0]).map(|e| &e.value) {
+                    None => Ok(Resp::Nil),
+                    Some(Value::Str(v)) => Ok(Resp::Bulk(v.clone())),
+                    Some(_) => Err(wrongtype()),
+                }
+            }
+            "SET" => self.set(now, a),
+            "DEL" => {
+                let mut n = 0;
+                for key in a {
+                    if self.live(now, key).is_some() {
+                        self.entries.remove(key);
+                        n += 1;
+                    }
+                }
+                Ok(Resp::Int(n))
+            }
+            "PEXPIRE" => {
+                arity(a, 2)?;
+                let ms = int_arg(&a[1])?;
+                if self.live(now, &a[0]).is_none() {
+                    return Ok(Resp::Int(0));
+                }
+                if ms <= 0 {
+                    self.entries.remove(&a[0]);
+                } else {
+                    self.set_expiry(&a[0], Some(now + ms as u64));
+                }
+                Ok(Resp::Int(1))
+            }
+            "PTTL" => {
+                arity(a, 1)?;
+                Ok(Resp::Int(match self.live(now, &a[0]) {
+                    None => -2,
+                    Some(Entry { expires_at: None, .. }) => -1,
+                    Some(Entry { expires_at: Some(at), .. }) => (*at - now) as i64,
+                }))
+            }
+            "HGET" => {
+                arity(a, 2)?;
+                Ok(match self.hash(now, &a[0])? {
+                    Some(h) => h.get(&a[1]).map_or(Resp::Nil, |v| Resp::Bulk(v.clone())),
+                    None => Resp::Nil,
+                })
+            }
+            "HMGET" => {
+                if a.len() < 2 {
+                    return Err(arity_error());
+                }
+                let h = self.hash(now, &a[0])?;
+                Ok(Resp::Array(
+                    a[1..]
+                        .iter()
+                        .map(|f| {
+                            h.and_then(|h| h.get(f)).map_or(Resp::Nil, |v| Resp::Bulk(v.clone()))
+                        })
+                        .collect(),
+                ))
+            }
+            "HGETALL" => {
+                arity(a, 1)?;
+                let mut out = Vec::new();
+                if let Some(h) = self.hash(now, &a[0])? {
+                    let mut fields: Vec<_> = h.iter().collect();
+                    fields.sort();
+                    for (f, v) in fields {
+                        out.push(Resp::Bulk(f.clone()));
+                        out.push(Resp::Bulk(v.clone()));
+                    }
+                }
+                Ok(Resp::Array(out))
+            }
+            "HSET" => {
+                if a.len() < 3 || a.len() % 2 == 0 {
+                    return Err(arity_error());
+                }
+                let h = match &mut self.entry_or_insert(now, &a[0], || Value::Hash(HashMap::new())).value {
+                    Value::Hash(h) => h,
+                    _ => return Err(wrongtype()),
+                };
+                let mut added = 0;
+                for pair in a[1..].chunks(2) {
+                    if h.insert(pair[0].clone(), pair[1].clone()).is_none() {
+                        added += 1;
+                    }
+                }
+                Ok(Resp::Int(added))
+            }
+            "ZADD" => {
+                if a.len() < 3 || a.len() % 2 == 0 {
+                    return Err(arity_error());
+                }
+                let mut pairs = Vec::new();
+                for pair in a[1..].chunks(2) {
+                    pairs.push((float_arg(&pair[0])?, pair[1].clone()));
+                }
+                let z = match &mut self.entry_or_insert(now, &a[0], || Value::ZSet(ZSet::default())).value {
+                    Value::ZSet(z) => z,
+                    _ => return Err(wrongtype()),
+                };
+                Ok(Resp::Int(pairs.into_iter().map(|(s, m)| z.add(s, m)).sum()))
+            }
+            "ZREM" => {
+                if a.len() < 2 {
+                    return Err(arity_error());
+                }
+                let (n, empty) = match self.zset_mut(now, &a[0])? {
+                    Some(z) => {
+                        let n = a[1..].iter().filter(|m| z.remove(m)).count();
+                        (n, z.scores.is_empty())
+                    }
+                    None => (0, false),
+                };
+                if empty {
+                    self.entries.remove(&a[0]);
+                }
+                Ok(Resp::Int(n as i64))
+            }
+            "ZRANGE" => self.zrange(now, a),
+            "ZRANGEBYSCORE" => self.zrangebyscore(now, a),
+            other => Err(format!("ERR unknown command '{other}' (not implemented by the embedded store)")),
+        }
+    }
+
+    fn set(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
+        let expiry = match a.len() {
+            2 => None,
+            4 if a[2].eq_ignore_ascii_case(b"PX") => Some(now + positive(int_arg(&a[3])?)?),
+            4 if a[2].eq_ignore_ascii_case(b"EX") => Some(now + 1000 * positive(int_arg(&a[3])?)?),
+            _ => return Err("ERR syntax error (embedded SET takes only EX or PX)".into()),
+        };
+        self.entries.insert(a[0].clone(), Entry { value: Value::Str(a[1].clone()), expires_at: None });
+        self.set_expiry(&a[0], expiry);
+        Ok(Resp::Status("OK"))
+    }
+
+    fn zrange(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
+        let with_scores = match a.len() {
+            3 => false,
+            4 if a[3].eq_ignore_ascii_case(b"WITHSCORES") => true,
+            _ => return Err("ERR syntax error (embedded ZRANGE takes only WITHSCORES)".into()),
+        };
+        let (start, stop) = (int_arg(&a[1])?, int_arg(&a[2])?);
+        let Some(z) = self.zset(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
+        let len = z.by_score.len() as i64;
+        let norm = |i: i64| if i < 0 { (len + i).max(0) } else { i };
+        let (start, stop) = (norm(start), norm(stop).min(len - 1));
+        let mut out = Vec::new();
+        if start <= stop {
+            for (score, member) in z.by_score.iter().skip(start as usize).take((stop - start + 1) as usize) {
+                push_member(&mut out, score, member, with_scores);
+            }
+        }
+        Ok(Resp::Array(out))
+    }
+
+    fn zrangebyscore(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
+        let (offset, count) = match a.len() {
+            3 => (0, usize::MAX),
+            6 if a[3].eq_ignore_ascii_case(b"LIMIT") => {
+                let count = int_arg(&a[5])?;
+                (int_arg(&a[4])?.max(0) as usize, if count < 0 { usize::MAX } else { count as usize })
+            }
+            _ => return Err("ERR syntax error (embedded ZRANGEBYSCORE takes only LIMIT)".into()),
+        };
+        let (min, max) = (bound_arg(&a[1])?, bound_arg(&a[2])?);
+        let Some(z) = self.zset(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
+        let mut out = Vec::new();
+        for (score, member) in z
+            .by_score
+            .iter()
+            .filter(|(s, _)| s.0 >= min && s.0 <= max)
+            .skip(offset)
+            .take(count)
+        {
+            push_member(&mut out, score, member, false);
+        }
+        Ok(Resp::Array(out))
+    }
+
+    /// The entry under `key` unless it has expired (an expired one is removed on the way).
+    fn live(&mut self, now: u64, key: &[u8]) -> Option<&mut Entry> {
+        let expired = matches!(self.entries.get(key), Some(Entry { expires_at: Some(at), .. }) if *at <= now);
+        if expired {
+            self.entries.remove(key);
+            return None;
+        }
+        self.entries.get_mut(key)
+    }
+
+    fn entry_or_insert(&mut self, now: u64, key: &[u8], new: impl FnOnce() -> Value) -> &mut Entry {
+        if self.live(now, key).is_none() {
+            self.entries.insert(key.to_vec(), Entry { value: new(), expires_at: None });
+        }
+        self.entries.get_mut(key).expect("inserted above")
+    }
+
+    fn hash(&mut self, now: u64, key: &[u8]) -> Result<Option<&HashMap<Vec<u8>, Vec<u8>>>, String> {
+        match self.live(now, key).map(|e| &e.value) {
+            None => Ok(None),
+            Some(Value::Hash(h)) => Ok(Some(h)),
+            Some(_) => Err(wrongtype()),
+        }
+    }
+
+    fn zset(&mut self, now: u64, key: &[u8]) -> Result<Option<&ZSet>, String> {
+        match self.live(now, key).map(|e| &e.value) {
+            None => Ok(None),
+            Some(Value::ZSet(z)) => Ok(Some(z)),
+            Some(_) => Err(wrongtype()),
+        }
+    }
+
+    fn zset_mut(&mut self, now: u64, key: &[u8]) -> Result<Option<&mut ZSet>, String> {
+        match self.live(now, key).map(|e| &mut e.value) {
+            None => Ok(None),
+            Some(Value::ZSet(z)) => Ok(Some(z)),
+            Some(_) => Err(wrongtype()),
+        }
+    }
+
+    fn set_expiry(&mut self, key: &[u8], at: Option<u64>) {
+        if let Some(entry) = self.entries.get_mut(key) {
+            entry.expires_at = at;
+            if let Some(at) = at {
+                self.expiries.insert((at, key.to_vec()));
+            }
+        }
+    }
+}
+
+fn push_member(out: &mut Vec<Resp>, score: &Score, member: &[u8], with_scores: bool) {
+    out.push(Resp::Bulk(member.to_vec()));
+    if with_scores {
+        out.push(Resp::Bulk(format_number(score.0).into_bytes()));
+    }
+}
+
+/// Formats a number the way Redis does when it turns a Lua number or a score into a string.
+pub fn format_number(n: f64) -> String {
+    if n.fract() == 0.0 && n.abs() < 1e17 {
+        format!("{}", n as i64)
+    } else {
+        format!("{n}")
+    }
+}
+
+fn arity(a: &[Vec<u8>], n: usize) -> Result<(), String> {
+    if a.len() == n { Ok(()) } else { Err(arity_error()) }
+}
+
+fn arity_error() -> String {
+    "ERR wrong number of arguments".into()
+}
+
+fn wrongtype() -> String {
+    "WRONGTYPE Operation against a key holding the wrong kind of value".into()
+}
+
+fn int_arg(v: &[u8]) -> Result<i64, String> {
+    std::str::from_utf8(v)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| "ERR value is not an integer or out of range".into())
+}
+
+fn positive(n: i64) -> Result<u64, String> {
+    if n > 0 { Ok(n as u64) } else { Err("ERR invalid expire time".into()) }
+}
+
+fn float_arg(v: &[u8]) -> Result<f64, String> {
+    std::str::from_utf8(v)
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|f| !f.is_nan())
+        .ok_or_else(|| "ERR value is not a valid float".into())
+}
+
+fn bound_arg(v: &[u8]) -> Result<f64, String> {
+    match v {
+        b"-inf" => Ok(f64::NEG_INFINITY),
+        b"+inf" | b"inf" => Ok(f64::INFINITY),
+        _ => float_arg(v).map_err(|_| "ERR min or max is not a float".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cmd(ks: &mut Keyspace, now: u64, parts: &[&str]) -> CmdResult {
+        let args: Vec<Vec<u8>> = parts.iter().map(|p| p.as_bytes().to_vec()).collect();
+        ks.command(now, &args)
+    }
+
+    fn bulk(s: &str) -> Resp {
+        Resp::Bulk(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn keys_expire_lazily_and_by_purge() {
+        let mut ks = Keyspace::default();
+        cmd(&mut ks, 0, &["SET", "a", "1", "PX", "100"]).unwrap();
+        cmd(&mut ks, 0, &["HSET", "h", "f", "v"]).unwrap();
+        cmd(&mut ks, 0, &["PEXPIRE", "h", "50"]).unwrap();
+        assert_eq!(cmd(&mut ks, 99, &["GET", "a"]), Ok(bulk("1")));
+        assert_eq!(cmd(&mut ks, 100, &["GET", "a"]), Ok(Resp::Nil));
+        assert_eq!(ks.len(), 1);
+        ks.purge_expired(60, 10);
+        assert!(ks.is_empty());
+    }
+
+    #[test]
+    fn sorted_set_ranges_follow_redis() {
+        let mut ks = Keyspace::default();
+        for (s, m) in [("30", "c"), ("10", "a"), ("20", "b")] {
+            cmd(&mut ks, 0, &["ZADD", "z", s, m]).unwrap();
+        }
+        assert_eq!(
+            cmd(&mut ks, 0, &["ZRANGEBYSCORE", "z", "-inf", "20", "LIMIT", "0", "1"]),
+            Ok(Resp::Array(vec![bulk("a")]))
+        );
+        assert_eq!(
+            cmd(&mut ks, 0, &["ZRANGE", "z", "0", "0", "WITHSCORES"]),
+            Ok(Resp::Array(vec![bulk("a"), bulk("10")]))
+        );
+        assert_eq!(cmd(&mut ks, 0, &["ZREM", "z", "a", "b", "c"]), Ok(Resp::Int(3)));
+        assert!(ks.is_empty(), "an emptied sorted set is deleted, as in Redis");
+    }
+
+    #[test]
+    fn wrong_type_and_unknown_commands_are_errors() {
+        let mut ks = Keyspace::default();
+        cmd(&mut ks, 0, &["SET", "s", "1"]).unwrap();
+        assert!(cmd(&mut ks, 0, &["HGET", "s", "f"]).unwrap_err().starts_with("WRONGTYPE"));
+        assert!(cmd(&mut ks, 0, &["FLUSHALL"]).is_err());
+    }
+}

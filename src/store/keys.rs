@@ -1,0 +1,83 @@
+//! Every Redis key tollgate uses is built here, and nowhere else.
+//!
+//! The rule: every key of one tenant carries the hash tag `{<tenant>}`. Redis Cluster hashes only
+//! the part between the first `{` and the next `}`, so all of a tenant's scopes, holds and indexes
+//! land on one slot and one script can touch them atomically. That is why a tenant id may not
+//! contain `{`, `}` (it would move or break the tag) or `:` (the separator below); see
+//! [`crate::admission::ids`].
+//!
+//! ```text
+//! tg:{acme}:s:t              tenant scope (token bucket, request bucket, in flight, day usage)
+//! tg:{acme}:s:u:<user>       user scope within the tenant
+//! tg:{acme}:s:m:<model>      model scope within the tenant
+//! tg:{acme}:leases           sorted set: reservation id by lease expiry, for the expiry sweep
+//! tg:{acme}:r:<id>           reservation record
+//! tg:{acme}:i:<key>          idempotency key → reservation id
+//! ```
+//!
+//! The sweep in `reserve.lua` finds expired ids in the lease index and builds their record keys as
+//! `record_prefix(tenant) .. id`; that prefix is passed in from here, so Lua formats no key itself.
+
+/// The scope hash of the tenant as a whole.
+pub fn tenant_scope(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:s:t")
+}
+
+/// The scope hash of one user within a tenant.
+pub fn user_scope(tenant: &str, user: &str) -> String {
+    format!("tg:{{{tenant}}}:s:u:{user}")
+}
+
+/// The scope hash of one model within a tenant.
+pub fn model_scope(tenant: &str, model: &str) -> String {
+    format!("tg:{{{tenant}}}:s:m:{model}")
+}
+
+/// The tenant's lease index.
+pub fn leases(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:leases")
+}
+
+/// The prefix that, followed by a reservation id, names its record.
+pub fn record_prefix(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:r:")
+}
+
+/// A reservation's record.
+pub fn record(tenant: &str, id: &str) -> String {
+    format!("tg:{{{tenant}}}:r:{id}")
+}
+
+/// An idempotency key's pointer to its reservation.
+pub fn idempotency(tenant: &str, key: &str) -> String {
+    format!("tg:{{{tenant}}}:i:{key}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Redis Cluster's hash tag: the substring between the first `{` and the next `}`.
+    fn hash_tag(key: &str) -> &str {
+        let open = key.find('{').expect("tagged");
+        let close = key[open + 1..].find('}').expect("closed") + open + 1;
+        &key[open + 1..close]
+    }
+
+    #[test]
+    fn every_key_of_a_tenant_shares_its_hash_tag() {
+        let keys = [
+            tenant_scope("acme"),
+            user_scope("acme", "alice"),
+            model_scope("acme", "gpt-4o"),
+            leases("acme"),
+            record("acme", "acme:0f"),
+            format!("{}acme:0f", record_prefix("acme")),
+            idempotency("acme", "k{e}y:1"),
+        ];
+        for key in &keys {
+            assert_eq!(hash_tag(key), "acme", "{key}");
+        }
+        assert_eq!(record("acme", "x"), format!("{}x", record_prefix("acme")));
+    }
+}

@@ -1,0 +1,273 @@
+//! The four phases as typed calls over any [`Store`]: this is the only Rust that knows the
+//! `KEYS`/`ARGV` layout and the reply shape each script documents in its header.
+
+use serde::Deserialize;
+
+use super::{Reply, Script, Store, StoreError, keys, scripts::Scripts};
+
+/// What happens to the tokens of a hold whose owner never came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpiredUsage {
+    /// Missing usage is not zero usage: the slot is freed, the held tokens stay charged.
+    #[default]
+    ChargeReserved,
+    /// The held tokens come back as if the request had never run.
+    Refund,
+}
+
+impl ExpiredUsage {
+    fn as_lua(self) -> &'static str {
+        match self {
+            ExpiredUsage::ChargeReserved => "charge",
+            ExpiredUsage::Refund => "refund",
+        }
+    }
+}
+
+/// The limits of one scope as the reserve script takes them; zero means "no such limit".
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ScopeLimits {
+    pub token_capacity: u64,
+    pub tokens_per_ms: f64,
+    pub request_capacity: u64,
+    pub requests_per_ms: f64,
+    pub max_concurrency: u64,
+    pub daily_budget: u64,
+}
+
+/// Everything one reserve needs. Scope keys come from [`keys`]; the tenant's scope is first.
+#[derive(Debug, Clone)]
+pub struct ReserveCall<'a> {
+    pub tenant: &'a str,
+    pub id: &'a str,
+    pub hold: u64,
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub retention_ms: u64,
+    pub expired_usage: ExpiredUsage,
+    pub sweep_batch: u32,
+    pub idempotency_key: Option<&'a str>,
+    pub max_attempts: u32,
+    pub concurrency_retry_cap_ms: u64,
+    pub scopes: Vec<(String, ScopeLimits)>,
+}
+
+/// Remaining / limit / reset of the tightest scope, for the `x-ratelimit-*` headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub remaining: i64,
+    pub limit: u64,
+    pub reset_ms: u64,
+}
+
+/// The tightest token and request windows after a decision; `None` where no scope limits them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Headroom {
+    pub tokens: Option<Window>,
+    pub requests: Option<Window>,
+}
+
+/// The store's verdict on a reserve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    Admitted {
+        id: String,
+        held: u64,
+        attempts: u32,
+        headroom: Headroom,
+    },
+    Denied {
+        /// `token_rate`, `request_rate`, `concurrency`, `budget` or `attempts`.
+        reason: String,
+        /// Index into [`ReserveCall::scopes`] of the scope that refused.
+        scope: usize,
+        retry_after_ms: u64,
+        headroom: Headroom,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitOutcome {
+    /// `committed`, `late_committed`, `released` or `not_found`.
+    pub state: String,
+    pub duplicate: bool,
+    pub used: u64,
+    pub held: u64,
+    pub refunded: u64,
+    pub overrun: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenewOutcome {
+    /// `reserved` when renewed; otherwise the record's state or `not_found`.
+    pub state: String,
+    pub lease_remaining_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseOutcome {
+    /// `released` when this call released it; otherwise the record's state or `not_found`.
+    pub state: String,
+    pub refunded: u64,
+}
+
+/// The protocol over a store.
+#[derive(Debug)]
+pub struct Protocol<S> {
+    store: S,
+    scripts: Scripts,
+}
+
+impl<S: Store> Protocol<S> {
+    /// Loads every phase script into the store: a script the store cannot compile fails here.
+    pub async fn new(store: S) -> Result<Self, StoreError> {
+        let scripts = Scripts::new();
+        for script in scripts.all() {
+            store.load(script).await?;
+        }
+        Ok(Protocol { store, scripts })
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveOutcome, StoreError> {
+        let tenant = call.tenant;
+        let mut keys = Vec::with_capacity(3 + call.scopes.len());
+        keys.push(keys::leases(tenant));
+        keys.push(keys::record(tenant, call.id));
+        keys.push(keys::idempotency(tenant, call.idempotency_key.unwrap_or("")));
+        let mut args = Vec::with_capacity(11 + 6 * call.scopes.len());
+        args.extend([
+            call.id.to_string(),
+            keys::record_prefix(tenant),
+            call.hold.to_string(),
+            call.lease_ms.to_string(),
+            call.idle_ttl_ms.to_string(),
+            call.retention_ms.to_string(),
+            call.expired_usage.as_lua().to_string(),
+            call.sweep_batch.to_string(),
+            if call.idempotency_key.is_some() { "1" } else { "0" }.to_string(),
+            call.max_attempts.to_string(),
+            call.concurrency_retry_cap_ms.to_string(),
+        ]);
+        for (key, limits) in &call.scopes {
+            keys.push(key.clone());
+            args.extend([
+                limits.token_capacity.to_string(),
+                limits.tokens_per_ms.to_string(),
+                limits.request_capacity.to_string(),
+                limits.requests_per_ms.to_string(),
+                limits.max_concurrency.to_string(),
+                limits.daily_budget.to_string(),
+            ]);
+        }
+        let script = &self.scripts.reserve;
+        let reply = self.store.eval(script, keys, args).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        let int = |i: usize| items.get(i).and_then(Reply::as_int).ok_or_else(bad);
+        match int(0)? {
+            1 => Ok(ReserveOutcome::Admitted {
+                id: text(items, 1).ok_or_else(bad)?,
+                held: int(2)?.max(0) as u64,
+                attempts: int(3)?.max(0) as u32,
+                headroom: Headroom {
+                    tokens: window(int(4)?, int(5)?, int(6)?),
+                    requests: window(int(7)?, int(8)?, int(9)?),
+                },
+            }),
+            0 => Ok(ReserveOutcome::Denied {
+                reason: text(items, 1).ok_or_else(bad)?,
+                scope: (int(2)?.max(1) - 1) as usize,
+                retry_after_ms: int(3)?.max(0) as u64,
+                headroom: Headroom { tokens: window(int(4)?, int(5)?, int(6)?), requests: None },
+            }),
+            _ => Err(bad()),
+        }
+    }
+
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        id: &str,
+        prompt_tokens: u64,
+        output_tokens: u64,
+    ) -> Result<CommitOutcome, StoreError> {
+        let script = &self.scripts.commit;
+        let keys = vec![keys::record(tenant, id), keys::leases(tenant)];
+        let args = vec![id.to_string(), prompt_tokens.to_string(), output_tokens.to_string()];
+        let reply = self.store.eval(script, keys, args).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
+        Ok(CommitOutcome {
+            state: text(items, 0).ok_or_else(bad)?,
+            duplicate: uint(1)? == 1,
+            used: uint(2)?,
+            held: uint(3)?,
+            refunded: uint(4)?,
+            overrun: uint(5)?,
+        })
+    }
+
+    pub async fn renew(
+        &self,
+        tenant: &str,
+        id: &str,
+        lease_ms: u64,
+        idle_ttl_ms: u64,
+    ) -> Result<RenewOutcome, StoreError> {
+        let (state, n) = self
+            .state_and_number(
+                &self.scripts.renew,
+                tenant,
+                id,
+                vec![id.to_string(), lease_ms.to_string(), idle_ttl_ms.to_string()],
+            )
+            .await?;
+        Ok(RenewOutcome { state, lease_remaining_ms: n })
+    }
+
+    pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
+        let (state, n) = self
+            .state_and_number(&self.scripts.release, tenant, id, vec![id.to_string()])
+            .await?;
+        Ok(ReleaseOutcome { state, refunded: n })
+    }
+
+    /// Renew and release share a call shape: KEYS = record, index; reply = {state, number}.
+    async fn state_and_number(
+        &self,
+        script: &Script,
+        tenant: &str,
+        id: &str,
+        args: Vec<String>,
+    ) -> Result<(String, u64), StoreError> {
+        let keys = vec![keys::record(tenant, id), keys::leases(tenant)];
+        let reply = self.store.eval(script, keys, args).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        let state = text(items, 0).ok_or_else(bad)?;
+        let n = items.get(1).and_then(Reply::as_int).ok_or_else(bad)?;
+        Ok((state, n.max(0) as u64))
+    }
+}
+
+fn array(reply: &Reply) -> Option<&[Reply]> {
+    match reply {
+        Reply::Array(items) => Some(items),
+        _ => None,
+    }
+}
+
+fn text(items: &[Reply], i: usize) -> Option<String> {
+    items.get(i).and_then(Reply::as_text).map(str::to_string)
+}
+
+/// The scripts send -1 for "no scope limits this".
+fn window(remaining: i64, limit: i64, reset_ms: i64) -> Option<Window> {
+    (limit >= 0).then(|| Window { remaining, limit: limit as u64, reset_ms: reset_ms.max(0) as u64 })
+}

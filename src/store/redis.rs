@@ -1,0 +1,168 @@
+//! Redis and Redis Cluster through fred. Scripts are loaded at start (`SCRIPT LOAD` on every
+//! primary, so a broken script fails the start) and called by SHA, reloading on `NOSCRIPT` (a
+//! restarted or failed-over node has an empty script cache).
+
+use std::time::Duration;
+
+use fred::prelude::{ClientLike, Config, ConnectionConfig, LuaInterface, PerformanceConfig, ReconnectPolicy, ServerConfig};
+use fred::types::Value;
+
+use super::{Reply, Script, Store, StoreError};
+
+/// Where the Redis store connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// One node, as a `redis://host:port[/db]` URL.
+    Single(String),
+    /// Cluster seed nodes as `host:port`; the rest of the cluster is discovered.
+    Cluster(Vec<String>),
+}
+
+/// Connection knobs; the defaults suit a sidecar next to a nearby Redis.
+#[derive(Debug, Clone, Copy)]
+pub struct RedisOptions {
+    /// How long the start may wait for the first connection.
+    pub connect_timeout: Duration,
+    /// A script call that takes longer fails as `store_unavailable`.
+    pub command_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions { connect_timeout: Duration::from_secs(3), command_timeout: Duration::from_millis(500) }
+    }
+}
+
+/// A connected Redis store.
+#[derive(Clone)]
+pub struct RedisStore {
+    client: fred::prelude::Client,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore").finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects, and fails if the first connection does not succeed within the connect timeout:
+    /// an unreachable Redis at start is an error, not a silent retry loop.
+    pub async fn connect(target: &RedisTarget, options: RedisOptions) -> Result<Self, StoreError> {
+        let config = match target {
+            RedisTarget::Single(url) => Config::from_url(url)
+                .map_err(|e| StoreError::Unavailable(format!("bad Redis URL {url:?}: {e}")))?,
+            RedisTarget::Cluster(nodes) => {
+                let mut hosts = Vec::with_capacity(nodes.len());
+                for node in nodes {
+                    hosts.push(parse_host_port(node)?);
+                }
+                Config { server: ServerConfig::new_clustered(hosts), ..Config::default() }
+            }
+        };
+        let perf = PerformanceConfig { default_command_timeout: options.command_timeout, ..Default::default() };
+        let connection = ConnectionConfig {
+            connection_timeout: options.connect_timeout,
+            internal_command_timeout: options.connect_timeout,
+            max_command_attempts: 2,
+            ..Default::default()
+        };
+        let policy = ReconnectPolicy::new_exponential(0, 50, 2_000, 2);
+        let client = fred::prelude::Client::new(config, Some(perf), Some(connection), Some(policy));
+        let connected = tokio::time::timeout(options.connect_timeout, client.init()).await;
+        match connected {
+            Ok(Ok(_task)) => Ok(RedisStore { client }),
+            Ok(Err(e)) => {
+                let _ = client.quit().await;
+                Err(StoreError::Unavailable(format!("cannot connect to Redis at {}: {e}", describe(target))))
+            }
+            Err(_) => {
+                let _ = client.quit().await;
+                Err(StoreError::Unavailable(format!(
+                    "cannot connect to Redis at {}: no connection within {:?}",
+                    describe(target),
+                    options.connect_timeout
+                )))
+            }
+        }
+    }
+
+    /// The underlying client, for tests that inspect keys directly.
+    pub fn client(&self) -> &fred::prelude::Client {
+        &self.client
+    }
+
+    /// Closes the connections.
+    pub async fn close(&self) {
+        let _ = self.client.quit().await;
+    }
+}
+
+impl Store for RedisStore {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.client
+            .script_load_cluster::<Value, _>(script.source.as_str())
+            .await
+            .map(|_| ())
+            .map_err(|e| store_error(script, e))
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        let first = self.client.evalsha::<Value, _, _, _>(script.sha1.as_str(), keys.clone(), args.clone()).await;
+        let value = match first {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                self.load(script).await?;
+                self.client.evalsha::<Value, _, _, _>(script.sha1.as_str(), keys, args).await
+            }
+            other => other,
+        }
+        .map_err(|e| store_error(script, e))?;
+        Ok(to_reply(value))
+    }
+}
+
+fn describe(target: &RedisTarget) -> String {
+    match target {
+        RedisTarget::Single(url) => url.clone(),
+        RedisTarget::Cluster(nodes) => format!("cluster {}", nodes.join(",")),
+    }
+}
+
+fn parse_host_port(node: &str) -> Result<(String, u16), StoreError> {
+    let bad = || StoreError::Unavailable(format!("cluster node {node:?} is not host:port"));
+    let (host, port) = node.rsplit_once(':').ok_or_else(bad)?;
+    let port = port.parse().map_err(|_| bad())?;
+    Ok((host.trim_matches(['[', ']']).to_string(), port))
+}
+
+fn store_error(script: &Script, e: fred::error::Error) -> StoreError {
+    use fred::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::IO
+        | ErrorKind::Timeout
+        | ErrorKind::Canceled
+        | ErrorKind::Cluster
+        | ErrorKind::Backpressure
+        | ErrorKind::Routing => StoreError::Unavailable(e.to_string()),
+        _ => StoreError::Script { script: script.name, message: e.to_string() },
+    }
+}
+
+fn to_reply(value: Value) -> Reply {
+    match value {
+        Value::Null | Value::Boolean(false) => Reply::Nil,
+        Value::Boolean(true) => Reply::Int(1),
+        Value::Integer(n) => Reply::Int(n),
+        Value::Double(f) => Reply::Int(f.trunc() as i64),
+        Value::String(s) => Reply::Text(s.to_string()),
+        Value::Bytes(b) => Reply::Text(String::from_utf8_lossy(&b).into_owned()),
+        Value::Array(items) => Reply::Array(items.into_iter().map(to_reply).collect()),
+        Value::Map(map) => Reply::Array(
+            map.inner()
+                .into_iter()
+                .flat_map(|(k, v)| [Reply::Text(k.as_str_lossy().into_owned()), to_reply(v)])
+                .collect(),
+        ),
+        Value::Queued => Reply::Nil,
+    }
+}

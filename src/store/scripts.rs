@@ -1,0 +1,54 @@
+//! The protocol's Lua, compiled into the binary. Each phase script is `lua/common.lua` followed by
+//! the phase's own file, so the shared helpers exist once and every phase is still one script.
+
+/// A Lua script and its SHA-1, the name Redis knows it by.
+#[derive(Debug, Clone)]
+pub struct Script {
+    pub name: &'static str,
+    pub source: String,
+    pub sha1: String,
+}
+
+impl Script {
+    pub fn new(name: &'static str, source: String) -> Self {
+        let sha1 = fred::util::sha1_hash(&source);
+        Script { name, source, sha1 }
+    }
+
+    fn phase(name: &'static str, body: &str) -> Self {
+        Script::new(name, format!("{COMMON}\n{body}"))
+    }
+}
+
+const COMMON: &str = include_str!("../../lua/common.lua");
+
+/// The four phase scripts, built once.
+#[derive(Debug, Clone)]
+pub struct Scripts {
+    pub reserve: Script,
+    pub commit: Script,
+    pub renew: Script,
+    pub release: Script,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        Scripts {
+            reserve: Script::phase("reserve", include_str!("../../lua/reserve.lua")),
+            commit: Script::phase("commit", include_str!("../../lua/commit.lua")),
+            renew: Script::phase("renew", include_str!("../../lua/renew.lua")),
+            release: Script::phase("release", include_str!("../../lua/release.lua")),
+        }
+    }
+
+    pub fn all(&self) -> [&Script; 4] {
+        [&self.reserve, &self.commit, &self.renew, &self.release]
+    }
+}
+
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Scripts::new()
+    }
+}
