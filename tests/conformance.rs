@@ -1,0 +1,313 @@
+//! One protocol, three stores: every scenario here runs against the embedded store (manual clock),
+//! a single Redis and a 3-node Redis Cluster. A scenario written once runs everywhere, so the
+//! embedded keyspace cannot drift from Redis unnoticed.
+
+mod support;
+
+use futures_util::future::join_all;
+use support::{Harness, admitted, denied};
+use tollgate::admission::{Decision, Reason};
+use tollgate::store::{Store, keys};
+
+/// Scenarios, each generic over the store.
+mod scenarios {
+    use super::*;
+
+    /// 1 token per second of refill: slow enough that the few milliseconds a real Redis test
+    /// takes cannot refill a meaningful amount.
+    const SLOW_BUCKET: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n";
+
+    pub async fn admits_until_the_bucket_is_spent<S: Store>(h: Harness<S>) {
+        for i in 0..10 {
+            let d = h.reserve(50, 50).await;
+            assert_eq!(admitted(&d).reserved_tokens, 100, "request {i}");
+        }
+        let d = h.reserve(50, 50).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::TokenRate);
+        // Deficit 100 tokens at 1 token/s: 100 s, less whatever refilled while the test ran.
+        let wait = no.retry_after_ms.unwrap();
+        assert!((95_000..=100_000).contains(&wait), "retry after {wait} ms");
+        if h.exact_time() {
+            assert_eq!(wait, 100_000);
+        }
+        let tokens = no.headroom.tokens.unwrap();
+        assert_eq!((tokens.limit, tokens.remaining), (1000, 0));
+    }
+
+    pub async fn the_bucket_refills_with_time<S: Store>(h: Harness<S>) {
+        // 600 tokens/min = 10 tokens/s.
+        let h = h;
+        admitted(&h.reserve(0, 100).await);
+        let no = h.reserve(0, 100).await;
+        let wait = denied(&no).retry_after_ms.unwrap();
+        assert!((9_000..=10_000).contains(&wait), "retry after {wait} ms");
+        if h.exact_time() {
+            h.advance(wait).await;
+            admitted(&h.reserve(0, 100).await);
+        }
+    }
+
+    pub async fn a_request_larger_than_the_bucket_is_unsatisfiable<S: Store>(h: Harness<S>) {
+        let d = h.reserve(500, 501).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::Unsatisfiable);
+        assert_eq!(no.retry_after_ms, None);
+        assert!(no.message.contains("1001"), "{}", no.message);
+        let scope = h.tenant_scope().await;
+        assert_eq!(scope.kind, "none", "an unsatisfiable request charges nothing");
+    }
+
+    pub async fn a_denial_changes_no_counter<S: Store>(h: Harness<S>) {
+        let first = h.reserve(400, 400).await;
+        let id = admitted(&first).reservation_id.clone();
+        let before = h.snapshot(&[&id]).await;
+        for _ in 0..3 {
+            assert_eq!(denied(&h.reserve(400, 400).await).reason, Reason::TokenRate);
+        }
+        let after = h.snapshot(&[&id]).await;
+        assert_eq!(before, after);
+    }
+
+    pub async fn commit_refunds_the_unused_hold<S: Store>(h: Harness<S>) {
+        let a = h.reserve(100, 500).await;
+        let id = admitted(&a).reservation_id.clone();
+        assert_eq!(denied(&h.reserve(100, 500).await).reason, Reason::TokenRate);
+        let c = h.admission.commit(&id, 100, 50).await.unwrap();
+        assert_eq!((c.state.as_str(), c.used, c.held, c.refunded, c.overrun), ("committed", 150, 600, 450, 0));
+        let t = h.tenant_scope().await.num("t");
+        assert!((850.0..851.0).contains(&t), "1000 - 600 + 450 = 850, got {t}");
+        admitted(&h.reserve(100, 500).await);
+    }
+
+    pub async fn a_second_commit_returns_the_first_result_and_charges_nothing<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        let first = h.admission.commit(&id, 100, 50).await.unwrap();
+        let before = h.snapshot(&[&id]).await;
+        let second = h.admission.commit(&id, 900, 900).await.unwrap();
+        assert!(!first.duplicate);
+        assert!(second.duplicate);
+        assert_eq!((second.used, second.refunded, second.state.as_str()), (150, 450, "committed"));
+        assert_eq!(before, h.snapshot(&[&id]).await);
+    }
+
+    pub async fn an_overrun_is_debt_bounded_by_the_capacity<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(50, 50).await).reservation_id.clone();
+        let c = h.admission.commit(&id, 3000, 2000).await.unwrap();
+        assert_eq!((c.used, c.overrun, c.refunded), (5000, 4900, 0));
+        let t = h.tenant_scope().await.num("t");
+        assert!((-1000.0..-999.0).contains(&t), "debt floors at minus the capacity, got {t}");
+        let no = h.reserve(50, 50).await;
+        let wait = denied(&no).retry_after_ms.unwrap();
+        // 1,100 tokens short at 1 token/s.
+        assert!((1_095_000..=1_100_000).contains(&wait), "retry after {wait}");
+    }
+
+    pub async fn concurrency_slots_are_held_until_release<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        admitted(&h.reserve(1, 1).await);
+        let d = h.reserve(1, 1).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::Concurrency);
+        let wait = no.retry_after_ms.unwrap();
+        assert!((1..=1000).contains(&wait), "capped by concurrency_retry_ms, got {wait}");
+        let r = h.admission.release(&a).await.unwrap();
+        assert_eq!((r.state.as_str(), r.refunded), ("released", 2));
+        admitted(&h.reserve(1, 1).await);
+        let again = h.admission.release(&a).await.unwrap();
+        assert_eq!((again.state.as_str(), again.refunded), ("released", 0), "a second release changes nothing");
+        let c = h.admission.commit(&a, 1, 1).await.unwrap();
+        assert_eq!(c.state, "released", "a released hold cannot be committed");
+    }
+
+    pub async fn an_expired_hold_keeps_its_tokens_under_charge_reserved<S: Store>(h: Harness<S>) {
+        let first = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        assert_eq!(denied(&h.reserve(0, 100).await).reason, Reason::Concurrency);
+        h.advance(400).await;
+        // The next reserve sweeps the expired hold: its slot is free, its 600 tokens stay charged.
+        admitted(&h.reserve(0, 300).await);
+        let t = h.tenant_scope().await.num("t");
+        assert!((100.0..102.0).contains(&t), "1000 - 600 - 300 = 100, got {t}");
+        let late = h.admission.commit(&first, 100, 20).await.unwrap();
+        assert_eq!((late.state.as_str(), late.used, late.refunded), ("late_committed", 120, 480));
+        let t = h.tenant_scope().await.num("t");
+        assert!((580.0..582.0).contains(&t), "the late commit gives back 480, got {t}");
+    }
+
+    pub async fn an_expired_hold_is_refunded_under_refund<S: Store>(h: Harness<S>) {
+        let first = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        h.advance(400).await;
+        admitted(&h.reserve(0, 900).await);
+        let t = h.tenant_scope().await.num("t");
+        assert!((100.0..102.0).contains(&t), "600 came back, 900 went: {t}");
+        let late = h.admission.commit(&first, 100, 20).await.unwrap();
+        assert_eq!(late.state, "late_committed");
+        let t = h.tenant_scope().await.num("t");
+        assert!((-20.0..-18.0).contains(&t), "the late commit charges the 120 used, got {t}");
+    }
+
+    pub async fn a_commit_after_the_lease_settles_the_expiry_first<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        h.advance(400).await;
+        let c = h.admission.commit(&id, 10, 10).await.unwrap();
+        assert_eq!(c.state, "late_committed");
+        let scope = h.tenant_scope().await;
+        assert_eq!(scope.num("c"), 0.0, "the slot is free");
+        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state, "late_committed");
+    }
+
+    pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        h.advance(200).await;
+        let r = h.admission.renew(&id, 0).await.unwrap();
+        assert_eq!((r.state.as_str(), r.lease_remaining_ms), ("reserved", 300));
+        h.advance(200).await;
+        // 400 ms after reserve, past the first lease but inside the renewed one: still held.
+        assert_eq!(denied(&h.reserve(1, 1).await).reason, Reason::Concurrency);
+        h.advance(200).await;
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state, "expired");
+    }
+
+    pub async fn an_idempotency_key_returns_the_same_hold<S: Store>(h: Harness<S>) {
+        let mut a = h.attributes(100, 100);
+        a.idempotency_key = Some("req-1".into());
+        let first = admitted(&h.admission.reserve(&a).await).clone();
+        let second = admitted(&h.admission.reserve(&a).await).clone();
+        assert_eq!(first.reservation_id, second.reservation_id);
+        assert_eq!((first.attempts, second.attempts), (1, 2));
+        let t = h.tenant_scope().await.num("t");
+        assert!((800.0..801.0).contains(&t), "charged once, got {t}");
+        admitted(&h.admission.reserve(&a).await);
+        let fourth = h.admission.reserve(&a).await;
+        assert_eq!(denied(&fourth).reason, Reason::InvalidRequest, "past max_attempts");
+        h.admission.commit(&first.reservation_id, 1, 1).await.unwrap();
+        let fresh = admitted(&h.admission.reserve(&a).await).clone();
+        assert_ne!(fresh.reservation_id, first.reservation_id, "a settled hold frees its key");
+    }
+
+    pub async fn user_and_model_scopes_limit_within_the_tenant<S: Store>(h: Harness<S>) {
+        let mut alice = h.attributes(0, 300);
+        alice.user = Some("alice".into());
+        let mut bob = alice.clone();
+        bob.user = Some("bob".into());
+        admitted(&h.admission.reserve(&alice).await);
+        let no = h.admission.reserve(&alice).await;
+        assert!(denied(&no).message.contains("user alice"), "{:?}", denied(&no));
+        admitted(&h.admission.reserve(&bob).await);
+        let mut big = h.attributes(0, 300);
+        big.model = Some("other".into());
+        admitted(&h.admission.reserve(&big).await);
+        let no = h.admission.reserve(&big).await;
+        assert!(denied(&no).message.contains("model other"), "{:?}", denied(&no));
+    }
+
+    pub async fn the_daily_budget_resets_at_midnight_utc<S: Store>(h: Harness<S>) {
+        admitted(&h.reserve(0, 600).await);
+        let d = h.reserve(0, 600).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::Budget);
+        let wait = no.retry_after_ms.unwrap();
+        assert!(wait <= 86_400_000);
+        if h.exact_time() {
+            assert_eq!(wait, 43_200_000, "the manual clock starts at noon UTC");
+        } else {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+            let expected = 86_400_000 - now % 86_400_000;
+            assert!(wait.abs_diff(expected) < 5_000, "{wait} vs {expected}");
+        }
+    }
+
+    pub async fn the_request_rate_is_limited<S: Store>(h: Harness<S>) {
+        admitted(&h.reserve(1, 1).await);
+        admitted(&h.reserve(1, 1).await);
+        let d = h.reserve(1, 1).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::RequestRate);
+        // 2 per minute: one permit every 30 s.
+        let wait = no.retry_after_ms.unwrap();
+        assert!((29_000..=30_000).contains(&wait), "{wait}");
+    }
+
+    pub async fn every_key_carries_a_ttl<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        for (key, view) in h.snapshot(&[&id]).await {
+            assert_eq!(view.pttl, 1, "{key} has no TTL");
+        }
+        h.admission.commit(&id, 1, 1).await.unwrap();
+        let record = keys::record(&h.tenant, &id);
+        let view = h.inspect(vec![record.clone()]).await.remove(&record).unwrap();
+        assert!(view.pttl > 0 && view.pttl <= 3_600_000, "settled records keep the retention TTL: {}", view.pttl);
+    }
+
+    pub async fn bad_ids_change_nothing<S: Store>(h: Harness<S>) {
+        assert!(h.admission.commit("nope", 1, 1).await.is_err());
+        let unknown = format!("{}:{}", h.tenant, "0".repeat(32));
+        assert_eq!(h.admission.commit(&unknown, 1, 1).await.unwrap().state, "not_found");
+        assert_eq!(h.admission.release(&unknown).await.unwrap().state, "not_found");
+        assert_eq!(h.admission.renew(&unknown, 0).await.unwrap().state, "not_found");
+        assert_eq!(h.tenant_scope().await.kind, "none");
+    }
+
+    /// Hundreds of concurrent reserves against a budget that admits exactly K.
+    pub async fn concurrent_reserves_never_over_admit<S: Store>(h: Harness<S>) {
+        let h = &h;
+        let results = join_all((0..300).map(|_| async move { h.reserve(0, 100).await })).await;
+        let admitted = results.iter().filter(|d| matches!(d, Decision::Admitted(_))).count();
+        assert_eq!(admitted, 7, "a 700-token bucket admits exactly seven 100-token holds");
+    }
+
+    pub const BUCKET: &str = SLOW_BUCKET;
+    pub const REFILL: &str = "limits:\n  tokens_per_minute: 600\n  burst_tokens: 100\n";
+    pub const CONCURRENCY: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 2\n";
+    pub const LEASE_CHARGE: &str =
+        "lease_ttl_ms: 300\nexpired_usage: charge_reserved\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
+    pub const LEASE_REFUND: &str =
+        "lease_ttl_ms: 300\nexpired_usage: refund\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
+    pub const SCOPED: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 2000\ndefault_user:\n  tokens_per_minute: 60\n  burst_tokens: 500\nmodels:\n  other:\n    tokens_per_minute: 60\n    burst_tokens: 400\n";
+    pub const DAILY: &str = "limits:\n  tokens_per_day: 1000\n";
+    pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";
+    pub const K7: &str = "limits:\n  tokens_per_minute: 1\n  burst_tokens: 700\n";
+}
+
+/// Generates one test per scenario for a store: `conformance!(module, harness_constructor)`.
+macro_rules! conformance {
+    ($backend:ident, $make:path) => {
+        mod $backend {
+            use super::scenarios::*;
+
+            macro_rules! scenario {
+                ($name:ident, $policy:expr) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        super::scenarios::$name($make($policy).await).await;
+                    }
+                };
+            }
+
+            scenario!(admits_until_the_bucket_is_spent, BUCKET);
+            scenario!(the_bucket_refills_with_time, REFILL);
+            scenario!(a_request_larger_than_the_bucket_is_unsatisfiable, BUCKET);
+            scenario!(a_denial_changes_no_counter, BUCKET);
+            scenario!(commit_refunds_the_unused_hold, BUCKET);
+            scenario!(a_second_commit_returns_the_first_result_and_charges_nothing, BUCKET);
+            scenario!(an_overrun_is_debt_bounded_by_the_capacity, BUCKET);
+            scenario!(concurrency_slots_are_held_until_release, CONCURRENCY);
+            scenario!(an_expired_hold_keeps_its_tokens_under_charge_reserved, LEASE_CHARGE);
+            scenario!(an_expired_hold_is_refunded_under_refund, LEASE_REFUND);
+            scenario!(a_commit_after_the_lease_settles_the_expiry_first, LEASE_CHARGE);
+            scenario!(renew_extends_the_lease, LEASE_CHARGE);
+            scenario!(an_idempotency_key_returns_the_same_hold, BUCKET);
+            scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
+            scenario!(the_daily_budget_resets_at_midnight_utc, DAILY);
+            scenario!(the_request_rate_is_limited, REQUESTS);
+            scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(bad_ids_change_nothing, BUCKET);
+            scenario!(concurrent_reserves_never_over_admit, K7);
+        }
+    };
+}
+
+conformance!(embedded, crate::support::embedded);
+conformance!(redis, crate::support::redis);
+conformance!(cluster, crate::support::cluster);

@@ -1,0 +1,239 @@
+//! Shared test harness: policies with a fresh tenant per test, stores of every kind, and a look
+//! at the raw counters through a script (so the same inspection works on every store).
+//!
+//! Redis and the Redis Cluster are started by `scripts/test` on free loopback ports and named in
+//! `TOLLGATE_TEST_REDIS_URL` and `TOLLGATE_TEST_REDIS_CLUSTER`; a test that needs one and finds
+//! the variable unset fails and says how to run it.
+
+#![allow(dead_code)]
+
+pub mod procs;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate::admission::{Admission, Attributes, Decision, Priority};
+use tollgate::config::Policy;
+use tollgate::estimate::PromptSize;
+use tollgate::store::clock::ManualClock;
+use tollgate::store::embedded::EmbeddedStore;
+use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
+use tollgate::store::{Protocol, Reply, Script, Store, keys};
+
+pub fn redis_url() -> String {
+    std::env::var("TOLLGATE_TEST_REDIS_URL")
+        .expect("TOLLGATE_TEST_REDIS_URL is not set: run the suite with `bash scripts/test`, which starts Redis")
+}
+
+pub fn redis_cluster_nodes() -> Vec<String> {
+    std::env::var("TOLLGATE_TEST_REDIS_CLUSTER")
+        .expect("TOLLGATE_TEST_REDIS_CLUSTER is not set: run the suite with `bash scripts/test`, which starts a cluster")
+        .split(',')
+        .map(str::to_string)
+        .collect()
+}
+
+/// A tenant name no other test uses, so tests share a Redis without interfering.
+pub fn unique_tenant(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", fastrand::u64(..))
+}
+
+/// A whole policy around one tenant's YAML body (indented by the caller as under `tenants.<t>:`).
+pub fn policy_yaml(tenant: &str, tenant_body: &str, store: &str) -> String {
+    let body: String = tenant_body.lines().map(|l| format!("    {l}\n")).collect();
+    format!(
+        "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n\
+         models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n  other:\n    max_output_tokens: 100000\n\
+         tenants:\n  {tenant}:\n{body}"
+    )
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Embedded,
+    Redis,
+    Cluster,
+}
+
+impl Backend {
+    /// The policy's `store:` section for this backend.
+    pub fn store_yaml(self) -> String {
+        match self {
+            Backend::Embedded => String::new(),
+            Backend::Redis => format!("store:\n  redis_url: {}", redis_url()),
+            Backend::Cluster => {
+                let nodes = redis_cluster_nodes().iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ");
+                format!("store:\n  redis_cluster: [{nodes}]")
+            }
+        }
+    }
+}
+
+/// Reads keys raw: type, PTTL and contents, for assertions on what a call changed.
+const INSPECT: &str = r#"
+local out = {}
+for _, k in ipairs(KEYS) do
+  local t = redis.call('TYPE', k)['ok']
+  local items = {}
+  if t == 'hash' then items = redis.call('HGETALL', k)
+  elseif t == 'zset' then items = redis.call('ZRANGE', k, 0, -1, 'WITHSCORES')
+  elseif t == 'string' then items = { redis.call('GET', k) } end
+  out[#out + 1] = { k, t, redis.call('PTTL', k), items }
+end
+return out
+"#;
+
+/// One key as [`Harness::inspect`] sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyView {
+    pub kind: String,
+    pub pttl: i64,
+    pub fields: BTreeMap<String, String>,
+}
+
+impl KeyView {
+    pub fn num(&self, field: &str) -> f64 {
+        self.fields.get(field).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no number {field} in {self:?}"))
+    }
+}
+
+/// An admission service over one store, with one tenant of its own.
+pub struct Harness<S> {
+    pub admission: Admission<S>,
+    pub tenant: String,
+    pub clock: Option<ManualClock>,
+    inspect: Script,
+}
+
+/// 2026-11-29T12:00:00Z: a fixed start for the manual clock, mid-day so budgets do not roll over.
+pub const CLOCK_START_MS: u64 = 1_795_953_600_000;
+
+pub async fn embedded(tenant_body: &str) -> Harness<EmbeddedStore> {
+    let tenant = unique_tenant("t");
+    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, tenant_body, "")).expect("test policy");
+    let clock = ManualClock::new(CLOCK_START_MS);
+    let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
+    Harness::build(store, policy, tenant, Some(clock)).await
+}
+
+pub async fn redis(tenant_body: &str) -> Harness<RedisStore> {
+    redis_backend(Backend::Redis, tenant_body).await
+}
+
+pub async fn cluster(tenant_body: &str) -> Harness<RedisStore> {
+    redis_backend(Backend::Cluster, tenant_body).await
+}
+
+async fn redis_backend(backend: Backend, tenant_body: &str) -> Harness<RedisStore> {
+    let tenant = unique_tenant("t");
+    let yaml = policy_yaml(&tenant, tenant_body, &backend.store_yaml());
+    let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
+    let target = match backend {
+        Backend::Cluster => RedisTarget::Cluster(redis_cluster_nodes()),
+        _ => RedisTarget::Single(redis_url()),
+    };
+    let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
+    Harness::build(store, policy, tenant, None).await
+}
+
+impl<S: Store> Harness<S> {
+    async fn build(store: S, policy: Policy, tenant: String, clock: Option<ManualClock>) -> Self {
+        let protocol = Protocol::new(store).await.expect("scripts load");
+        Harness {
+            admission: Admission::new(Arc::new(policy), protocol),
+            tenant,
+            clock,
+            inspect: Script::new("inspect", INSPECT.to_string()),
+        }
+    }
+
+    /// Moves time: the manual clock on the embedded store, real time on Redis (whose clock is
+    /// the server's own `TIME`).
+    pub async fn advance(&self, ms: u64) {
+        match &self.clock {
+            Some(c) => c.advance_ms(ms),
+            None => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
+    }
+
+    /// True when time moves only when the test moves it, so exact timing can be asserted.
+    pub fn exact_time(&self) -> bool {
+        self.clock.is_some()
+    }
+
+    pub fn attributes(&self, prompt: u64, max_tokens: u64) -> Attributes {
+        Attributes {
+            tenant: Some(self.tenant.clone()),
+            user: None,
+            model: Some("m".into()),
+            priority: Priority::Standard,
+            deadline_ms: None,
+            idempotency_key: None,
+            prompt: PromptSize::Tokens(prompt),
+            max_tokens: Some(max_tokens),
+            stream: false,
+        }
+    }
+
+    pub async fn reserve(&self, prompt: u64, max_tokens: u64) -> Decision {
+        self.admission.reserve(&self.attributes(prompt, max_tokens)).await
+    }
+
+    pub async fn inspect(&self, keys: Vec<String>) -> BTreeMap<String, KeyView> {
+        let reply = self.admission.protocol().store().eval(&self.inspect, keys, vec![]).await.expect("inspect");
+        let Reply::Array(items) = reply else { panic!("inspect reply {reply:?}") };
+        let mut out = BTreeMap::new();
+        for item in items {
+            let Reply::Array(parts) = item else { panic!() };
+            let key = parts[0].as_text().unwrap().to_string();
+            let kind = parts[1].as_text().unwrap().to_string();
+            let pttl = parts[2].as_int().unwrap();
+            let mut fields = BTreeMap::new();
+            if let Reply::Array(flat) = &parts[3] {
+                if kind == "string" {
+                    fields.insert("value".into(), flat[0].as_text().unwrap_or_default().to_string());
+                } else {
+                    for pair in flat.chunks(2) {
+                        fields.insert(pair[0].as_text().unwrap().to_string(), pair[1].as_text().unwrap().to_string());
+                    }
+                }
+            }
+            out.insert(key, KeyView { kind, pttl, fields });
+        }
+        out
+    }
+
+    /// The tenant's scope hash.
+    pub async fn tenant_scope(&self) -> KeyView {
+        let key = keys::tenant_scope(&self.tenant);
+        self.inspect(vec![key.clone()]).await.remove(&key).unwrap()
+    }
+
+    /// Every key a tenant-level scenario touches: scope, lease index, and the given records.
+    pub async fn snapshot(&self, ids: &[&str]) -> BTreeMap<String, KeyView> {
+        let mut keys = vec![keys::tenant_scope(&self.tenant), keys::leases(&self.tenant)];
+        keys.extend(ids.iter().map(|id| keys::record(&self.tenant, id)));
+        let mut snap = self.inspect(keys).await;
+        // PTTL counts down on Redis between two looks; contents are what must not change.
+        for view in snap.values_mut() {
+            view.pttl = view.pttl.signum();
+        }
+        snap
+    }
+}
+
+/// The admitted reservation id, or a panic that shows the decision.
+pub fn admitted(d: &Decision) -> &tollgate::admission::Admitted {
+    match d {
+        Decision::Admitted(a) => a,
+        Decision::Denied(d) => panic!("expected admission, got {d:?}"),
+    }
+}
+
+pub fn denied(d: &Decision) -> &tollgate::admission::Denial {
+    match d {
+        Decision::Denied(d) => d,
+        Decision::Admitted(a) => panic!("expected denial, got {a:?}"),
+    }
+}

@@ -1,0 +1,1 @@
+//! Processes started by tests: redis-server, tollgate, Envoy, grpcurl; each stopped on drop.
