@@ -15,6 +15,9 @@ use crate::store::Store;
 
 /// Envoy sets this when it sent only the first bytes of the body.
 const PARTIAL_BODY_HEADER: &str = "x-envoy-auth-partial-body";
+/// Names the model when the body cannot: OpenAI's Python SDK sends `messages` before `model`, so a
+/// body cut at `max_request_bytes` may end before the model. Used only when the body has none.
+pub const MODEL_HEADER: &str = "x-tollgate-model";
 
 /// The `envoy.service.auth.v3.Authorization` service.
 #[derive(Debug)]
@@ -99,6 +102,17 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     let declared = number("content-length")?.unwrap_or(0);
     let size = (http.size.max(0) as u64).max(declared).max(body_bytes.len() as u64);
 
+    let model = match (fields.model, text(MODEL_HEADER)) {
+        (Some(model), _) | (None, Some(model)) => Some(model),
+        (None, None) if partial => {
+            return Err(invalid(format!(
+                "no model in the first {} bytes of the body Envoy sent; send {MODEL_HEADER}, put \"model\" first, \
+                 or raise the ext_authz filter's max_request_bytes",
+                body_bytes.len()
+            )));
+        }
+        (None, None) => None,
+    };
     let priority = match text("x-priority") {
         Some(p) => p.parse().map_err(invalid)?,
         None => Default::default(),
@@ -106,7 +120,7 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     Ok(Attributes {
         tenant: text(tenant_header),
         user: text("x-user-id"),
-        model: fields.model,
+        model,
         priority,
         deadline_ms: number("x-request-deadline-ms")?,
         idempotency_key: text("idempotency-key"),

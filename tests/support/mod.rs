@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod procs;
+pub mod upstream;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

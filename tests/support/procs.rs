@@ -1,1 +1,220 @@
-//! Processes started by tests: redis-server, tollgate, Envoy, grpcurl; each stopped on drop.
+//! Processes started by tests: tollgate itself, Envoy and grpcurl. Each is started on free
+//! loopback ports and killed when its handle drops, so a failing test leaves nothing running.
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A free port on 127.0.0.1 (bound, read, released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A directory that is removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{:016x}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::File::create(&path).unwrap().write_all(text.as_bytes()).unwrap();
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits until something accepts TCP connections on `addr`, or panics after `limit`.
+pub fn wait_for_port(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{what} exited with {status} before listening on {addr}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} did not listen on {addr} within {limit:?}");
+}
+
+pub fn tollgate_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_tollgate")
+}
+
+/// A running `tollgate serve`.
+pub struct Tollgate {
+    pub child: Child,
+    pub addr: SocketAddr,
+    pub dir: TempDir,
+}
+
+impl Tollgate {
+    /// Starts tollgate with this policy text on a free port and waits until it listens.
+    pub fn start(policy: &str) -> Tollgate {
+        let dir = TempDir::new("tollgate");
+        let config = dir.write("policy.yaml", policy);
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
+        let mut child = Command::new(tollgate_bin())
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--listen", &addr.to_string(), "--log", "info"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn tollgate");
+        wait_for_port(addr, Duration::from_secs(20), "tollgate", &mut child);
+        Tollgate { child, addr, dir }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("tollgate.log")).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM, as Kubernetes does, and waits (bounded) for the exit.
+    pub fn terminate(&mut self, limit: Duration) -> Option<ExitStatus> {
+        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Tollgate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `tollgate` with arguments to completion, bounded in time.
+pub fn tollgate_cmd(args: &[&str], limit: Duration) -> Output {
+    let mut child = Command::new(tollgate_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tollgate");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("tollgate {args:?} did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn envoy_bin() -> String {
+    std::env::var("TOLLGATE_TEST_ENVOY")
+        .expect("TOLLGATE_TEST_ENVOY is not set: run the suite with `bash scripts/test`, which installs Envoy")
+}
+
+pub fn grpcurl_bin() -> String {
+    std::env::var("TOLLGATE_TEST_GRPCURL")
+        .expect("TOLLGATE_TEST_GRPCURL is not set: run the suite with `bash scripts/test`, which installs grpcurl")
+}
+
+/// The project's Envoy bootstrap with its four ports moved to the given ones.
+pub fn envoy_config(listen: u16, admin: u16, tollgate: u16, upstream: u16) -> String {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/envoy.yaml")).unwrap();
+    let mut out = text;
+    for (from, to) in [(10000, listen), (9901, admin), (50051, tollgate), (8000, upstream)] {
+        let needle = format!("port_value: {from} ");
+        assert!(out.contains(&needle), "envoy.yaml no longer has {needle:?}");
+        out = out.replace(&needle, &format!("port_value: {to} "));
+    }
+    out
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    pub child: Child,
+    pub port: u16,
+    pub dir: TempDir,
+}
+
+impl Envoy {
+    pub fn start(tollgate: SocketAddr, upstream: u16) -> Envoy {
+        let dir = TempDir::new("envoy");
+        let (port, admin) = (free_port(), free_port());
+        let config = dir.write("envoy.yaml", &envoy_config(port, admin, tollgate.port(), upstream));
+        let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
+        let mut child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&config)
+            .args(["--use-dynamic-base-id", "--disable-hot-restart", "-l", "warning", "--concurrency", "1"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn envoy");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        wait_for_port(addr, Duration::from_secs(30), "envoy", &mut child);
+        Envoy { child, port, dir }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("envoy.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs grpcurl against `addr` (plaintext), bounded in time.
+pub fn grpcurl(addr: SocketAddr, args: &[&str]) -> Output {
+    let mut cmd = Command::new(grpcurl_bin());
+    cmd.args(["-plaintext", "-max-time", "10"]);
+    let (flags, rest): (Vec<&str>, Vec<&str>) = split_grpcurl_args(args);
+    cmd.args(flags).arg(addr.to_string()).args(rest);
+    cmd.output().expect("run grpcurl")
+}
+
+/// grpcurl wants its flags before the address and the verb after it: `-d {..}` stays a flag.
+fn split_grpcurl_args<'a>(args: &[&'a str]) -> (Vec<&'a str>, Vec<&'a str>) {
+    let mut flags = Vec::new();
+    let mut rest = Vec::new();
+    let mut i = 0;
+    while i < args.len() {
+        if args[i].starts_with('-') {
+            flags.push(args[i]);
+            if matches!(args[i], "-d" | "-H" | "-max-time") && i + 1 < args.len() {
+                flags.push(args[i + 1]);
+                i += 1;
+            }
+        } else {
+            rest.push(args[i]);
+        }
+        i += 1;
+    }
+    (flags, rest)
+}

@@ -1,0 +1,138 @@
+//! A stand-in OpenAI-compatible backend for tests (tollgate does not own the backend, so a small
+//! fake is fair here). It answers `/v1/chat/completions` with a `usage` block and, like a real
+//! integration, commits that usage to tollgate with the reservation id Envoy forwarded.
+//!
+//! Test controls, as request headers: `x-test-output-tokens: N` sets the completion tokens
+//! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back.
+//! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
+//! `x-test-commit-state`.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::task::JoinHandle;
+use tollgate::proto::CommitRequest;
+use tollgate::proto::admission_client::AdmissionClient;
+use tonic::transport::Channel;
+
+pub struct Upstream {
+    pub port: u16,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Upstream {
+    pub async fn start(tollgate_endpoint: String) -> Upstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let channel = Channel::from_shared(tollgate_endpoint).unwrap().connect_lazy();
+        let client = AdmissionClient::new(channel);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| handle(req, client.clone()));
+                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                });
+            }
+        });
+        Upstream { port, task }
+    }
+}
+
+async fn handle(req: Request<Incoming>, mut client: AdmissionClient<Channel>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let reservation = header("x-tollgate-reservation");
+    let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
+    let output: Option<u64> = header("x-test-output-tokens").and_then(|v| v.parse().ok());
+    let skip = header("x-test-skip-commit").is_some();
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let max_tokens = json["max_tokens"].as_u64().or(json["max_completion_tokens"].as_u64()).unwrap_or(16);
+    let prompt = (body.len() as u64).div_ceil(4);
+    let completion = output.unwrap_or(max_tokens.min(16));
+
+    let mut commit_state = String::from("skipped");
+    if let (Some(id), false) = (&reservation, skip) {
+        let request = CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
+        commit_state = match client.commit(request).await {
+            Ok(r) => r.into_inner().state,
+            Err(status) => format!("error: {}", status.message()),
+        };
+    }
+    let usage = serde_json::json!({
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+    });
+    let response = Response::builder()
+        .header("content-type", "application/json")
+        .header("x-test-reservation", reservation.unwrap_or_default())
+        .header("x-test-reserved-tokens", reserved)
+        .header("x-test-commit-state", commit_state)
+        .body(Full::new(Bytes::from(usage.to_string())))
+        .unwrap();
+    Ok(response)
+}
+
+/// What a client saw.
+#[derive(Debug)]
+pub struct HttpReply {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: String,
+}
+
+impl HttpReply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("body {:?} is not JSON: {e}", self.body))
+    }
+}
+
+/// POSTs to Envoy on 127.0.0.1:`port`.
+pub async fn post(port: u16, path: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> HttpReply {
+    let client = hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let mut req = Request::post(format!("http://127.0.0.1:{port}{path}")).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).unwrap();
+    let res = tokio::time::timeout(std::time::Duration::from_secs(10), client.request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
+    let status = res.status().as_u16();
+    let headers = res.headers().clone();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    HttpReply { status, headers, body: String::from_utf8_lossy(&body).into_owned() }
+}
+
+/// A chat completion body with about `content_len` bytes of prompt, `model` first (as most SDKs
+/// other than OpenAI's Python one send it).
+pub fn chat_body(model: &str, max_tokens: Option<i64>, content_len: usize) -> String {
+    let max = max_tokens.map(|n| format!(r#","max_tokens":{n}"#)).unwrap_or_default();
+    format!(r#"{{"model":{model:?}{max},"messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(content_len))
+}
+
+/// The same with `messages` first, as OpenAI's Python SDK sends it: a cut body loses the model.
+pub fn chat_body_messages_first(model: &str, max_tokens: i64, content_len: usize) -> String {
+    format!(
+        r#"{{"messages":[{{"role":"user","content":"{}"}}],"model":{model:?},"max_tokens":{max_tokens}}}"#,
+        "x".repeat(content_len)
+    )
+}
