@@ -1,0 +1,85 @@
+//! Debugging with real grpcurl, as the README shows it: list and describe by reflection, then a
+//! Check and a Commit by hand.
+
+mod support;
+
+use support::procs::{Tollgate, grpcurl};
+
+const POLICY: &str = "models:\n  m:\n    max_output_tokens: 512\ntenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
+
+fn run(t: &Tollgate, args: &[&str]) -> String {
+    let out = grpcurl(t.addr, args);
+    assert!(
+        out.status.success(),
+        "grpcurl {args:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        t.log()
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn grpcurl_lists_every_service_by_reflection() {
+    let t = Tollgate::start(POLICY);
+    let list = run(&t, &["list"]);
+    for service in [
+        "envoy.service.auth.v3.Authorization",
+        "tollgate.v1.Admission",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ] {
+        assert!(list.lines().any(|l| l.trim() == service), "{service} missing from:\n{list}");
+    }
+    let admission = run(&t, &["describe", "tollgate.v1.Admission"]);
+    for rpc in ["rpc Reserve", "rpc Commit", "rpc Renew", "rpc Release"] {
+        assert!(admission.contains(rpc), "{rpc} missing from:\n{admission}");
+    }
+    let authz = run(&t, &["describe", "envoy.service.auth.v3.Authorization"]);
+    assert!(authz.contains("rpc Check"), "{authz}");
+    let health = run(&t, &["grpc.health.v1.Health/Check"]);
+    assert!(health.contains("SERVING"), "{health}");
+}
+
+#[test]
+fn grpcurl_calls_check_then_commit() {
+    let t = Tollgate::start(POLICY);
+    let body = r#"{"model":"m","max_tokens":20,"messages":[{"role":"user","content":"hello"}]}"#;
+    let mut request = serde_json::json!({
+        "attributes": {"request": {"http": {
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": {"x-tenant-id": "acme", "content-type": "application/json"},
+            "body": body
+        }}}
+    });
+    let check = request.to_string();
+    let out = run(&t, &["-d", &check, "envoy.service.auth.v3.Authorization/Check"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let headers = reply["okResponse"]["headers"].as_array().unwrap_or_else(|| panic!("not admitted: {out}"));
+    let value = |key: &str| {
+        headers
+            .iter()
+            .find(|h| h["header"]["key"] == key)
+            .and_then(|h| h["header"]["value"].as_str())
+            .unwrap_or_else(|| panic!("{key} missing: {out}"))
+            .to_string()
+    };
+    let id = value("x-tollgate-reservation");
+    // The body's bytes at 4 bytes/token, rounded up, plus max_tokens 20.
+    let held = body.len().div_ceil(4) + 20;
+    assert_eq!(value("x-tollgate-reserved-tokens"), held.to_string());
+
+    let commit = serde_json::json!({"reservation_id": id, "prompt_tokens": 12, "completion_tokens": 7}).to_string();
+    let out = run(&t, &["-d", &commit, "tollgate.v1.Admission/Commit"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(reply["state"], "committed", "{out}");
+    assert_eq!(reply["usedTokens"], "19", "{out}");
+    assert_eq!(reply["refundedTokens"], (held - 19).to_string(), "{out}");
+
+    // A denial is an OK gRPC answer holding a Denied response.
+    request["attributes"]["request"]["http"]["headers"].as_object_mut().unwrap().remove("x-tenant-id");
+    let anonymous = request.to_string();
+    let out = run(&t, &["-d", &anonymous, "envoy.service.auth.v3.Authorization/Check"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(reply["deniedResponse"]["status"]["code"], "Unauthorized", "{out}");
+}
