@@ -1,0 +1,67 @@
+//! A broken policy stops the start with a message that names the file, the field and why. One
+//! fixture per rejected configuration in tests/config/, its expected message on its first line.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use support::procs::tollgate_cmd;
+use tollgate::config::Policy;
+
+fn fixtures() -> Vec<(PathBuf, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expected = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# error: "))
+            .unwrap_or_else(|| panic!("{} lacks its '# error: ' line", path.display()))
+            .to_string();
+        out.push((path, expected));
+    }
+    out.sort();
+    assert!(out.len() >= 10, "fixtures missing from {}", dir.display());
+    out
+}
+
+#[test]
+fn every_rejected_policy_fails_with_its_message() {
+    for (path, expected) in fixtures() {
+        let err = Policy::load(&path).expect_err(&format!("{} was accepted", path.display())).to_string();
+        assert!(err.starts_with(&path.display().to_string()), "{err}: the file is not named");
+        assert!(err.contains(&expected), "{}:\n  expected: {expected}\n  got:      {err}", path.display());
+    }
+}
+
+#[test]
+fn check_config_prints_the_error_and_fails() {
+    let (path, expected) = fixtures().into_iter().find(|(p, _)| p.ends_with("user_above_tenant.yaml")).unwrap();
+    let out = tollgate_cmd(&["check-config", path.to_str().unwrap()], Duration::from_secs(10));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&expected), "{stderr}");
+}
+
+#[test]
+fn check_config_summarises_a_good_policy() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/policy.yaml");
+    let out = tollgate_cmd(&["check-config", path.to_str().unwrap()], Duration::from_secs(10));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.starts_with("policy OK"), "{stdout}");
+    assert!(stdout.contains("tenant acme: 120000 tokens/min (burst 40000)"), "{stdout}");
+    assert!(stdout.contains("store: embedded"), "{stdout}");
+}
+
+#[test]
+fn serve_refuses_a_broken_policy_naming_the_field() {
+    let (path, expected) = fixtures().into_iter().find(|(p, _)| p.ends_with("zero_limit.yaml")).unwrap();
+    let out = tollgate_cmd(&["serve", "--config", path.to_str().unwrap()], Duration::from_secs(10));
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&expected), "{stderr}");
+}
