@@ -12,15 +12,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(env::var("OUT_DIR")?);
 
     let own = protox::compile(["tollgate/v1/admission.proto"], ["proto"])?;
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(own.clone())?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(own.clone())?;
 
-    let mut reflection = protox::compile(
-        ["envoy/service/auth/v3/external_auth.proto"],
-        ["proto/vendor"],
-    )?;
+    let mut reflection = protox::compile(["envoy/service/auth/v3/external_auth.proto"], ["proto/vendor"])?;
     for file in own.file {
         if !reflection.file.iter().any(|f| f.name == file.name) {
             reflection.file.push(file);

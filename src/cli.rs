@@ -71,10 +71,8 @@ pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<TcpList
 
 /// Connects the policy's store, loads the scripts, and serves on `listener` until `shutdown`.
 pub async fn serve(policy: Arc<Policy>, listener: TcpListener, shutdown: CancellationToken) -> Result<(), RunError> {
-    let options = RedisOptions {
-        connect_timeout: policy.store.connect_timeout,
-        command_timeout: policy.store.command_timeout,
-    };
+    let options =
+        RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
     match policy.store.choice.clone() {
         StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listener, shutdown).await,
         StoreChoice::Redis { url } => {

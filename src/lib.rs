@@ -36,6 +36,5 @@ pub mod proto {
     tonic::include_proto!("tollgate.v1");
 
     /// Descriptors for server reflection: tollgate's API and Envoy's ext_authz closure.
-    pub const REFLECTION_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/reflection_descriptor.bin"));
+    pub const REFLECTION_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/reflection_descriptor.bin"));
 }

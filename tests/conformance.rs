@@ -260,10 +260,8 @@ mod scenarios {
     pub const BUCKET: &str = SLOW_BUCKET;
     pub const REFILL: &str = "limits:\n  tokens_per_minute: 600\n  burst_tokens: 100\n";
     pub const CONCURRENCY: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 2\n";
-    pub const LEASE_CHARGE: &str =
-        "lease_ttl_ms: 300\nexpired_usage: charge_reserved\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
-    pub const LEASE_REFUND: &str =
-        "lease_ttl_ms: 300\nexpired_usage: refund\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
+    pub const LEASE_CHARGE: &str = "lease_ttl_ms: 300\nexpired_usage: charge_reserved\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
+    pub const LEASE_REFUND: &str = "lease_ttl_ms: 300\nexpired_usage: refund\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
     pub const SCOPED: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 2000\ndefault_user:\n  tokens_per_minute: 60\n  burst_tokens: 500\nmodels:\n  other:\n    tokens_per_minute: 60\n    burst_tokens: 400\n";
     pub const DAILY: &str = "limits:\n  tokens_per_day: 1000\n";
     pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";

@@ -192,7 +192,9 @@ async fn bad_input_gets_the_right_reason_and_charges_nothing() {
     let stack = Stack::start("").await;
     let ok = chat_body("m", Some(10), 10);
     let long_tenant = "t".repeat(1000);
-    let cases: Vec<(&str, String, Vec<(&str, &str)>, u16, &str)> = vec![
+    /// What is wrong, the body, extra headers, then the expected status and reason.
+    type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>, u16, &'a str);
+    let cases: Vec<Case> = vec![
         ("malformed JSON", r#"{"model": "m", "max_tokens": 10,,}"#.into(), vec![], 400, "invalid_request"),
         ("truncated JSON", r#"{"model":"m","max_tok"#.into(), vec![], 400, "invalid_request"),
         ("not an object", "[1, 2, 3]".into(), vec![], 400, "invalid_request"),

@@ -5,16 +5,12 @@ mod support;
 
 use support::procs::{Tollgate, grpcurl};
 
-const POLICY: &str = "models:\n  m:\n    max_output_tokens: 512\ntenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
+const POLICY: &str =
+    "models:\n  m:\n    max_output_tokens: 512\ntenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
 
 fn run(t: &Tollgate, args: &[&str]) -> String {
     let out = grpcurl(t.addr, args);
-    assert!(
-        out.status.success(),
-        "grpcurl {args:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        t.log()
-    );
+    assert!(out.status.success(), "grpcurl {args:?} failed: {}\n{}", String::from_utf8_lossy(&out.stderr), t.log());
     String::from_utf8(out.stdout).unwrap()
 }
 

@@ -19,7 +19,10 @@ fn an_unreachable_redis_fails_the_start() {
         "policy.yaml",
         &format!("store:\n  redis_url: redis://127.0.0.1:{port}\n  connect_timeout_ms: 1000\n{MODELS}"),
     );
-    let out = tollgate_cmd(&["serve", "--config", policy.to_str().unwrap(), "--listen", "127.0.0.1:0"], Duration::from_secs(20));
+    let out = tollgate_cmd(
+        &["serve", "--config", policy.to_str().unwrap(), "--listen", "127.0.0.1:0"],
+        Duration::from_secs(20),
+    );
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("cannot connect to Redis at redis://127.0.0.1:{port}")), "{stderr}");

@@ -15,8 +15,8 @@ pub use decision::{Admitted, Decision, Denial, Reason};
 use crate::config::{Policy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::store::{
-    CommitOutcome, Protocol, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store,
-    StoreError, keys,
+    CommitOutcome, Protocol, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError,
+    keys,
 };
 
 /// Request priority tier (`x-priority`). Parsed and validated now; capacity-aware admission uses it.
@@ -129,7 +129,8 @@ impl<S: Store> Admission<S> {
             ));
         }
 
-        let hold = estimate::prompt_tokens(a.prompt, model).saturating_add(estimate::output_reservation(a.max_tokens, model));
+        let hold =
+            estimate::prompt_tokens(a.prompt, model).saturating_add(estimate::output_reservation(a.max_tokens, model));
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
         for s in &scopes {
             if let Some(largest) = s.largest
@@ -190,7 +191,12 @@ impl<S: Store> Admission<S> {
     }
 
     /// The commit phase: reconcile a hold against actual usage.
-    pub async fn commit(&self, reservation_id: &str, prompt: u64, output: u64) -> Result<CommitOutcome, AdmissionError> {
+    pub async fn commit(
+        &self,
+        reservation_id: &str,
+        prompt: u64,
+        output: u64,
+    ) -> Result<CommitOutcome, AdmissionError> {
         let tenant = tenant_of(reservation_id)?;
         Ok(self.protocol.commit(tenant, reservation_id, prompt, output).await?)
     }
@@ -251,5 +257,6 @@ fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> V
 }
 
 fn tenant_of(reservation_id: &str) -> Result<&str, AdmissionError> {
-    ids::parse_reservation_id(reservation_id).ok_or_else(|| AdmissionError::BadReservationId(reservation_id.to_string()))
+    ids::parse_reservation_id(reservation_id)
+        .ok_or_else(|| AdmissionError::BadReservationId(reservation_id.to_string()))
 }

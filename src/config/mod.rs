@@ -35,8 +35,12 @@ pub enum ConfigError {
 pub enum StoreChoice {
     /// In-process; for a single replica.
     Embedded,
-    Redis { url: String },
-    Cluster { nodes: Vec<String> },
+    Redis {
+        url: String,
+    },
+    Cluster {
+        nodes: Vec<String>,
+    },
 }
 
 /// Store selection and connection timeouts.

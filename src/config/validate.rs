@@ -63,8 +63,16 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     };
     let store = StoreSettings {
         choice,
-        connect_timeout: Duration::from_millis(positive("store.connect_timeout_ms", raw.store.connect_timeout_ms, 3_000)?),
-        command_timeout: Duration::from_millis(positive("store.command_timeout_ms", raw.store.command_timeout_ms, 500)?),
+        connect_timeout: Duration::from_millis(positive(
+            "store.connect_timeout_ms",
+            raw.store.connect_timeout_ms,
+            3_000,
+        )?),
+        command_timeout: Duration::from_millis(positive(
+            "store.command_timeout_ms",
+            raw.store.command_timeout_ms,
+            500,
+        )?),
     };
 
     let d = raw.defaults;
@@ -138,19 +146,16 @@ fn tenant_policy(
         check_limits(&f, user)?;
         check_within(&f, user, &t.limits)?;
     }
-    let users = children(field, "users", t.users, &t.limits, |name| {
-        ids::check_user(name).map_err(|why| why.to_string())
-    })?;
+    let users =
+        children(field, "users", t.users, &t.limits, |name| ids::check_user(name).map_err(|why| why.to_string()))?;
     let tenant_models = children(field, "models", t.models, &t.limits, |name| {
         if models.contains_key(name) { Ok(()) } else { Err("is not one of the models this policy names".into()) }
     })?;
 
     // Keys must outlive everything they remember: a full refill, two leases, a day's budget.
     let mut idle = 2 * lease_ttl_ms + retention_ms.min(lease_ttl_ms);
-    let all = std::iter::once(&t.limits)
-        .chain(t.default_user.iter())
-        .chain(users.values())
-        .chain(tenant_models.values());
+    let all =
+        std::iter::once(&t.limits).chain(t.default_user.iter()).chain(users.values()).chain(tenant_models.values());
     for limits in all {
         let s = limits.scope_limits();
         if s.token_capacity > 0 {
@@ -222,7 +227,11 @@ fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Prob
     let (c, p) = (child.scope_limits(), parent.scope_limits());
     let pairs = [
         ("tokens_per_minute", child.tokens_per_minute, parent.tokens_per_minute),
-        ("burst_tokens", (c.token_capacity > 0).then_some(c.token_capacity), (p.token_capacity > 0).then_some(p.token_capacity)),
+        (
+            "burst_tokens",
+            (c.token_capacity > 0).then_some(c.token_capacity),
+            (p.token_capacity > 0).then_some(p.token_capacity),
+        ),
         ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
         ("max_concurrency", child.max_concurrency, parent.max_concurrency),
         ("tokens_per_day", child.tokens_per_day, parent.tokens_per_day),

@@ -52,7 +52,11 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             priority,
             deadline_ms: (r.deadline_ms > 0).then_some(r.deadline_ms),
             idempotency_key: non_empty(r.idempotency_key),
-            prompt: if r.prompt_tokens > 0 { PromptSize::Tokens(r.prompt_tokens) } else { PromptSize::Bytes(r.prompt_bytes) },
+            prompt: if r.prompt_tokens > 0 {
+                PromptSize::Tokens(r.prompt_tokens)
+            } else {
+                PromptSize::Bytes(r.prompt_bytes)
+            },
             max_tokens: (r.max_tokens > 0).then_some(r.max_tokens),
             stream: false,
         };
@@ -92,13 +96,11 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
 
     async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
         let r = request.into_inner();
-        let o = self
-            .admission
-            .commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens)
-            .await
-            .map_err(status)?;
+        let o = self.admission.commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens).await.map_err(status)?;
         match o.state.as_str() {
-            "not_found" => Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id))),
+            "not_found" => {
+                Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id)))
+            }
             "released" => Err(Status::failed_precondition(format!(
                 "reservation {} was released; it cannot be committed",
                 r.reservation_id

@@ -73,9 +73,10 @@ fn header<'a>(http: &'a HttpRequest, name: &str) -> Option<&'a str> {
         return Some(v.as_str());
     }
     let map = http.header_map.as_ref()?;
-    map.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)).and_then(|h| {
-        if h.value.is_empty() { std::str::from_utf8(&h.raw_value).ok() } else { Some(h.value.as_str()) }
-    })
+    map.headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .and_then(|h| if h.value.is_empty() { std::str::from_utf8(&h.raw_value).ok() } else { Some(h.value.as_str()) })
 }
 
 /// Reads the attributes of a Check request; a request that cannot be read is refused here.
@@ -92,7 +93,9 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     let number = |name: &str| -> Result<Option<u64>, Denial> {
         match header(http, name).map(str::trim) {
             None | Some("") => Ok(None),
-            Some(v) => v.parse::<u64>().map(Some).map_err(|_| invalid(format!("{name} {v:?} is not a non-negative integer"))),
+            Some(v) => {
+                v.parse::<u64>().map(Some).map_err(|_| invalid(format!("{name} {v:?} is not a non-negative integer")))
+            }
         }
     };
 

@@ -3,11 +3,13 @@
 //! A denial is an OK gRPC reply holding a Denied response (Envoy answers the client with it); a
 //! gRPC error would mean tollgate itself failed, and Envoy would answer `status_on_error`.
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction};
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::config::core::v3::{
+    HeaderValue, HeaderValueOption, header_value_option::HeaderAppendAction,
+};
 use envoy_types::pb::envoy::service::auth::v3::{
     CheckResponse, DeniedHttpResponse, OkHttpResponse, check_response::HttpResponse,
 };
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use crate::admission::{Admitted, Decision, Denial};
@@ -61,7 +63,11 @@ fn denied(d: &Denial) -> CheckResponse {
     }
     headers.extend(rate_limit_headers(&d.headroom));
     CheckResponse {
-        status: Some(RpcStatus { code: RPC_PERMISSION_DENIED, message: d.reason.code().to_string(), ..Default::default() }),
+        status: Some(RpcStatus {
+            code: RPC_PERMISSION_DENIED,
+            message: d.reason.code().to_string(),
+            ..Default::default()
+        }),
         http_response: Some(HttpResponse::DeniedResponse(DeniedHttpResponse {
             status: Some(HttpStatus { code: i32::from(d.reason.http_status()) }),
             headers,
@@ -110,11 +116,7 @@ pub fn duration_text(ms: u64) -> String {
     } else {
         let minutes = ms / 60_000;
         let rest = (ms % 60_000) / 1000;
-        if minutes < 60 {
-            format!("{minutes}m{rest}s")
-        } else {
-            format!("{}h{}m{rest}s", minutes / 60, minutes % 60)
-        }
+        if minutes < 60 { format!("{minutes}m{rest}s") } else { format!("{}h{}m{rest}s", minutes / 60, minutes % 60) }
     }
 }
 

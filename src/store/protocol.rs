@@ -232,9 +232,7 @@ impl<S: Store> Protocol<S> {
     }
 
     pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
-        let (state, n) = self
-            .state_and_number(&self.scripts.release, tenant, id, vec![id.to_string()])
-            .await?;
+        let (state, n) = self.state_and_number(&self.scripts.release, tenant, id, vec![id.to_string()]).await?;
         Ok(ReleaseOutcome { state, refunded: n })
     }
 

@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use fred::prelude::{ClientLike, Config, ConnectionConfig, LuaInterface, PerformanceConfig, ReconnectPolicy, ServerConfig};
+use fred::prelude::{
+    ClientLike, Config, ConnectionConfig, LuaInterface, PerformanceConfig, ReconnectPolicy, ServerConfig,
+};
 use fred::types::Value;
 
 use super::{Reply, Script, Store, StoreError};
@@ -50,8 +52,9 @@ impl RedisStore {
     /// an unreachable Redis at start is an error, not a silent retry loop.
     pub async fn connect(target: &RedisTarget, options: RedisOptions) -> Result<Self, StoreError> {
         let config = match target {
-            RedisTarget::Single(url) => Config::from_url(url)
-                .map_err(|e| StoreError::Unavailable(format!("bad Redis URL {url:?}: {e}")))?,
+            RedisTarget::Single(url) => {
+                Config::from_url(url).map_err(|e| StoreError::Unavailable(format!("bad Redis URL {url:?}: {e}")))?
+            }
             RedisTarget::Cluster(nodes) => {
                 let mut hosts = Vec::with_capacity(nodes.len());
                 for node in nodes {

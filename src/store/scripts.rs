@@ -46,7 +46,6 @@ impl Scripts {
     }
 }
 
-
 impl Default for Scripts {
     fn default() -> Self {
         Scripts::new()

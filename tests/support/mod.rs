@@ -29,7 +29,9 @@ pub fn redis_url() -> String {
 
 pub fn redis_cluster_nodes() -> Vec<String> {
     std::env::var("TOLLGATE_TEST_REDIS_CLUSTER")
-        .expect("TOLLGATE_TEST_REDIS_CLUSTER is not set: run the suite with `bash scripts/test`, which starts a cluster")
+        .expect(
+            "TOLLGATE_TEST_REDIS_CLUSTER is not set: run the suite with `bash scripts/test`, which starts a cluster",
+        )
         .split(',')
         .map(str::to_string)
         .collect()

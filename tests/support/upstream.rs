@@ -42,7 +42,9 @@ impl Upstream {
                 let client = client.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| handle(req, client.clone()));
-                    let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
                 });
             }
         });
@@ -50,7 +52,10 @@ impl Upstream {
     }
 }
 
-async fn handle(req: Request<Incoming>, mut client: AdmissionClient<Channel>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(
+    req: Request<Incoming>,
+    mut client: AdmissionClient<Channel>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     let reservation = header("x-tollgate-reservation");
     let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
@@ -64,7 +69,8 @@ async fn handle(req: Request<Incoming>, mut client: AdmissionClient<Channel>) ->
 
     let mut commit_state = String::from("skipped");
     if let (Some(id), false) = (&reservation, skip) {
-        let request = CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
+        let request =
+            CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
         commit_state = match client.commit(request).await {
             Ok(r) => r.into_inner().state,
             Err(status) => format!("error: {}", status.message()),

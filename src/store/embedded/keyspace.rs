@@ -18,10 +18,12 @@ pub enum Resp {
     Status(&'static str),
 }
 
+type Hash = HashMap<Vec<u8>, Vec<u8>>;
+
 #[derive(Debug)]
 enum Value {
     Str(Vec<u8>),
-    Hash(HashMap<Vec<u8>, Vec<u8>>),
+    Hash(Hash),
     ZSet(ZSet),
 }
 
@@ -186,9 +188,7 @@ impl Keyspace {
                 Ok(Resp::Array(
                     a[1..]
                         .iter()
-                        .map(|f| {
-                            h.and_then(|h| h.get(f)).map_or(Resp::Nil, |v| Resp::Bulk(v.clone()))
-                        })
+                        .map(|f| h.and_then(|h| h.get(f)).map_or(Resp::Nil, |v| Resp::Bulk(v.clone())))
                         .collect(),
                 ))
             }
@@ -206,7 +206,7 @@ impl Keyspace {
                 Ok(Resp::Array(out))
             }
             "HSET" => {
-                if a.len() < 3 || a.len() % 2 == 0 {
+                if a.len() < 3 || a.len().is_multiple_of(2) {
                     return Err(arity_error());
                 }
                 let h = match &mut self.entry_or_insert(now, &a[0], || Value::Hash(HashMap::new())).value {
@@ -222,7 +222,7 @@ impl Keyspace {
                 Ok(Resp::Int(added))
             }
             "ZADD" => {
-                if a.len() < 3 || a.len() % 2 == 0 {
+                if a.len() < 3 || a.len().is_multiple_of(2) {
                     return Err(arity_error());
                 }
                 let mut pairs = Vec::new();
@@ -301,13 +301,7 @@ impl Keyspace {
         let (min, max) = (bound_arg(&a[1])?, bound_arg(&a[2])?);
         let Some(z) = self.zset(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
         let mut out = Vec::new();
-        for (score, member) in z
-            .by_score
-            .iter()
-            .filter(|(s, _)| s.0 >= min && s.0 <= max)
-            .skip(offset)
-            .take(count)
-        {
+        for (score, member) in z.by_score.iter().filter(|(s, _)| s.0 >= min && s.0 <= max).skip(offset).take(count) {
             push_member(&mut out, score, member, false);
         }
         Ok(Resp::Array(out))
@@ -330,7 +324,7 @@ impl Keyspace {
         self.entries.get_mut(key).expect("inserted above")
     }
 
-    fn hash(&mut self, now: u64, key: &[u8]) -> Result<Option<&HashMap<Vec<u8>, Vec<u8>>>, String> {
+    fn hash(&mut self, now: u64, key: &[u8]) -> Result<Option<&Hash>, String> {
         match self.live(now, key).map(|e| &e.value) {
             None => Ok(None),
             Some(Value::Hash(h)) => Ok(Some(h)),
@@ -373,11 +367,7 @@ fn push_member(out: &mut Vec<Resp>, score: &Score, member: &[u8], with_scores: b
 
 /// Formats a number the way Redis does when it turns a Lua number or a score into a string.
 pub fn format_number(n: f64) -> String {
-    if n.fract() == 0.0 && n.abs() < 1e17 {
-        format!("{}", n as i64)
-    } else {
-        format!("{n}")
-    }
+    if n.fract() == 0.0 && n.abs() < 1e17 { format!("{}", n as i64) } else { format!("{n}") }
 }
 
 fn arity(a: &[Vec<u8>], n: usize) -> Result<(), String> {

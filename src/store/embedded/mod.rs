@@ -143,16 +143,13 @@ fn call(lua: &Lua, args: MultiValue, raise: bool) -> mlua::Result<Value> {
             Value::Integer(n) => n.to_string().into_bytes(),
             Value::Number(n) => format_number(n).into_bytes(),
             _ => {
-                return Err(mlua::Error::runtime(
-                    "Lua redis lib command arguments must be strings or integers",
-                ));
+                return Err(mlua::Error::runtime("Lua redis lib command arguments must be strings or integers"));
             }
         });
     }
     let result = {
-        let mut ctx = lua
-            .app_data_mut::<Context>()
-            .ok_or_else(|| mlua::Error::runtime("embedded store context missing"))?;
+        let mut ctx =
+            lua.app_data_mut::<Context>().ok_or_else(|| mlua::Error::runtime("embedded store context missing"))?;
         let now = ctx.clock.now_ms();
         ctx.keyspace.command(now, &argv)
     };
