@@ -44,6 +44,34 @@ pub enum Command {
         /// The policy file (YAML).
         file: PathBuf,
     },
+    /// Open-loop load: full Check + Commit cycles at a fixed rate against a running tollgate;
+    /// latency counted from each cycle's scheduled send time.
+    Bench {
+        /// tollgate's gRPC endpoint.
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        target: String,
+        /// Cycles per second.
+        #[arg(long, default_value_t = 1000)]
+        rate: u32,
+        /// Measured seconds.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Seconds of load before measuring.
+        #[arg(long, default_value_t = 2)]
+        warmup_seconds: u64,
+        /// Tenants to spread the load over (comma separated).
+        #[arg(long, default_value = "bench", value_delimiter = ',')]
+        tenants: Vec<String>,
+        /// The model the requests name.
+        #[arg(long, default_value = "m")]
+        model: String,
+        /// gRPC connections.
+        #[arg(long, default_value_t = 2)]
+        connections: usize,
+        /// Runs at the same rate, each reported on its own line.
+        #[arg(long, default_value_t = 1)]
+        runs: u32,
+    },
 }
 
 /// Why `serve` stopped with an error.

@@ -7,7 +7,8 @@
 //!
 //! # Layout
 //!
-//! - [`cli`]: the command line (`serve`, `check-config`).
+//! - [`cli`]: the command line (`serve`, `check-config`, `bench`).
+//! - [`bench`]: the open-loop load generator for full Check + Commit cycles.
 //! - [`config`]: YAML policy → validated, typed policy; strict, with errors that name the field.
 //! - [`admission`]: attributes + policy + store → [`admission::Decision`]. Knows nothing of gRPC.
 //! - [`estimate`]: how many tokens to hold: the prompt estimate and the output reservation.
@@ -23,6 +24,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod estimate;

@@ -4,10 +4,12 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+use tollgate::bench::{self, BenchOptions};
 use tollgate::cli::{self, Cli, Command};
 use tollgate::config::Policy;
 
@@ -24,14 +26,32 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Serve { config, listen, otlp_endpoint, log } => {
-            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("tollgate: cannot start the runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
+        Command::Bench { target, rate, seconds, warmup_seconds, tenants, model, connections, runs } => {
+            let Some(runtime) = runtime() else { return ExitCode::FAILURE };
+            let options = BenchOptions {
+                target,
+                rate,
+                duration: Duration::from_secs(seconds),
+                warmup: Duration::from_secs(warmup_seconds),
+                tenants,
+                model,
+                connections,
             };
+            runtime.block_on(async move {
+                for run in 1..=runs.max(1) {
+                    match bench::run(&options).await {
+                        Ok(report) => println!("run {run}: {report}"),
+                        Err(e) => {
+                            eprintln!("tollgate: bench: {e}");
+                            return ExitCode::FAILURE;
+                        }
+                    }
+                }
+                ExitCode::SUCCESS
+            })
+        }
+        Command::Serve { config, listen, otlp_endpoint, log } => {
+            let Some(runtime) = runtime() else { return ExitCode::FAILURE };
             runtime.block_on(async move {
                 let _telemetry = match tollgate::telemetry::init(&log, otlp_endpoint.as_deref()) {
                     Ok(t) => t,
@@ -57,6 +77,16 @@ fn main() -> ExitCode {
                     }
                 }
             })
+        }
+    }
+}
+
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => Some(rt),
+        Err(e) => {
+            eprintln!("tollgate: cannot start the runtime: {e}");
+            None
         }
     }
 }

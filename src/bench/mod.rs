@@ -1,0 +1,168 @@
+//! `tollgate bench`: an open-loop load generator for the full admission cycle (Check, then Commit)
+//! against a running tollgate over gRPC.
+//!
+//! Open loop: every send time is fixed before the run (a constant rate), and each cycle's latency
+//! is measured from its *scheduled* send time, not from when it was actually sent. A server that
+//! stalls therefore cannot hide the queue it built: the requests scheduled during the stall are
+//! charged the whole wait (no coordinated omission).
+
+mod report;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
+use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, attribute_context};
+use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
+
+pub use report::Report;
+
+use crate::proto::CommitRequest;
+use crate::proto::admission_client::AdmissionClient;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// tollgate's gRPC endpoint, e.g. `http://127.0.0.1:50051`.
+    pub target: String,
+    /// Cycles per second, fixed for the run.
+    pub rate: u32,
+    pub duration: Duration,
+    /// Cycles sent before measuring starts (connections warm, caches full).
+    pub warmup: Duration,
+    /// Tenants the load is spread over, round robin.
+    pub tenants: Vec<String>,
+    pub model: String,
+    /// gRPC connections, used round robin.
+    pub connections: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("bad target {0:?}: {1}")]
+    Target(String, String),
+    #[error("cannot connect to {0}: {1}")]
+    Connect(String, tonic::transport::Error),
+    #[error("{0}")]
+    Options(String),
+}
+
+/// One cycle's outcome.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    /// From the scheduled send time to the Commit's reply (or to the denial).
+    latency: Duration,
+    admitted: bool,
+    error: bool,
+}
+
+/// Runs the load and reports latency percentiles over the measured window.
+pub async fn run(options: &BenchOptions) -> Result<Report, BenchError> {
+    if options.rate == 0 || options.rate > 200_000 {
+        return Err(BenchError::Options("rate must be within 1..=200000 cycles/s".into()));
+    }
+    if options.duration.is_zero() || options.duration > Duration::from_secs(600) {
+        return Err(BenchError::Options("duration must be within 1..=600 s".into()));
+    }
+    if options.tenants.is_empty() {
+        return Err(BenchError::Options("name at least one tenant".into()));
+    }
+    let endpoint = Endpoint::from_shared(options.target.clone())
+        .map_err(|e| BenchError::Target(options.target.clone(), e.to_string()))?
+        .tcp_nodelay(true);
+    let mut channels = Vec::new();
+    for _ in 0..options.connections.max(1) {
+        channels.push(endpoint.connect().await.map_err(|e| BenchError::Connect(options.target.clone(), e))?);
+    }
+
+    let interval = Duration::from_secs_f64(1.0 / f64::from(options.rate));
+    let warm = (options.warmup.as_secs_f64() * f64::from(options.rate)) as u64;
+    let measured = (options.duration.as_secs_f64() * f64::from(options.rate)) as u64;
+    let total = warm + measured;
+    let samples = Arc::new(Mutex::new(Vec::with_capacity(measured as usize)));
+    let body = Arc::new(format!(
+        r#"{{"model":"{}","max_tokens":256,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        options.model,
+        "x".repeat(600)
+    ));
+
+    // The schedule is kept by a thread of its own: tokio's timer ticks in whole milliseconds, so
+    // at 1,000 cycles/s it would send most cycles late and charge the lateness to the server.
+    // A thread's sleep is accurate to tens of microseconds.
+    let start = Instant::now() + Duration::from_millis(50);
+    let runtime = tokio::runtime::Handle::current();
+    let tenants = options.tenants.clone();
+    let dispatch_samples = samples.clone();
+    let dispatcher = tokio::task::spawn_blocking(move || {
+        let mut tasks = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            let scheduled = start + interval.mul_f64(i as f64);
+            if let Some(wait) = scheduled.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let channel = channels[i as usize % channels.len()].clone();
+            let tenant = tenants[i as usize % tenants.len()].clone();
+            let body = body.clone();
+            let samples = dispatch_samples.clone();
+            let record = i >= warm;
+            tasks.push(runtime.spawn(async move {
+                let sample = cycle(channel, tenant, &body, scheduled).await;
+                if record {
+                    samples.lock().await.push(sample);
+                }
+            }));
+        }
+        tasks
+    });
+    let tasks = dispatcher.await.map_err(|e| BenchError::Options(format!("dispatcher failed: {e}")))?;
+    for task in tasks {
+        let _ = task.await;
+    }
+    let elapsed = Instant::now().duration_since(start + interval.mul_f64(warm as f64));
+    let samples = std::mem::take(&mut *samples.lock().await);
+    Ok(Report::new(options.rate, elapsed, samples.iter().map(|s| (s.latency, s.admitted, s.error))))
+}
+
+/// One full admission: Check (reserve), then Commit of a usage below the hold.
+async fn cycle(channel: Channel, tenant: String, body: &str, scheduled: Instant) -> Sample {
+    let mut authz = AuthorizationClient::new(channel.clone());
+    let http = attribute_context::HttpRequest {
+        method: "POST".into(),
+        path: "/v1/chat/completions".into(),
+        headers: [("x-tenant-id".to_string(), tenant), ("content-type".into(), "application/json".into())].into(),
+        raw_body: body.as_bytes().to_vec(),
+        size: body.len() as i64,
+        ..Default::default()
+    };
+    let request = CheckRequest {
+        attributes: Some(AttributeContext {
+            request: Some(attribute_context::Request { http: Some(http), ..Default::default() }),
+            ..Default::default()
+        }),
+    };
+    let failed = |admitted| Sample { latency: scheduled.elapsed(), admitted, error: true };
+    let response = match authz.check(request).await {
+        Ok(r) => r.into_inner(),
+        Err(_) => return failed(false),
+    };
+    use envoy_types::pb::envoy::service::auth::v3::check_response::HttpResponse;
+    let id = match &response.http_response {
+        Some(HttpResponse::OkResponse(ok)) => ok
+            .headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == crate::grpc::response::RESERVATION_HEADER)
+            .map(|h| h.value.clone()),
+        _ => None,
+    };
+    let Some(id) = id else {
+        return Sample { latency: scheduled.elapsed(), admitted: false, error: false };
+    };
+    let mut admission = AdmissionClient::new(channel);
+    let commit = CommitRequest { reservation_id: id, prompt_tokens: 150, completion_tokens: 120 };
+    match admission.commit(commit).await {
+        Ok(_) => Sample { latency: scheduled.elapsed(), admitted: true, error: false },
+        Err(_) => failed(true),
+    }
+}

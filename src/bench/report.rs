@@ -1,0 +1,93 @@
+//! Percentiles of one bench run.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Latency percentiles (exact, from every sample) and counts of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub offered_rate: u32,
+    pub achieved_rate: f64,
+    pub cycles: usize,
+    pub admitted: usize,
+    pub denied: usize,
+    pub errors: usize,
+    pub p50: Duration,
+    pub p90: Duration,
+    pub p99: Duration,
+    pub p999: Duration,
+    pub max: Duration,
+}
+
+impl Report {
+    pub fn new(offered_rate: u32, elapsed: Duration, samples: impl Iterator<Item = (Duration, bool, bool)>) -> Report {
+        let mut latencies = Vec::new();
+        let (mut admitted, mut denied, mut errors) = (0, 0, 0);
+        for (latency, ok, error) in samples {
+            latencies.push(latency);
+            match (ok, error) {
+                (_, true) => errors += 1,
+                (true, false) => admitted += 1,
+                (false, false) => denied += 1,
+            }
+        }
+        latencies.sort_unstable();
+        let pct = |p: f64| -> Duration {
+            if latencies.is_empty() {
+                return Duration::ZERO;
+            }
+            let rank = ((p / 100.0) * latencies.len() as f64).ceil() as usize;
+            latencies[rank.clamp(1, latencies.len()) - 1]
+        };
+        Report {
+            offered_rate,
+            achieved_rate: latencies.len() as f64 / elapsed.as_secs_f64().max(f64::EPSILON),
+            cycles: latencies.len(),
+            admitted,
+            denied,
+            errors,
+            p50: pct(50.0),
+            p90: pct(90.0),
+            p99: pct(99.0),
+            p999: pct(99.9),
+            max: latencies.last().copied().unwrap_or_default(),
+        }
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        write!(
+            f,
+            "offered {}/s achieved {:.0}/s cycles {} admitted {} denied {} errors {} | p50 {:.3} ms p90 {:.3} ms p99 {:.3} ms p99.9 {:.3} ms max {:.3} ms",
+            self.offered_rate,
+            self.achieved_rate,
+            self.cycles,
+            self.admitted,
+            self.denied,
+            self.errors,
+            ms(self.p50),
+            ms(self.p90),
+            ms(self.p99),
+            ms(self.p999),
+            ms(self.max)
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let samples = (1..=1000).map(|i| (Duration::from_micros(i), true, false));
+        let r = Report::new(1000, Duration::from_secs(1), samples);
+        assert_eq!(r.p50, Duration::from_micros(500));
+        assert_eq!(r.p99, Duration::from_micros(990));
+        assert_eq!(r.p999, Duration::from_micros(999));
+        assert_eq!(r.max, Duration::from_micros(1000));
+        assert_eq!((r.cycles, r.admitted, r.errors), (1000, 1000, 0));
+    }
+}
