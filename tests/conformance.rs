@@ -159,8 +159,8 @@ mod scenarios {
     pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
         h.advance(200).await;
-        let r = h.admission.renew(&id, 0).await.unwrap();
-        assert_eq!((r.state.as_str(), r.lease_remaining_ms), ("reserved", 300));
+        let r = h.admission.renew(&id, 3_600_000).await.unwrap();
+        assert_eq!((r.state.as_str(), r.lease_remaining_ms), ("reserved", 300), "never past the lease TTL");
         h.advance(200).await;
         // 400 ms after reserve, past the first lease but inside the renewed one: still held.
         assert_eq!(denied(&h.reserve(1, 1).await).reason, Reason::Concurrency);
@@ -219,7 +219,10 @@ mod scenarios {
     }
 
     pub async fn the_request_rate_is_limited<S: Store>(h: Harness<S>) {
-        admitted(&h.reserve(1, 1).await);
+        let first = h.reserve(1, 1).await;
+        let requests = admitted(&first).headroom.requests.unwrap();
+        assert_eq!((requests.limit, requests.remaining), (2, 1));
+        assert!(admitted(&first).headroom.tokens.is_none(), "no scope limits tokens");
         admitted(&h.reserve(1, 1).await);
         let d = h.reserve(1, 1).await;
         let no = denied(&d);
@@ -227,6 +230,15 @@ mod scenarios {
         // 2 per minute: one permit every 30 s.
         let wait = no.retry_after_ms.unwrap();
         assert!((29_000..=30_000).contains(&wait), "{wait}");
+    }
+
+    pub async fn the_limit_that_frees_last_is_the_reason<S: Store>(h: Harness<S>) {
+        admitted(&h.reserve(0, 600).await);
+        // Both the bucket (200 tokens short, 200 s) and the day (until midnight) refuse.
+        let d = h.reserve(0, 600).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::Budget);
+        assert!(no.retry_after_ms.unwrap() > 200_000);
     }
 
     pub async fn every_key_carries_a_ttl<S: Store>(h: Harness<S>) {
@@ -264,6 +276,8 @@ mod scenarios {
     pub const LEASE_REFUND: &str = "lease_ttl_ms: 300\nexpired_usage: refund\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
     pub const SCOPED: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 2000\ndefault_user:\n  tokens_per_minute: 60\n  burst_tokens: 500\nmodels:\n  other:\n    tokens_per_minute: 60\n    burst_tokens: 400\n";
     pub const DAILY: &str = "limits:\n  tokens_per_day: 1000\n";
+    pub const DAILY_AND_BUCKET: &str =
+        "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  tokens_per_day: 1000\n";
     pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";
     pub const K7: &str = "limits:\n  tokens_per_minute: 1\n  burst_tokens: 700\n";
 }
@@ -299,6 +313,7 @@ macro_rules! conformance {
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
             scenario!(the_daily_budget_resets_at_midnight_utc, DAILY);
             scenario!(the_request_rate_is_limited, REQUESTS);
+            scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);

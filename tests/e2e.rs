@@ -149,10 +149,20 @@ async fn the_concurrency_limit_gives_429_until_a_release() {
     assert_eq!((second.status, reason(&second)), (429, "concurrency"), "{second:?}");
     assert!(second.header("retry-after").is_some());
     let id = first.header("x-test-reservation").unwrap().to_string();
-    let released = stack.client().await.release(ReleaseRequest { reservation_id: id }).await.unwrap().into_inner();
+    let mut client = stack.client().await;
+    let released = client.release(ReleaseRequest { reservation_id: id.clone() }).await.unwrap().into_inner();
     assert_eq!(released.state, "released");
     let third = stack.chat("solo", &body, &[]).await;
     assert_eq!(third.status, 200, "{third:?}");
+
+    // The Admission service's errors: a released hold cannot be committed; unknown and malformed ids.
+    let commit = |reservation_id: String| CommitRequest { reservation_id, prompt_tokens: 1, completion_tokens: 1 };
+    let code = |r: Result<tonic::Response<_>, tonic::Status>| {
+        r.map(|_: tonic::Response<tollgate::proto::CommitResponse>| ()).unwrap_err().code()
+    };
+    assert_eq!(code(client.commit(commit(id)).await), tonic::Code::FailedPrecondition);
+    assert_eq!(code(client.commit(commit(format!("solo:{}", "0".repeat(32)))).await), tonic::Code::NotFound);
+    assert_eq!(code(client.commit(commit("not-an-id".into())).await), tonic::Code::InvalidArgument);
 }
 
 /// A hold whose client never comes back is reclaimed after its lease; a late commit reconciles.

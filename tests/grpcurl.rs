@@ -23,6 +23,7 @@ fn grpcurl_lists_every_service_by_reflection() {
         "tollgate.v1.Admission",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     ] {
         assert!(list.lines().any(|l| l.trim() == service), "{service} missing from:\n{list}");
     }

@@ -102,6 +102,7 @@ impl<S: Store> Admission<S> {
         let tenant = a
             .tenant
             .as_deref()
+            .or(self.policy.anonymous_tenant.as_deref())
             .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
         ids::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
         let tp = self

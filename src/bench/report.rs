@@ -32,11 +32,12 @@ impl Report {
             }
         }
         latencies.sort_unstable();
-        let pct = |p: f64| -> Duration {
+        // Nearest rank, in integer arithmetic so that 99.9 % of 1,000 is exactly rank 999.
+        let pct = |per_mille: usize| -> Duration {
             if latencies.is_empty() {
                 return Duration::ZERO;
             }
-            let rank = ((p / 100.0) * latencies.len() as f64).ceil() as usize;
+            let rank = (per_mille * latencies.len()).div_ceil(1000);
             latencies[rank.clamp(1, latencies.len()) - 1]
         };
         Report {
@@ -46,10 +47,10 @@ impl Report {
             admitted,
             denied,
             errors,
-            p50: pct(50.0),
-            p90: pct(90.0),
-            p99: pct(99.0),
-            p999: pct(99.9),
+            p50: pct(500),
+            p90: pct(900),
+            p99: pct(990),
+            p999: pct(999),
             max: latencies.last().copied().unwrap_or_default(),
         }
     }

@@ -103,6 +103,9 @@ pub struct Policy {
     /// Applied to a tenant the policy does not name (each such tenant gets its own buckets); none
     /// means unknown tenants are refused as `unauthenticated`.
     pub default_tenant: Option<Arc<TenantPolicy>>,
+    /// The tenant a request without tenant identity is charged to; none means such requests are
+    /// refused as `unauthenticated`.
+    pub anonymous_tenant: Option<String>,
     pub record_retention_ms: u64,
     pub sweep_batch: u32,
     pub max_attempts: u32,

@@ -20,6 +20,7 @@ pub(super) struct RawPolicy {
     #[serde(default)]
     pub tenants: BTreeMap<String, RawTenant>,
     pub default_tenant: Option<RawTenant>,
+    pub anonymous_tenant: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

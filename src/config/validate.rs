@@ -118,12 +118,23 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         None => None,
     };
 
+    if let Some(name) = &raw.anonymous_tenant {
+        ids::check_tenant(name).map_err(|why| problem("anonymous_tenant", why.to_string()))?;
+        if !tenants.contains_key(name) && default_tenant.is_none() {
+            return Err(problem(
+                "anonymous_tenant",
+                format!("{name:?} is neither a tenant of this policy nor covered by default_tenant"),
+            ));
+        }
+    }
+
     Ok(Policy {
         server,
         store,
         models,
         tenants,
         default_tenant,
+        anonymous_tenant: raw.anonymous_tenant,
         record_retention_ms,
         sweep_batch,
         max_attempts,

@@ -1,0 +1,81 @@
+//! When Redis goes away under a running tollgate, admission fails closed with 503
+//! `store_unavailable` and a Retry-After, and comes back when Redis does.
+
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::procs::{TempDir, Tollgate, free_port};
+use tollgate::proto::ReserveRequest;
+use tollgate::proto::admission_client::AdmissionClient;
+
+/// A redis-server of this test's own, so stopping it disturbs no other test.
+struct OwnRedis {
+    child: Child,
+    port: u16,
+    _dir: TempDir,
+}
+
+impl OwnRedis {
+    fn start(port: u16) -> OwnRedis {
+        let dir = TempDir::new("own-redis");
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir.0)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server on PATH (scripts/test installs it)");
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        OwnRedis { child, port, _dir: dir }
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn reserve() -> ReserveRequest {
+    ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, max_tokens: 1, ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_redis_fails_closed_with_503_and_recovers() {
+    let port = free_port();
+    let redis = OwnRedis::start(port);
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
+
+    drop(redis);
+    let down = client.reserve(reserve()).await.unwrap().into_inner();
+    assert!(!down.admitted);
+    assert_eq!(
+        (down.reason.as_str(), down.http_status, down.retry_after_ms),
+        ("store_unavailable", 503, 1000),
+        "{down:?}"
+    );
+
+    let _back = OwnRedis::start(port);
+    let start = Instant::now();
+    loop {
+        let r = client.reserve(reserve()).await.unwrap().into_inner();
+        if r.admitted {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(15), "no recovery after Redis came back: {r:?}\n{}", t.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
