@@ -42,3 +42,86 @@ async fn sigterm_drains_and_exits_cleanly() {
     assert!(status.success(), "exit status {status}\n{}", t.log());
     assert!(t.log().contains("SIGTERM: draining"), "{}", t.log());
 }
+
+/// Traces are exported only when an endpoint is configured; a collector that is not there does
+/// not stop admission or shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_otlp_endpoint_with_no_collector_does_not_stop_admission() {
+    let endpoint = format!("http://127.0.0.1:{}", free_port());
+    let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &endpoint]);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    for _ in 0..3 {
+        let reply = client
+            .reserve(ReserveRequest {
+                tenant: "acme".into(),
+                model: "m".into(),
+                prompt_tokens: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(reply.admitted, "{reply:?}");
+    }
+    let status = t.terminate(Duration::from_secs(20)).expect("no exit within 20 s of SIGTERM");
+    assert!(status.success(), "{status}\n{}", t.log());
+}
+
+/// A stand-in OTLP collector (tollgate does not own the collector): it records span names.
+mod collector {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+    use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+    use tokio_stream::wrappers::TcpListenerStream;
+
+    #[derive(Clone, Default)]
+    pub struct Spans(pub Arc<Mutex<Vec<String>>>);
+
+    #[tonic::async_trait]
+    impl TraceService for Spans {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let mut names = self.0.lock().unwrap();
+            for resource in request.into_inner().resource_spans {
+                for scope in resource.scope_spans {
+                    names.extend(scope.spans.into_iter().map(|s| s.name));
+                }
+            }
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    pub async fn start() -> (Spans, u16) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let spans = Spans::default();
+        let service = TraceServiceServer::new(spans.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        (spans, port)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_otlp_collector_when_one_is_configured() {
+    let (spans, port) = collector::start().await;
+    let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &format!("http://127.0.0.1:{port}")]);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    let reply = client
+        .reserve(ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reply.admitted);
+    // Shutdown flushes the batch exporter.
+    let status = t.terminate(Duration::from_secs(20)).expect("no exit within 20 s of SIGTERM");
+    assert!(status.success(), "{status}\n{}", t.log());
+    let names = spans.0.lock().unwrap().clone();
+    assert!(names.iter().any(|n| n == "reserve"), "spans received: {names:?}\n{}", t.log());
+}

@@ -39,6 +39,7 @@ fn non_empty(s: String) -> Option<String> {
 
 #[tonic::async_trait]
 impl<S: Store> admission_server::Admission for AdmissionService<S> {
+    #[tracing::instrument(name = "reserve", skip_all)]
     async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
         let r = request.into_inner();
         let priority = match r.priority.as_str() {
@@ -94,6 +95,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
         Ok(Response::new(reply))
     }
 
+    #[tracing::instrument(name = "commit", skip_all)]
     async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens).await.map_err(status)?;
@@ -119,6 +121,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
         }
     }
 
+    #[tracing::instrument(name = "renew", skip_all)]
     async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.renew(&r.reservation_id, r.lease_ms).await.map_err(status)?;
@@ -128,6 +131,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
         Ok(Response::new(RenewResponse { state: o.state, lease_remaining_ms: o.lease_remaining_ms }))
     }
 
+    #[tracing::instrument(name = "release", skip_all)]
     async fn release(&self, request: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.release(&r.reservation_id).await.map_err(status)?;

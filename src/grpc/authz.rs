@@ -33,6 +33,7 @@ impl<S> AuthzService<S> {
 
 #[tonic::async_trait]
 impl<S: Store> Authorization for AuthzService<S> {
+    #[tracing::instrument(name = "check", skip_all, fields(tenant, reason))]
     async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
         let header = &self.admission.policy().server.tenant_header;
         let decision = match attributes(request.get_ref(), header) {
@@ -51,6 +52,11 @@ impl<S: Store> Authorization for AuthzService<S> {
 }
 
 fn log_decision(a: &Attributes, d: &Decision) {
+    let span = tracing::Span::current();
+    span.record("tenant", a.tenant.as_deref());
+    if let Decision::Denied(no) = d {
+        span.record("reason", no.reason.code());
+    }
     match d {
         Decision::Admitted(ok) => tracing::debug!(
             tenant = a.tenant.as_deref(),

@@ -64,6 +64,11 @@ pub struct Tollgate {
 impl Tollgate {
     /// Starts tollgate with this policy text on a free port and waits until it listens.
     pub fn start(policy: &str) -> Tollgate {
+        Tollgate::start_with(policy, &[])
+    }
+
+    /// The same, with extra `serve` arguments.
+    pub fn start_with(policy: &str, extra: &[&str]) -> Tollgate {
         let dir = TempDir::new("tollgate");
         let config = dir.write("policy.yaml", policy);
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
@@ -72,6 +77,8 @@ impl Tollgate {
             .args(["serve", "--config"])
             .arg(&config)
             .args(["--listen", &addr.to_string(), "--log", "info"])
+            .args(extra)
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
