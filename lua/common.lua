@@ -142,3 +142,20 @@ local function expire(rk, id, r, leases)
   redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch)
   close(rk, id, r, leases)
 end
+
+-- Loads a hold that is still live. Otherwise returns nil and the reply to send: not_found, the
+-- state it was settled in, or expired (settling it now when its lease has passed unswept).
+local function live_hold(rk, id, leases, now)
+  local r = load(rk)
+  if not r then
+    return nil, { 'not_found', 0 }
+  end
+  if r.st ~= 'reserved' then
+    return nil, { r.st, 0 }
+  end
+  if now >= r.le then
+    expire(rk, id, r, leases)
+    return nil, { 'expired', 0 }
+  end
+  return r
+end

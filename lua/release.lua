@@ -13,17 +13,9 @@ local rk = KEYS[1]
 local leases = KEYS[2]
 local id = ARGV[1]
 
-local r = load(rk)
+local r, reply = live_hold(rk, id, leases, now_ms())
 if not r then
-  return { 'not_found', 0 }
-end
-if r.st ~= 'reserved' then
-  return { r.st, 0 }
-end
-local now = now_ms()
-if now >= r.le then
-  expire(rk, id, r, leases)
-  return { 'expired', 0 }
+  return reply
 end
 
 local keys = split(r.ks)

@@ -16,17 +16,10 @@ local id = ARGV[1]
 local lease = tonumber(ARGV[2])
 local idle = tonumber(ARGV[3])
 
-local r = load(rk)
-if not r then
-  return { 'not_found', 0 }
-end
-if r.st ~= 'reserved' then
-  return { r.st, 0 }
-end
 local now = now_ms()
-if now >= r.le then
-  expire(rk, id, r, leases)
-  return { 'expired', 0 }
+local r, reply = live_hold(rk, id, leases, now)
+if not r then
+  return reply
 end
 
 local expiry = now + lease

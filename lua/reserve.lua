@@ -57,6 +57,16 @@ for _, due_id in ipairs(due) do
   end
 end
 
+-- A bucket's level now: what it held at its last write plus the refill since, never above its
+-- capacity. A bucket never written is full.
+local function refilled(level, at, cap, rate)
+  level = tonumber(level)
+  if level == nil then
+    return cap
+  end
+  return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
+end
+
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = 4, #KEYS do
@@ -72,20 +82,10 @@ for i = 4, #KEYS do
   }
   local v = redis.call('HMGET', s.key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
   if s.tcap > 0 then
-    local t = tonumber(v[1])
-    if t == nil then
-      s.t = s.tcap
-    else
-      s.t = math.min(s.tcap, t + s.trate * math.max(0, now - tonumber(v[2])))
-    end
+    s.t = refilled(v[1], v[2], s.tcap, s.trate)
   end
   if s.rcap > 0 then
-    local r = tonumber(v[3])
-    if r == nil then
-      s.r = s.rcap
-    else
-      s.r = math.min(s.rcap, r + s.rrate * math.max(0, now - tonumber(v[4])))
-    end
+    s.r = refilled(v[3], v[4], s.rcap, s.rrate)
   end
   s.c = tonumber(v[5]) or 0
   if tonumber(v[6]) == today then

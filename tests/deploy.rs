@@ -75,13 +75,7 @@ fn the_configmap_policy_is_valid_and_uses_redis() {
 fn the_configmap_envoy_bootstrap_validates() {
     let docs = manifests();
     let text = find(&docs, "ConfigMap", "envoy-config")["data"]["envoy.yaml"].as_str().unwrap();
-    let dir = support::procs::TempDir::new("deploy-envoy");
-    let path = dir.write("envoy.yaml", text);
-    let out = std::process::Command::new(support::procs::envoy_bin())
-        .args(["--mode", "validate", "-c"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = support::procs::envoy_validate(text);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 

@@ -283,13 +283,7 @@ async fn envoy_fails_closed_with_503_when_tollgate_is_down() {
 #[test]
 fn the_envoy_bootstrap_validates() {
     let config = support::procs::envoy_config(10000, 9901, 50051, 8000);
-    let dir = support::procs::TempDir::new("envoy-validate");
-    let path = dir.write("envoy.yaml", &config);
-    let out = std::process::Command::new(support::procs::envoy_bin())
-        .args(["--mode", "validate", "-c"])
-        .arg(&path)
-        .output()
-        .unwrap();
+    let out = support::procs::envoy_validate(&config);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("OK") || String::from_utf8_lossy(&out.stderr).contains("OK"));
 }

@@ -9,6 +9,13 @@ use support::procs::{TempDir, Tollgate, free_port, tollgate_cmd};
 use tollgate::proto::ReserveRequest;
 use tollgate::proto::admission_client::AdmissionClient;
 
+/// One small reserve for acme; panics unless it is admitted.
+async fn reserve_one(client: &mut AdmissionClient<tonic::transport::Channel>) {
+    let request = ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, ..Default::default() };
+    let reply = client.reserve(request).await.unwrap().into_inner();
+    assert!(reply.admitted, "{reply:?}");
+}
+
 const MODELS: &str = "models:\n  m:\n    max_output_tokens: 100\ntenants:\n  acme: {}\n";
 
 #[test]
@@ -32,12 +39,7 @@ fn an_unreachable_redis_fails_the_start() {
 async fn sigterm_drains_and_exits_cleanly() {
     let mut t = Tollgate::start(MODELS);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
-    let reply = client
-        .reserve(ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(reply.admitted, "{reply:?}");
+    reserve_one(&mut client).await;
     let status = t.terminate(Duration::from_secs(10)).expect("tollgate did not exit within 10 s of SIGTERM");
     assert!(status.success(), "exit status {status}\n{}", t.log());
     assert!(t.log().contains("SIGTERM: draining"), "{}", t.log());
@@ -51,17 +53,7 @@ async fn an_otlp_endpoint_with_no_collector_does_not_stop_admission() {
     let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &endpoint]);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
     for _ in 0..3 {
-        let reply = client
-            .reserve(ReserveRequest {
-                tenant: "acme".into(),
-                model: "m".into(),
-                prompt_tokens: 1,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(reply.admitted, "{reply:?}");
+        reserve_one(&mut client).await;
     }
     let status = t.terminate(Duration::from_secs(20)).expect("no exit within 20 s of SIGTERM");
     assert!(status.success(), "{status}\n{}", t.log());
@@ -113,12 +105,7 @@ async fn spans_reach_an_otlp_collector_when_one_is_configured() {
     let (spans, port) = collector::start().await;
     let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &format!("http://127.0.0.1:{port}")]);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
-    let reply = client
-        .reserve(ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(reply.admitted);
+    reserve_one(&mut client).await;
     // Shutdown flushes the batch exporter.
     let status = t.terminate(Duration::from_secs(20)).expect("no exit within 20 s of SIGTERM");
     assert!(status.success(), "{status}\n{}", t.log());

@@ -159,6 +159,13 @@ pub fn envoy_config(listen: u16, admin: u16, tollgate: u16, upstream: u16) -> St
     out
 }
 
+/// Runs `envoy --mode validate` on a bootstrap's text.
+pub fn envoy_validate(config: &str) -> Output {
+    let dir = TempDir::new("envoy-validate");
+    let path = dir.write("envoy.yaml", config);
+    Command::new(envoy_bin()).args(["--mode", "validate", "-c"]).arg(&path).output().expect("run envoy")
+}
+
 /// A running Envoy.
 pub struct Envoy {
     pub child: Child,
