@@ -15,8 +15,8 @@ pub use decision::{Admitted, Decision, Denial, Reason};
 use crate::config::{Policy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::store::{
-    CommitOutcome, Protocol, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError,
-    keys,
+    CommitOutcome, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store,
+    StoreError, keys,
 };
 
 /// Request priority tier (`x-priority`). Parsed and validated now; capacity-aware admission uses it.
@@ -168,12 +168,16 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = match reason.as_str() {
-                    "token_rate" => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
-                    "request_rate" => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
-                    "concurrency" => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
-                    "budget" => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
-                    _ => (
+                let (reason, message) = match reason {
+                    Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
+                    Refusal::RequestRate => {
+                        (Reason::RequestRate, format!("request rate limit of scope {scope} reached"))
+                    }
+                    Refusal::Concurrency => {
+                        (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held"))
+                    }
+                    Refusal::Budget => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
+                    Refusal::Attempts => (
                         Reason::InvalidRequest,
                         format!("idempotency key used more than {} times", self.policy.max_attempts),
                     ),

@@ -68,6 +68,30 @@ pub struct Headroom {
     pub requests: Option<Window>,
 }
 
+/// Which limit a reserve script refused on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    TokenRate,
+    RequestRate,
+    Concurrency,
+    Budget,
+    /// The idempotency key has made its most attempts.
+    Attempts,
+}
+
+impl Refusal {
+    fn parse(s: &str) -> Option<Refusal> {
+        Some(match s {
+            "token_rate" => Refusal::TokenRate,
+            "request_rate" => Refusal::RequestRate,
+            "concurrency" => Refusal::Concurrency,
+            "budget" => Refusal::Budget,
+            "attempts" => Refusal::Attempts,
+            _ => return None,
+        })
+    }
+}
+
 /// The store's verdict on a reserve.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReserveOutcome {
@@ -78,8 +102,7 @@ pub enum ReserveOutcome {
         headroom: Headroom,
     },
     Denied {
-        /// `token_rate`, `request_rate`, `concurrency`, `budget` or `attempts`.
-        reason: String,
+        reason: Refusal,
         /// Index into [`ReserveCall::scopes`] of the scope that refused.
         scope: usize,
         retry_after_ms: u64,
@@ -180,7 +203,7 @@ impl<S: Store> Protocol<S> {
                 },
             }),
             0 => Ok(ReserveOutcome::Denied {
-                reason: text(items, 1).ok_or_else(bad)?,
+                reason: text(items, 1).as_deref().and_then(Refusal::parse).ok_or_else(bad)?,
                 scope: (int(2)?.max(1) - 1) as usize,
                 retry_after_ms: int(3)?.max(0) as u64,
                 headroom: Headroom { tokens: window(int(4)?, int(5)?, int(6)?), requests: None },
