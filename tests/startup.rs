@@ -45,6 +45,14 @@ async fn sigterm_drains_and_exits_cleanly() {
     assert!(t.log().contains("SIGTERM: draining"), "{}", t.log());
 }
 
+#[test]
+fn sigint_exits_cleanly_too() {
+    let mut t = Tollgate::start(MODELS);
+    let status = t.signal("INT", Duration::from_secs(10)).expect("no exit within 10 s of SIGINT");
+    assert!(status.success(), "{status}\n{}", t.log());
+    assert!(t.log().contains("SIGINT: draining"), "{}", t.log());
+}
+
 /// Traces are exported only when an endpoint is configured; a collector that is not there does
 /// not stop admission or shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,11 +19,16 @@ struct OwnRedis {
 
 impl OwnRedis {
     fn start(port: u16) -> OwnRedis {
+        OwnRedis::start_with(port, &[])
+    }
+
+    fn start_with(port: u16, extra: &[&str]) -> OwnRedis {
         let dir = TempDir::new("own-redis");
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&dir.0)
+            .args(extra)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server on PATH (scripts/test installs it)");
@@ -78,4 +83,34 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
         assert!(start.elapsed() < Duration::from_secs(15), "no recovery after Redis came back: {r:?}\n{}", t.log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// SIGTERM while a call is in flight: the call finishes (within drain_timeout_ms), then the
+/// process exits cleanly. Redis is made to stall with DEBUG SLEEP so the call is surely in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_in_flight_call_finish() {
+    let redis = OwnRedis::start_with(free_port(), &["--enable-debug-command", "yes"]);
+    let policy = format!(
+        "server:\n  drain_timeout_ms: 5000\nstore:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 3000\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n",
+        redis.port
+    );
+    let mut t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
+
+    let stall = Command::new("redis-cli")
+        .args(["-p", &redis.port.to_string(), "DEBUG", "SLEEP", "0.8"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let in_flight = tokio::spawn(async move { client.reserve(reserve()).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let status = t.terminate(Duration::from_secs(10)).expect("no exit within 10 s of SIGTERM");
+    let reply = in_flight.await.unwrap().expect("the in-flight call was cut off").into_inner();
+    assert!(reply.admitted, "{reply:?}");
+    assert!(status.success(), "{status}\n{}", t.log());
+    assert!(started.elapsed() >= Duration::from_millis(300), "exited before the stalled call could finish");
+    let _ = stall.wait_with_output();
 }

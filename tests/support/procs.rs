@@ -97,7 +97,12 @@ impl Tollgate {
 
     /// Sends SIGTERM, as Kubernetes does, and waits (bounded) for the exit.
     pub fn terminate(&mut self, limit: Duration) -> Option<ExitStatus> {
-        Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        self.signal("TERM", limit)
+    }
+
+    /// Sends a signal by name (`TERM`, `INT`) and waits (bounded) for the exit.
+    pub fn signal(&mut self, name: &str, limit: Duration) -> Option<ExitStatus> {
+        Command::new("kill").args([&format!("-{name}"), &self.child.id().to_string()]).status().unwrap();
         let start = Instant::now();
         while start.elapsed() < limit {
             if let Ok(Some(status)) = self.child.try_wait() {
