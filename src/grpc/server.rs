@@ -47,15 +47,6 @@ pub async fn serve<S: Store>(
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
-    // Kubernetes stops sending traffic once the probe says NOT_SERVING; flip it as drain begins.
-    let draining = shutdown.clone();
-    let reporter = health.clone();
-    tokio::spawn(async move {
-        draining.cancelled().await;
-        reporter.set_not_serving::<AuthorizationServer<AuthzService<S>>>().await;
-        reporter.set_not_serving::<AdmissionServer<AdmissionService<S>>>().await;
-    });
-
     let server = Server::builder()
         // Decisions are a few hundred bytes: Nagle's algorithm would only add latency.
         .tcp_nodelay(true)
