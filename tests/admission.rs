@@ -5,7 +5,7 @@ mod support;
 
 use std::sync::Arc;
 
-use tollgate::admission::{Admission, Attributes, Decision, Priority, Reason};
+use tollgate::admission::{Admission, Attributes, Decision, Reason};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
 use tollgate::store::Protocol;
@@ -21,7 +21,7 @@ fn request(tenant: Option<&str>) -> Attributes {
         tenant: tenant.map(str::to_string),
         user: None,
         model: Some("m".into()),
-        priority: Priority::Standard,
+        priority: None,
         deadline_ms: None,
         idempotency_key: None,
         prompt: PromptSize::Bytes(40),

@@ -19,13 +19,26 @@ use crate::store::{
     StoreError, keys,
 };
 
-/// Request priority tier (`x-priority`). Parsed and validated now; capacity-aware admission uses it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
+/// refused first, then `standard`; `critical` only when the pool truly cannot serve it. Ordered
+/// from lowest to highest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Priority {
-    Critical,
+    Sheddable,
     #[default]
     Standard,
-    Sheddable,
+    Critical,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Critical => "critical",
+            Priority::Standard => "standard",
+            Priority::Sheddable => "sheddable",
+        }
+    }
 }
 
 impl std::str::FromStr for Priority {
@@ -48,7 +61,8 @@ pub struct Attributes {
     pub tenant: Option<String>,
     pub user: Option<String>,
     pub model: Option<String>,
-    pub priority: Priority,
+    /// The claimed tier; `None` takes the tenant's default.
+    pub priority: Option<Priority>,
     /// Relative deadline (ms).
     pub deadline_ms: Option<u64>,
     pub idempotency_key: Option<String>,

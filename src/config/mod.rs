@@ -13,6 +13,7 @@ use std::time::Duration;
 
 pub use raw::Limits;
 
+use crate::admission::Priority;
 use crate::store::{ExpiredUsage, ScopeLimits};
 
 /// A configuration the process refuses to start with.
@@ -68,6 +69,53 @@ pub struct ModelPolicy {
     pub max_output_tokens: u64,
     /// Body bytes per prompt token, for the prompt estimate.
     pub bytes_per_token: f64,
+    /// The backend pool serving this model; none means no capacity admission for it.
+    pub pool: Option<String>,
+}
+
+/// A group of backend replicas serving one or more models, as capacity admission models it:
+/// `max_sequences` slots, each prefilling and then decoding at the given speeds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolPolicy {
+    pub max_sequences: u64,
+    pub prefill_tokens_per_ms: f64,
+    /// Decode speed of one sequence.
+    pub decode_tokens_per_ms: f64,
+    /// The longest predicted queue delay a request may be admitted into (for `critical`).
+    pub max_queue_delay_ms: u64,
+    pub kv_cache_tokens: Option<u64>,
+    /// Share of the pool `standard` and `sheddable` may use; the rest is headroom for the tiers
+    /// above them. `critical` has all of it.
+    pub standard_share: f64,
+    pub sheddable_share: f64,
+    /// How long the pool's keys outlive their last write: two of the longest lease, and a minute.
+    pub idle_ttl_ms: u64,
+}
+
+impl PoolPolicy {
+    pub fn share(&self, tier: Priority) -> f64 {
+        match tier {
+            Priority::Critical => 1.0,
+            Priority::Standard => self.standard_share,
+            Priority::Sheddable => self.sheddable_share,
+        }
+    }
+
+    /// The slots a tier may fill before it queues: its share of the pool, at least one.
+    pub fn slots_for(&self, tier: Priority) -> u64 {
+        ((self.max_sequences as f64 * self.share(tier)).floor() as u64).max(1)
+    }
+
+    /// The KV-cache tokens a tier may fill; `None` when the pool sets no KV capacity.
+    pub fn kv_for(&self, tier: Priority) -> Option<u64> {
+        self.kv_cache_tokens.map(|kv| ((kv as f64 * self.share(tier)).floor() as u64).max(1))
+    }
+
+    /// Predicted slot time of one request: prefill the prompt, then decode the output.
+    pub fn service_ms(&self, prompt_tokens: u64, output_tokens: u64) -> u64 {
+        (prompt_tokens as f64 / self.prefill_tokens_per_ms + output_tokens as f64 / self.decode_tokens_per_ms).ceil()
+            as u64
+    }
 }
 
 /// One tenant's limits and accounting rules.
@@ -80,6 +128,12 @@ pub struct TenantPolicy {
     pub models: HashMap<String, Limits>,
     pub lease_ttl_ms: u64,
     pub expired_usage: ExpiredUsage,
+    /// The tier of a request that names none.
+    pub default_priority: Priority,
+    /// The highest tier this tenant's requests may claim; a higher claim is lowered to it.
+    pub max_priority: Priority,
+    /// The deadline of a request that names none; none means no deadline.
+    pub default_deadline_ms: Option<u64>,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.
@@ -99,6 +153,7 @@ pub struct Policy {
     pub server: ServerSettings,
     pub store: StoreSettings,
     pub models: HashMap<String, ModelPolicy>,
+    pub pools: HashMap<String, Arc<PoolPolicy>>,
     pub tenants: HashMap<String, Arc<TenantPolicy>>,
     /// Applied to a tenant the policy does not name (each such tenant gets its own buckets); none
     /// means unknown tenants are refused as `unauthenticated`.
@@ -125,6 +180,12 @@ impl Policy {
         let raw: raw::RawPolicy = serde_yaml::from_str(text)
             .map_err(|e| ConfigError::Parse { file: file.to_string(), message: e.to_string() })?;
         validate::validate(raw).map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
+    }
+
+    /// The pool serving a model, with its name.
+    pub fn pool_of(&self, model: &ModelPolicy) -> Option<(&str, &PoolPolicy)> {
+        let name = model.pool.as_deref()?;
+        self.pools.get_key_value(name).map(|(n, p)| (n.as_str(), p.as_ref()))
     }
 
     /// The tenant's policy, or the default tenant's.

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use crate::admission::Priority;
 use crate::store::ExpiredUsage;
 
 #[derive(Debug, Deserialize)]
@@ -17,6 +18,8 @@ pub(super) struct RawPolicy {
     pub defaults: RawDefaults,
     #[serde(default)]
     pub models: BTreeMap<String, RawModel>,
+    #[serde(default)]
+    pub pools: BTreeMap<String, RawPool>,
     #[serde(default)]
     pub tenants: BTreeMap<String, RawTenant>,
     pub default_tenant: Option<RawTenant>,
@@ -55,12 +58,33 @@ pub(super) struct RawDefaults {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawModel {
     pub max_output_tokens: u64,
+    /// The backend pool that serves this model, if capacity admission applies to it.
+    pub pool: Option<String>,
     #[serde(default = "default_bytes_per_token")]
     pub bytes_per_token: f64,
 }
 
 fn default_bytes_per_token() -> f64 {
     4.0
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPool {
+    pub max_sequences: u64,
+    pub prefill_tokens_per_second: f64,
+    pub decode_tokens_per_second: f64,
+    pub max_queue_delay_ms: u64,
+    pub kv_cache_tokens: Option<u64>,
+    #[serde(default)]
+    pub tier_shares: RawShares,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawShares {
+    pub standard: Option<f64>,
+    pub sheddable: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -70,6 +94,9 @@ pub(super) struct RawTenant {
     pub limits: Limits,
     pub lease_ttl_ms: Option<u64>,
     pub expired_usage: Option<ExpiredUsage>,
+    pub default_priority: Option<Priority>,
+    pub max_priority: Option<Priority>,
+    pub default_deadline_ms: Option<u64>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,

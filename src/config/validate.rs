@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::raw::{RawPolicy, RawTenant};
-use super::{Limits, ModelPolicy, Policy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy};
+use super::raw::{RawPolicy, RawPool, RawTenant};
+use super::{Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy};
 use crate::admission::ids;
 
 type Problem = (String, String);
@@ -83,6 +83,13 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     let max_attempts = positive("defaults.max_attempts", d.max_attempts.map(u64::from), 3)? as u32;
     let concurrency_retry_ms = positive("defaults.concurrency_retry_ms", d.concurrency_retry_ms, 1_000)?;
 
+    let mut pools = HashMap::new();
+    for (name, p) in &raw.pools {
+        let field = format!("pools.{name}");
+        ids::check_tenant(name).map_err(|why| problem(field.clone(), why.to_string()))?;
+        pools.insert(name.clone(), pool_policy(&field, p)?);
+    }
+
     if raw.models.is_empty() {
         return Err(problem("models", "name at least one model: a request for an unknown model is refused"));
     }
@@ -101,7 +108,18 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         if !(m.bytes_per_token.is_finite() && m.bytes_per_token > 0.0) {
             return Err(problem(format!("{field}.bytes_per_token"), "must be a positive number"));
         }
-        models.insert(name, ModelPolicy { max_output_tokens: m.max_output_tokens, bytes_per_token: m.bytes_per_token });
+        if let Some(pool) = &m.pool
+            && !pools.contains_key(pool)
+        {
+            return Err(problem(
+                format!("{field}.pool"),
+                format!("{pool:?} is not one of the pools this policy names"),
+            ));
+        }
+        models.insert(
+            name,
+            ModelPolicy { max_output_tokens: m.max_output_tokens, bytes_per_token: m.bytes_per_token, pool: m.pool },
+        );
     }
 
     let tenant = |field: String, t: RawTenant| {
@@ -128,10 +146,21 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         }
     }
 
+    let longest_lease =
+        tenants.values().chain(default_tenant.iter()).map(|t| t.lease_ttl_ms).max().unwrap_or(lease_ttl_ms);
+    let pools = pools
+        .into_iter()
+        .map(|(name, mut p)| {
+            p.idle_ttl_ms = 2 * longest_lease.max(lease_ttl_ms) + 60_000;
+            (name, Arc::new(p))
+        })
+        .collect();
+
     Ok(Policy {
         server,
         store,
         models,
+        pools,
         tenants,
         default_tenant,
         anonymous_tenant: raw.anonymous_tenant,
@@ -139,6 +168,49 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         sweep_batch,
         max_attempts,
         concurrency_retry_ms,
+    })
+}
+
+fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
+    if p.max_sequences == 0 {
+        return Err(problem(format!("{field}.max_sequences"), "must be at least 1"));
+    }
+    for (name, speed) in [
+        ("prefill_tokens_per_second", p.prefill_tokens_per_second),
+        ("decode_tokens_per_second", p.decode_tokens_per_second),
+    ] {
+        if !(speed.is_finite() && speed > 0.0) {
+            return Err(problem(format!("{field}.{name}"), "must be a positive number"));
+        }
+    }
+    if p.max_queue_delay_ms == 0 {
+        return Err(problem(format!("{field}.max_queue_delay_ms"), "must be at least 1"));
+    }
+    if p.kv_cache_tokens == Some(0) {
+        return Err(problem(format!("{field}.kv_cache_tokens"), "must be at least 1 (leave it out for no limit)"));
+    }
+    let standard = p.tier_shares.standard.unwrap_or(0.8);
+    let sheddable = p.tier_shares.sheddable.unwrap_or(0.5);
+    for (name, share) in [("standard", standard), ("sheddable", sheddable)] {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(problem(format!("{field}.tier_shares.{name}"), format!("{share} is outside (0, 1]")));
+        }
+    }
+    if sheddable > standard {
+        return Err(problem(
+            format!("{field}.tier_shares.sheddable"),
+            format!("{sheddable} is above standard's {standard}: a lower tier may not get more of the pool"),
+        ));
+    }
+    Ok(PoolPolicy {
+        max_sequences: p.max_sequences,
+        prefill_tokens_per_ms: p.prefill_tokens_per_second / 1000.0,
+        decode_tokens_per_ms: p.decode_tokens_per_second / 1000.0,
+        max_queue_delay_ms: p.max_queue_delay_ms,
+        kv_cache_tokens: p.kv_cache_tokens,
+        standard_share: standard,
+        sheddable_share: sheddable,
+        idle_ttl_ms: 0,
     })
 }
 
@@ -180,8 +252,23 @@ fn tenant_policy(
         }
     }
 
+    let default_priority = t.default_priority.unwrap_or_default();
+    let max_priority = t.max_priority.unwrap_or(crate::admission::Priority::Critical);
+    if default_priority > max_priority {
+        return Err(problem(
+            format!("{field}.default_priority"),
+            format!("{} is above max_priority {}", default_priority.as_str(), max_priority.as_str()),
+        ));
+    }
+    if t.default_deadline_ms == Some(0) {
+        return Err(problem(format!("{field}.default_deadline_ms"), "must be at least 1 (leave it out for none)"));
+    }
+
     Ok(TenantPolicy {
         limits: t.limits,
+        default_priority,
+        max_priority,
+        default_deadline_ms: t.default_deadline_ms,
         users,
         default_user: t.default_user,
         models: tenant_models,

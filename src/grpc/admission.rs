@@ -42,10 +42,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     #[tracing::instrument(name = "reserve", skip_all)]
     async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
         let r = request.into_inner();
-        let priority = match r.priority.as_str() {
-            "" => Default::default(),
-            p => p.parse().map_err(Status::invalid_argument)?,
-        };
+        let priority = non_empty(r.priority).map(|p| p.parse()).transpose().map_err(Status::invalid_argument)?;
         let attributes = Attributes {
             tenant: non_empty(r.tenant),
             user: non_empty(r.user),

@@ -122,10 +122,7 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         }
         (None, None) => None,
     };
-    let priority = match text("x-priority") {
-        Some(p) => p.parse().map_err(invalid)?,
-        None => Default::default(),
-    };
+    let priority = text("x-priority").map(|p| p.parse()).transpose().map_err(invalid)?;
     Ok(Attributes {
         tenant: text(tenant_header),
         user: text("x-user-id"),

@@ -15,6 +15,16 @@
 //! tg:{acme}:i:<key>          idempotency key → reservation id
 //! ```
 //!
+//! Backend pools are shared by every tenant, so their keys carry the pool's own tag and live on
+//! their own slot; capacity admission touches them in a separate script (see
+//! [`crate::admission`] for the ordering that keeps the two key spaces consistent):
+//!
+//! ```text
+//! tg:pool:{gpu-a}:s          pool state: holds outstanding, their work (slot-ms), their KV tokens
+//! tg:pool:{gpu-a}:h          hash: reservation id → "work kv" of each outstanding hold
+//! tg:pool:{gpu-a}:leases     sorted set: reservation id by lease expiry
+//! ```
+//!
 //! The sweep in `reserve.lua` finds expired ids in the lease index and builds their record keys as
 //! `record_prefix(tenant) .. id`; that prefix is passed in from here, so Lua formats no key itself.
 
@@ -53,6 +63,21 @@ pub fn idempotency(tenant: &str, key: &str) -> String {
     format!("tg:{{{tenant}}}:i:{key}")
 }
 
+/// A pool's state hash.
+pub fn pool_state(pool: &str) -> String {
+    format!("tg:pool:{{{pool}}}:s")
+}
+
+/// A pool's outstanding holds.
+pub fn pool_holds(pool: &str) -> String {
+    format!("tg:pool:{{{pool}}}:h")
+}
+
+/// A pool's lease index.
+pub fn pool_leases(pool: &str) -> String {
+    format!("tg:pool:{{{pool}}}:leases")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,5 +104,8 @@ mod tests {
             assert_eq!(hash_tag(key), "acme", "{key}");
         }
         assert_eq!(record("acme", "x"), format!("{}x", record_prefix("acme")));
+        for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a")] {
+            assert_eq!(hash_tag(&key), "gpu-a", "{key}");
+        }
     }
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate::admission::{Admission, Attributes, Decision, Priority};
+use tollgate::admission::{Admission, Attributes, Decision};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
 use tollgate::store::clock::ManualClock;
@@ -170,7 +170,7 @@ impl<S: Store> Harness<S> {
             tenant: Some(self.tenant.clone()),
             user: None,
             model: Some("m".into()),
-            priority: Priority::Standard,
+            priority: None,
             deadline_ms: None,
             idempotency_key: None,
             prompt: PromptSize::Tokens(prompt),
