@@ -159,3 +159,24 @@ local function live_hold(rk, id, leases, now)
   end
   return r
 end
+
+-- Pool state hash (one per backend pool, its own hash tag):
+--   n  holds outstanding      w  their predicted slot time (ms)      kv  their KV-cache tokens
+-- Pool holds hash: reservation id -> "<work> <kv>".
+
+-- Takes one hold off a pool, exactly as it was added; returns its work, or nil if the pool does
+-- not hold it (already released, or swept after its lease).
+local function pool_drop(state, holds, leases, id)
+  local h = redis.call('HGET', holds, id)
+  redis.call('ZREM', leases, id)
+  if not h then
+    return nil
+  end
+  local parts = split(h)
+  local work, kv = tonumber(parts[1]), tonumber(parts[2])
+  redis.call('HDEL', holds, id)
+  local v = redis.call('HMGET', state, 'n', 'w', 'kv')
+  redis.call('HSET', state, 'n', math.max(0, (tonumber(v[1]) or 0) - 1), 'w',
+    math.max(0, (tonumber(v[2]) or 0) - work), 'kv', math.max(0, (tonumber(v[3]) or 0) - kv))
+  return work
+end

@@ -254,15 +254,14 @@ async fn a_body_larger_than_envoy_sends_is_estimated_from_content_length() {
     assert_eq!(r.header("x-test-reserved-tokens"), Some(expected.to_string().as_str()));
 }
 
-/// OpenAI's Python SDK puts `messages` first: a cut body loses the model, and the answer says how
-/// to fix it; `x-tollgate-model` supplies it.
+/// OpenAI's Python SDK puts `messages` first: a cut body loses the model, and `x-tollgate-model`
+/// supplies it. (Without it the request is refused, with a message that says so: see
+/// tests/check.rs. Through Envoy that refusal races the client still sending its body, so it is
+/// asserted on Check directly.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_body_without_its_model_needs_the_model_header() {
+async fn a_cut_body_without_its_model_is_admitted_with_the_model_header() {
     let stack = Stack::start("").await;
     let body = chat_body_messages_first("m", 10, 40_000);
-    let r = stack.chat("big", &body, &[]).await;
-    assert_eq!((r.status, reason(&r)), (400, "invalid_request"), "{r:?}");
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("x-tollgate-model"), "{r:?}");
     let r = stack.chat("big", &body, &[("x-tollgate-model", "m")]).await;
     assert_eq!(r.status, 200, "{r:?}");
     // max_tokens was past the cut too, so the model's ceiling is held.

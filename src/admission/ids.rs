@@ -49,17 +49,33 @@ pub fn check_idempotency_key(key: &str) -> Result<(), IdError> {
     visible(key)
 }
 
-/// A new reservation id: the tenant, `:`, then 128 random bits in hex. The tenant inside the id is
-/// what lets Commit, Renew and Release find the record with nothing but the id.
-pub fn new_reservation_id(tenant: &str) -> String {
-    format!("{tenant}:{:032x}", fastrand::u128(..))
+/// A new reservation id: the tenant, the backend pool when capacity admission holds work in one,
+/// then 128 random bits in hex, joined by `:`. What the id carries is what lets Commit, Renew and
+/// Release find every leg of the hold with nothing but the id.
+pub fn new_reservation_id(tenant: &str, pool: Option<&str>) -> String {
+    match pool {
+        Some(pool) => format!("{tenant}:{pool}:{:032x}", fastrand::u128(..)),
+        None => format!("{tenant}:{:032x}", fastrand::u128(..)),
+    }
 }
 
-/// Splits a reservation id into (tenant, id), or `None` if it is not one tollgate issued.
-pub fn parse_reservation_id(id: &str) -> Option<&str> {
-    let (tenant, random) = id.split_once(':')?;
+/// The legs of a reservation, read from its id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReservationRef<'a> {
+    pub tenant: &'a str,
+    pub pool: Option<&'a str>,
+}
+
+/// Reads a reservation id, or `None` if it is not one tollgate issued.
+pub fn parse_reservation_id(id: &str) -> Option<ReservationRef<'_>> {
+    let (tenant, rest) = id.split_once(':')?;
+    let (pool, random) = match rest.split_once(':') {
+        Some((pool, random)) => (Some(pool), random),
+        None => (None, rest),
+    };
     let hex = random.len() == 32 && random.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex && check_tenant(tenant).is_ok()).then_some(tenant)
+    let valid = hex && check_tenant(tenant).is_ok() && pool.is_none_or(|p| check_tenant(p).is_ok());
+    valid.then_some(ReservationRef { tenant, pool })
 }
 
 #[cfg(test)]
@@ -78,8 +94,11 @@ mod tests {
 
     #[test]
     fn reservation_ids_round_trip() {
-        let id = new_reservation_id("acme");
-        assert_eq!(parse_reservation_id(&id), Some("acme"));
+        let id = new_reservation_id("acme", None);
+        assert_eq!(parse_reservation_id(&id), Some(ReservationRef { tenant: "acme", pool: None }));
+        let id = new_reservation_id("acme", Some("gpu-a"));
+        assert_eq!(parse_reservation_id(&id), Some(ReservationRef { tenant: "acme", pool: Some("gpu-a") }));
+        assert_eq!(parse_reservation_id("acme:a{b:0123456789abcdef0123456789abcdef"), None);
         assert_eq!(parse_reservation_id("acme:zz"), None);
         assert_eq!(parse_reservation_id("a{b:0123456789abcdef0123456789abcdef"), None);
         assert_eq!(parse_reservation_id("no-separator"), None);

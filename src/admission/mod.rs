@@ -3,6 +3,25 @@
 //!
 //! Everything that can be decided without the store is decided first (identity, model, bounds,
 //! unsatisfiable size), so a bad request costs no round trip and can never charge anything.
+//!
+//! # Two key spaces
+//!
+//! A tenant's keys share the tenant's hash tag; a backend pool is shared by every tenant, so its
+//! keys carry the pool's tag and, on a Redis Cluster, may live on another node. No one script can
+//! touch both, so a reserve runs two legs, in this order:
+//!
+//! 1. **Pool leg** (`pool_reserve.lua`): refuse with `deadline` or `queue_full`, or hold the
+//!    request's predicted work in the pool under the new reservation id.
+//! 2. **Tenant leg** (`reserve.lua`): refuse on quota, or hold the tokens.
+//! 3. If the tenant leg did not hold this id (refused, failed, or returned an earlier hold for the
+//!    same idempotency key), **release the pool leg** (`pool_release.lua`).
+//!
+//! So a tenant is never charged for a request the pool refuses, and pool capacity held for a
+//! request the tenant refused is given back at once. If the process dies between 1 and 3, the pool
+//! hold's lease (the tenant's lease TTL) reclaims it. Commit and Release settle the tenant leg
+//! first, then release the pool leg by id; pool release is idempotent, so a repeated commit, a
+//! hold already swept, or a retry after a crash between the two changes nothing. Renew extends the
+//! pool lease only after the tenant hold was renewed.
 
 pub mod body;
 mod decision;
@@ -12,11 +31,11 @@ use std::sync::Arc;
 
 pub use decision::{Admitted, Decision, Denial, Reason};
 
-use crate::config::{Policy, TenantPolicy};
+use crate::config::{Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::store::{
-    CommitOutcome, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store,
-    StoreError, keys,
+    CommitOutcome, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall,
+    ReserveOutcome, ScopeLimits, Store, StoreError, keys,
 };
 
 /// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
@@ -144,8 +163,9 @@ impl<S: Store> Admission<S> {
             ));
         }
 
-        let hold =
-            estimate::prompt_tokens(a.prompt, model).saturating_add(estimate::output_reservation(a.max_tokens, model));
+        let prompt = estimate::prompt_tokens(a.prompt, model);
+        let output = estimate::output_reservation(a.max_tokens, model);
+        let hold = prompt.saturating_add(output);
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
         for s in &scopes {
             if let Some(largest) = s.largest
@@ -157,14 +177,88 @@ impl<S: Store> Admission<S> {
                 ));
             }
         }
-        Ok(Plan { tenant, tp, hold, scopes, attributes: a })
+        let pool = self.policy.pool_of(model).map(|(name, pool)| {
+            let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
+            PoolLeg { name, pool, tier, work_ms: pool.service_ms(prompt, output) }
+        });
+        if let Some(leg) = &pool
+            && let Some(kv) = leg.pool.kv_cache_tokens
+            && hold > kv
+        {
+            return Err(Denial::now(
+                Unsatisfiable,
+                format!("request needs {hold} KV-cache tokens but pool {} has {kv}", leg.name),
+            ));
+        }
+        let deadline_ms = a.deadline_ms.or(tp.default_deadline_ms);
+        Ok(Plan { tenant, tp, hold, scopes, pool, deadline_ms, attributes: a })
     }
 
     async fn hold(&self, plan: Plan<'_>) -> Decision {
-        let id = ids::new_reservation_id(plan.tenant);
+        let id = ids::new_reservation_id(plan.tenant, plan.pool.as_ref().map(|leg| leg.name));
+        if let Some(leg) = &plan.pool
+            && let Err(denial) = self.pool_leg(&plan, leg, &id).await
+        {
+            return Decision::Denied(denial);
+        }
+        let decision = self.tenant_leg(&plan, &id).await;
+        let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == id);
+        if let Some(leg) = &plan.pool
+            && !holds_this_id
+        {
+            self.release_pool_leg(leg.name, &id).await;
+        }
+        decision
+    }
+
+    /// Capacity: can the pool start and finish this request in time? Holds its work if so.
+    async fn pool_leg(&self, plan: &Plan<'_>, leg: &PoolLeg<'_>, id: &str) -> Result<(), Denial> {
+        let pool = leg.pool;
+        let call = PoolCall {
+            pool: leg.name,
+            id,
+            work_ms: leg.work_ms,
+            kv_tokens: plan.hold,
+            lease_ms: plan.tp.lease_ttl_ms,
+            idle_ttl_ms: pool.idle_ttl_ms,
+            sweep_batch: self.policy.sweep_batch,
+            slots: pool.max_sequences,
+            tier_slots: pool.slots_for(leg.tier),
+            max_queue_delay_ms: pool.max_queue_delay_ms,
+            tier_kv_tokens: pool.kv_for(leg.tier),
+            deadline_ms: plan.deadline_ms,
+        };
+        match self.protocol.pool_reserve(&call).await {
+            Ok(PoolOutcome::Admitted { .. }) => Ok(()),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::Deadline, start_delay_ms, .. }) => Err(Denial::now(
+                Reason::Deadline,
+                format!(
+                    "predicted to finish in {} ms (start in {start_delay_ms} ms on pool {}), past the {} ms deadline",
+                    start_delay_ms + leg.work_ms,
+                    leg.name,
+                    plan.deadline_ms.unwrap_or(0)
+                ),
+            )),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {
+                retry_after_ms: Some(retry_after_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!(
+                        "pool {} is full for {} requests (predicted start in {start_delay_ms} ms)",
+                        leg.name,
+                        leg.tier.as_str()
+                    ),
+                )
+            }),
+            Err(e) => Err(store_unavailable(&e, plan.tenant)),
+        }
+    }
+
+    /// Quota: every scope of the tenant must pass.
+    async fn tenant_leg(&self, plan: &Plan<'_>, id: &str) -> Decision {
         let call = ReserveCall {
             tenant: plan.tenant,
-            id: &id,
+            id,
             hold: plan.hold,
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
@@ -199,43 +293,73 @@ impl<S: Store> Admission<S> {
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
-            Err(e) => {
-                tracing::error!(error = %e, tenant = plan.tenant, "reserve failed; failing closed");
-                Decision::Denied(Denial {
-                    retry_after_ms: Some(1_000),
-                    ..Denial::now(Reason::StoreUnavailable, "admission store unavailable")
-                })
-            }
+            Err(e) => Decision::Denied(store_unavailable(&e, plan.tenant)),
         }
     }
 
-    /// The commit phase: reconcile a hold against actual usage.
+    /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
+    async fn release_pool_leg(&self, pool: &str, id: &str) {
+        if let Err(e) = self.protocol.pool_release(pool, id).await {
+            tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it");
+        }
+    }
+
+    /// The commit phase: reconcile a hold against actual usage, then free its pool work.
     pub async fn commit(
         &self,
         reservation_id: &str,
         prompt: u64,
         output: u64,
     ) -> Result<CommitOutcome, AdmissionError> {
-        let tenant = tenant_of(reservation_id)?;
-        Ok(self.protocol.commit(tenant, reservation_id, prompt, output).await?)
+        let r = parse_id(reservation_id)?;
+        let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output).await?;
+        if let Some(pool) = r.pool {
+            self.release_pool_leg(pool, reservation_id).await;
+        }
+        Ok(outcome)
     }
 
     /// Extends a live hold's lease by `lease_ms` (0 = the tenant's lease TTL; never more than it).
     pub async fn renew(&self, reservation_id: &str, lease_ms: u64) -> Result<RenewOutcome, AdmissionError> {
-        let tenant = tenant_of(reservation_id)?;
-        let (ttl, idle) = match self.policy.tenant(tenant) {
+        let r = parse_id(reservation_id)?;
+        let (ttl, idle) = match self.policy.tenant(r.tenant) {
             Some(tp) => (tp.lease_ttl_ms, tp.idle_ttl_ms),
             None => return Ok(RenewOutcome { state: "not_found".into(), lease_remaining_ms: 0 }),
         };
         let lease = if lease_ms == 0 { ttl } else { lease_ms.min(ttl) };
-        Ok(self.protocol.renew(tenant, reservation_id, lease, idle).await?)
+        let outcome = self.protocol.renew(r.tenant, reservation_id, lease, idle).await?;
+        if outcome.state == "reserved"
+            && let Some(pool) = r.pool
+            && let Some(p) = self.policy.pools.get(pool)
+        {
+            self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
+        }
+        Ok(outcome)
     }
 
-    /// Gives a hold back without usage.
+    /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
-        let tenant = tenant_of(reservation_id)?;
-        Ok(self.protocol.release(tenant, reservation_id).await?)
+        let r = parse_id(reservation_id)?;
+        let outcome = self.protocol.release(r.tenant, reservation_id).await?;
+        if let Some(pool) = r.pool {
+            self.release_pool_leg(pool, reservation_id).await;
+        }
+        Ok(outcome)
     }
+}
+
+fn store_unavailable(e: &StoreError, tenant: &str) -> Denial {
+    tracing::error!(error = %e, tenant, "store call failed; failing closed");
+    Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
+}
+
+/// The capacity leg of a request whose model is served by a pool.
+struct PoolLeg<'a> {
+    name: &'a str,
+    pool: &'a PoolPolicy,
+    tier: Priority,
+    /// Predicted slot time (ms).
+    work_ms: u64,
 }
 
 struct Plan<'a> {
@@ -243,6 +367,8 @@ struct Plan<'a> {
     tp: &'a TenantPolicy,
     hold: u64,
     scopes: Vec<Scope>,
+    pool: Option<PoolLeg<'a>>,
+    deadline_ms: Option<u64>,
     attributes: &'a Attributes,
 }
 
@@ -275,7 +401,7 @@ fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> V
     out
 }
 
-fn tenant_of(reservation_id: &str) -> Result<&str, AdmissionError> {
+fn parse_id(reservation_id: &str) -> Result<ids::ReservationRef<'_>, AdmissionError> {
     ids::parse_reservation_id(reservation_id)
         .ok_or_else(|| AdmissionError::BadReservationId(reservation_id.to_string()))
 }

@@ -135,6 +135,41 @@ pub struct ReleaseOutcome {
     pub refunded: u64,
 }
 
+/// Everything one pool reserve needs.
+#[derive(Debug, Clone)]
+pub struct PoolCall<'a> {
+    pub pool: &'a str,
+    pub id: &'a str,
+    /// Predicted slot time of the request (ms).
+    pub work_ms: u64,
+    pub kv_tokens: u64,
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub sweep_batch: u32,
+    pub slots: u64,
+    pub tier_slots: u64,
+    pub max_queue_delay_ms: u64,
+    /// `None` when the pool sets no KV limit.
+    pub tier_kv_tokens: Option<u64>,
+    pub deadline_ms: Option<u64>,
+}
+
+/// Why a pool refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolRefusal {
+    /// The predicted finish is past the caller's deadline.
+    Deadline,
+    /// The tier's share of the pool is full: its predicted queue delay is past the max.
+    QueueFull,
+}
+
+/// The pool's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolOutcome {
+    Admitted { start_delay_ms: u64, holds: u64, work_ms: u64 },
+    Denied { reason: PoolRefusal, retry_after_ms: u64, start_delay_ms: u64 },
+}
+
 /// The protocol over a store.
 #[derive(Debug)]
 pub struct Protocol<S> {
@@ -259,6 +294,56 @@ impl<S: Store> Protocol<S> {
         Ok(ReleaseOutcome { state, refunded: n })
     }
 
+    pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
+        let script = &self.scripts.pool_reserve;
+        let args = vec![
+            call.id.to_string(),
+            call.work_ms.to_string(),
+            call.kv_tokens.to_string(),
+            call.lease_ms.to_string(),
+            call.idle_ttl_ms.to_string(),
+            call.sweep_batch.to_string(),
+            call.slots.to_string(),
+            call.tier_slots.to_string(),
+            call.max_queue_delay_ms.to_string(),
+            call.tier_kv_tokens.unwrap_or(0).to_string(),
+            call.deadline_ms.unwrap_or(0).to_string(),
+        ];
+        let reply = self.store.eval(script, pool_keys(call.pool), args).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
+        match uint(0)? {
+            1 => Ok(PoolOutcome::Admitted { start_delay_ms: uint(1)?, holds: uint(2)?, work_ms: uint(3)? }),
+            0 => {
+                let reason = match text(items, 1).as_deref() {
+                    Some("deadline") => PoolRefusal::Deadline,
+                    Some("queue_full") => PoolRefusal::QueueFull,
+                    _ => return Err(bad()),
+                };
+                Ok(PoolOutcome::Denied { reason, retry_after_ms: uint(2)?, start_delay_ms: uint(3)? })
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    /// Takes a hold off its pool; `false` when the pool did not hold it. Idempotent.
+    pub async fn pool_release(&self, pool: &str, id: &str) -> Result<bool, StoreError> {
+        let script = &self.scripts.pool_release;
+        let reply = self.store.eval(script, pool_keys(pool), vec![id.to_string()]).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        Ok(items.first().and_then(Reply::as_int).ok_or_else(bad)? == 1)
+    }
+
+    /// Extends a pool hold's lease; `false` when the pool does not hold it.
+    pub async fn pool_renew(&self, pool: &str, id: &str, lease_ms: u64, idle_ttl_ms: u64) -> Result<bool, StoreError> {
+        let script = &self.scripts.pool_renew;
+        let args = vec![id.to_string(), lease_ms.to_string(), idle_ttl_ms.to_string()];
+        let reply = self.store.eval(script, pool_keys(pool), args).await?;
+        Ok(reply.as_int().ok_or_else(|| StoreError::BadReply { script: script.name, reply: reply.clone() })? == 1)
+    }
+
     /// Renew and release share a call shape: KEYS = record, index; reply = {state, number}.
     async fn state_and_number(
         &self,
@@ -275,6 +360,10 @@ impl<S: Store> Protocol<S> {
         let n = items.get(1).and_then(Reply::as_int).ok_or_else(bad)?;
         Ok((state, n.max(0) as u64))
     }
+}
+
+fn pool_keys(pool: &str) -> Vec<String> {
+    vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)]
 }
 
 fn array(reply: &Reply) -> Option<&[Reply]> {

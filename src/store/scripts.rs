@@ -1,5 +1,7 @@
-//! The protocol's Lua, compiled into the binary. Each phase script is `lua/common.lua` followed by
-//! the phase's own file, so the shared helpers exist once and every phase is still one script.
+//! The protocol's Lua, compiled into the binary. Each script is `lua/common.lua` followed by the
+//! phase's own file, so the shared helpers exist once and every phase is still one script. The
+//! tenant phases (reserve, commit, renew, release) touch one tenant's keys; the pool scripts touch
+//! one backend pool's keys.
 
 /// A Lua script and its SHA-1, the name Redis knows it by.
 #[derive(Debug, Clone)]
@@ -29,6 +31,9 @@ pub struct Scripts {
     pub commit: Script,
     pub renew: Script,
     pub release: Script,
+    pub pool_reserve: Script,
+    pub pool_release: Script,
+    pub pool_renew: Script,
 }
 
 impl Scripts {
@@ -38,11 +43,22 @@ impl Scripts {
             commit: Script::phase("commit", include_str!("../../lua/commit.lua")),
             renew: Script::phase("renew", include_str!("../../lua/renew.lua")),
             release: Script::phase("release", include_str!("../../lua/release.lua")),
+            pool_reserve: Script::phase("pool_reserve", include_str!("../../lua/pool_reserve.lua")),
+            pool_release: Script::phase("pool_release", include_str!("../../lua/pool_release.lua")),
+            pool_renew: Script::phase("pool_renew", include_str!("../../lua/pool_renew.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 4] {
-        [&self.reserve, &self.commit, &self.renew, &self.release]
+    pub fn all(&self) -> [&Script; 7] {
+        [
+            &self.reserve,
+            &self.commit,
+            &self.renew,
+            &self.release,
+            &self.pool_reserve,
+            &self.pool_release,
+            &self.pool_renew,
+        ]
     }
 }
 

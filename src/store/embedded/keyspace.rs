@@ -1,7 +1,7 @@
 //! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
-//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HGETALL, ZADD,
+//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HGETALL, ZADD,
 //! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT). Anything else is an error, so a script that
 //! starts using a new command fails its conformance test on the embedded store at once.
 
@@ -220,6 +220,23 @@ impl Keyspace {
                     }
                 }
                 Ok(Resp::Int(added))
+            }
+            "HDEL" => {
+                if a.len() < 2 {
+                    return Err(arity_error());
+                }
+                let (n, empty) = match self.live(now, &a[0]).map(|e| &mut e.value) {
+                    None => (0, false),
+                    Some(Value::Hash(h)) => {
+                        let n = a[1..].iter().filter(|f| h.remove(*f).is_some()).count();
+                        (n, h.is_empty())
+                    }
+                    Some(_) => return Err(wrongtype()),
+                };
+                if empty {
+                    self.entries.remove(&a[0]);
+                }
+                Ok(Resp::Int(n as i64))
             }
             "ZADD" => {
                 if a.len() < 3 || a.len().is_multiple_of(2) {

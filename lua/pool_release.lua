@@ -1,0 +1,14 @@
+-- pool_release.lua: takes a hold's work off its pool, exactly as it was added. Called after the
+-- tenant leg commits or releases, and to compensate when the tenant leg refuses. Idempotent: a
+-- hold already taken off (or swept after its lease) changes nothing.
+--
+-- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash     KEYS[3] the pool's lease index
+-- ARGV[1] reservation id
+--
+-- Reply: {1, work ms} when this call took the hold off; {0, 0} when the pool did not hold it.
+
+local work = pool_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+if work then
+  return { 1, work }
+end
+return { 0, 0 }

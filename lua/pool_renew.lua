@@ -1,0 +1,15 @@
+-- pool_renew.lua: extends the lease of a pool hold, after its tenant hold was renewed.
+--
+-- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash     KEYS[3] the pool's lease index
+-- ARGV[1] reservation id            ARGV[2] new lease, from now (ms)  ARGV[3] idle TTL (ms)
+--
+-- Reply: 1 when renewed; 0 when the pool does not hold it (nothing changes).
+
+if not redis.call('HGET', KEYS[2], ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
+for _, k in ipairs(KEYS) do
+  redis.call('PEXPIRE', k, tonumber(ARGV[3]))
+end
+return 1

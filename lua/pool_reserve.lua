@@ -1,0 +1,80 @@
+-- pool_reserve.lua: the capacity leg of admission. Settles a bounded batch of the pool's expired
+-- holds, predicts when the new request would start and finish, and either refuses it or holds its
+-- work. Runs before the tenant leg (reserve.lua), so a tenant is never charged for a request the
+-- pool refuses; see src/admission/mod.rs for the ordering across the two key spaces.
+--
+-- KEYS[1] the pool's state hash
+-- KEYS[2] the pool's holds hash
+-- KEYS[3] the pool's lease index
+--
+-- ARGV[1]  reservation id
+-- ARGV[2]  work: this request's predicted slot time (ms)
+-- ARGV[3]  KV-cache tokens this request holds (prompt + output)
+-- ARGV[4]  lease (ms)                 ARGV[5] idle TTL of the pool's keys (ms)
+-- ARGV[6]  sweep batch                ARGV[7] slots of the whole pool
+-- ARGV[8]  slots this request's tier may fill before it queues
+-- ARGV[9]  max queue delay (ms)
+-- ARGV[10] KV tokens this tier may fill (0: the pool sets no KV limit)
+-- ARGV[11] deadline, ms from now (0: none)
+--
+-- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
+-- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
+--   reason: deadline | queue_full
+--
+-- The model, fluid and conservative: the pool drains outstanding work at one slot-ms per slot per
+-- ms. A request starts at once while fewer holds than slots are outstanding, otherwise after the
+-- outstanding work spread over the slots: ceil(w / slots). A tier sees only its share of the slots,
+-- so lower tiers queue (and are refused) first and the rest is headroom they cannot borrow. Work
+-- leaves the pool exactly when its hold is committed, released or expires, never by time alone.
+
+local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
+local id = ARGV[1]
+local work = tonumber(ARGV[2])
+local kv = tonumber(ARGV[3])
+local lease = tonumber(ARGV[4])
+local idle = tonumber(ARGV[5])
+local batch = tonumber(ARGV[6])
+local slots = tonumber(ARGV[7])
+local tier_slots = tonumber(ARGV[8])
+local max_delay = tonumber(ARGV[9])
+local tier_kv = tonumber(ARGV[10])
+local deadline = tonumber(ARGV[11])
+
+local now = now_ms()
+
+-- 1. Expiry: holds whose lease ran out leave the pool, a bounded batch at a time.
+for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
+  pool_drop(state, holds, leases, due)
+end
+
+-- 2. Predict; nothing is written yet.
+local v = redis.call('HMGET', state, 'n', 'w', 'kv')
+local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
+
+local function start_delay(over_slots)
+  if n < over_slots then
+    return 0
+  end
+  return math.ceil(w / over_slots)
+end
+
+local delay = start_delay(slots)
+if deadline > 0 and delay + work > deadline then
+  return { 0, 'deadline', 0, delay }
+end
+if start_delay(tier_slots) > max_delay then
+  -- Until the pool, draining at its full rate, is down to what this tier may queue behind.
+  return { 0, 'queue_full', math.max(1, math.ceil((w - max_delay * tier_slots) / slots)), delay }
+end
+if tier_kv > 0 and used_kv + kv > tier_kv then
+  return { 0, 'queue_full', math.max(1, math.ceil(w / slots)), delay }
+end
+
+-- 3. Hold.
+redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
+redis.call('HSET', holds, id, work .. ' ' .. kv)
+redis.call('ZADD', leases, now + lease, id)
+for _, k in ipairs(KEYS) do
+  redis.call('PEXPIRE', k, idle)
+end
+return { 1, delay, n + 1, w + work }
