@@ -6,7 +6,7 @@ mod support;
 
 use futures_util::future::join_all;
 use support::{Harness, admitted, denied};
-use tollgate::admission::{Decision, Reason};
+use tollgate::admission::{Attributes, Decision, Priority, Reason};
 use tollgate::store::{Store, keys};
 
 /// Scenarios, each generic over the store.
@@ -269,6 +269,111 @@ mod scenarios {
         assert_eq!(admitted, 7, "a 700-token bucket admits exactly seven 100-token holds");
     }
 
+    // Pools. Model m: 1,000 prefill tokens/s, 100 decode tokens/s per sequence, so a request of
+    // 100 prompt + 100 output tokens is predicted to hold a slot for 100 + 1,000 = 1,100 ms.
+
+    fn pooled<S: Store>(h: &Harness<S>, tier: Priority, deadline_ms: Option<u64>) -> Attributes {
+        let mut a = h.attributes(100, 100);
+        a.priority = Some(tier);
+        a.deadline_ms = deadline_ms;
+        a
+    }
+
+    pub async fn a_committed_or_released_hold_leaves_the_pool_exactly<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        let b = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        assert_eq!(h.pool_load().await, (2, 2200));
+        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state, "committed");
+        assert_eq!(h.pool_load().await, (1, 1100));
+        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state, "committed", "a repeat");
+        assert_eq!(h.pool_load().await, (1, 1100), "a repeated commit takes nothing more off the pool");
+        assert_eq!(h.admission.release(&b).await.unwrap().state, "released");
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
+    pub async fn an_expired_hold_leaves_the_pool<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        h.advance(400).await;
+        let b = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        assert_eq!(h.pool_load().await, (1, 1100), "the expired hold was swept from the pool");
+        assert_eq!(h.admission.commit(&a, 1, 1).await.unwrap().state, "late_committed");
+        assert_eq!(h.pool_load().await, (1, 1100), "a late commit takes nothing more off");
+        h.admission.commit(&b, 1, 1).await.unwrap();
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
+    pub async fn a_tenant_refusal_gives_the_pool_leg_back<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        assert_eq!(denied(&no).reason, Reason::Concurrency, "the tenant's one slot is taken");
+        assert_eq!(h.pool_load().await, (1, 1100), "the refused request's pool work was given back");
+        h.admission.release(&a).await.unwrap();
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
+    pub async fn deadline_and_queue_decisions_follow_the_model<S: Store>(h: Harness<S>) {
+        // Two slots, 1,500 ms max queue delay.
+        let crit = |deadline| pooled(&h, Priority::Critical, deadline);
+        admitted(&h.admission.reserve(&crit(None)).await);
+        admitted(&h.admission.reserve(&crit(Some(1_100))).await);
+        assert_eq!(h.pool_load().await, (2, 2200));
+        let before = h.snapshot(&[]).await;
+        // Both slots busy: start in ceil(2200 / 2) = 1,100 ms, finish at 2,200 ms.
+        let d = h.admission.reserve(&crit(Some(2_000))).await;
+        let no = denied(&d);
+        assert_eq!((no.reason, no.retry_after_ms), (Reason::Deadline, None));
+        assert!(no.message.contains("2200 ms"), "{}", no.message);
+        assert_eq!(h.pool_load().await, (2, 2200), "a refused request occupies nothing");
+        assert_eq!(h.snapshot(&[]).await, before, "nor charges its tenant");
+        admitted(&h.admission.reserve(&crit(Some(2_200))).await);
+        // Three outstanding on two slots: start in ceil(3300 / 2) = 1,650 ms, past the 1,500 max.
+        // Retry when the pool, draining 2 slot-ms per ms, is down to 1,500 x 2: (3300 - 3000) / 2.
+        let d = h.admission.reserve(&crit(None)).await;
+        let no = denied(&d);
+        assert_eq!((no.reason, no.retry_after_ms), (Reason::QueueFull, Some(150)));
+        assert_eq!(h.pool_load().await, (3, 3300));
+    }
+
+    pub async fn tiers_are_refused_in_order<S: Store>(h: Harness<S>) {
+        // Four slots, max delay 1,000 ms; standard may fill 3 slots, sheddable 2.
+        let ask = |tier| pooled(&h, tier, None);
+        admitted(&h.admission.reserve(&ask(Priority::Sheddable)).await);
+        admitted(&h.admission.reserve(&ask(Priority::Sheddable)).await);
+        assert_eq!(denied(&h.admission.reserve(&ask(Priority::Sheddable)).await).reason, Reason::QueueFull);
+        admitted(&h.admission.reserve(&ask(Priority::Standard)).await);
+        assert_eq!(denied(&h.admission.reserve(&ask(Priority::Standard)).await).reason, Reason::QueueFull);
+        assert_eq!(denied(&h.admission.reserve(&ask(Priority::Sheddable)).await).reason, Reason::QueueFull);
+        admitted(&h.admission.reserve(&ask(Priority::Critical)).await);
+        // All four slots busy: even critical would start 1,100 ms late, past the max.
+        assert_eq!(denied(&h.admission.reserve(&ask(Priority::Critical)).await).reason, Reason::QueueFull);
+        assert_eq!(h.pool_load().await, (4, 4400));
+    }
+
+    pub async fn a_tenant_cannot_claim_a_tier_above_its_cap<S: Store>(h: Harness<S>) {
+        // The tenant may claim at most sheddable, which gets one of the pool's two slots.
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        assert_eq!(denied(&no).reason, Reason::QueueFull);
+        assert!(denied(&no).message.contains("sheddable"), "{}", denied(&no).message);
+    }
+
+    pub async fn the_kv_cache_bounds_what_a_pool_holds<S: Store>(h: Harness<S>) {
+        // 500 KV tokens; each request holds 200.
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        assert_eq!(denied(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reason, Reason::QueueFull);
+        let mut huge = pooled(&h, Priority::Critical, None);
+        huge.max_tokens = Some(500);
+        assert_eq!(denied(&h.admission.reserve(&huge).await).reason, Reason::Unsatisfiable);
+        assert_eq!(h.pool_load().await, (2, 2200));
+    }
+
+    const POOL_SPEEDS: &str = "prefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n";
+
+    pub fn pool_policy(tenant: &str, pool: &str) -> String {
+        format!("{tenant}---pool---\n{POOL_SPEEDS}{pool}")
+    }
+
     pub const BUCKET: &str = SLOW_BUCKET;
     pub const REFILL: &str = "limits:\n  tokens_per_minute: 600\n  burst_tokens: 100\n";
     pub const CONCURRENCY: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 2\n";
@@ -317,6 +422,40 @@ macro_rules! conformance {
             scenario!(every_key_carries_a_ttl, BUCKET);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);
+            scenario!(
+                a_committed_or_released_hold_leaves_the_pool_exactly,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                an_expired_hold_leaves_the_pool,
+                &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_tenant_refusal_gives_the_pool_leg_back,
+                &pool_policy("limits: { max_concurrency: 1 }\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                deadline_and_queue_decisions_follow_the_model,
+                &pool_policy("limits: {}\n", "max_sequences: 2\nmax_queue_delay_ms: 1500\n")
+            );
+            scenario!(
+                tiers_are_refused_in_order,
+                &pool_policy(
+                    "limits: {}\n",
+                    "max_sequences: 4\nmax_queue_delay_ms: 1000\ntier_shares: { standard: 0.75, sheddable: 0.5 }\n"
+                )
+            );
+            scenario!(
+                a_tenant_cannot_claim_a_tier_above_its_cap,
+                &pool_policy(
+                    "max_priority: sheddable\ndefault_priority: sheddable\n",
+                    "max_sequences: 2\nmax_queue_delay_ms: 1000\ntier_shares: { standard: 0.5, sheddable: 0.5 }\n"
+                )
+            );
+            scenario!(
+                the_kv_cache_bounds_what_a_pool_holds,
+                &pool_policy("limits: {}\n", "max_sequences: 8\nmax_queue_delay_ms: 60000\nkv_cache_tokens: 500\n")
+            );
         }
     };
 }

@@ -42,13 +42,26 @@ pub fn unique_tenant(prefix: &str) -> String {
     format!("{prefix}-{:016x}", fastrand::u64(..))
 }
 
-/// A whole policy around one tenant's YAML body (indented by the caller as under `tenants.<t>:`).
-pub fn policy_yaml(tenant: &str, tenant_body: &str, store: &str) -> String {
-    let body: String = tenant_body.lines().map(|l| format!("    {l}\n")).collect();
+/// Separates a scenario's tenant body from its pool body: `"<tenant>\n---pool---\n<pool>"`.
+pub const POOL_SEPARATOR: &str = "---pool---";
+
+/// A whole policy around one tenant's YAML body (as under `tenants.<t>:`) and, when the body
+/// carries a [`POOL_SEPARATOR`], one pool (as under `pools.<p>:`) that serves model `m`.
+pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String {
+    let indent = |text: &str| text.lines().map(|l| format!("    {l}\n")).collect::<String>();
+    let (tenant_body, pool_body) = match body.split_once(POOL_SEPARATOR) {
+        Some((t, p)) => (t, Some(p)),
+        None => (body, None),
+    };
+    let (pools, served_by) = match pool_body {
+        Some(p) => (format!("pools:\n  {pool}:\n{}", indent(p)), format!("    pool: {pool}\n")),
+        None => (String::new(), String::new()),
+    };
     format!(
-        "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n\
-         models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n  other:\n    max_output_tokens: 100000\n\
-         tenants:\n  {tenant}:\n{body}"
+        "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n{pools}\
+         models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n{served_by}  other:\n    max_output_tokens: 100000\n\
+         tenants:\n  {tenant}:\n{}",
+        indent(tenant_body)
     )
 }
 
@@ -105,6 +118,8 @@ impl KeyView {
 pub struct Harness<S> {
     pub admission: Admission<S>,
     pub tenant: String,
+    /// The pool serving model `m`, when the scenario has one.
+    pub pool: String,
     pub clock: Option<ManualClock>,
     inspect: Script,
 }
@@ -112,12 +127,12 @@ pub struct Harness<S> {
 /// 2026-11-29T12:00:00Z: a fixed start for the manual clock, mid-day so budgets do not roll over.
 pub const CLOCK_START_MS: u64 = 1_795_953_600_000;
 
-pub async fn embedded(tenant_body: &str) -> Harness<EmbeddedStore> {
-    let tenant = unique_tenant("t");
-    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, tenant_body, "")).expect("test policy");
+pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
+    let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
+    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, "")).expect("test policy");
     let clock = ManualClock::new(CLOCK_START_MS);
     let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
-    Harness::build(store, policy, tenant, Some(clock)).await
+    Harness::build(store, policy, tenant, pool, Some(clock)).await
 }
 
 pub async fn redis(tenant_body: &str) -> Harness<RedisStore> {
@@ -128,24 +143,25 @@ pub async fn cluster(tenant_body: &str) -> Harness<RedisStore> {
     redis_backend(Backend::Cluster, tenant_body).await
 }
 
-async fn redis_backend(backend: Backend, tenant_body: &str) -> Harness<RedisStore> {
-    let tenant = unique_tenant("t");
-    let yaml = policy_yaml(&tenant, tenant_body, &backend.store_yaml());
+async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
+    let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
+    let yaml = policy_yaml(&tenant, &pool, body, &backend.store_yaml());
     let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
     let target = match backend {
         Backend::Cluster => RedisTarget::Cluster(redis_cluster_nodes()),
         _ => RedisTarget::Single(redis_url()),
     };
     let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
-    Harness::build(store, policy, tenant, None).await
+    Harness::build(store, policy, tenant, pool, None).await
 }
 
 impl<S: Store> Harness<S> {
-    async fn build(store: S, policy: Policy, tenant: String, clock: Option<ManualClock>) -> Self {
+    async fn build(store: S, policy: Policy, tenant: String, pool: String, clock: Option<ManualClock>) -> Self {
         let protocol = Protocol::new(store).await.expect("scripts load");
         Harness {
             admission: Admission::new(Arc::new(policy), protocol),
             tenant,
+            pool,
             clock,
             inspect: Script::new("inspect", INSPECT.to_string()),
         }
@@ -211,6 +227,25 @@ impl<S: Store> Harness<S> {
     pub async fn tenant_scope(&self) -> KeyView {
         let key = keys::tenant_scope(&self.tenant);
         self.inspect(vec![key.clone()]).await.remove(&key).unwrap()
+    }
+
+    /// The pool's state (`n`, `w`, `kv`) and how many holds its hash and lease index list.
+    pub async fn pool_view(&self) -> (KeyView, usize, usize) {
+        let keys = vec![keys::pool_state(&self.pool), keys::pool_holds(&self.pool), keys::pool_leases(&self.pool)];
+        let mut views = self.inspect(keys.clone()).await;
+        let state = views.remove(&keys[0]).unwrap();
+        let holds = views.remove(&keys[1]).unwrap().fields.len();
+        let leases = views.remove(&keys[2]).unwrap().fields.len();
+        (state, holds, leases)
+    }
+
+    /// Outstanding holds and work of the pool: (n, w).
+    pub async fn pool_load(&self) -> (u64, u64) {
+        let (state, holds, leases) = self.pool_view().await;
+        let get = |f: &str| state.fields.get(f).map_or(0, |v| v.parse::<u64>().unwrap());
+        let (n, w) = (get("n"), get("w"));
+        assert_eq!((holds as u64, leases as u64), (n, n), "the holds hash and lease index agree with n");
+        (n, w)
     }
 
     /// Every key a tenant-level scenario touches: scope, lease index, and the given records.
