@@ -368,6 +368,55 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (2, 2200));
     }
 
+    /// Ten rounds of twenty concurrent reserves, each round running alongside the commits and
+    /// releases of the round before, so reserves, commits, releases and both legs' refusals
+    /// interleave (for real on Redis; in poll order on the embedded store). When all is settled,
+    /// the pool holds nothing and the tenant has been charged exactly what was committed.
+    pub async fn no_interleaving_leaks_pool_work_or_tenant_budget<S: Store>(h: Harness<S>) {
+        let h = &h;
+        let settle = |ids: Vec<(u32, String)>| async move {
+            join_all(ids.into_iter().map(|(i, id)| async move {
+                if i % 2 == 0 {
+                    assert_eq!(h.admission.commit(&id, 30, 20).await.unwrap().state, "committed");
+                    50
+                } else {
+                    assert_eq!(h.admission.release(&id).await.unwrap().state, "released");
+                    0
+                }
+            }))
+            .await
+            .into_iter()
+            .sum::<u64>()
+        };
+        let (mut pending, mut charged, mut refused) = (Vec::new(), 0, Vec::new());
+        for round in 0..10u32 {
+            let reserves = join_all((0..20u32).map(|j| async move {
+                let i = round * 20 + j;
+                let tier = [Priority::Critical, Priority::Standard, Priority::Sheddable][i as usize % 3];
+                (i, h.admission.reserve(&pooled(h, tier, None)).await)
+            }));
+            let (decisions, settled) = futures_util::join!(reserves, settle(std::mem::take(&mut pending)));
+            charged += settled;
+            for (i, d) in decisions {
+                match d {
+                    Decision::Admitted(a) => pending.push((i, a.reservation_id)),
+                    Decision::Denied(d) => refused.push(d.reason),
+                }
+            }
+        }
+        charged += settle(pending).await;
+        let count = |r: Reason| refused.iter().filter(|x| **x == r).count();
+        assert!(count(Reason::QueueFull) > 0, "the pool leg should refuse some: {refused:?}");
+        assert!(count(Reason::TokenRate) > 0, "the tenant leg should refuse some: {refused:?}");
+        assert_eq!(count(Reason::QueueFull) + count(Reason::TokenRate), refused.len(), "{refused:?}");
+        assert_eq!(h.pool_load().await, (0, 0), "every pool hold was given back");
+        let scope = h.tenant_scope().await;
+        assert_eq!(scope.num("c"), 0.0, "no slot is left held");
+        let t = scope.num("t");
+        let expected = 1500.0 - charged as f64;
+        assert!(t >= expected && t < expected + 5.0, "tokens {t}, expected {expected} (+ refill)");
+    }
+
     const POOL_SPEEDS: &str = "prefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n";
 
     pub fn pool_policy(tenant: &str, pool: &str) -> String {
@@ -450,6 +499,13 @@ macro_rules! conformance {
                 &pool_policy(
                     "max_priority: sheddable\ndefault_priority: sheddable\n",
                     "max_sequences: 2\nmax_queue_delay_ms: 1000\ntier_shares: { standard: 0.5, sheddable: 0.5 }\n"
+                )
+            );
+            scenario!(
+                no_interleaving_leaks_pool_work_or_tenant_budget,
+                &pool_policy(
+                    "limits: { tokens_per_minute: 60, burst_tokens: 1500 }\n",
+                    "max_sequences: 4\nmax_queue_delay_ms: 2000\n"
                 )
             );
             scenario!(
