@@ -72,6 +72,56 @@ pub enum Command {
         #[arg(long, default_value_t = 1)]
         runs: u32,
     },
+    /// A simulated OpenAI-compatible inference backend: slots, a FIFO queue, prefill and decode
+    /// speeds, log-normal output lengths; commits its usage to tollgate.
+    SimBackend {
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        listen: SocketAddr,
+        /// tollgate's gRPC endpoint, for Commit and Renew.
+        #[arg(long)]
+        tollgate: Option<String>,
+        /// Sequences generated at once; the rest wait in a FIFO queue.
+        #[arg(long, default_value_t = 4)]
+        slots: usize,
+        #[arg(long, default_value_t = 5000.0)]
+        prefill_tps: f64,
+        /// Decode speed of one sequence, tokens per second.
+        #[arg(long, default_value_t = 50.0)]
+        decode_tps: f64,
+        /// Median of the log-normal output length.
+        #[arg(long, default_value_t = 200.0)]
+        output_median: f64,
+        /// Shape of the log-normal output length.
+        #[arg(long, default_value_t = 0.8)]
+        output_sigma: f64,
+        /// Every output this long instead (capped by max_tokens).
+        #[arg(long)]
+        output_fixed: Option<u64>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 30_000)]
+        renew_every_ms: u64,
+    },
+    /// Open-loop HTTP load of interactive, standard and batch requests through Envoy; prints
+    /// admitted, denied by reason, and p50/p99 per class.
+    SimLoad {
+        /// Envoy's HTTP address.
+        #[arg(long, default_value = "http://127.0.0.1:10000")]
+        target: String,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        #[arg(long, default_value_t = 15_000)]
+        timeout_ms: u64,
+        /// Interactive requests per second (tenant acme, critical, 2 s deadline, 64 tokens).
+        #[arg(long, default_value_t = 4.0)]
+        interactive_rate: f64,
+        /// Standard requests per second (tenant acme, 256 tokens).
+        #[arg(long, default_value_t = 2.0)]
+        standard_rate: f64,
+        /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
+        #[arg(long, default_value_t = 8.0)]
+        batch_rate: f64,
+    },
 }
 
 /// Why `serve` stopped with an error.

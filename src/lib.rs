@@ -17,6 +17,8 @@
 //! - [`grpc`]: the edge. `authz` (Envoy `Check` → attributes), `admission` (the Admission
 //!   service), `response` (decision → `CheckResponse`: the one place for status, headers, body),
 //!   `server` (the tower stack, health, reflection, graceful shutdown).
+//! - [`sim`]: a simulated inference backend (`sim-backend`) and an HTTP load of request classes
+//!   (`sim-load`), for tests, the demo and the benchmark.
 //! - [`telemetry`]: tracing, and OpenTelemetry export when an endpoint is configured.
 //!
 //! The protocol itself lives in `lua/` and exists once: both stores run those scripts.
@@ -29,6 +31,7 @@ pub mod cli;
 pub mod config;
 pub mod estimate;
 pub mod grpc;
+pub mod sim;
 pub mod store;
 pub mod telemetry;
 

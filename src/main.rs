@@ -12,6 +12,9 @@ use tokio_util::sync::CancellationToken;
 use tollgate::bench::{self, BenchOptions};
 use tollgate::cli::{self, Cli, Command};
 use tollgate::config::Policy;
+use tollgate::sim::backend::{self, SimConfig};
+use tollgate::sim::lengths::OutputLengths;
+use tollgate::sim::load;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -47,6 +50,67 @@ fn main() -> ExitCode {
                         }
                     }
                 }
+                ExitCode::SUCCESS
+            })
+        }
+        Command::SimBackend {
+            listen,
+            tollgate,
+            slots,
+            prefill_tps,
+            decode_tps,
+            output_median,
+            output_sigma,
+            output_fixed,
+            seed,
+            renew_every_ms,
+        } => {
+            let Some(runtime) = runtime() else { return ExitCode::FAILURE };
+            let lengths = match output_fixed {
+                Some(n) => OutputLengths::Fixed(n),
+                None => OutputLengths::LogNormal { median: output_median, sigma: output_sigma },
+            };
+            let config = SimConfig {
+                slots,
+                prefill_tokens_per_second: prefill_tps,
+                decode_tokens_per_second: decode_tps,
+                lengths,
+                seed,
+                tollgate,
+                renew_every: Duration::from_millis(renew_every_ms),
+                ..SimConfig::default()
+            };
+            runtime.block_on(async move {
+                let _telemetry = tollgate::telemetry::init("info", None);
+                let listener = match tokio::net::TcpListener::bind(listen).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        eprintln!("tollgate: sim-backend cannot listen on {listen}: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                };
+                let shutdown = CancellationToken::new();
+                tokio::spawn(cancel_on_signal(shutdown.clone()));
+                match backend::serve(listener, config, shutdown, Default::default()).await {
+                    Ok(()) => ExitCode::SUCCESS,
+                    Err(e) => {
+                        eprintln!("tollgate: sim-backend: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            })
+        }
+        Command::SimLoad { target, seconds, timeout_ms, interactive_rate, standard_rate, batch_rate } => {
+            let Some(runtime) = runtime() else { return ExitCode::FAILURE };
+            let plan = load::LoadPlan {
+                target,
+                duration: Duration::from_secs(seconds),
+                timeout: Duration::from_millis(timeout_ms),
+                classes: load::mixed(interactive_rate, standard_rate, batch_rate),
+            };
+            runtime.block_on(async move {
+                let reports = load::run(&plan).await;
+                print!("{}", load::table(&reports));
                 ExitCode::SUCCESS
             })
         }

@@ -1,0 +1,357 @@
+//! `tollgate sim-backend`: a stand-in OpenAI-compatible inference server.
+//!
+//! It behaves the way admission control has to reckon with: `slots` sequences run at once and
+//! everything else waits in a FIFO queue; a request holds its slot for prefill (prompt tokens at
+//! the prefill speed) and then decode (one token at a time at the decode speed); the output stops
+//! at a length drawn from [`OutputLengths`] or at `max_tokens`, whichever comes first.
+//!
+//! `POST /v1/chat/completions` answers JSON with a `usage` block, or with `"stream": true` a
+//! server-sent event stream whose last chunk carries `usage` when `stream_options.include_usage`
+//! is set. A request carrying `x-tollgate-reservation` is committed to tollgate with its real
+//! usage when generation ends, and renewed every `renew_every` while it runs. A client that
+//! disconnects stops its generation, and the tokens produced so far are committed: real usage,
+//! not the hold. A test may fix one request's output with `x-sim-output-tokens`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use super::lengths::{OutputLengths, Sampler};
+use crate::proto::admission_client::AdmissionClient;
+use crate::proto::{CommitRequest, RenewRequest};
+
+/// How the simulated fleet behaves.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub slots: usize,
+    pub prefill_tokens_per_second: f64,
+    /// Decode speed of one sequence.
+    pub decode_tokens_per_second: f64,
+    pub lengths: OutputLengths,
+    pub seed: u64,
+    /// Prompt bytes per token, for the usage it reports.
+    pub bytes_per_token: f64,
+    /// tollgate's gRPC endpoint; usage is committed there when set.
+    pub tollgate: Option<String>,
+    pub renew_every: Duration,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            slots: 4,
+            prefill_tokens_per_second: 5_000.0,
+            decode_tokens_per_second: 50.0,
+            lengths: OutputLengths::default(),
+            seed: 1,
+            bytes_per_token: 4.0,
+            tollgate: None,
+            renew_every: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("bad tollgate endpoint {0:?}: {1}")]
+    Endpoint(String, String),
+    #[error("bad configuration: {0}")]
+    Config(String),
+}
+
+/// Counters of what the backend did, for tests and the demo.
+#[derive(Debug, Default)]
+pub struct SimStats {
+    pub completed: AtomicU64,
+    pub disconnected: AtomicU64,
+    pub commits: AtomicU64,
+    pub renewals: AtomicU64,
+}
+
+struct Sim {
+    config: SimConfig,
+    slots: Arc<Semaphore>,
+    sampler: Sampler,
+    tollgate: Option<AdmissionClient<Channel>>,
+    stats: Arc<SimStats>,
+}
+
+/// Serves until `shutdown` is cancelled. Returns the counters, shared with the running server.
+pub async fn serve(
+    listener: TcpListener,
+    config: SimConfig,
+    shutdown: CancellationToken,
+    stats: Arc<SimStats>,
+) -> Result<(), SimError> {
+    if config.slots == 0 || !(config.prefill_tokens_per_second > 0.0 && config.decode_tokens_per_second > 0.0) {
+        return Err(SimError::Config("slots and both speeds must be positive".into()));
+    }
+    let tollgate = match &config.tollgate {
+        Some(url) => Some(AdmissionClient::new(
+            Endpoint::from_shared(url.clone())
+                .map_err(|e| SimError::Endpoint(url.clone(), e.to_string()))?
+                .tcp_nodelay(true)
+                .connect_lazy(),
+        )),
+        None => None,
+    };
+    let sim = Arc::new(Sim {
+        slots: Arc::new(Semaphore::new(config.slots)),
+        sampler: Sampler::new(config.lengths, config.seed),
+        config,
+        tollgate,
+        stats,
+    });
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!("sim-backend accept failed: {e}");
+                    continue;
+                }
+            },
+            () = shutdown.cancelled() => return Ok(()),
+        };
+        let _ = stream.set_nodelay(true);
+        let sim = sim.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| handle(sim.clone(), req));
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+        });
+    }
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+type Chunks = mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
+
+fn json(status: StatusCode, value: serde_json::Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(value.to_string())).boxed())
+        .unwrap_or_default()
+}
+
+fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json(status, serde_json::json!({"error": {"message": message, "type": "invalid_request_error"}}))
+}
+
+/// What the simulator reads from a request.
+struct Chat {
+    model: String,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn parse_chat(body: &[u8], bytes_per_token: f64) -> Result<Chat, String> {
+    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
+    let content_bytes: usize = v["messages"]
+        .as_array()
+        .map(|messages| messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
+        .unwrap_or(0);
+    Ok(Chat {
+        model: v["model"].as_str().unwrap_or("sim").to_string(),
+        prompt_tokens: ((content_bytes as f64 / bytes_per_token).ceil() as u64).max(1),
+        max_tokens: v["max_completion_tokens"].as_u64().or(v["max_tokens"].as_u64()).unwrap_or(4096),
+        stream: v["stream"].as_bool().unwrap_or(false),
+        include_usage: v["stream_options"]["include_usage"].as_bool().unwrap_or(false),
+    })
+}
+
+async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    if req.method() != hyper::Method::POST || req.uri().path() != "/v1/chat/completions" {
+        return Ok(error(StatusCode::NOT_FOUND, "the simulator serves POST /v1/chat/completions"));
+    }
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let reservation = header("x-tollgate-reservation");
+    let fixed_output = header("x-sim-output-tokens").and_then(|v| v.parse::<u64>().ok());
+    let body = match Limited::new(req.into_body(), 16 << 20).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Ok(error(StatusCode::BAD_REQUEST, "body unreadable or over 16 MiB")),
+    };
+    let chat = match parse_chat(&body, sim.config.bytes_per_token) {
+        Ok(c) => c,
+        Err(e) => return Ok(error(StatusCode::BAD_REQUEST, &e)),
+    };
+    let output = fixed_output.map_or_else(|| sim.sampler.sample(chat.max_tokens), |n| n.clamp(1, chat.max_tokens));
+
+    // The queue: a slot is taken in arrival order, and held for the whole generation.
+    let Ok(slot) = sim.slots.clone().acquire_owned().await else {
+        return Ok(error(StatusCode::SERVICE_UNAVAILABLE, "simulator shutting down"));
+    };
+    let mut generation = Generation::new(sim.clone(), reservation, chat.prompt_tokens);
+    if !chat.stream {
+        generation.run(output, None).await;
+        generation.finish().await;
+        drop(slot);
+        let usage = usage(chat.prompt_tokens, output);
+        let finish = if output == chat.max_tokens { "length" } else { "stop" };
+        return Ok(json(
+            StatusCode::OK,
+            serde_json::json!({
+                "id": "chatcmpl-sim",
+                "object": "chat.completion",
+                "created": 0,
+                "model": chat.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok ".repeat(output.min(64) as usize)}, "finish_reason": finish}],
+                "usage": usage,
+            }),
+        ));
+    }
+
+    let (tx, rx): (Chunks, _) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let _slot = slot;
+        let chunk = |tokens: u64| {
+            let v = serde_json::json!({
+                "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
+                "choices": [{"index": 0, "delta": {"content": "tok ".repeat(tokens as usize)}, "finish_reason": null}],
+            });
+            Frame::data(Bytes::from(format!("data: {v}\n\n")))
+        };
+        let complete = generation.run(output, Some((&tx, &chunk))).await;
+        if complete {
+            let finish = if output == chat.max_tokens { "length" } else { "stop" };
+            let last = serde_json::json!({
+                "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+            });
+            let _ = tx.send(Ok(Frame::data(Bytes::from(format!("data: {last}\n\n"))))).await;
+            if chat.include_usage {
+                let u = serde_json::json!({
+                    "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
+                    "choices": [], "usage": usage(chat.prompt_tokens, output),
+                });
+                let _ = tx.send(Ok(Frame::data(Bytes::from(format!("data: {u}\n\n"))))).await;
+            }
+            let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))).await;
+        }
+        generation.finish().await;
+    });
+    let body = StreamBody::new(ReceiverStream::new(rx)).boxed();
+    Ok(Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .body(body)
+        .unwrap_or_default())
+}
+
+fn usage(prompt: u64, completion: u64) -> serde_json::Value {
+    serde_json::json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// One request's time on a slot. Dropped unfinished (the client went away while it ran), it still
+/// commits the tokens produced so far.
+struct Generation {
+    sim: Arc<Sim>,
+    reservation: Option<String>,
+    prompt: u64,
+    produced: u64,
+    done: bool,
+}
+
+impl Generation {
+    fn new(sim: Arc<Sim>, reservation: Option<String>, prompt: u64) -> Self {
+        Generation { sim, reservation, prompt, produced: 0, done: false }
+    }
+
+    /// Prefill, then decode `output` tokens, streaming each step's tokens to `sink` when there is
+    /// one; stops early (returning false) when the stream's client is gone.
+    async fn run(&mut self, output: u64, sink: Option<(&Chunks, &(dyn Fn(u64) -> Frame<Bytes> + Sync))>) -> bool {
+        let config = &self.sim.config;
+        let started = Instant::now();
+        let mut last_renewal = started;
+        tokio::time::sleep(Duration::from_secs_f64(self.prompt as f64 / config.prefill_tokens_per_second)).await;
+        // Decode in steps of about 20 ms of tokens: fine enough for streaming, cheap to simulate.
+        let step = ((config.decode_tokens_per_second * 0.02).round() as u64).max(1);
+        while self.produced < output {
+            let tokens = step.min(output - self.produced);
+            tokio::time::sleep(Duration::from_secs_f64(tokens as f64 / config.decode_tokens_per_second)).await;
+            self.produced += tokens;
+            if let Some((tx, chunk)) = sink
+                && tx.send(Ok(chunk(tokens))).await.is_err()
+            {
+                self.sim.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            if last_renewal.elapsed() >= config.renew_every {
+                last_renewal = Instant::now();
+                self.renew().await;
+            }
+        }
+        self.sim.stats.completed.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    async fn renew(&self) {
+        if let (Some(client), Some(id)) = (&self.sim.tollgate, &self.reservation) {
+            let request = RenewRequest { reservation_id: id.clone(), lease_ms: 0 };
+            match client.clone().renew(request).await {
+                Ok(_) => {
+                    self.sim.stats.renewals.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(reservation = %id, "renew failed: {e}"),
+            }
+        }
+    }
+
+    /// Commits the usage once.
+    async fn finish(&mut self) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        commit(self.sim.clone(), self.reservation.take(), self.prompt, self.produced).await;
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.sim.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(commit(self.sim.clone(), self.reservation.take(), self.prompt, self.produced));
+        }
+    }
+}
+
+async fn commit(sim: Arc<Sim>, reservation: Option<String>, prompt: u64, completion: u64) {
+    let (Some(client), Some(id)) = (&sim.tollgate, reservation) else { return };
+    let request = CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
+    match client.clone().commit(request).await {
+        Ok(_) => {
+            sim.stats.commits.fetch_add(1, Ordering::Relaxed);
+        }
+        Err(e) => tracing::warn!(reservation = %id, "commit failed: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_prompt_size_limits_and_streaming_options() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"12345678"}],"max_tokens":9,"stream":true,"stream_options":{"include_usage":true}}"#;
+        let c = parse_chat(body, 4.0).unwrap();
+        assert_eq!((c.prompt_tokens, c.max_tokens, c.stream, c.include_usage), (2, 9, true, true));
+        assert!(parse_chat(b"nope", 4.0).is_err());
+    }
+}

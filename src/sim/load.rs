@@ -1,0 +1,235 @@
+//! `tollgate sim-load`: open-loop HTTP load of several request classes through Envoy, reporting
+//! per class what was admitted, what was denied and why, and the latency of what was admitted.
+//!
+//! Each class has its own fixed rate; send times are decided by the schedule, not by replies, and
+//! latency counts from the scheduled send time. A request still unanswered at the client timeout
+//! counts as a timeout, with the timeout as its latency (it is not dropped from the tail).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::sync::Mutex;
+use tokio::time::{Instant, MissedTickBehavior};
+
+/// One kind of traffic.
+#[derive(Debug, Clone)]
+pub struct Class {
+    pub name: String,
+    pub tenant: String,
+    /// `x-priority`, when set.
+    pub priority: Option<String>,
+    /// `x-request-deadline-ms`, when set.
+    pub deadline_ms: Option<u64>,
+    /// Requests per second.
+    pub rate: f64,
+    pub max_tokens: u64,
+    /// Fixes the simulated output length (`x-sim-output-tokens`); otherwise the backend draws it.
+    pub output_tokens: Option<u64>,
+    pub prompt_bytes: usize,
+    pub stream: bool,
+}
+
+/// The whole load.
+#[derive(Debug, Clone)]
+pub struct LoadPlan {
+    /// Envoy's HTTP address, e.g. `http://127.0.0.1:10000`.
+    pub target: String,
+    pub duration: Duration,
+    pub timeout: Duration,
+    pub classes: Vec<Class>,
+}
+
+/// What one class saw.
+#[derive(Debug, Clone, Default)]
+pub struct ClassReport {
+    pub name: String,
+    pub sent: u64,
+    pub admitted: u64,
+    /// Denials by `x-tollgate-reason`.
+    pub denied: BTreeMap<String, u64>,
+    /// Answers that were neither a success nor a tollgate denial (e.g. Envoy's own 503).
+    pub failed: u64,
+    pub timed_out: u64,
+    /// Latency (ms) of every admitted request, and of every timeout (as the timeout).
+    pub latencies_ms: Vec<f64>,
+}
+
+impl ClassReport {
+    /// Nearest-rank percentile of the admitted latencies (timeouts included), in ms.
+    pub fn percentile(&self, per_mille: usize) -> Option<f64> {
+        let mut v = self.latencies_ms.clone();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let rank = (per_mille * v.len()).div_ceil(1000).clamp(1, v.len());
+        Some(v[rank - 1])
+    }
+
+    pub fn denied_total(&self) -> u64 {
+        self.denied.values().sum()
+    }
+}
+
+enum Outcome {
+    Admitted(f64),
+    Denied(String),
+    Failed,
+    TimedOut(f64),
+}
+
+/// Runs the plan and reports per class, in the plan's order.
+pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let reports = Arc::new(Mutex::new(
+        plan.classes.iter().map(|c| ClassReport { name: c.name.clone(), ..Default::default() }).collect::<Vec<_>>(),
+    ));
+    let start = Instant::now() + Duration::from_millis(20);
+    let end = start + plan.duration;
+    let mut schedulers = Vec::new();
+    for (index, class) in plan.classes.iter().cloned().enumerate() {
+        if class.rate <= 0.0 {
+            continue;
+        }
+        let (client, reports, target, timeout) = (client.clone(), reports.clone(), plan.target.clone(), plan.timeout);
+        schedulers.push(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval_at(start, Duration::from_secs_f64(1.0 / class.rate));
+            // Open loop: a late tick is sent at once, never skipped.
+            ticks.set_missed_tick_behavior(MissedTickBehavior::Burst);
+            let class = Arc::new(class);
+            let mut requests = Vec::new();
+            loop {
+                let scheduled = ticks.tick().await;
+                if scheduled >= end {
+                    break;
+                }
+                let (client, class, target) = (client.clone(), class.clone(), target.clone());
+                requests.push(tokio::spawn(async move { send(&client, &target, &class, scheduled, timeout).await }));
+            }
+            let mut outcomes = Vec::with_capacity(requests.len());
+            for r in requests {
+                outcomes.push(r.await.unwrap_or(Outcome::Failed));
+            }
+            let mut all = reports.lock().await;
+            let report = &mut all[index];
+            for outcome in outcomes {
+                report.sent += 1;
+                match outcome {
+                    Outcome::Admitted(ms) => {
+                        report.admitted += 1;
+                        report.latencies_ms.push(ms);
+                    }
+                    Outcome::Denied(reason) => *report.denied.entry(reason).or_default() += 1,
+                    Outcome::Failed => report.failed += 1,
+                    Outcome::TimedOut(ms) => {
+                        report.timed_out += 1;
+                        report.latencies_ms.push(ms);
+                    }
+                }
+            }
+        }));
+    }
+    for s in schedulers {
+        let _ = s.await;
+    }
+    Arc::try_unwrap(reports).map(Mutex::into_inner).unwrap_or_default()
+}
+
+async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    target: &str,
+    class: &Class,
+    scheduled: Instant,
+    timeout: Duration,
+) -> Outcome {
+    let mut body = serde_json::json!({
+        "model": "sim",
+        "max_tokens": class.max_tokens,
+        "messages": [{"role": "user", "content": "x".repeat(class.prompt_bytes)}],
+    });
+    if class.stream {
+        body["stream"] = true.into();
+        body["stream_options"] = serde_json::json!({"include_usage": true});
+    }
+    let mut req = hyper::Request::post(format!("{target}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-tenant-id", &class.tenant);
+    if let Some(p) = &class.priority {
+        req = req.header("x-priority", p);
+    }
+    if let Some(d) = class.deadline_ms {
+        req = req.header("x-request-deadline-ms", d.to_string());
+    }
+    if let Some(n) = class.output_tokens {
+        req = req.header("x-sim-output-tokens", n.to_string());
+    }
+    let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else { return Outcome::Failed };
+    let exchange = async {
+        let res = client.request(req).await.ok()?;
+        let status = res.status().as_u16();
+        let reason = res.headers().get("x-tollgate-reason").and_then(|v| v.to_str().ok()).map(str::to_string);
+        res.into_body().collect().await.ok()?;
+        Some((status, reason))
+    };
+    match tokio::time::timeout_at(scheduled + timeout, exchange).await {
+        Err(_) => Outcome::TimedOut(timeout.as_secs_f64() * 1000.0),
+        Ok(None) => Outcome::Failed,
+        Ok(Some((200, _))) => Outcome::Admitted(scheduled.elapsed().as_secs_f64() * 1000.0),
+        Ok(Some((_, Some(reason)))) => Outcome::Denied(reason),
+        Ok(Some(_)) => Outcome::Failed,
+    }
+}
+
+/// The demo's mix: interactive chat (critical, 2 s deadline, short answers) and standard
+/// requests from tenant `acme`, and a batch flood (sheddable, long answers) from tenant `batchco`.
+pub fn mixed(interactive_rate: f64, standard_rate: f64, batch_rate: f64) -> Vec<Class> {
+    let class = |name: &str, tenant: &str, priority: &str, deadline_ms, rate, max_tokens| Class {
+        name: name.into(),
+        tenant: tenant.into(),
+        priority: Some(priority.into()),
+        deadline_ms,
+        rate,
+        max_tokens,
+        output_tokens: None,
+        prompt_bytes: 800,
+        stream: false,
+    };
+    vec![
+        Class { stream: true, ..class("interactive", "acme", "critical", Some(2_000), interactive_rate, 64) },
+        class("standard", "acme", "standard", None, standard_rate, 256),
+        class("batch", "batchco", "sheddable", None, batch_rate, 1024),
+    ]
+}
+
+/// A table of the reports, one row per class.
+pub fn table(reports: &[ClassReport]) -> String {
+    let mut out = String::from(
+        "| class | sent | admitted | denied (by reason) | failed | timed out | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in reports {
+        let denied = if r.denied.is_empty() {
+            "0".to_string()
+        } else {
+            r.denied.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
+        };
+        let pct = |p| r.percentile(p).map_or("-".to_string(), |v| format!("{v:.0}"));
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.name,
+            r.sent,
+            r.admitted,
+            denied,
+            r.failed,
+            r.timed_out,
+            pct(500),
+            pct(990)
+        ));
+    }
+    out
+}
