@@ -137,6 +137,8 @@ pub async fn serve(
 
 type Body = BoxBody<Bytes, Infallible>;
 type Chunks = mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
+/// Where a streaming generation sends its tokens, and how a step of tokens becomes an SSE frame.
+type Sink<'a> = (&'a Chunks, &'a (dyn Fn(u64) -> Frame<Bytes> + Sync));
 
 fn json(status: StatusCode, value: serde_json::Value) -> Response<Body> {
     Response::builder()
@@ -273,7 +275,7 @@ impl Generation {
 
     /// Prefill, then decode `output` tokens, streaming each step's tokens to `sink` when there is
     /// one; stops early (returning false) when the stream's client is gone.
-    async fn run(&mut self, output: u64, sink: Option<(&Chunks, &(dyn Fn(u64) -> Frame<Bytes> + Sync))>) -> bool {
+    async fn run(&mut self, output: u64, sink: Option<Sink<'_>>) -> bool {
         let config = &self.sim.config;
         let started = Instant::now();
         let mut last_renewal = started;
