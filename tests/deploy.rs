@@ -14,7 +14,8 @@ fn manifests() -> Vec<Value> {
     let mut docs = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
-        if path.extension().and_then(|e| e.to_str()) != Some("yaml") || path.ends_with("policy.yaml") {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if !name.ends_with(".yaml") || name.ends_with("policy.yaml") {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();
@@ -77,6 +78,13 @@ fn the_configmap_envoy_bootstrap_validates() {
     let text = find(&docs, "ConfigMap", "envoy-config")["data"]["envoy.yaml"].as_str().unwrap();
     let out = support::procs::envoy_validate(text);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn the_demo_policy_is_valid_and_pools_its_model() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/demo-policy.yaml");
+    let policy = Policy::load(&path).unwrap();
+    assert_eq!(policy.models["sim"].pool.as_deref(), Some("gpu"));
 }
 
 #[test]

@@ -1,0 +1,28 @@
+//! The README's demo command runs end to end: Envoy, tollgate, the simulated backend and the
+//! mixed load, and prints a row per class.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[test]
+fn the_demo_runs_and_reports_every_class() {
+    let started = Instant::now();
+    let out = Command::new("bash")
+        .args(["scripts/demo", "3"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("TOLLGATE_BIN", env!("CARGO_BIN_EXE_tollgate"))
+        .output()
+        .expect("run scripts/demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for class in ["interactive", "standard", "batch"] {
+        let row = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {class} |")))
+            .unwrap_or_else(|| panic!("no {class} row:\n{stdout}"));
+        let sent: u64 = row.split('|').nth(2).unwrap().trim().parse().unwrap();
+        assert!(sent > 0, "{row}");
+    }
+    assert!(stdout.contains("queue_full"), "the batch flood meets capacity admission:\n{stdout}");
+    assert!(started.elapsed() < Duration::from_secs(120));
+}
