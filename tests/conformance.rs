@@ -302,6 +302,19 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (0, 0));
     }
 
+    pub async fn renew_extends_the_pool_lease_too<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        h.advance(200).await;
+        assert_eq!(h.admission.renew(&a, 0).await.unwrap().state, "reserved");
+        h.advance(200).await;
+        // Past the first lease, inside the renewed one: the next reserve's sweep keeps it.
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        assert_eq!(h.pool_load().await, (2, 2200));
+        h.advance(400).await;
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        assert_eq!(h.pool_load().await, (1, 1100), "both earlier holds expired and left the pool");
+    }
+
     pub async fn a_tenant_refusal_gives_the_pool_leg_back<S: Store>(h: Harness<S>) {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
@@ -477,6 +490,10 @@ macro_rules! conformance {
             );
             scenario!(
                 an_expired_hold_leaves_the_pool,
+                &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                renew_extends_the_pool_lease_too,
                 &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );
             scenario!(
