@@ -6,10 +6,14 @@
 -- ARGV[1] reservation id
 -- ARGV[2] prompt tokens used
 -- ARGV[3] output tokens used
+-- ARGV[4] TTL of the output estimate this commit teaches (ms)
+-- ARGV[5] samples the estimate keeps before it halves them all
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun}
 --   state: committed | late_committed, or not_found | released when nothing was charged
 --   A commit of an already committed id returns the first commit's result with duplicate = 1.
+--
+-- A hold that learns (its record names an estimate) teaches it the output length, once.
 --
 -- Invariants: each record is charged for usage at most once; a hold whose lease has passed is
 -- settled as expired first (whether or not a sweep reached it), then late-committed, so the
@@ -20,6 +24,8 @@ local leases = KEYS[2]
 local id = ARGV[1]
 local prompt = tonumber(ARGV[2])
 local output = tonumber(ARGV[3])
+local estimate_ttl = tonumber(ARGV[4])
+local window = tonumber(ARGV[5])
 
 local r = load(rk)
 if not r then
@@ -57,4 +63,7 @@ local overrun = math.max(0, used - r.h)
 redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
   'rf', refunded, 'ov', overrun)
 close(rk, id, r, leases)
+if r.ok and r.ok ~= '' then
+  learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
+end
 return { state, 0, used, r.h, refunded, overrun }

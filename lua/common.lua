@@ -11,6 +11,8 @@
 --   xp  expired-usage policy: charge | refund
 --   ik  idempotency key name, or empty      rt  retention (ms) once settled
 --   pt ot us rf ov  commit result: prompt, output, used, refunded, overrun tokens
+--   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
+--   oq  the quantile that estimate tracks
 --
 -- Scope hash (one per tenant / user / model scope):
 --   t tt tc  token bucket: tokens, last refill (ms), capacity
@@ -33,7 +35,8 @@ local function split(s)
   return out
 end
 
-local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov' }
+local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
+  'ok', 'oq' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -179,4 +182,60 @@ local function pool_drop(state, holds, leases, id)
   redis.call('HSET', state, 'n', math.max(0, (tonumber(v[1]) or 0) - 1), 'w',
     math.max(0, (tonumber(v[2]) or 0) - work), 'kv', math.max(0, (tonumber(v[3]) or 0) - kv))
   return work
+end
+
+-- Output-length estimate (one hash per tenant and model, learned from commits):
+--   n     samples (halved whenever it passes the window, so the estimate follows drift)
+--   b<i>  samples whose output fell in bucket i: (1.1^(i-1), 1.1^i] tokens; b0 holds 0 and 1
+--   q     the tracked quantile, as the upper edge of its bucket (rounding up: a hold errs large)
+--   us ov all tokens used, and all tokens used beyond their hold, since the estimate began
+
+local GROWTH = 1.1
+
+local function bucket_of(tokens)
+  if tokens <= 1 then
+    return 0
+  end
+  return math.ceil(math.log(tokens) / math.log(GROWTH) - 1e-9)
+end
+
+-- Teaches the estimate one output length, and recomputes its quantile.
+local function learn(key, output, used, overrun, quantile, window, ttl)
+  redis.call('HINCRBY', key, 'b' .. bucket_of(output), 1)
+  local n = redis.call('HINCRBY', key, 'n', 1)
+  redis.call('HINCRBY', key, 'us', used)
+  redis.call('HINCRBY', key, 'ov', overrun)
+  local flat = redis.call('HGETALL', key)
+  local buckets = {}
+  for i = 1, #flat, 2 do
+    if string.sub(flat[i], 1, 1) == 'b' then
+      buckets[#buckets + 1] = { tonumber(string.sub(flat[i], 2)), tonumber(flat[i + 1]) }
+    end
+  end
+  if n > window then
+    n = 0
+    for _, b in ipairs(buckets) do
+      b[2] = math.floor(b[2] / 2)
+      if b[2] == 0 then
+        redis.call('HDEL', key, 'b' .. b[1])
+      else
+        redis.call('HSET', key, 'b' .. b[1], b[2])
+      end
+      n = n + b[2]
+    end
+    redis.call('HSET', key, 'n', n)
+  end
+  table.sort(buckets, function(x, y)
+    return x[1] < y[1]
+  end)
+  local need, seen, q = quantile * n, 0, 1
+  for _, b in ipairs(buckets) do
+    seen = seen + b[2]
+    q = math.ceil(GROWTH ^ b[1] - 1e-9)
+    if seen >= need then
+      break
+    end
+  end
+  redis.call('HSET', key, 'q', q)
+  redis.call('PEXPIRE', key, ttl)
 end

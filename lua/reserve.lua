@@ -4,10 +4,11 @@
 -- KEYS[1]   the tenant's lease index (sorted set: reservation id by lease expiry)
 -- KEYS[2]   the new reservation record
 -- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is '0')
--- KEYS[4..] the scope hashes: tenant first, then user and model where they apply
+-- KEYS[4]   the output-length estimate of this tenant and model (read when ARGV[13] > 0)
+-- KEYS[5..] the scope hashes: tenant first, then user and model where they apply
 --
 -- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
--- ARGV[3]  tokens to hold            ARGV[4]  lease (ms)
+-- ARGV[3]  prompt tokens             ARGV[4]  lease (ms)
 -- ARGV[5]  idle TTL of scope hashes, index and live records (ms)
 -- ARGV[6]  retention of settled records (ms)
 -- ARGV[7]  expired-usage policy: charge | refund
@@ -15,16 +16,21 @@
 -- ARGV[9]  '1' when KEYS[3] is a real idempotency key
 -- ARGV[10] most attempts one idempotency key may make
 -- ARGV[11] cap on the concurrency Retry-After (ms)
+-- ARGV[12] output ceiling: the request's max_tokens, or the model's
+-- ARGV[13] adaptive output: samples the estimate needs before it is used (0: always the ceiling)
+-- ARGV[14] adaptive output: the quantile the estimate tracks (kept on the record for commit)
 -- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
---                   remaining requests, request limit, request reset ms}
+--                   remaining requests, request limit, request reset ms, output held, estimated}
+--   (output held: the output part of the hold; estimated: 1 when it came from the estimate)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
 --    scope limits them)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
 --                   token reset ms}
---   reason: token_rate | request_rate | concurrency | budget | attempts
+--   reason: token_rate | request_rate | concurrency | budget | attempts | unsatisfiable
+--   (unsatisfiable: the hold is larger than a scope's whole capacity, so no wait can help)
 --
 -- Invariants: a denial writes nothing but the settlement of already-expired holds; one call either
 -- charges every scope or none; a bucket never refills above its capacity.
@@ -32,7 +38,7 @@
 local leases = KEYS[1]
 local id = ARGV[1]
 local prefix = ARGV[2]
-local hold = tonumber(ARGV[3])
+local prompt = tonumber(ARGV[3])
 local lease = tonumber(ARGV[4])
 local idle = tonumber(ARGV[5])
 local retention = tonumber(ARGV[6])
@@ -41,6 +47,9 @@ local batch = tonumber(ARGV[8])
 local idem = ARGV[9] == '1'
 local attempt_limit = tonumber(ARGV[10])
 local concurrency_wait_cap = tonumber(ARGV[11])
+local ceiling = tonumber(ARGV[12])
+local min_samples = tonumber(ARGV[13])
+local quantile = ARGV[14]
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -69,8 +78,8 @@ end
 
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
-for i = 4, #KEYS do
-  local b = 11 + (i - 4) * 6
+for i = 5, #KEYS do
+  local b = 14 + (i - 5) * 6
   local s = {
     key = KEYS[i],
     tcap = tonumber(ARGV[b + 1]),
@@ -127,12 +136,29 @@ if idem then
       end
       redis.call('HSET', rk, 'at', r.at + 1)
       local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
-      return { 1, prior, r.h, r.at + 1, rem, lim, reset, rrem, rlim, rreset }
+      return { 1, prior, r.h, r.at + 1, rem, lim, reset, rrem, rlim, rreset, -1, 0 }
     end
   end
 end
 
--- 4. Decide. Every failing limit is considered; the one that frees last is the reason.
+-- 4. What to hold: the prompt, and for the output either the ceiling or, once the tenant's
+-- estimate for this model has enough samples, its quantile (never above the ceiling).
+local output, estimated = ceiling, 0
+if min_samples > 0 then
+  local e = redis.call('HMGET', KEYS[4], 'n', 'q')
+  local samples, q = tonumber(e[1]) or 0, tonumber(e[2])
+  if samples >= min_samples and q then
+    output, estimated = math.max(1, math.min(ceiling, q)), 1
+  end
+end
+local hold = prompt + output
+for i, s in ipairs(scopes) do
+  if (s.tcap > 0 and hold > s.tcap) or (s.budget > 0 and hold > s.budget) then
+    return { 0, 'unsatisfiable', i, 0, -1, -1, -1 }
+  end
+end
+
+-- 5. Decide. Every failing limit is considered; the one that frees last is the reason.
 local reason, where, wait = nil, 0, -1
 local function deny(why, i, ms)
   ms = math.max(1, math.ceil(ms))
@@ -165,7 +191,7 @@ if reason then
   return { 0, reason, where, wait, rem, lim, reset }
 end
 
--- 5. Hold: charge every scope, write the record, index its lease.
+-- 6. Hold: charge every scope, write the record, index its lease.
 local names = {}
 for _, s in ipairs(scopes) do
   local f = { 'c', s.c + 1, 'd', today, 'du', s.du + hold }
@@ -194,11 +220,16 @@ if idem then
   ik = KEYS[3]
   redis.call('SET', ik, id, 'PX', lease)
 end
+local learn_into = ''
+if min_samples > 0 then
+  learn_into = KEYS[4]
+end
 redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', 1,
-  'dy', today, 'ks', table.concat(names, ' '), 'xp', policy, 'ik', ik, 'rt', retention)
+  'dy', today, 'ks', table.concat(names, ' '), 'xp', policy, 'ik', ik, 'rt', retention,
+  'ok', learn_into, 'oq', quantile)
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(hold, 1)
-return { 1, id, hold, 1, rem, lim, reset, rrem, rlim, rreset }
+return { 1, id, hold, 1, rem, lim, reset, rrem, rlim, rreset, output, estimated }

@@ -430,6 +430,64 @@ mod scenarios {
         assert!(t >= expected && t < expected + 5.0, "tokens {t}, expected {expected} (+ refill)");
     }
 
+    // Adaptive output. Outputs of 100 tokens fall in the bucket (1.1^48, 1.1^49] = (97.0, 106.7],
+    // whose upper edge, 107, is what the estimate reserves.
+
+    async fn cycle<S: Store>(h: &Harness<S>, max_tokens: u64, output: u64) -> u64 {
+        let d = h.reserve(0, max_tokens).await;
+        let a = admitted(&d);
+        h.admission.commit(&a.reservation_id, 0, output).await.unwrap();
+        a.reserved_tokens
+    }
+
+    pub async fn the_ceiling_is_held_until_the_estimate_has_its_samples<S: Store>(h: Harness<S>) {
+        for i in 0..10 {
+            assert_eq!(cycle(&h, 1000, 100).await, 1000, "sample {i}: too few samples, the ceiling is held");
+        }
+        assert_eq!(cycle(&h, 1000, 100).await, 107, "ten samples: the 90th percentile's bucket edge");
+        assert_eq!(cycle(&h, 50, 40).await, 50, "never above the request's max_tokens");
+        let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
+        assert_eq!((e.samples, e.quantile_tokens, e.overrun_tokens), (12, 107, 0));
+        assert_eq!(e.used_tokens, 11 * 100 + 40);
+    }
+
+    pub async fn an_output_past_the_estimate_is_debt_and_counts_as_estimator_error<S: Store>(h: Harness<S>) {
+        for _ in 0..10 {
+            cycle(&h, 1000, 100).await;
+        }
+        let d = h.reserve(0, 1000).await;
+        let a = admitted(&d);
+        assert_eq!(a.reserved_tokens, 107);
+        let c = h.admission.commit(&a.reservation_id, 0, 300).await.unwrap();
+        assert_eq!((c.overrun, c.refunded), (193, 0));
+        let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
+        assert_eq!((e.used_tokens, e.overrun_tokens), (1300, 193));
+    }
+
+    pub async fn the_estimate_is_shared_by_every_replica<S: Store + Clone>(h: Harness<S>) {
+        for _ in 0..10 {
+            cycle(&h, 1000, 100).await;
+        }
+        // A second admission service on the same store, as a second replica would be.
+        let protocol = tollgate::store::Protocol::new(h.admission.protocol().store().clone()).await.unwrap();
+        let other = tollgate::admission::Admission::new(std::sync::Arc::new(h.admission.policy().clone()), protocol);
+        let d = other.reserve(&h.attributes(0, 1000)).await;
+        assert_eq!(admitted(&d).reserved_tokens, 107);
+    }
+
+    pub async fn the_estimate_follows_drift<S: Store>(h: Harness<S>) {
+        for _ in 0..20 {
+            cycle(&h, 1000, 100).await;
+        }
+        // A window of 20: older samples are halved away as the outputs grow to 400.
+        for _ in 0..40 {
+            cycle(&h, 1000, 400).await;
+        }
+        let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
+        assert!(e.samples <= 20, "decayed to the window: {}", e.samples);
+        assert_eq!(e.quantile_tokens, 406, "400 falls in (1.1^62, 1.1^63] = (368.4, 405.2], edge 406");
+    }
+
     const POOL_SPEEDS: &str = "prefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n";
 
     pub fn pool_policy(tenant: &str, pool: &str) -> String {
@@ -517,6 +575,22 @@ macro_rules! conformance {
                     "max_priority: sheddable\ndefault_priority: sheddable\n",
                     "max_sequences: 2\nmax_queue_delay_ms: 1000\ntier_shares: { standard: 0.5, sheddable: 0.5 }\n"
                 )
+            );
+            scenario!(
+                the_ceiling_is_held_until_the_estimate_has_its_samples,
+                "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
+            );
+            scenario!(
+                an_output_past_the_estimate_is_debt_and_counts_as_estimator_error,
+                "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
+            );
+            scenario!(
+                the_estimate_is_shared_by_every_replica,
+                "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
+            );
+            scenario!(
+                the_estimate_follows_drift,
+                "adaptive_output: { quantile: 0.9, min_samples: 10, window: 20 }\nlimits: { tokens_per_minute: 600000 }\n"
             );
             scenario!(
                 no_interleaving_leaks_pool_work_or_tenant_budget,

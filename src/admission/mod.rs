@@ -27,15 +27,16 @@ pub mod body;
 mod decision;
 pub mod ids;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
 
 pub use decision::{Admitted, Decision, Denial, Reason};
 
 use crate::config::{Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::store::{
-    CommitOutcome, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall,
-    ReserveOutcome, ScopeLimits, Store, StoreError, keys,
+    CommitOutcome, EstimateView, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome, RenewOutcome,
+    ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, keys,
 };
 
 /// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
@@ -96,6 +97,8 @@ pub struct Attributes {
 pub enum AdmissionError {
     #[error("{0:?} is not a reservation id tollgate issued")]
     BadReservationId(String),
+    #[error("{0}")]
+    BadName(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -105,11 +108,18 @@ pub enum AdmissionError {
 pub struct Admission<S> {
     policy: Arc<Policy>,
     protocol: Protocol<S>,
+    /// The latest output estimate each (tenant, model) reserve returned, for the pool leg: it runs
+    /// before the tenant leg and on another slot, so it cannot read the estimate itself. The store
+    /// keeps the truth; this is this replica's most recent look at it.
+    seen_estimates: RwLock<HashMap<(String, String), u64>>,
 }
+
+/// How long an output estimate outlives its last commit: a week, or the tenant's idle TTL if longer.
+const ESTIMATE_TTL_MS: u64 = 7 * 86_400_000;
 
 impl<S: Store> Admission<S> {
     pub fn new(policy: Arc<Policy>, protocol: Protocol<S>) -> Self {
-        Admission { policy, protocol }
+        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()) }
     }
 
     pub fn policy(&self) -> &Policy {
@@ -164,12 +174,15 @@ impl<S: Store> Admission<S> {
         }
 
         let prompt = estimate::prompt_tokens(a.prompt, model);
-        let output = estimate::output_reservation(a.max_tokens, model);
-        let hold = prompt.saturating_add(output);
+        let ceiling = estimate::output_reservation(a.max_tokens, model);
+        let hold = prompt.saturating_add(ceiling);
+        // With a learned output the hold may be smaller than the ceiling; the script checks the
+        // actual hold against every capacity. Here, only what can never fit.
+        let smallest = if tp.adaptive_output.is_some() { prompt.saturating_add(1) } else { hold };
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
         for s in &scopes {
             if let Some(largest) = s.largest
-                && hold > largest
+                && smallest > largest
             {
                 return Err(Denial::now(
                     Unsatisfiable,
@@ -179,11 +192,15 @@ impl<S: Store> Admission<S> {
         }
         let pool = self.policy.pool_of(model).map(|(name, pool)| {
             let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
-            PoolLeg { name, pool, tier, work_ms: pool.service_ms(prompt, output) }
+            let output = match tp.adaptive_output {
+                Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
+                None => ceiling,
+            };
+            PoolLeg { name, pool, tier, work_ms: pool.service_ms(prompt, output), kv_tokens: prompt + output }
         });
         if let Some(leg) = &pool
             && let Some(kv) = leg.pool.kv_cache_tokens
-            && hold > kv
+            && smallest > kv
         {
             return Err(Denial::now(
                 Unsatisfiable,
@@ -191,7 +208,7 @@ impl<S: Store> Admission<S> {
             ));
         }
         let deadline_ms = a.deadline_ms.or(tp.default_deadline_ms);
-        Ok(Plan { tenant, tp, hold, scopes, pool, deadline_ms, attributes: a })
+        Ok(Plan { tenant, tp, model: model_name, prompt, ceiling, scopes, pool, deadline_ms, attributes: a })
     }
 
     async fn hold(&self, plan: Plan<'_>) -> Decision {
@@ -218,7 +235,7 @@ impl<S: Store> Admission<S> {
             pool: leg.name,
             id,
             work_ms: leg.work_ms,
-            kv_tokens: plan.hold,
+            kv_tokens: leg.kv_tokens,
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: pool.idle_ttl_ms,
             sweep_batch: self.policy.sweep_batch,
@@ -258,8 +275,11 @@ impl<S: Store> Admission<S> {
     async fn tenant_leg(&self, plan: &Plan<'_>, id: &str) -> Decision {
         let call = ReserveCall {
             tenant: plan.tenant,
+            model: plan.model,
             id,
-            hold: plan.hold,
+            prompt_tokens: plan.prompt,
+            output_ceiling: plan.ceiling,
+            adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
             retention_ms: self.policy.record_retention_ms,
@@ -271,7 +291,12 @@ impl<S: Store> Admission<S> {
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
         };
         match self.protocol.reserve(&call).await {
-            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom }) => {
+            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output }) => {
+                if let Some(output) = estimated_output
+                    && plan.pool.is_some()
+                {
+                    self.remember_estimate(plan.tenant, plan.model, output);
+                }
                 Decision::Admitted(Admitted { reservation_id: id, reserved_tokens: held, attempts, headroom })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
@@ -289,6 +314,9 @@ impl<S: Store> Admission<S> {
                         Reason::InvalidRequest,
                         format!("idempotency key used more than {} times", self.policy.max_attempts),
                     ),
+                    Refusal::Unsatisfiable => {
+                        (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
+                    }
                 };
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
@@ -312,7 +340,11 @@ impl<S: Store> Admission<S> {
         output: u64,
     ) -> Result<CommitOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output).await?;
+        let learning = match self.policy.tenant(r.tenant) {
+            Some(tp) => (ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), tp.adaptive_output.map_or(u64::MAX / 2, |a| a.window)),
+            None => (ESTIMATE_TTL_MS, u64::MAX / 2),
+        };
+        let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output, learning).await?;
         if let Some(pool) = r.pool {
             self.release_pool_leg(pool, reservation_id).await;
         }
@@ -337,6 +369,15 @@ impl<S: Store> Admission<S> {
         Ok(outcome)
     }
 
+    /// What a tenant's commits have taught about one model's output lengths.
+    pub async fn output_estimate(&self, tenant: &str, model: &str) -> Result<EstimateView, AdmissionError> {
+        ids::check_tenant(tenant).map_err(|e| AdmissionError::BadName(format!("tenant {e}")))?;
+        if !self.policy.models.contains_key(model) {
+            return Err(AdmissionError::BadName(format!("model {model:?} is not served here")));
+        }
+        Ok(self.protocol.output_estimate(tenant, model).await?)
+    }
+
     /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
@@ -345,6 +386,18 @@ impl<S: Store> Admission<S> {
             self.release_pool_leg(pool, reservation_id).await;
         }
         Ok(outcome)
+    }
+}
+
+impl<S> Admission<S> {
+    fn seen_estimate(&self, tenant: &str, model: &str) -> Option<u64> {
+        let seen = self.seen_estimates.read().unwrap_or_else(|p| p.into_inner());
+        seen.get(&(tenant.to_string(), model.to_string())).copied()
+    }
+
+    fn remember_estimate(&self, tenant: &str, model: &str, output: u64) {
+        let mut seen = self.seen_estimates.write().unwrap_or_else(|p| p.into_inner());
+        seen.insert((tenant.to_string(), model.to_string()), output);
     }
 }
 
@@ -360,12 +413,17 @@ struct PoolLeg<'a> {
     tier: Priority,
     /// Predicted slot time (ms).
     work_ms: u64,
+    /// KV-cache tokens it holds: the prompt and the output it is expected to produce.
+    kv_tokens: u64,
 }
 
 struct Plan<'a> {
     tenant: &'a str,
     tp: &'a TenantPolicy,
-    hold: u64,
+    model: &'a str,
+    prompt: u64,
+    /// The output held when no estimate applies.
+    ceiling: u64,
     scopes: Vec<Scope>,
     pool: Option<PoolLeg<'a>>,
     deadline_ms: Option<u64>,

@@ -118,6 +118,18 @@ impl PoolPolicy {
     }
 }
 
+/// Reserve a learned quantile of the output instead of the ceiling. The estimate is per tenant and
+/// model, lives in the store (every replica shares it) and is taught by commits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveOutput {
+    /// The quantile of past output lengths to reserve, e.g. 0.99.
+    pub quantile: f64,
+    /// Samples needed before the estimate is used; until then the ceiling is reserved.
+    pub min_samples: u64,
+    /// Samples kept: past this many, every count is halved, so the estimate follows drift.
+    pub window: u64,
+}
+
 /// One tenant's limits and accounting rules.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TenantPolicy {
@@ -134,6 +146,8 @@ pub struct TenantPolicy {
     pub max_priority: Priority,
     /// The deadline of a request that names none; none means no deadline.
     pub default_deadline_ms: Option<u64>,
+    /// Learned output reservation; none means the ceiling is always reserved.
+    pub adaptive_output: Option<AdaptiveOutput>,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.

@@ -52,6 +52,25 @@ pub(super) struct RawDefaults {
     pub sweep_batch: Option<u32>,
     pub max_attempts: Option<u32>,
     pub concurrency_retry_ms: Option<u64>,
+    pub adaptive_output: Option<RawAdaptive>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdaptive {
+    pub quantile: f64,
+    #[serde(default = "default_min_samples")]
+    pub min_samples: u64,
+    #[serde(default = "default_window")]
+    pub window: u64,
+}
+
+fn default_min_samples() -> u64 {
+    100
+}
+
+fn default_window() -> u64 {
+    2000
 }
 
 #[derive(Debug, Deserialize)]
@@ -97,6 +116,7 @@ pub(super) struct RawTenant {
     pub default_priority: Option<Priority>,
     pub max_priority: Option<Priority>,
     pub default_deadline_ms: Option<u64>,
+    pub adaptive_output: Option<RawAdaptive>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,

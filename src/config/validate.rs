@@ -5,8 +5,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::raw::{RawPolicy, RawPool, RawTenant};
-use super::{Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy};
+use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant};
+use super::{
+    AdaptiveOutput, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
+};
 use crate::admission::ids;
 
 type Problem = (String, String);
@@ -82,6 +84,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     let sweep_batch = positive("defaults.sweep_batch", d.sweep_batch.map(u64::from), 16)? as u32;
     let max_attempts = positive("defaults.max_attempts", d.max_attempts.map(u64::from), 3)? as u32;
     let concurrency_retry_ms = positive("defaults.concurrency_retry_ms", d.concurrency_retry_ms, 1_000)?;
+    let adaptive_output = d.adaptive_output.map(|a| adaptive("defaults.adaptive_output", a)).transpose()?;
 
     let mut pools = HashMap::new();
     for (name, p) in &raw.pools {
@@ -123,7 +126,9 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     }
 
     let tenant = |field: String, t: RawTenant| {
-        tenant_policy(&field, t, lease_ttl_ms, expired_usage, record_retention_ms, &models)
+        let defaults =
+            TenantDefaults { lease_ttl_ms, expired_usage, retention_ms: record_retention_ms, adaptive_output };
+        tenant_policy(&field, t, &defaults, &models)
     };
     let mut tenants = HashMap::new();
     for (name, t) in raw.tenants {
@@ -214,16 +219,41 @@ fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
     })
 }
 
+/// What a tenant inherits from `defaults`.
+struct TenantDefaults {
+    lease_ttl_ms: u64,
+    expired_usage: crate::store::ExpiredUsage,
+    retention_ms: u64,
+    adaptive_output: Option<AdaptiveOutput>,
+}
+
+fn adaptive(field: &str, a: RawAdaptive) -> Result<AdaptiveOutput, Problem> {
+    if !(a.quantile > 0.0 && a.quantile < 1.0) {
+        return Err(problem(format!("{field}.quantile"), format!("{} is outside (0, 1)", a.quantile)));
+    }
+    if a.min_samples == 0 {
+        return Err(problem(format!("{field}.min_samples"), "must be at least 1"));
+    }
+    if a.window < a.min_samples {
+        return Err(problem(format!("{field}.window"), format!("{} is below min_samples {}", a.window, a.min_samples)));
+    }
+    Ok(AdaptiveOutput { quantile: a.quantile, min_samples: a.min_samples, window: a.window })
+}
+
 fn tenant_policy(
     field: &str,
     t: RawTenant,
-    default_lease: u64,
-    default_expired: crate::store::ExpiredUsage,
-    retention_ms: u64,
+    defaults: &TenantDefaults,
     models: &HashMap<String, ModelPolicy>,
 ) -> Result<TenantPolicy, Problem> {
+    let (default_lease, default_expired, retention_ms) =
+        (defaults.lease_ttl_ms, defaults.expired_usage, defaults.retention_ms);
     check_limits(&format!("{field}.limits"), &t.limits)?;
     let lease_ttl_ms = lease(&format!("{field}.lease_ttl_ms"), t.lease_ttl_ms.unwrap_or(default_lease))?;
+    let adaptive_output = match t.adaptive_output {
+        Some(a) => Some(adaptive(&format!("{field}.adaptive_output"), a)?),
+        None => defaults.adaptive_output,
+    };
     if let Some(user) = &t.default_user {
         let f = format!("{field}.default_user");
         check_limits(&f, user)?;
@@ -269,6 +299,7 @@ fn tenant_policy(
         default_priority,
         max_priority,
         default_deadline_ms: t.default_deadline_ms,
+        adaptive_output,
         users,
         default_user: t.default_user,
         models: tenant_models,

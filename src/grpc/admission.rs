@@ -9,8 +9,8 @@ use crate::admission::{Admission, AdmissionError, Attributes, Decision};
 use crate::estimate::PromptSize;
 use crate::proto::admission_server;
 use crate::proto::{
-    CommitRequest, CommitResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest,
-    ReserveResponse,
+    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, ReleaseRequest, ReleaseResponse,
+    RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
 use crate::store::Store;
 
@@ -27,7 +27,7 @@ impl<S> AdmissionService<S> {
 
 fn status(e: AdmissionError) -> Status {
     match e {
-        AdmissionError::BadReservationId(_) => Status::invalid_argument(e.to_string()),
+        AdmissionError::BadReservationId(_) | AdmissionError::BadName(_) => Status::invalid_argument(e.to_string()),
         AdmissionError::Store(s) if s.is_transient() => Status::unavailable(s.to_string()),
         AdmissionError::Store(s) => Status::internal(s.to_string()),
     }
@@ -136,5 +136,28 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
         }
         Ok(Response::new(ReleaseResponse { state: o.state, refunded_tokens: o.refunded }))
+    }
+
+    #[tracing::instrument(name = "output_estimate", skip_all)]
+    async fn output_estimate(
+        &self,
+        request: Request<OutputEstimateRequest>,
+    ) -> Result<Response<OutputEstimateResponse>, Status> {
+        let r = request.into_inner();
+        let view = self.admission.output_estimate(&r.tenant, &r.model).await.map_err(status)?;
+        let adaptive = self.admission.policy().tenant(&r.tenant).and_then(|t| t.adaptive_output);
+        Ok(Response::new(OutputEstimateResponse {
+            samples: view.samples,
+            quantile: adaptive.map_or(0.0, |a| a.quantile),
+            reserved_output_tokens: view.quantile_tokens,
+            in_use: adaptive.is_some_and(|a| view.samples >= a.min_samples),
+            used_tokens: view.used_tokens,
+            overrun_tokens: view.overrun_tokens,
+            overrun_ratio: if view.used_tokens == 0 {
+                0.0
+            } else {
+                view.overrun_tokens as f64 / view.used_tokens as f64
+            },
+        }))
     }
 }

@@ -13,6 +13,7 @@
 //! tg:{acme}:leases           sorted set: reservation id by lease expiry, for the expiry sweep
 //! tg:{acme}:r:<id>           reservation record
 //! tg:{acme}:i:<key>          idempotency key → reservation id
+//! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
 //! ```
 //!
 //! Backend pools are shared by every tenant, so their keys carry the pool's own tag and live on
@@ -63,6 +64,11 @@ pub fn idempotency(tenant: &str, key: &str) -> String {
     format!("tg:{{{tenant}}}:i:{key}")
 }
 
+/// The output-length estimate a tenant's commits teach, per model.
+pub fn output_estimate(tenant: &str, model: &str) -> String {
+    format!("tg:{{{tenant}}}:o:{model}")
+}
+
 /// A pool's state hash.
 pub fn pool_state(pool: &str) -> String {
     format!("tg:pool:{{{pool}}}:s")
@@ -99,6 +105,7 @@ mod tests {
             record("acme", "acme:0f"),
             format!("{}acme:0f", record_prefix("acme")),
             idempotency("acme", "k{e}y:1"),
+            output_estimate("acme", "gpt-4o"),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), "acme", "{key}");

@@ -16,8 +16,8 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    CommitOutcome, ExpiredUsage, Headroom, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome,
-    RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Window,
+    CommitOutcome, EstimateView, ExpiredUsage, Headroom, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
+    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Window,
 };
 pub use scripts::Script;
 

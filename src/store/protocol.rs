@@ -40,8 +40,13 @@ pub struct ScopeLimits {
 #[derive(Debug, Clone)]
 pub struct ReserveCall<'a> {
     pub tenant: &'a str,
+    pub model: &'a str,
     pub id: &'a str,
-    pub hold: u64,
+    pub prompt_tokens: u64,
+    /// The output held unless the estimate says less: the request's max_tokens or the model's.
+    pub output_ceiling: u64,
+    /// Learn and reserve the output estimate: (samples needed, quantile); `None` holds the ceiling.
+    pub adaptive: Option<(u64, f64)>,
     pub lease_ms: u64,
     pub idle_ttl_ms: u64,
     pub retention_ms: u64,
@@ -77,6 +82,8 @@ pub enum Refusal {
     Budget,
     /// The idempotency key has made its most attempts.
     Attempts,
+    /// The hold is larger than a scope's whole capacity.
+    Unsatisfiable,
 }
 
 impl Refusal {
@@ -87,6 +94,7 @@ impl Refusal {
             "concurrency" => Refusal::Concurrency,
             "budget" => Refusal::Budget,
             "attempts" => Refusal::Attempts,
+            "unsatisfiable" => Refusal::Unsatisfiable,
             _ => return None,
         })
     }
@@ -100,6 +108,8 @@ pub enum ReserveOutcome {
         held: u64,
         attempts: u32,
         headroom: Headroom,
+        /// The output part of the hold when it came from the estimate.
+        estimated_output: Option<u64>,
     },
     Denied {
         reason: Refusal,
@@ -133,6 +143,17 @@ pub struct ReleaseOutcome {
     /// `released` when this call released it; otherwise the record's state or `not_found`.
     pub state: String,
     pub refunded: u64,
+}
+
+/// A tenant's learned output length for one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EstimateView {
+    pub samples: u64,
+    /// The tracked quantile, in tokens (0 before the first sample).
+    pub quantile_tokens: u64,
+    pub used_tokens: u64,
+    /// Tokens used beyond their hold: the estimator's error, as overrun / used.
+    pub overrun_tokens: u64,
 }
 
 /// Everything one pool reserve needs.
@@ -193,15 +214,17 @@ impl<S: Store> Protocol<S> {
 
     pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveOutcome, StoreError> {
         let tenant = call.tenant;
-        let mut keys = Vec::with_capacity(3 + call.scopes.len());
+        let mut keys = Vec::with_capacity(4 + call.scopes.len());
         keys.push(keys::leases(tenant));
         keys.push(keys::record(tenant, call.id));
         keys.push(keys::idempotency(tenant, call.idempotency_key.unwrap_or("")));
-        let mut args = Vec::with_capacity(11 + 6 * call.scopes.len());
+        keys.push(keys::output_estimate(tenant, call.model));
+        let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
+        let mut args = Vec::with_capacity(14 + 6 * call.scopes.len());
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
-            call.hold.to_string(),
+            call.prompt_tokens.to_string(),
             call.lease_ms.to_string(),
             call.idle_ttl_ms.to_string(),
             call.retention_ms.to_string(),
@@ -210,6 +233,9 @@ impl<S: Store> Protocol<S> {
             if call.idempotency_key.is_some() { "1" } else { "0" }.to_string(),
             call.max_attempts.to_string(),
             call.concurrency_retry_cap_ms.to_string(),
+            call.output_ceiling.to_string(),
+            min_samples.to_string(),
+            quantile.to_string(),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -236,6 +262,7 @@ impl<S: Store> Protocol<S> {
                     tokens: window(int(4)?, int(5)?, int(6)?),
                     requests: window(int(7)?, int(8)?, int(9)?),
                 },
+                estimated_output: (int(11)? == 1).then_some(int(10)?.max(0) as u64),
             }),
             0 => Ok(ReserveOutcome::Denied {
                 reason: text(items, 1).as_deref().and_then(Refusal::parse).ok_or_else(bad)?,
@@ -247,16 +274,24 @@ impl<S: Store> Protocol<S> {
         }
     }
 
+    /// `learning` is the output estimate's (TTL ms, window) for a hold that teaches one.
     pub async fn commit(
         &self,
         tenant: &str,
         id: &str,
         prompt_tokens: u64,
         output_tokens: u64,
+        learning: (u64, u64),
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
         let keys = vec![keys::record(tenant, id), keys::leases(tenant)];
-        let args = vec![id.to_string(), prompt_tokens.to_string(), output_tokens.to_string()];
+        let args = vec![
+            id.to_string(),
+            prompt_tokens.to_string(),
+            output_tokens.to_string(),
+            learning.0.to_string(),
+            learning.1.to_string(),
+        ];
         let reply = self.store.eval(script, keys, args).await?;
         let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
         let items = array(&reply).ok_or_else(bad)?;
@@ -292,6 +327,21 @@ impl<S: Store> Protocol<S> {
     pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
         let (state, n) = self.state_and_number(&self.scripts.release, tenant, id, vec![id.to_string()]).await?;
         Ok(ReleaseOutcome { state, refunded: n })
+    }
+
+    /// A tenant's output estimate for a model, and its error so far.
+    pub async fn output_estimate(&self, tenant: &str, model: &str) -> Result<EstimateView, StoreError> {
+        let script = &self.scripts.estimate;
+        let reply = self.store.eval(script, vec![keys::output_estimate(tenant, model)], vec![]).await?;
+        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
+        let items = array(&reply).ok_or_else(bad)?;
+        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
+        Ok(EstimateView {
+            samples: uint(0)?,
+            quantile_tokens: uint(1)?,
+            used_tokens: uint(2)?,
+            overrun_tokens: uint(3)?,
+        })
     }
 
     pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {

@@ -34,6 +34,7 @@ pub struct Scripts {
     pub pool_reserve: Script,
     pub pool_release: Script,
     pub pool_renew: Script,
+    pub estimate: Script,
 }
 
 impl Scripts {
@@ -46,10 +47,11 @@ impl Scripts {
             pool_reserve: Script::phase("pool_reserve", include_str!("../../lua/pool_reserve.lua")),
             pool_release: Script::phase("pool_release", include_str!("../../lua/pool_release.lua")),
             pool_renew: Script::phase("pool_renew", include_str!("../../lua/pool_renew.lua")),
+            estimate: Script::phase("estimate", include_str!("../../lua/estimate.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 7] {
+    pub fn all(&self) -> [&Script; 8] {
         [
             &self.reserve,
             &self.commit,
@@ -58,6 +60,7 @@ impl Scripts {
             &self.pool_reserve,
             &self.pool_release,
             &self.pool_renew,
+            &self.estimate,
         ]
     }
 }

@@ -1,7 +1,7 @@
 //! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
-//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HGETALL, ZADD,
+//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, ZADD,
 //! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT). Anything else is an error, so a script that
 //! starts using a new command fails its conformance test on the embedded store at once.
 
@@ -220,6 +220,21 @@ impl Keyspace {
                     }
                 }
                 Ok(Resp::Int(added))
+            }
+            "HINCRBY" => {
+                arity(a, 3)?;
+                let by = int_arg(&a[2])?;
+                let h = match &mut self.entry_or_insert(now, &a[0], || Value::Hash(HashMap::new())).value {
+                    Value::Hash(h) => h,
+                    _ => return Err(wrongtype()),
+                };
+                let current = match h.get(&a[1]) {
+                    Some(v) => int_arg(v).map_err(|_| "ERR hash value is not an integer".to_string())?,
+                    None => 0,
+                };
+                let next = current.checked_add(by).ok_or("ERR increment or decrement would overflow")?;
+                h.insert(a[1].clone(), next.to_string().into_bytes());
+                Ok(Resp::Int(next))
             }
             "HDEL" => {
                 if a.len() < 2 {
