@@ -186,11 +186,11 @@ end
 
 -- Output-length estimate (one hash per tenant and model, learned from commits):
 --   n     samples (halved whenever it passes the window, so the estimate follows drift)
---   b<i>  samples whose output fell in bucket i: (1.1^(i-1), 1.1^i] tokens; b0 holds 0 and 1
+--   b<i>  samples whose output fell in bucket i: (1.05^(i-1), 1.05^i] tokens; b0 holds 0 and 1
 --   q     the tracked quantile, as the upper edge of its bucket (rounding up: a hold errs large)
 --   us ov all tokens used, and all tokens used beyond their hold, since the estimate began
 
-local GROWTH = 1.1
+local GROWTH = 1.05
 
 local function bucket_of(tokens)
   if tokens <= 1 then

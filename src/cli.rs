@@ -45,33 +45,9 @@ pub enum Command {
         file: PathBuf,
     },
     /// Open-loop load: full Check + Commit cycles at a fixed rate against a running tollgate;
-    /// latency counted from each cycle's scheduled send time.
-    Bench {
-        /// tollgate's gRPC endpoint.
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        target: String,
-        /// Cycles per second.
-        #[arg(long, default_value_t = 1000)]
-        rate: u32,
-        /// Measured seconds.
-        #[arg(long, default_value_t = 10)]
-        seconds: u64,
-        /// Seconds of load before measuring.
-        #[arg(long, default_value_t = 2)]
-        warmup_seconds: u64,
-        /// Tenants to spread the load over (comma separated).
-        #[arg(long, default_value = "bench", value_delimiter = ',')]
-        tenants: Vec<String>,
-        /// The model the requests name.
-        #[arg(long, default_value = "m")]
-        model: String,
-        /// gRPC connections.
-        #[arg(long, default_value_t = 2)]
-        connections: usize,
-        /// Runs at the same rate, each reported on its own line.
-        #[arg(long, default_value_t = 1)]
-        runs: u32,
-    },
+    /// latency counted from each cycle's scheduled send time. `bench burst` runs seed 000's
+    /// worst-case versus adaptive reservation experiment instead.
+    Bench(BenchArgs),
     /// A simulated OpenAI-compatible inference backend: slots, a FIFO queue, prefill and decode
     /// speeds, log-normal output lengths; commits its usage to tollgate.
     SimBackend {
@@ -121,6 +97,80 @@ pub enum Command {
         /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
         #[arg(long, default_value_t = 8.0)]
         batch_rate: f64,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub kind: Option<BenchKind>,
+    #[command(flatten)]
+    pub cycle: CycleArgs,
+}
+
+/// The open-loop cycle benchmark's settings.
+#[derive(Debug, clap::Args)]
+pub struct CycleArgs {
+    /// tollgate's gRPC endpoint.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub target: String,
+    /// Cycles per second.
+    #[arg(long, default_value_t = 1000)]
+    pub rate: u32,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    /// Seconds of load before measuring.
+    #[arg(long, default_value_t = 2)]
+    pub warmup_seconds: u64,
+    /// Tenants to spread the load over (comma separated).
+    #[arg(long, default_value = "bench", value_delimiter = ',')]
+    pub tenants: Vec<String>,
+    /// The model the requests name.
+    #[arg(long, default_value = "m")]
+    pub model: String,
+    /// gRPC connections.
+    #[arg(long, default_value_t = 2)]
+    pub connections: usize,
+    /// Runs at the same rate, each reported on its own line.
+    #[arg(long, default_value_t = 1)]
+    pub runs: u32,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchKind {
+    /// A burst of requests against one budget: worst-case reservation versus adaptive.
+    Burst {
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        target: String,
+        /// The tenant that reserves max_tokens (no adaptive_output).
+        #[arg(long, default_value = "worst")]
+        worst_tenant: String,
+        /// The tenant with adaptive_output.
+        #[arg(long, default_value = "adaptive")]
+        adaptive_tenant: String,
+        #[arg(long, default_value = "m")]
+        model: String,
+        /// Requests in the burst.
+        #[arg(long, default_value_t = 400)]
+        requests: usize,
+        /// Reserve + commit cycles that teach the estimate first.
+        #[arg(long, default_value_t = 4000)]
+        learn: usize,
+        #[arg(long, default_value_t = 200)]
+        prompt_tokens: u64,
+        /// The ceiling every request names.
+        #[arg(long, default_value_t = 4096)]
+        max_tokens: u64,
+        /// Median of the log-normal output length.
+        #[arg(long, default_value_t = 200.0)]
+        median: f64,
+        /// Shape of the log-normal output length.
+        #[arg(long, default_value_t = 0.8)]
+        sigma: f64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
 }
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
+use tollgate::bench::burst::{self, BurstOptions};
 use tollgate::bench::{self, BenchOptions};
-use tollgate::cli::{self, Cli, Command};
+use tollgate::cli::{self, BenchArgs, BenchKind, Cli, Command, CycleArgs};
 use tollgate::config::Policy;
 use tollgate::sim::backend::{self, SimConfig};
 use tollgate::sim::lengths::OutputLengths;
@@ -29,8 +30,56 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Bench { target, rate, seconds, warmup_seconds, tenants, model, connections, runs } => {
+        Command::Bench(BenchArgs {
+            kind:
+                Some(BenchKind::Burst {
+                    target,
+                    worst_tenant,
+                    adaptive_tenant,
+                    model,
+                    requests,
+                    learn,
+                    prompt_tokens,
+                    max_tokens,
+                    median,
+                    sigma,
+                    seed,
+                }),
+            ..
+        }) => {
             let Some(runtime) = runtime() else { return ExitCode::FAILURE };
+            let options = BurstOptions {
+                target,
+                worst_tenant,
+                adaptive_tenant,
+                model,
+                requests,
+                learn,
+                prompt_tokens,
+                max_tokens,
+                median,
+                sigma,
+                seed,
+            };
+            runtime.block_on(async move {
+                match burst::run(&options).await {
+                    Ok(report) => {
+                        println!(
+                            "burst of {requests} requests, prompt {prompt_tokens} tokens, max_tokens {max_tokens}; output lengths log-normal (median {median}, sigma {sigma}) capped at max_tokens; {learn} learning cycles first\n"
+                        );
+                        print!("{report}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("tollgate: bench burst: {e}");
+                        ExitCode::FAILURE
+                    }
+                }
+            })
+        }
+        Command::Bench(BenchArgs { kind: None, cycle }) => {
+            let Some(runtime) = runtime() else { return ExitCode::FAILURE };
+            let CycleArgs { target, rate, seconds, warmup_seconds, tenants, model, connections, runs } = cycle;
             let options = BenchOptions {
                 target,
                 rate,

@@ -6,6 +6,7 @@
 //! stalls therefore cannot hide the queue it built: the requests scheduled during the stall are
 //! charged the whole wait (no coordinated omission).
 
+pub mod burst;
 mod report;
 
 use std::sync::Arc;
