@@ -112,12 +112,15 @@ pub struct BenchArgs {
 /// The open-loop cycle benchmark's settings.
 #[derive(Debug, clap::Args)]
 pub struct CycleArgs {
-    /// tollgate's gRPC endpoint.
+    /// tollgate's gRPC endpoint; with --http, Envoy's HTTP address.
     #[arg(long, default_value = "http://127.0.0.1:50051")]
     pub target: String,
-    /// Cycles per second.
-    #[arg(long, default_value_t = 1000)]
-    pub rate: u32,
+    /// Drive chat completions through Envoy to the simulated backend instead of gRPC cycles.
+    #[arg(long)]
+    pub http: bool,
+    /// Offered rates to sweep, cycles per second (comma separated).
+    #[arg(long, default_value = "1000", value_delimiter = ',')]
+    pub rates: Vec<u32>,
     /// Measured seconds.
     #[arg(long, default_value_t = 10)]
     pub seconds: u64,
@@ -133,9 +136,18 @@ pub struct CycleArgs {
     /// gRPC connections.
     #[arg(long, default_value_t = 2)]
     pub connections: usize,
-    /// Runs at the same rate, each reported on its own line.
-    #[arg(long, default_value_t = 1)]
+    /// Runs per rate.
+    #[arg(long, default_value_t = 5)]
     pub runs: u32,
+    /// A defended rate's p99, in every run, stays under this.
+    #[arg(long, default_value_t = 1.0)]
+    pub p99_target_ms: f64,
+    /// A defended rate's p99 spread (max/min over the runs) stays under this.
+    #[arg(long, default_value_t = 1.3)]
+    pub spread_bound: f64,
+    /// Also write the sweep as JSON to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Subcommand)]

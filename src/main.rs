@@ -10,7 +10,8 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use tollgate::bench::burst::{self, BurstOptions};
-use tollgate::bench::{self, BenchOptions};
+use tollgate::bench::sweep::{self, SweepOptions};
+use tollgate::bench::{BenchOptions, Control};
 use tollgate::cli::{self, BenchArgs, BenchKind, Cli, Command, CycleArgs};
 use tollgate::config::Policy;
 use tollgate::sim::backend::{self, SimConfig};
@@ -79,27 +80,62 @@ fn main() -> ExitCode {
         }
         Command::Bench(BenchArgs { kind: None, cycle }) => {
             let Some(runtime) = runtime() else { return ExitCode::FAILURE };
-            let CycleArgs { target, rate, seconds, warmup_seconds, tenants, model, connections, runs } = cycle;
-            let options = BenchOptions {
+            let CycleArgs {
                 target,
-                rate,
-                duration: Duration::from_secs(seconds),
-                warmup: Duration::from_secs(warmup_seconds),
+                http,
+                rates,
+                seconds,
+                warmup_seconds,
                 tenants,
                 model,
                 connections,
+                runs,
+                p99_target_ms,
+                spread_bound,
+                json,
+            } = cycle;
+            let options = SweepOptions {
+                base: BenchOptions {
+                    target,
+                    http,
+                    rate: 0,
+                    duration: Duration::from_secs(seconds),
+                    warmup: Duration::from_secs(warmup_seconds),
+                    tenants,
+                    model,
+                    connections,
+                },
+                rates,
+                runs,
+                p99_target: Duration::from_secs_f64(p99_target_ms.max(0.0) / 1000.0),
+                spread_bound,
             };
             runtime.block_on(async move {
-                for run in 1..=runs.max(1) {
-                    match bench::run(&options).await {
-                        Ok(report) => println!("run {run}: {report}"),
-                        Err(e) => {
-                            eprintln!("tollgate: bench: {e}");
-                            return ExitCode::FAILURE;
+                let control = Arc::new(Control::default());
+                let stopper = control.clone();
+                tokio::spawn(async move {
+                    if tokio::signal::ctrl_c().await.is_ok() {
+                        eprintln!("\nCtrl-C: finishing the cycles in flight, then reporting what ran");
+                        stopper.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+                match sweep::sweep(&options, control).await {
+                    Ok(report) => {
+                        print!("{}", report.markdown());
+                        if let Some(path) = json {
+                            let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+                            if let Err(e) = std::fs::write(&path, text) {
+                                eprintln!("tollgate: bench: cannot write {}: {e}", path.display());
+                                return ExitCode::FAILURE;
+                            }
                         }
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("tollgate: bench: {e}");
+                        ExitCode::FAILURE
                     }
                 }
-                ExitCode::SUCCESS
             })
         }
         Command::SimBackend {

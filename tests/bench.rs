@@ -16,6 +16,7 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
     let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
     let options = BenchOptions {
         target: t.endpoint(),
+        http: false,
         rate: 200,
         duration: Duration::from_secs(1),
         warmup: Duration::from_millis(200),

@@ -1,5 +1,6 @@
-//! `tollgate bench`: an open-loop load generator for the full admission cycle (Check, then Commit)
-//! against a running tollgate over gRPC.
+//! `tollgate bench`: an open-loop load generator for the full admission cycle: Check (reserve),
+//! then Commit, against a running tollgate over gRPC; or, in HTTP mode, a chat completion through
+//! Envoy to the simulated backend, which commits its own usage.
 //!
 //! Open loop: every send time is fixed before the run (a constant rate), and each cycle's latency
 //! is measured from its *scheduled* send time, not from when it was actually sent. A server that
@@ -8,8 +9,10 @@
 
 pub mod burst;
 mod report;
+pub mod sweep;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
@@ -25,8 +28,10 @@ use crate::proto::admission_client::AdmissionClient;
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
-    /// tollgate's gRPC endpoint, e.g. `http://127.0.0.1:50051`.
+    /// tollgate's gRPC endpoint, e.g. `http://127.0.0.1:50051`; in HTTP mode, Envoy's.
     pub target: String,
+    /// Drive HTTP chat completions through Envoy instead of gRPC cycles.
+    pub http: bool,
     /// Cycles per second, fixed for the run.
     pub rate: u32,
     pub duration: Duration,
@@ -58,8 +63,22 @@ struct Sample {
     error: bool,
 }
 
+/// Shared with a running benchmark: how far it got, and a way to stop it early.
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Cycles sent so far in the current run.
+    pub sent: AtomicU64,
+    /// Set (by Ctrl-C) to stop scheduling; cycles already sent still finish and are reported.
+    pub stop: AtomicBool,
+}
+
 /// Runs the load and reports latency percentiles over the measured window.
 pub async fn run(options: &BenchOptions) -> Result<Report, BenchError> {
+    run_with(options, Arc::new(Control::default())).await
+}
+
+/// [`run`], reporting progress to and taking a stop signal from `control`.
+pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<Report, BenchError> {
     if options.rate == 0 || options.rate > 200_000 {
         return Err(BenchError::Options("rate must be within 1..=200000 cycles/s".into()));
     }
@@ -73,8 +92,11 @@ pub async fn run(options: &BenchOptions) -> Result<Report, BenchError> {
         .map_err(|e| BenchError::Target(options.target.clone(), e.to_string()))?
         .tcp_nodelay(true);
     let mut channels = Vec::new();
-    for _ in 0..options.connections.max(1) {
-        channels.push(endpoint.connect().await.map_err(|e| BenchError::Connect(options.target.clone(), e))?);
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    if !options.http {
+        for _ in 0..options.connections.max(1) {
+            channels.push(endpoint.connect().await.map_err(|e| BenchError::Connect(options.target.clone(), e))?);
+        }
     }
 
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.rate));
@@ -95,24 +117,41 @@ pub async fn run(options: &BenchOptions) -> Result<Report, BenchError> {
     let runtime = tokio::runtime::Handle::current();
     let tenants = options.tenants.clone();
     let dispatch_samples = samples.clone();
+    let target = Arc::new(options.target.clone());
+    control.sent.store(0, Ordering::Relaxed);
     let dispatcher = tokio::task::spawn_blocking(move || {
         let mut tasks = Vec::with_capacity(total as usize);
         for i in 0..total {
+            if control.stop.load(Ordering::Relaxed) {
+                break;
+            }
             let scheduled = start + interval.mul_f64(i as f64);
             if let Some(wait) = scheduled.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
-            let channel = channels[i as usize % channels.len()].clone();
             let tenant = tenants[i as usize % tenants.len()].clone();
             let body = body.clone();
             let samples = dispatch_samples.clone();
             let record = i >= warm;
-            tasks.push(runtime.spawn(async move {
-                let sample = cycle(channel, tenant, &body, scheduled).await;
-                if record {
-                    samples.lock().await.push(sample);
-                }
-            }));
+            let task = if channels.is_empty() {
+                let (client, target) = (http.clone(), target.clone());
+                runtime.spawn(async move {
+                    let sample = http_cycle(&client, &target, tenant, &body, scheduled).await;
+                    if record {
+                        samples.lock().await.push(sample);
+                    }
+                })
+            } else {
+                let channel = channels[i as usize % channels.len()].clone();
+                runtime.spawn(async move {
+                    let sample = cycle(channel, tenant, &body, scheduled).await;
+                    if record {
+                        samples.lock().await.push(sample);
+                    }
+                })
+            };
+            tasks.push(task);
+            control.sent.fetch_add(1, Ordering::Relaxed);
         }
         tasks
     });
@@ -123,6 +162,40 @@ pub async fn run(options: &BenchOptions) -> Result<Report, BenchError> {
     let elapsed = Instant::now().duration_since(start + interval.mul_f64(warm as f64));
     let samples = std::mem::take(&mut *samples.lock().await);
     Ok(Report::new(options.rate, elapsed, samples.iter().map(|s| (s.latency, s.admitted, s.error))))
+}
+
+/// One chat completion through Envoy: admitted means a 200 from the backend (which commits its
+/// own usage); a tollgate denial is a denial; anything else is an error.
+async fn http_cycle(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        http_body_util::Full<bytes::Bytes>,
+    >,
+    target: &str,
+    tenant: String,
+    body: &str,
+    scheduled: Instant,
+) -> Sample {
+    use http_body_util::BodyExt;
+    let request = hyper::Request::post(format!("{target}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-tenant-id", tenant)
+        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())));
+    let Ok(request) = request else { return Sample { latency: scheduled.elapsed(), admitted: false, error: true } };
+    let outcome = async {
+        let res = client.request(request).await.ok()?;
+        let status = res.status().as_u16();
+        let denied = res.headers().contains_key("x-tollgate-reason");
+        res.into_body().collect().await.ok()?;
+        Some((status, denied))
+    }
+    .await;
+    let latency = scheduled.elapsed();
+    match outcome {
+        Some((200, _)) => Sample { latency, admitted: true, error: false },
+        Some((_, true)) => Sample { latency, admitted: false, error: false },
+        _ => Sample { latency, admitted: false, error: true },
+    }
 }
 
 /// One full admission: Check (reserve), then Commit of a usage below the hold.
