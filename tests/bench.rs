@@ -10,6 +10,8 @@ use std::time::Duration;
 use support::procs::Tollgate;
 use tollgate::bench::burst::{self, BurstOptions};
 use tollgate::bench::{self, BenchOptions};
+use tollgate::proto::OutputEstimateRequest;
+use tollgate::proto::admission_client::AdmissionClient;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cycle_benchmark_sends_its_whole_schedule() {
@@ -27,6 +29,34 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
     let report = bench::run(&options).await.unwrap();
     assert_eq!((report.cycles, report.admitted, report.errors), (200, 200, 0), "{report}");
     assert!(report.p50 <= report.p99 && report.p99 <= report.max);
+}
+
+/// HTTP mode: chat completions through real Envoy to the simulated backend, which commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
+    use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
+    let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sim_port = listener.local_addr().unwrap().port();
+    let stats = std::sync::Arc::new(SimStats::default());
+    let config = SimConfig { decode_tokens_per_second: 20_000.0, tollgate: Some(t.endpoint()), ..SimConfig::default() };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(sim::serve(listener, config, shutdown.clone(), stats.clone()));
+    let envoy = support::procs::Envoy::start(t.addr, sim_port);
+    let options = BenchOptions {
+        target: format!("http://127.0.0.1:{}", envoy.port),
+        http: true,
+        rate: 50,
+        duration: Duration::from_secs(1),
+        warmup: Duration::from_millis(200),
+        tenants: vec!["a".into()],
+        model: "m".into(),
+        connections: 1,
+    };
+    let report = bench::run(&options).await.unwrap();
+    shutdown.cancel();
+    assert_eq!((report.cycles, report.admitted, report.errors), (50, 50, 0), "{report}");
+    assert!(stats.commits.load(std::sync::atomic::Ordering::Relaxed) >= 50, "the backend committed every request");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,4 +83,18 @@ async fn a_learned_reservation_admits_more_of_a_burst_than_the_worst_case() {
     assert_eq!(r.worst.overrun_tokens, 0, "a worst-case hold never overruns");
     assert!(r.adaptive.admitted > 2 * r.worst.admitted, "{r}");
     assert!(r.adaptive.overrun_share() < 0.10, "{r}");
+
+    // The estimator's error, as the Admission service reports it.
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    let request = OutputEstimateRequest { tenant: "adaptive".into(), model: "m".into() };
+    let e = client.output_estimate(request).await.unwrap().into_inner();
+    assert!(e.in_use && e.samples >= 400, "{e:?}");
+    assert_eq!(e.quantile, 0.985);
+    assert!(e.reserved_output_tokens > 200 && e.reserved_output_tokens < 4096, "{e:?}");
+    assert!(e.used_tokens > 0 && e.overrun_ratio == e.overrun_tokens as f64 / e.used_tokens as f64, "{e:?}");
+    let worst =
+        client.output_estimate(OutputEstimateRequest { tenant: "worst".into(), model: "m".into() }).await.unwrap();
+    assert!(!worst.into_inner().in_use, "a tenant without adaptive_output never uses an estimate");
+    let bad = client.output_estimate(OutputEstimateRequest { tenant: "a{b".into(), model: "m".into() }).await;
+    assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
 }
