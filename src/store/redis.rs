@@ -104,18 +104,18 @@ impl RedisStore {
 impl Store for RedisStore {
     async fn load(&self, script: &Script) -> Result<(), StoreError> {
         self.client
-            .script_load_cluster::<Value, _>(script.source.as_str())
+            .script_load_cluster::<Value, _>(&*script.source)
             .await
             .map(|_| ())
             .map_err(|e| store_error(script, e))
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        let first = self.client.evalsha::<Value, _, _, _>(script.sha1.as_str(), keys.clone(), args.clone()).await;
+        let first = self.client.evalsha::<Value, _, _, _>(&*script.sha1, keys.clone(), args.clone()).await;
         let value = match first {
             Err(e) if e.details().starts_with("NOSCRIPT") => {
                 self.load(script).await?;
-                self.client.evalsha::<Value, _, _, _>(script.sha1.as_str(), keys, args).await
+                self.client.evalsha::<Value, _, _, _>(&*script.sha1, keys, args).await
             }
             other => other,
         }

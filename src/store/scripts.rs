@@ -3,24 +3,26 @@
 //! tenant phases (reserve, commit, renew, release) touch one tenant's keys; the pool scripts touch
 //! one backend pool's keys.
 
-/// A Lua script and its SHA-1, the name Redis knows it by.
+/// A Lua script and its SHA-1, the name Redis knows it by. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Script {
     pub name: &'static str,
-    pub source: String,
-    pub sha1: String,
+    pub source: Arc<str>,
+    pub sha1: Arc<str>,
 }
 
 impl Script {
     pub fn new(name: &'static str, source: String) -> Self {
         let sha1 = fred::util::sha1_hash(&source);
-        Script { name, source, sha1 }
+        Script { name, source: source.into(), sha1: sha1.into() }
     }
 
     fn phase(name: &'static str, body: &str) -> Self {
         Script::new(name, format!("{COMMON}\n{body}"))
     }
 }
+
+use std::sync::Arc;
 
 const COMMON: &str = include_str!("../../lua/common.lua");
 

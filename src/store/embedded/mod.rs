@@ -2,15 +2,18 @@
 //! against an in-memory [`Keyspace`]. For a single replica with no Redis, and for tests that move
 //! an injected clock instead of sleeping.
 //!
-//! A script runs under one mutex, start to finish, as Redis runs it under its one thread; so the
-//! atomicity argument is the same on both stores.
+//! The Lua state and the keyspace live on a thread of their own, which runs one script at a time,
+//! start to finish, as Redis runs them on its one thread; so the atomicity argument is the same on
+//! both stores. Callers send it a job and await the reply, so a script never runs on (or blocks) a
+//! server worker thread.
 
 mod keyspace;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, mpsc};
 
 use mlua::{Function, Lua, MultiValue, Value};
+use tokio::sync::oneshot;
 
 pub use keyspace::Keyspace;
 use keyspace::{Resp, format_number};
@@ -21,10 +24,11 @@ use super::{Reply, Script, Store, StoreError};
 /// How many expired keys each script call reclaims, at most, besides the ones it touches.
 const PURGE_PER_CALL: usize = 32;
 
+/// The store thread's state.
 struct Host {
     lua: Lua,
     /// Compiled scripts by SHA-1, like Redis's script cache.
-    scripts: HashMap<String, Function>,
+    scripts: HashMap<Arc<str>, Function>,
 }
 
 /// What the `redis.call` callback needs, kept in the Lua state's app data.
@@ -33,16 +37,27 @@ struct Context {
     clock: Arc<dyn Clock>,
 }
 
-/// The in-process store. Clones share one keyspace.
+/// Work for the store thread.
+enum Job {
+    Load { script: Script, reply: oneshot::Sender<Result<(), StoreError>> },
+    Eval { script: Script, keys: Vec<String>, args: Vec<String>, reply: oneshot::Sender<Result<Reply, StoreError>> },
+    KeyCount { reply: oneshot::Sender<usize> },
+}
+
+/// The in-process store. Clones share one keyspace; the thread ends when the last clone drops.
 #[derive(Clone)]
 pub struct EmbeddedStore {
-    host: Arc<Mutex<Host>>,
+    jobs: mpsc::Sender<Job>,
 }
 
 impl std::fmt::Debug for EmbeddedStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EmbeddedStore").finish_non_exhaustive()
     }
+}
+
+fn stopped() -> StoreError {
+    StoreError::Unavailable("the embedded store thread has stopped".into())
 }
 
 impl EmbeddedStore {
@@ -53,44 +68,70 @@ impl EmbeddedStore {
 
     /// A store on the given clock (a [`super::clock::ManualClock`] in tests).
     pub fn with_clock(clock: Arc<dyn Clock>) -> Result<Self, StoreError> {
-        let lua = Lua::new();
-        install_redis_api(&lua).map_err(|e| script_error("redis api", e))?;
-        lua.set_app_data(Context { keyspace: Keyspace::default(), clock });
-        Ok(EmbeddedStore { host: Arc::new(Mutex::new(Host { lua, scripts: HashMap::new() })) })
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let (ready, started) = mpsc::sync_channel::<Result<(), StoreError>>(1);
+        std::thread::Builder::new()
+            .name("tollgate-embedded-store".into())
+            .spawn(move || {
+                let lua = Lua::new();
+                if let Err(e) = install_redis_api(&lua) {
+                    let _ = ready.send(Err(script_error("redis api", e)));
+                    return;
+                }
+                lua.set_app_data(Context { keyspace: Keyspace::default(), clock });
+                let _ = ready.send(Ok(()));
+                let mut host = Host { lua, scripts: HashMap::new() };
+                for job in queue {
+                    host.run(job);
+                }
+            })
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the embedded store thread: {e}")))?;
+        started.recv().map_err(|_| stopped())??;
+        Ok(EmbeddedStore { jobs })
     }
 
     /// Number of keys held, expired ones not yet reclaimed included.
-    pub fn key_count(&self) -> usize {
-        let host = self.lock();
-        host.lua.app_data_ref::<Context>().map_or(0, |c| c.keyspace.len())
+    pub async fn key_count(&self) -> usize {
+        let (reply, answer) = oneshot::channel();
+        if self.jobs.send(Job::KeyCount { reply }).is_err() {
+            return 0;
+        }
+        answer.await.unwrap_or(0)
+    }
+}
+
+impl Host {
+    fn run(&mut self, job: Job) {
+        match job {
+            Job::Load { script, reply } => {
+                let _ = reply.send(self.compile(&script).map(|_| ()));
+            }
+            Job::Eval { script, keys, args, reply } => {
+                let _ = reply.send(self.eval(&script, keys, args));
+            }
+            Job::KeyCount { reply } => {
+                let _ = reply.send(self.lua.app_data_ref::<Context>().map_or(0, |c| c.keyspace.len()));
+            }
+        }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Host> {
-        // A panic inside a script call cannot leave the keyspace half-written in a way a later call
-        // could observe differently from Redis (which would also have applied the writes so far).
-        self.host.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn compile(host: &mut Host, script: &Script) -> Result<Function, StoreError> {
-        if let Some(f) = host.scripts.get(&script.sha1) {
+    fn compile(&mut self, script: &Script) -> Result<Function, StoreError> {
+        if let Some(f) = self.scripts.get(&script.sha1) {
             return Ok(f.clone());
         }
-        let f = host
+        let f = self
             .lua
-            .load(&script.source)
+            .load(&*script.source)
             .set_name(script.name)
             .into_function()
             .map_err(|e| script_error(script.name, e))?;
-        host.scripts.insert(script.sha1.clone(), f.clone());
+        self.scripts.insert(script.sha1.clone(), f.clone());
         Ok(f)
     }
 
-    /// Runs a script synchronously. The async [`Store`] methods call this: a script takes
-    /// microseconds, less than a hop to a blocking thread would.
-    pub fn eval_now(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        let mut host = self.lock();
-        let f = EmbeddedStore::compile(&mut host, script)?;
-        let lua = &host.lua;
+    fn eval(&mut self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        let f = self.compile(script)?;
+        let lua = &self.lua;
         if let Some(mut ctx) = lua.app_data_mut::<Context>() {
             let now = ctx.clock.now_ms();
             ctx.keyspace.purge_expired(now, PURGE_PER_CALL);
@@ -109,11 +150,15 @@ impl EmbeddedStore {
 
 impl Store for EmbeddedStore {
     async fn load(&self, script: &Script) -> Result<(), StoreError> {
-        EmbeddedStore::compile(&mut self.lock(), script).map(|_| ())
+        let (reply, answer) = oneshot::channel();
+        self.jobs.send(Job::Load { script: script.clone(), reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        self.eval_now(script, keys, args)
+        let (reply, answer) = oneshot::channel();
+        self.jobs.send(Job::Eval { script: script.clone(), keys, args, reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
     }
 }
 
