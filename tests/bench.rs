@@ -98,3 +98,26 @@ async fn a_learned_reservation_admits_more_of_a_burst_than_the_worst_case() {
     let bad = client.output_estimate(OutputEstimateRequest { tenant: "a{b".into(), model: "m".into() }).await;
     assert_eq!(bad.unwrap_err().code(), tonic::Code::InvalidArgument);
 }
+
+/// Ctrl-C stops a sweep cleanly: the cycles in flight finish, and what ran is reported.
+#[test]
+fn ctrl_c_stops_the_sweep_and_reports_what_ran() {
+    use std::process::{Command, Stdio};
+    let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
+    let child = Command::new(support::procs::tollgate_bin())
+        .args(["bench", "--target", &t.endpoint(), "--rates", "100,200", "--seconds", "30", "--runs", "5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(2_500));
+    Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let started = std::time::Instant::now();
+    let out = child.wait_with_output().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(15), "no prompt stop");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("| 100 |"), "the partial run is reported:\n{stdout}");
+    assert!(!stdout.contains("| 200 |"), "no rate after the stop:\n{stdout}");
+    assert!(stdout.contains("stopped early"), "{stdout}");
+}

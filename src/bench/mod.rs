@@ -5,7 +5,8 @@
 //! Open loop: every send time is fixed before the run (a constant rate), and each cycle's latency
 //! is measured from its *scheduled* send time, not from when it was actually sent. A server that
 //! stalls therefore cannot hide the queue it built: the requests scheduled during the stall are
-//! charged the whole wait (no coordinated omission).
+//! charged the whole wait (no coordinated omission). The requests vary as real traffic does (see
+//! [`RequestMix`]).
 
 pub mod burst;
 mod report;
@@ -21,6 +22,8 @@ use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
 pub use report::Report;
+
+use crate::sim::lengths::{OutputLengths, Sampler};
 
 use crate::proto::CommitRequest;
 use crate::proto::admission_client::AdmissionClient;
@@ -104,11 +107,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let measured = (options.duration.as_secs_f64() * f64::from(options.rate)) as u64;
     let total = warm + measured;
     let samples = Arc::new(Mutex::new(Vec::with_capacity(measured as usize)));
-    let body = Arc::new(format!(
-        r#"{{"model":"{}","max_tokens":256,"messages":[{{"role":"user","content":"{}"}}]}}"#,
-        options.model,
-        "x".repeat(600)
-    ));
+    let mix = Arc::new(RequestMix::new(&options.model, 1));
 
     // The schedule is kept by a thread of its own: tokio's timer ticks in whole milliseconds, so
     // at 1,000 cycles/s it would send most cycles late and charge the lateness to the server.
@@ -130,13 +129,14 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
                 std::thread::sleep(wait);
             }
             let tenant = tenants[i as usize % tenants.len()].clone();
-            let body = body.clone();
+            let mix = mix.clone();
             let samples = dispatch_samples.clone();
             let record = i >= warm;
             let task = if channels.is_empty() {
                 let (client, target) = (http.clone(), target.clone());
                 runtime.spawn(async move {
-                    let sample = http_cycle(&client, &target, tenant, &body, scheduled).await;
+                    let request = mix.get(i);
+                    let sample = http_cycle(&client, &target, tenant, &request.body, scheduled).await;
                     if record {
                         samples.lock().await.push(sample);
                     }
@@ -144,7 +144,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
             } else {
                 let channel = channels[i as usize % channels.len()].clone();
                 runtime.spawn(async move {
-                    let sample = cycle(channel, tenant, &body, scheduled).await;
+                    let sample = cycle(channel, tenant, mix.get(i), scheduled).await;
                     if record {
                         samples.lock().await.push(sample);
                     }
@@ -162,6 +162,52 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let elapsed = Instant::now().duration_since(start + interval.mul_f64(warm as f64));
     let samples = std::mem::take(&mut *samples.lock().await);
     Ok(Report::new(options.rate, elapsed, samples.iter().map(|s| (s.latency, s.admitted, s.error))))
+}
+
+/// `max_request_bytes` of the ext_authz filter in envoy/envoy.yaml.
+const ENVOY_BODY_BYTES: usize = 8192;
+
+/// One request of the mix: its body, and the usage its commit reports.
+#[derive(Debug)]
+struct MixedRequest {
+    body: String,
+    prompt_tokens: u64,
+    output_tokens: u64,
+}
+
+/// A realistic spread of requests, drawn once before the run (so drawing costs the run nothing):
+/// prompt sizes log-normal around 1,200 bytes (about 300 tokens; from a few dozen to 32 KiB),
+/// `max_tokens` of 128 to 1,024, and committed outputs log-normal around 150 tokens, cut at
+/// `max_tokens`. Cycle `i` sends request `i mod 1024`.
+#[derive(Debug)]
+struct RequestMix(Vec<MixedRequest>);
+
+impl RequestMix {
+    fn new(model: &str, seed: u64) -> Self {
+        let prompts = Sampler::new(OutputLengths::LogNormal { median: 1200.0, sigma: 1.0 }, seed);
+        let outputs = Sampler::new(OutputLengths::LogNormal { median: 150.0, sigma: 0.8 }, seed + 1);
+        let mut rng = fastrand::Rng::with_seed(seed + 2);
+        let requests = (0..1024)
+            .map(|_| {
+                let bytes = prompts.sample(32 * 1024) as usize;
+                let max_tokens = [128, 256, 512, 1024][rng.usize(..4)];
+                let body = format!(
+                    r#"{{"model":"{model}","max_tokens":{max_tokens},"messages":[{{"role":"user","content":"{}"}}]}}"#,
+                    "x".repeat(bytes)
+                );
+                MixedRequest {
+                    prompt_tokens: (bytes as u64).div_ceil(4),
+                    output_tokens: outputs.sample(max_tokens),
+                    body,
+                }
+            })
+            .collect();
+        RequestMix(requests)
+    }
+
+    fn get(&self, i: u64) -> &MixedRequest {
+        &self.0[i as usize % self.0.len()]
+    }
 }
 
 /// One chat completion through Envoy: admitted means a 200 from the backend (which commits its
@@ -199,13 +245,22 @@ async fn http_cycle(
 }
 
 /// One full admission: Check (reserve), then Commit of a usage below the hold.
-async fn cycle(channel: Channel, tenant: String, body: &str, scheduled: Instant) -> Sample {
+async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled: Instant) -> Sample {
+    let body = mixed.body.as_bytes();
     let mut authz = AuthorizationClient::new(channel.clone());
+    let mut headers: std::collections::HashMap<String, String> =
+        [("x-tenant-id".to_string(), tenant), ("content-type".into(), "application/json".into())].into();
+    // As Envoy's bootstrap sends it: at most the first 8 KiB, the rest announced by content-length.
+    let sent = &body[..body.len().min(ENVOY_BODY_BYTES)];
+    if sent.len() < body.len() {
+        headers.insert("x-envoy-auth-partial-body".into(), "true".into());
+        headers.insert("content-length".into(), body.len().to_string());
+    }
     let http = attribute_context::HttpRequest {
         method: "POST".into(),
         path: "/v1/chat/completions".into(),
-        headers: [("x-tenant-id".to_string(), tenant), ("content-type".into(), "application/json".into())].into(),
-        raw_body: body.as_bytes().to_vec(),
+        headers,
+        raw_body: sent.to_vec(),
         size: body.len() as i64,
         ..Default::default()
     };
@@ -234,7 +289,11 @@ async fn cycle(channel: Channel, tenant: String, body: &str, scheduled: Instant)
         return Sample { latency: scheduled.elapsed(), admitted: false, error: false };
     };
     let mut admission = AdmissionClient::new(channel);
-    let commit = CommitRequest { reservation_id: id, prompt_tokens: 150, completion_tokens: 120 };
+    let commit = CommitRequest {
+        reservation_id: id,
+        prompt_tokens: mixed.prompt_tokens,
+        completion_tokens: mixed.output_tokens,
+    };
     match admission.commit(commit).await {
         Ok(_) => Sample { latency: scheduled.elapsed(), admitted: true, error: false },
         Err(_) => failed(true),
