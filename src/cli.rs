@@ -1,16 +1,26 @@
-//! The command line, and the wiring from a policy to a running server.
+//! The command line: its arguments, and what each subcommand does (the binary's `main` only
+//! parses, starts the runtime and dispatches).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::Admission;
+use crate::bench::burst::{self, BurstOptions};
+use crate::bench::sweep::{self, SweepOptions};
+use crate::bench::{BenchOptions, Control};
 use crate::config::{ConfigError, Policy, StoreChoice};
 use crate::grpc::server::{ServeError, serve as serve_grpc};
+use crate::sim::backend::{self, SimConfig};
+use crate::sim::lengths::OutputLengths;
+use crate::sim::load;
 use crate::store::embedded::EmbeddedStore;
 use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 use crate::store::{Protocol, Store, StoreError};
@@ -50,54 +60,10 @@ pub enum Command {
     Bench(BenchArgs),
     /// A simulated OpenAI-compatible inference backend: slots, a FIFO queue, prefill and decode
     /// speeds, log-normal output lengths; commits its usage to tollgate.
-    SimBackend {
-        #[arg(long, default_value = "127.0.0.1:8000")]
-        listen: SocketAddr,
-        /// tollgate's gRPC endpoint, for Commit and Renew.
-        #[arg(long)]
-        tollgate: Option<String>,
-        /// Sequences generated at once; the rest wait in a FIFO queue.
-        #[arg(long, default_value_t = 4)]
-        slots: usize,
-        #[arg(long, default_value_t = 5000.0)]
-        prefill_tps: f64,
-        /// Decode speed of one sequence, tokens per second.
-        #[arg(long, default_value_t = 50.0)]
-        decode_tps: f64,
-        /// Median of the log-normal output length.
-        #[arg(long, default_value_t = 200.0)]
-        output_median: f64,
-        /// Shape of the log-normal output length.
-        #[arg(long, default_value_t = 0.8)]
-        output_sigma: f64,
-        /// Every output this long instead (capped by max_tokens).
-        #[arg(long)]
-        output_fixed: Option<u64>,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        #[arg(long, default_value_t = 30_000)]
-        renew_every_ms: u64,
-    },
+    SimBackend(SimBackendArgs),
     /// Open-loop HTTP load of interactive, standard and batch requests through Envoy; prints
     /// admitted, denied by reason, and p50/p99 per class.
-    SimLoad {
-        /// Envoy's HTTP address.
-        #[arg(long, default_value = "http://127.0.0.1:10000")]
-        target: String,
-        #[arg(long, default_value_t = 10)]
-        seconds: u64,
-        #[arg(long, default_value_t = 15_000)]
-        timeout_ms: u64,
-        /// Interactive requests per second (tenant acme, critical, 2 s deadline, 64 tokens).
-        #[arg(long, default_value_t = 4.0)]
-        interactive_rate: f64,
-        /// Standard requests per second (tenant acme, 256 tokens).
-        #[arg(long, default_value_t = 2.0)]
-        standard_rate: f64,
-        /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
-        #[arg(long, default_value_t = 8.0)]
-        batch_rate: f64,
-    },
+    SimLoad(SimLoadArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -153,37 +119,93 @@ pub struct CycleArgs {
 #[derive(Debug, Subcommand)]
 pub enum BenchKind {
     /// A burst of requests against one budget: worst-case reservation versus adaptive.
-    Burst {
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        target: String,
-        /// The tenant that reserves max_tokens (no adaptive_output).
-        #[arg(long, default_value = "worst")]
-        worst_tenant: String,
-        /// The tenant with adaptive_output.
-        #[arg(long, default_value = "adaptive")]
-        adaptive_tenant: String,
-        #[arg(long, default_value = "m")]
-        model: String,
-        /// Requests in the burst.
-        #[arg(long, default_value_t = 400)]
-        requests: usize,
-        /// Reserve + commit cycles that teach the estimate first.
-        #[arg(long, default_value_t = 4000)]
-        learn: usize,
-        #[arg(long, default_value_t = 200)]
-        prompt_tokens: u64,
-        /// The ceiling every request names.
-        #[arg(long, default_value_t = 4096)]
-        max_tokens: u64,
-        /// Median of the log-normal output length.
-        #[arg(long, default_value_t = 200.0)]
-        median: f64,
-        /// Shape of the log-normal output length.
-        #[arg(long, default_value_t = 0.8)]
-        sigma: f64,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-    },
+    Burst(BurstArgs),
+}
+
+/// `sim-backend`'s settings.
+#[derive(Debug, clap::Args)]
+pub struct SimBackendArgs {
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// tollgate's gRPC endpoint, for Commit and Renew.
+    #[arg(long)]
+    pub tollgate: Option<String>,
+    /// Sequences generated at once; the rest wait in a FIFO queue.
+    #[arg(long, default_value_t = 4)]
+    pub slots: usize,
+    #[arg(long, default_value_t = 5000.0)]
+    pub prefill_tps: f64,
+    /// Decode speed of one sequence, tokens per second.
+    #[arg(long, default_value_t = 50.0)]
+    pub decode_tps: f64,
+    /// Median of the log-normal output length.
+    #[arg(long, default_value_t = 200.0)]
+    pub output_median: f64,
+    /// Shape of the log-normal output length.
+    #[arg(long, default_value_t = 0.8)]
+    pub output_sigma: f64,
+    /// Every output this long instead (capped by max_tokens).
+    #[arg(long)]
+    pub output_fixed: Option<u64>,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[arg(long, default_value_t = 30_000)]
+    pub renew_every_ms: u64,
+}
+
+/// `sim-load`'s settings.
+#[derive(Debug, clap::Args)]
+pub struct SimLoadArgs {
+    /// Envoy's HTTP address.
+    #[arg(long, default_value = "http://127.0.0.1:10000")]
+    pub target: String,
+    #[arg(long, default_value_t = 10)]
+    pub seconds: u64,
+    #[arg(long, default_value_t = 15_000)]
+    pub timeout_ms: u64,
+    /// Interactive requests per second (tenant acme, critical, 2 s deadline, 64 tokens).
+    #[arg(long, default_value_t = 4.0)]
+    pub interactive_rate: f64,
+    /// Standard requests per second (tenant acme, 256 tokens).
+    #[arg(long, default_value_t = 2.0)]
+    pub standard_rate: f64,
+    /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
+    #[arg(long, default_value_t = 8.0)]
+    pub batch_rate: f64,
+}
+
+/// The burst experiment's settings.
+#[derive(Debug, clap::Args)]
+pub struct BurstArgs {
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub target: String,
+    /// The tenant that reserves max_tokens (no adaptive_output).
+    #[arg(long, default_value = "worst")]
+    pub worst_tenant: String,
+    /// The tenant with adaptive_output.
+    #[arg(long, default_value = "adaptive")]
+    pub adaptive_tenant: String,
+    #[arg(long, default_value = "m")]
+    pub model: String,
+    /// Requests in the burst.
+    #[arg(long, default_value_t = 400)]
+    pub requests: usize,
+    /// Reserve + commit cycles that teach the estimate first.
+    #[arg(long, default_value_t = 4000)]
+    pub learn: usize,
+    #[arg(long, default_value_t = 200)]
+    pub prompt_tokens: u64,
+    /// The ceiling every request names.
+    #[arg(long, default_value_t = 4096)]
+    pub max_tokens: u64,
+    /// Median of the log-normal output length.
+    #[arg(long, default_value_t = 200.0)]
+    pub median: f64,
+    /// Shape of the log-normal output length.
+    #[arg(long, default_value_t = 0.8)]
+    pub sigma: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }
 
 /// Why `serve` stopped with an error.
@@ -240,4 +262,167 @@ async fn run_on<S: Store>(
     serve_grpc(listener, admission, shutdown, drain).await?;
     tracing::info!("tollgate stopped");
     Ok(())
+}
+
+impl From<BurstArgs> for BurstOptions {
+    fn from(a: BurstArgs) -> Self {
+        BurstOptions {
+            target: a.target,
+            worst_tenant: a.worst_tenant,
+            adaptive_tenant: a.adaptive_tenant,
+            model: a.model,
+            requests: a.requests,
+            learn: a.learn,
+            prompt_tokens: a.prompt_tokens,
+            max_tokens: a.max_tokens,
+            median: a.median,
+            sigma: a.sigma,
+            seed: a.seed,
+        }
+    }
+}
+
+impl From<&SimBackendArgs> for SimConfig {
+    fn from(a: &SimBackendArgs) -> Self {
+        SimConfig {
+            slots: a.slots,
+            prefill_tokens_per_second: a.prefill_tps,
+            decode_tokens_per_second: a.decode_tps,
+            lengths: match a.output_fixed {
+                Some(n) => OutputLengths::Fixed(n),
+                None => OutputLengths::LogNormal { median: a.output_median, sigma: a.output_sigma },
+            },
+            seed: a.seed,
+            tollgate: a.tollgate.clone(),
+            renew_every: Duration::from_millis(a.renew_every_ms),
+            ..SimConfig::default()
+        }
+    }
+}
+
+impl CycleArgs {
+    fn sweep_options(self) -> SweepOptions {
+        SweepOptions {
+            base: BenchOptions {
+                target: self.target,
+                http: self.http,
+                rate: 0,
+                duration: Duration::from_secs(self.seconds),
+                warmup: Duration::from_secs(self.warmup_seconds),
+                tenants: self.tenants,
+                model: self.model,
+                connections: self.connections,
+            },
+            rates: self.rates,
+            runs: self.runs,
+            p99_target: Duration::from_secs_f64(self.p99_target_ms.max(0.0) / 1000.0),
+            spread_bound: self.spread_bound,
+        }
+    }
+}
+
+/// `tollgate bench` and `tollgate bench burst`.
+pub async fn bench(args: BenchArgs) -> ExitCode {
+    if let Some(BenchKind::Burst(burst)) = args.kind {
+        let options = BurstOptions::from(burst);
+        return match burst::run(&options).await {
+            Ok(report) => {
+                println!(
+                    "burst of {} requests, prompt {} tokens, max_tokens {}; output lengths log-normal (median {}, sigma {}) capped at max_tokens; {} learning cycles first\n",
+                    options.requests,
+                    options.prompt_tokens,
+                    options.max_tokens,
+                    options.median,
+                    options.sigma,
+                    options.learn
+                );
+                print!("{report}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tollgate: bench burst: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let json = args.cycle.json.clone();
+    let options = args.cycle.sweep_options();
+    let control = Arc::new(Control::default());
+    let stopper = control.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("\nCtrl-C: finishing the cycles in flight, then reporting what ran");
+            stopper.stop.store(true, Ordering::Relaxed);
+        }
+    });
+    let report = match sweep::sweep(&options, control).await {
+        Ok(report) => report,
+        Err(e) => {
+            eprintln!("tollgate: bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    print!("{}", report.markdown());
+    if let Some(path) = json {
+        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+        if let Err(e) = std::fs::write(&path, text) {
+            eprintln!("tollgate: bench: cannot write {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// `tollgate sim-backend`: serves until SIGTERM or SIGINT.
+pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
+    let config = SimConfig::from(&args);
+    let listener = match TcpListener::bind(args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("tollgate: sim-backend cannot listen on {}: {e}", args.listen);
+            return ExitCode::FAILURE;
+        }
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(cancel_on_signal(shutdown.clone()));
+    match backend::serve(listener, config, shutdown, Default::default()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: sim-backend: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `tollgate sim-load`: the mixed load, then its table.
+pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
+    let plan = load::LoadPlan {
+        target: args.target,
+        duration: Duration::from_secs(args.seconds),
+        timeout: Duration::from_millis(args.timeout_ms),
+        classes: load::mixed(args.interactive_rate, args.standard_rate, args.batch_rate),
+    };
+    let reports = load::run(&plan).await;
+    print!("{}", load::table(&reports));
+    ExitCode::SUCCESS
+}
+
+/// Kubernetes sends SIGTERM to stop a pod; a terminal sends SIGINT. Either cancels `shutdown`.
+pub async fn cancel_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+        () = terminate => tracing::info!("SIGTERM: draining"),
+    }
+    shutdown.cancel();
 }
