@@ -57,7 +57,7 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
     let port = free_port();
     let redis = OwnRedis::start(port);
     let policy = format!(
-        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n",
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
     let t = Tollgate::start(&policy);

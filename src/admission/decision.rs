@@ -95,6 +95,7 @@ impl Reason {
 /// A request admitted: its hold is live until committed, released or expired.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Admitted {
+    /// Empty when admitted unmetered (the store was down and the tenant fails open).
     pub reservation_id: String,
     pub reserved_tokens: u64,
     /// 1, or more when an idempotency key returned an existing hold.
@@ -110,6 +111,13 @@ pub struct Denial {
     /// When retrying can help, how long to wait; computed from the limiting scope.
     pub retry_after_ms: Option<u64>,
     pub headroom: Headroom,
+}
+
+impl Admitted {
+    /// Admitted without a hold: nothing to commit.
+    pub fn unmetered(&self) -> bool {
+        self.reservation_id.is_empty()
+    }
 }
 
 impl Denial {

@@ -32,7 +32,7 @@ use std::sync::{Arc, RwLock};
 
 pub use decision::{Admitted, Decision, Denial, Reason};
 
-use crate::config::{Policy, PoolPolicy, TenantPolicy};
+use crate::config::{OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::store::{
     CommitOutcome, EstimateView, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome, RenewOutcome,
@@ -216,7 +216,10 @@ impl<S: Store> Admission<S> {
         if let Some(leg) = &plan.pool
             && let Err(denial) = self.pool_leg(&plan, leg, &id).await
         {
-            return Decision::Denied(denial);
+            return match denial.reason {
+                Reason::StoreUnavailable => self.on_store_error(&plan, denial),
+                _ => Decision::Denied(denial),
+            };
         }
         let decision = self.tenant_leg(&plan, &id).await;
         let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == id);
@@ -271,6 +274,22 @@ impl<S: Store> Admission<S> {
         }
     }
 
+    /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.
+    fn on_store_error(&self, plan: &Plan<'_>, denial: Denial) -> Decision {
+        match plan.tp.on_store_error {
+            OnStoreError::FailClosed => Decision::Denied(denial),
+            OnStoreError::FailOpen => {
+                tracing::warn!(tenant = plan.tenant, "store unavailable; admitting unmetered (fail_open)");
+                Decision::Admitted(Admitted {
+                    reservation_id: String::new(),
+                    reserved_tokens: 0,
+                    attempts: 1,
+                    headroom: Default::default(),
+                })
+            }
+        }
+    }
+
     /// Quota: every scope of the tenant must pass.
     async fn tenant_leg(&self, plan: &Plan<'_>, id: &str) -> Decision {
         let call = ReserveCall {
@@ -321,7 +340,7 @@ impl<S: Store> Admission<S> {
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
-            Err(e) => Decision::Denied(store_unavailable(&e, plan.tenant)),
+            Err(e) => self.on_store_error(plan, store_unavailable(&e, plan.tenant)),
         }
     }
 

@@ -118,6 +118,18 @@ impl PoolPolicy {
     }
 }
 
+/// What a tenant's requests get when the store cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    /// Refuse with 503 `store_unavailable` (cost wins).
+    #[default]
+    FailClosed,
+    /// Admit without a hold, unmetered (availability wins); the request goes upstream with
+    /// `x-tollgate-unmetered: store_unavailable` and no reservation to commit.
+    FailOpen,
+}
+
 /// Reserve a learned quantile of the output instead of the ceiling. The estimate is per tenant and
 /// model, lives in the store (every replica shares it) and is taught by commits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -148,6 +160,7 @@ pub struct TenantPolicy {
     pub default_deadline_ms: Option<u64>,
     /// Learned output reservation; none means the ceiling is always reserved.
     pub adaptive_output: Option<AdaptiveOutput>,
+    pub on_store_error: OnStoreError,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.

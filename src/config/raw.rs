@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::OnStoreError;
 use crate::admission::Priority;
 use crate::store::ExpiredUsage;
 
@@ -53,6 +54,7 @@ pub(super) struct RawDefaults {
     pub max_attempts: Option<u32>,
     pub concurrency_retry_ms: Option<u64>,
     pub adaptive_output: Option<RawAdaptive>,
+    pub on_store_error: Option<OnStoreError>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -117,6 +119,7 @@ pub(super) struct RawTenant {
     pub max_priority: Option<Priority>,
     pub default_deadline_ms: Option<u64>,
     pub adaptive_output: Option<RawAdaptive>,
+    pub on_store_error: Option<OnStoreError>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,

@@ -126,8 +126,13 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     }
 
     let tenant = |field: String, t: RawTenant| {
-        let defaults =
-            TenantDefaults { lease_ttl_ms, expired_usage, retention_ms: record_retention_ms, adaptive_output };
+        let defaults = TenantDefaults {
+            lease_ttl_ms,
+            expired_usage,
+            retention_ms: record_retention_ms,
+            adaptive_output,
+            on_store_error: d.on_store_error.unwrap_or_default(),
+        };
         tenant_policy(&field, t, &defaults, &models)
     };
     let mut tenants = HashMap::new();
@@ -225,6 +230,7 @@ struct TenantDefaults {
     expired_usage: crate::store::ExpiredUsage,
     retention_ms: u64,
     adaptive_output: Option<AdaptiveOutput>,
+    on_store_error: super::OnStoreError,
 }
 
 fn adaptive(field: &str, a: RawAdaptive) -> Result<AdaptiveOutput, Problem> {
@@ -300,6 +306,7 @@ fn tenant_policy(
         max_priority,
         default_deadline_ms: t.default_deadline_ms,
         adaptive_output,
+        on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
         users,
         default_user: t.default_user,
         models: tenant_models,

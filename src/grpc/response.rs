@@ -20,6 +20,8 @@ pub const RESERVATION_HEADER: &str = "x-tollgate-reservation";
 /// Upstream: how many tokens the hold took.
 pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
 pub const REASON_HEADER: &str = "x-tollgate-reason";
+/// Upstream: admitted without a hold (the store was down and the tenant fails open).
+pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
 const RPC_OK: i32 = 0;
@@ -33,10 +35,14 @@ pub fn check_response(decision: &Decision) -> CheckResponse {
 }
 
 fn admitted(a: &Admitted) -> CheckResponse {
-    let headers = vec![
-        header(RESERVATION_HEADER, a.reservation_id.clone()),
-        header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-    ];
+    let headers = if a.unmetered() {
+        vec![header(UNMETERED_HEADER, "store_unavailable".to_string())]
+    } else {
+        vec![
+            header(RESERVATION_HEADER, a.reservation_id.clone()),
+            header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+        ]
+    };
     CheckResponse {
         status: Some(RpcStatus { code: RPC_OK, ..Default::default() }),
         http_response: Some(HttpResponse::OkResponse(OkHttpResponse {
@@ -163,6 +169,14 @@ mod tests {
             let body: serde_json::Value = serde_json::from_str(&denied.body).unwrap();
             assert_eq!(body["error"]["code"], reason.code());
         }
+    }
+
+    #[test]
+    fn an_unmetered_admission_carries_no_reservation() {
+        let a =
+            Admitted { reservation_id: String::new(), reserved_tokens: 0, attempts: 1, headroom: Headroom::default() };
+        let h = headers(&check_response(&Decision::Admitted(a)));
+        assert_eq!(h, vec![(UNMETERED_HEADER.to_string(), "store_unavailable".to_string())]);
     }
 
     #[test]
