@@ -364,7 +364,12 @@ impl<S: Store> Admission<S> {
             None => (ESTIMATE_TTL_MS, u64::MAX / 2),
         };
         let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output, learning).await?;
-        if let Some(pool) = r.pool {
+        // A repeated commit, or one of a released hold, finds its pool leg settled by the first
+        // call: no second round trip for it.
+        let settled_before = outcome.duplicate || outcome.state == "released";
+        if let Some(pool) = r.pool
+            && !settled_before
+        {
             self.release_pool_leg(pool, reservation_id).await;
         }
         Ok(outcome)

@@ -41,7 +41,6 @@ struct Context {
 enum Job {
     Load { script: Script, reply: oneshot::Sender<Result<(), StoreError>> },
     Eval { script: Script, keys: Vec<String>, args: Vec<String>, reply: oneshot::Sender<Result<Reply, StoreError>> },
-    KeyCount { reply: oneshot::Sender<usize> },
 }
 
 /// The in-process store. Clones share one keyspace; the thread ends when the last clone drops.
@@ -89,15 +88,6 @@ impl EmbeddedStore {
         started.recv().map_err(|_| stopped())??;
         Ok(EmbeddedStore { jobs })
     }
-
-    /// Number of keys held, expired ones not yet reclaimed included.
-    pub async fn key_count(&self) -> usize {
-        let (reply, answer) = oneshot::channel();
-        if self.jobs.send(Job::KeyCount { reply }).is_err() {
-            return 0;
-        }
-        answer.await.unwrap_or(0)
-    }
 }
 
 impl Host {
@@ -108,9 +98,6 @@ impl Host {
             }
             Job::Eval { script, keys, args, reply } => {
                 let _ = reply.send(self.eval(&script, keys, args));
-            }
-            Job::KeyCount { reply } => {
-                let _ = reply.send(self.lua.app_data_ref::<Context>().map_or(0, |c| c.keyspace.len()));
             }
         }
     }
