@@ -3,24 +3,28 @@
 --
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
+-- KEYS[3] the tenant's holds hash
 -- ARGV[1] reservation id
 -- ARGV[2] prompt tokens used
 -- ARGV[3] output tokens used
 -- ARGV[4] TTL of the output estimate this commit teaches (ms)
--- ARGV[5] samples the estimate keeps before it halves them all
+-- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun}
 --   state: committed | late_committed, or not_found | released when nothing was charged
---   A commit of an already committed id returns the first commit's result with duplicate = 1.
+--   A commit of an already committed id returns the first commit's result with duplicate = 1: a
+--   caller that commits twice, or a client that re-sends after a lost reply, charges once.
 --
 -- A hold that learns (its record names an estimate) teaches it the output length, once.
 --
 -- Invariants: each record is charged for usage at most once; a hold whose lease has passed is
 -- settled as expired first (whether or not a sweep reached it), then late-committed, so the
--- outcome does not depend on when the sweep ran.
+-- outcome does not depend on when the sweep ran; debt is charged against the bucket as it stands
+-- now (refilled first), so a full bucket's discarded refill never pays it.
 
 local rk = KEYS[1]
 local leases = KEYS[2]
+local holds = KEYS[3]
 local id = ARGV[1]
 local prompt = tonumber(ARGV[2])
 local output = tonumber(ARGV[3])
@@ -40,7 +44,7 @@ end
 
 local now = now_ms()
 if r.st == 'reserved' and now >= r.le then
-  expire(rk, id, r, leases)
+  expire(rk, id, r, leases, holds, now)
 end
 
 local keys = split(r.ks)
@@ -49,10 +53,11 @@ if r.sl == '1' then
   free_slots(keys)
 end
 if used < r.ch then
-  refund(keys, r.ch - used, r.dy)
+  refund(keys, r.ch - used, r.dy, now)
 else
   charge(keys, used - r.ch, now)
 end
+keep_alive(keys, leases, holds, r.it)
 
 local state = 'committed'
 if r.st == 'expired' then
@@ -62,8 +67,8 @@ local refunded = math.max(0, r.h - used)
 local overrun = math.max(0, used - r.h)
 redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
   'rf', refunded, 'ov', overrun)
-close(rk, id, r, leases)
-if r.ok and r.ok ~= '' then
+close(rk, id, r, leases, holds)
+if r.ok and r.ok ~= '' and window > 0 then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end
 return { state, 0, used, r.h, refunded, overrun }

@@ -5,20 +5,30 @@
 --   st  state: reserved | committed | released | expired | late_committed
 --   h   tokens held at admission            ch  tokens currently charged to the buckets
 --   sl  1 while the hold occupies a concurrency slot in every scope
---   le  lease expiry (ms, Redis clock)      at  attempts (idempotent replays + 1)
+--   le  lease expiry (ms, Redis clock)      at  attempts of its idempotency key when it was made
 --   dy  day number (UTC) the hold was charged to
 --   ks  the scope hashes it charged, space separated
 --   xp  expired-usage policy: charge | refund
---   ik  idempotency key name, or empty      rt  retention (ms) once settled
---   pt ot us rf ov  commit result: prompt, output, used, refunded, overrun tokens
+--   ik  its idempotency key, or empty       rt  retention (ms) once settled
+--   it  idle TTL (ms) of the tenant's keys: every phase that touches a hold keeps its keys alive
+--   oh  the output part of the hold         es  1 when that came from the output estimate
+--   pt ot us rf ov  commit result: prompt, output, used, refunded (release too), overrun tokens
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
 --
+-- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
+--   id -> "<tokens charged> <day> <expired-usage policy> <scope keys...>"
+-- what the sweep needs to settle the hold. A record can run out of TTL before a sweep that has
+-- fallen behind reaches it; its entry here cannot, so no slot and no token is ever left behind.
+--
+-- Idempotency key (a hash, one per key): fp the request it was first used for (user, model, size),
+-- n the reserves it has made, id its latest hold, lc the last call answered with a replay.
+--
 -- Scope hash (one per tenant / user / model scope):
---   t tt tc  token bucket: tokens, last refill (ms), capacity
---   r rt     request bucket: permits, last refill (ms)
---   c        holds in flight
---   d du     day number and tokens charged that day
+--   t tt tc tr  token bucket: tokens, last refill (ms), capacity, refill per ms
+--   r rt        request bucket: permits, last refill (ms)
+--   c           holds in flight
+--   d du        day number and tokens charged that day
 
 local DAY_MS = 86400000
 
@@ -36,7 +46,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
-  'ok', 'oq' }
+  'ok', 'oq', 'it', 'oh', 'es' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -54,7 +64,32 @@ local function load(rk)
   r.at = tonumber(r.at)
   r.dy = tonumber(r.dy)
   r.rt = tonumber(r.rt)
+  r.it = tonumber(r.it)
   return r
+end
+
+-- A bucket's level at `now`: its level at its last write plus the refill since, never above its
+-- capacity. A bucket never written is full.
+local function refilled(level, at, cap, rate, now)
+  level = tonumber(level)
+  if level == nil then
+    return cap
+  end
+  return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
+end
+
+-- Moves a scope's token bucket by `delta` tokens (a refund when positive, debt when negative),
+-- from its level now: refilled first, so a full bucket's refill (which it could not hold) never
+-- pays debt. Never above the capacity, never below minus it. A scope hash that has expired (idle
+-- longer than its TTL) is not recreated: an idle bucket is full anyway.
+local function move_tokens(k, delta, now)
+  local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr')
+  local cap = tonumber(v[3])
+  if not (v[1] and cap) then
+    return
+  end
+  local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) + delta
+  redis.call('HSET', k, 't', math.max(-cap, math.min(cap, level)), 'tt', now)
 end
 
 -- Frees the concurrency slot a hold occupies in each of its scopes.
@@ -67,88 +102,114 @@ local function free_slots(keys)
   end
 end
 
--- Gives tokens back: to each token bucket (never above its capacity), and to the day's usage when
--- the hold was charged to the current day.
-local function refund(keys, amount, day)
+-- Gives tokens back: to each token bucket, and to the day's usage when the hold was charged to
+-- the current day.
+local function refund(keys, amount, day, now)
   if amount <= 0 then
     return
   end
   for _, k in ipairs(keys) do
-    local v = redis.call('HMGET', k, 't', 'tc', 'd', 'du')
-    if v[1] then
-      local t = tonumber(v[1]) + amount
-      local cap = tonumber(v[2])
-      if cap and t > cap then
-        t = cap
-      end
-      redis.call('HSET', k, 't', t)
-    end
-    if v[3] and tonumber(v[3]) == day then
-      local du = tonumber(v[4]) - amount
-      if du < 0 then
-        du = 0
-      end
-      redis.call('HSET', k, 'du', du)
+    move_tokens(k, amount, now)
+    local v = redis.call('HMGET', k, 'd', 'du')
+    if v[1] and tonumber(v[1]) == day then
+      redis.call('HSET', k, 'du', math.max(0, tonumber(v[2]) - amount))
     end
   end
 end
 
--- Charges tokens beyond the hold as debt: a bucket may go negative, down to minus its capacity, and
--- the debt is repaid by refill (it shows in the next Retry-After). A scope hash that has already
--- expired (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
+-- Charges tokens beyond the hold as debt: a bucket may go negative, down to minus its capacity,
+-- and the debt is repaid by refill (it shows in the next Retry-After).
 local function charge(keys, amount, now)
   if amount <= 0 then
     return
   end
   local today = math.floor(now / DAY_MS)
   for _, k in ipairs(keys) do
-    local v = redis.call('HMGET', k, 't', 'tc', 'd', 'du')
-    if v[1] then
-      local t = tonumber(v[1]) - amount
-      local cap = tonumber(v[2])
-      if cap and t < -cap then
-        t = -cap
-      end
-      redis.call('HSET', k, 't', t)
-    end
-    if v[3] and tonumber(v[3]) == today then
-      redis.call('HSET', k, 'du', tonumber(v[4]) + amount)
-    elseif v[3] then
+    move_tokens(k, -amount, now)
+    local v = redis.call('HMGET', k, 'd', 'du')
+    if v[1] and tonumber(v[1]) == today then
+      redis.call('HSET', k, 'du', tonumber(v[2]) + amount)
+    elseif v[1] then
       redis.call('HSET', k, 'd', today, 'du', amount)
     end
   end
 end
 
--- Ends a record's hold: off the lease index, its idempotency key dropped, kept for `rt` ms so that
--- a repeated commit or release can still be answered.
-local function close(rk, id, r, leases)
+-- Keeps a live hold's keys alive for another idle TTL: every scope it counts in, the lease index
+-- and the holds hash. A renewed stream may outlive many TTLs; its slot must not vanish with them.
+local function keep_alive(keys, leases, holds, idle)
+  if not idle then
+    return
+  end
+  for _, k in ipairs(keys) do
+    redis.call('PEXPIRE', k, idle)
+  end
+  redis.call('PEXPIRE', leases, idle)
+  redis.call('PEXPIRE', holds, idle)
+end
+
+-- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer
+-- pointing at it (the key keeps counting attempts until its own TTL), kept for `rt` ms so that a
+-- repeated commit or release can still be answered.
+local function close(rk, id, r, leases, holds)
   redis.call('ZREM', leases, id)
-  if r.ik and r.ik ~= '' and redis.call('GET', r.ik) == id then
-    redis.call('DEL', r.ik)
+  redis.call('HDEL', holds, id)
+  if r.ik and r.ik ~= '' and redis.call('HGET', r.ik, 'id') == id then
+    redis.call('HDEL', r.ik, 'id')
   end
   redis.call('PEXPIRE', rk, r.rt)
 end
 
--- Settles a hold whose lease ran out: the slot is freed; the tokens stay charged (charge) or come
--- back (refund). Missing usage is not zero usage, so charge is the default policy.
-local function expire(rk, id, r, leases)
+-- Settles a hold whose lease ran out, from what the holds hash (or its record) says it charged:
+-- the slot is freed; the tokens stay charged (charge) or come back (refund). Missing usage is not
+-- zero usage, so charge is the default policy. Returns the tokens still charged.
+local function settle_expired(keys, charged, day, policy, now)
+  free_slots(keys)
+  if policy == 'refund' then
+    refund(keys, charged, day, now)
+    return 0
+  end
+  return charged
+end
+
+local function expire(rk, id, r, leases, holds, now)
   local keys = split(r.ks)
   if r.sl == '1' then
-    free_slots(keys)
-  end
-  if r.xp == 'refund' then
-    refund(keys, r.ch, r.dy)
-    r.ch = 0
+    r.ch = settle_expired(keys, r.ch, r.dy, r.xp, now)
   end
   r.st = 'expired'
   r.sl = '0'
   redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch)
-  close(rk, id, r, leases)
+  close(rk, id, r, leases, holds)
+end
+
+-- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out.
+local function sweep(leases, holds, prefix, batch, now)
+  for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
+    local rk = prefix .. due
+    local r = load(rk)
+    if r and r.st == 'reserved' then
+      expire(rk, due, r, leases, holds, now)
+    else
+      local entry = redis.call('HGET', holds, due)
+      if entry and not r then
+        -- The record ran out of TTL before the sweep came: settle from the holds hash alone.
+        local e = split(entry)
+        local keys = {}
+        for i = 4, #e do
+          keys[#keys + 1] = e[i]
+        end
+        settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+      end
+      redis.call('ZREM', leases, due)
+      redis.call('HDEL', holds, due)
+    end
+  end
 end
 
 -- Loads a hold that is still live. Otherwise returns nil and the reply to send: not_found, the
 -- state it was settled in, or expired (settling it now when its lease has passed unswept).
-local function live_hold(rk, id, leases, now)
+local function live_hold(rk, id, leases, holds, now)
   local r = load(rk)
   if not r then
     return nil, { 'not_found', 0 }
@@ -157,7 +218,7 @@ local function live_hold(rk, id, leases, now)
     return nil, { r.st, 0 }
   end
   if now >= r.le then
-    expire(rk, id, r, leases)
+    expire(rk, id, r, leases, holds, now)
     return nil, { 'expired', 0 }
   end
   return r

@@ -18,6 +18,8 @@
 -- ARGV[11] deadline, ms from now (0: none)
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
+--   (run twice with the same id, as a client re-sending after a lost reply does, the second run
+--    finds the hold and answers with the pool as it stands: the work is held once)
 -- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
 --   reason: deadline | queue_full
 --
@@ -41,6 +43,12 @@ local tier_kv = tonumber(ARGV[10])
 local deadline = tonumber(ARGV[11])
 
 local now = now_ms()
+
+-- 0. A re-sent call: this id already holds its work.
+if redis.call('HGET', holds, id) then
+  local v = redis.call('HMGET', state, 'n', 'w')
+  return { 1, 0, tonumber(v[1]) or 0, tonumber(v[2]) or 0 }
+end
 
 -- 1. Expiry: holds whose lease ran out leave the pool, a bounded batch at a time.
 for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
@@ -72,7 +80,9 @@ end
 
 -- 3. Hold.
 redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
-redis.call('HSET', holds, id, work .. ' ' .. kv)
+-- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
+-- pool exactly as it came.
+redis.call('HSET', holds, id, string.format('%d %d', work, kv))
 redis.call('ZADD', leases, now + lease, id)
 for _, k in ipairs(KEYS) do
   redis.call('PEXPIRE', k, idle)

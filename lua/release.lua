@@ -3,24 +3,32 @@
 --
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
+-- KEYS[3] the tenant's holds hash
 -- ARGV[1] reservation id
 --
--- Reply: {state, refunded tokens}
---   state: released when this call released it; otherwise the record's state or not_found, and
+-- Reply: {state, refunded tokens, repeated (0|1)}
+--   state: released when the hold is released (repeated = 1 when an earlier call released it:
+--   the refund is that call's, given once); otherwise the record's state or not_found, and
 --   nothing changes but the settlement of a hold whose lease has already passed.
 
 local rk = KEYS[1]
 local leases = KEYS[2]
+local holds = KEYS[3]
 local id = ARGV[1]
 
-local r, reply = live_hold(rk, id, leases, now_ms())
+local now = now_ms()
+local r, reply = live_hold(rk, id, leases, holds, now)
 if not r then
-  return reply
+  if reply[1] == 'released' then
+    return { 'released', tonumber(redis.call('HGET', rk, 'rf')) or 0, 1 }
+  end
+  return { reply[1], 0, 0 }
 end
 
 local keys = split(r.ks)
 free_slots(keys)
-refund(keys, r.ch, r.dy)
-redis.call('HSET', rk, 'st', 'released', 'ch', 0, 'sl', 0)
-close(rk, id, r, leases)
-return { 'released', r.ch }
+refund(keys, r.ch, r.dy, now)
+keep_alive(keys, leases, holds, r.it)
+redis.call('HSET', rk, 'st', 'released', 'ch', 0, 'sl', 0, 'rf', r.ch)
+close(rk, id, r, leases, holds)
+return { 'released', r.ch, 0 }

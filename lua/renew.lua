@@ -2,22 +2,28 @@
 --
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
+-- KEYS[3] the tenant's holds hash
 -- ARGV[1] reservation id
 -- ARGV[2] new lease, from now (ms)
--- ARGV[3] idle TTL of the index and live records (ms)
+-- ARGV[3] idle TTL of the tenant's keys (ms)
 --
 -- Reply: {state, lease remaining ms}
 --   state: reserved when renewed; otherwise the record's state (expired, committed, ...) or
 --   not_found, and nothing changes but the settlement of a hold whose lease has already passed.
+--
+-- Every key the hold counts in stays alive with it: the record, the lease index, the holds hash,
+-- its idempotency key, and every scope hash it holds a slot in. A stream renewed for an hour keeps
+-- its slot for an hour. Safe to run twice: the second run extends the lease from its own now.
 
 local rk = KEYS[1]
 local leases = KEYS[2]
+local holds = KEYS[3]
 local id = ARGV[1]
 local lease = tonumber(ARGV[2])
 local idle = tonumber(ARGV[3])
 
 local now = now_ms()
-local r, reply = live_hold(rk, id, leases, now)
+local r, reply = live_hold(rk, id, leases, holds, now)
 if not r then
   return reply
 end
@@ -26,7 +32,7 @@ local expiry = now + lease
 redis.call('HSET', rk, 'le', expiry)
 redis.call('PEXPIRE', rk, idle)
 redis.call('ZADD', leases, expiry, id)
-redis.call('PEXPIRE', leases, idle)
+keep_alive(split(r.ks), leases, holds, idle)
 if r.ik ~= '' then
   redis.call('PEXPIRE', r.ik, lease)
 end

@@ -3,9 +3,10 @@
 --
 -- KEYS[1]   the tenant's lease index (sorted set: reservation id by lease expiry)
 -- KEYS[2]   the new reservation record
--- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is '0')
+-- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is empty)
 -- KEYS[4]   the output-length estimate of this tenant and model (read when ARGV[13] > 0)
--- KEYS[5..] the scope hashes: tenant first, then user and model where they apply
+-- KEYS[5]   the tenant's holds hash (what the sweep needs to settle each live hold)
+-- KEYS[6..] the scope hashes: tenant first, then user and model where they apply
 --
 -- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
 -- ARGV[3]  prompt tokens             ARGV[4]  lease (ms)
@@ -13,29 +14,38 @@
 -- ARGV[6]  retention of settled records (ms)
 -- ARGV[7]  expired-usage policy: charge | refund
 -- ARGV[8]  sweep batch: most expired holds settled by this call
--- ARGV[9]  '1' when KEYS[3] is a real idempotency key
--- ARGV[10] most attempts one idempotency key may make
+-- ARGV[9]  what a repeat of the idempotency key means: '' (no key) | same (the caller lost the
+--          answer: return its live hold) | new (a retried request: a new attempt, its own hold)
+-- ARGV[10] most reserves one idempotency key may make
 -- ARGV[11] cap on the concurrency Retry-After (ms)
 -- ARGV[12] output ceiling: the request's max_tokens, or the model's
 -- ARGV[13] adaptive output: samples the estimate needs before it is used (0: always the ceiling)
 -- ARGV[14] adaptive output: the quantile the estimate tracks (kept on the record for commit)
+-- ARGV[15] the request's fingerprint (user, model, size): a key reused for another is refused
 -- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
---                   remaining requests, request limit, request reset ms, output held, estimated}
---   (output held: the output part of the hold; estimated: 1 when it came from the estimate)
+--                   remaining requests, request limit, request reset ms, output held, estimated,
+--                   replayed}
+--   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
+--    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
 --    scope limits them)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
 --                   token reset ms}
---   reason: token_rate | request_rate | concurrency | budget | attempts | unsatisfiable
---   (unsatisfiable: the hold is larger than a scope's whole capacity, so no wait can help)
+--   reason: token_rate | request_rate | concurrency | budget | attempts | conflict | unsatisfiable
+--   (unsatisfiable: the hold is larger than a scope's whole capacity, so no wait can help;
+--    attempts: the idempotency key has made its most reserves; conflict: the key was first used for
+--    a different request)
 --
 -- Invariants: a denial writes nothing but the settlement of already-expired holds; one call either
--- charges every scope or none; a bucket never refills above its capacity.
+-- charges every scope or none; a bucket never refills above its capacity. Run twice with the same
+-- id (a client re-sending after a lost reply), it answers as the first run did and charges nothing
+-- more.
 
 local leases = KEYS[1]
+local holds = KEYS[5]
 local id = ARGV[1]
 local prefix = ARGV[2]
 local prompt = tonumber(ARGV[3])
@@ -44,42 +54,25 @@ local idle = tonumber(ARGV[5])
 local retention = tonumber(ARGV[6])
 local policy = ARGV[7]
 local batch = tonumber(ARGV[8])
-local idem = ARGV[9] == '1'
+local key_use = ARGV[9]
 local attempt_limit = tonumber(ARGV[10])
 local concurrency_wait_cap = tonumber(ARGV[11])
 local ceiling = tonumber(ARGV[12])
 local min_samples = tonumber(ARGV[13])
 local quantile = ARGV[14]
+local fingerprint = ARGV[15]
+local FIRST_SCOPE = 6
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
 
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
-local due = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)
-for _, due_id in ipairs(due) do
-  local rk = prefix .. due_id
-  local r = load(rk)
-  if r and r.st == 'reserved' then
-    expire(rk, due_id, r, leases)
-  else
-    redis.call('ZREM', leases, due_id)
-  end
-end
-
--- A bucket's level now: what it held at its last write plus the refill since, never above its
--- capacity. A bucket never written is full.
-local function refilled(level, at, cap, rate)
-  level = tonumber(level)
-  if level == nil then
-    return cap
-  end
-  return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
-end
+sweep(leases, holds, prefix, batch, now)
 
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
-for i = 5, #KEYS do
-  local b = 14 + (i - 5) * 6
+for i = FIRST_SCOPE, #KEYS do
+  local b = 15 + (i - FIRST_SCOPE) * 6
   local s = {
     key = KEYS[i],
     tcap = tonumber(ARGV[b + 1]),
@@ -91,10 +84,10 @@ for i = 5, #KEYS do
   }
   local v = redis.call('HMGET', s.key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
   if s.tcap > 0 then
-    s.t = refilled(v[1], v[2], s.tcap, s.trate)
+    s.t = refilled(v[1], v[2], s.tcap, s.trate, now)
   end
   if s.rcap > 0 then
-    s.r = refilled(v[3], v[4], s.rcap, s.rrate)
+    s.r = refilled(v[3], v[4], s.rcap, s.rrate, now)
   end
   s.c = tonumber(v[5]) or 0
   if tonumber(v[6]) == today then
@@ -124,24 +117,55 @@ local function headroom(take_tokens, take_requests)
   return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
 end
 
--- 3. Idempotency: a live hold under the same key is returned again and charges nothing new.
-if idem then
-  local prior = redis.call('GET', KEYS[3])
-  if prior then
-    local rk = prefix .. prior
-    local r = load(rk)
-    if r and r.st == 'reserved' and r.le > now then
-      if r.at >= attempt_limit then
-        return { 0, 'attempts', 1, 0, -1, -1, -1 }
-      end
-      redis.call('HSET', rk, 'at', r.at + 1)
-      local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
-      return { 1, prior, r.h, r.at + 1, rem, lim, reset, rrem, rlim, rreset, -1, 0 }
+-- An earlier hold answered again: charges nothing.
+local function again(hold_id, r, attempts, replayed)
+  local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
+  return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
+    tonumber(r.es) or 0, replayed }
+end
+
+local function refuse(reason)
+  local rem, lim, reset = headroom(0, 0)
+  return { 0, reason, 1, 0, rem, lim, reset }
+end
+
+-- 3. A re-sent call: this id already holds. Answer as the first run did.
+local mine = load(KEYS[2])
+if mine then
+  return again(id, mine, mine.at, 0)
+end
+
+-- 4. Idempotency. A key groups the reserves made for one request and bounds them; a repeat in
+-- `same` mode returns the key's live hold, charging nothing new.
+local attempts = 1
+if key_use ~= '' then
+  local k = redis.call('HMGET', KEYS[3], 'fp', 'n', 'id', 'lc')
+  if k[1] then
+    if k[1] ~= fingerprint then
+      return refuse('conflict')
     end
+    local made = tonumber(k[2])
+    if key_use == 'same' and k[3] then
+      local r = load(prefix .. k[3])
+      if r and r.st == 'reserved' and r.le > now then
+        if k[4] == id then
+          return again(k[3], r, made, 1)
+        end
+        if made >= attempt_limit then
+          return refuse('attempts')
+        end
+        redis.call('HSET', KEYS[3], 'n', made + 1, 'lc', id)
+        return again(k[3], r, made + 1, 1)
+      end
+    end
+    if made >= attempt_limit then
+      return refuse('attempts')
+    end
+    attempts = made + 1
   end
 end
 
--- 4. What to hold: the prompt, and for the output either the ceiling or, once the tenant's
+-- 5. What to hold: the prompt, and for the output either the ceiling or, once the tenant's
 -- estimate for this model has enough samples, its quantile (never above the ceiling).
 local output, estimated = ceiling, 0
 if min_samples > 0 then
@@ -158,7 +182,7 @@ for i, s in ipairs(scopes) do
   end
 end
 
--- 5. Decide. Every failing limit is considered; the one that frees last is the reason.
+-- 6. Decide. Every failing limit is considered; the one that frees last is the reason.
 local reason, where, wait = nil, 0, -1
 local function deny(why, i, ms)
   ms = math.max(1, math.ceil(ms))
@@ -191,7 +215,7 @@ if reason then
   return { 0, reason, where, wait, rem, lim, reset }
 end
 
--- 6. Hold: charge every scope, write the record, index its lease.
+-- 7. Hold: charge every scope, write the record, index its lease.
 local names = {}
 for _, s in ipairs(scopes) do
   local f = { 'c', s.c + 1, 'd', today, 'du', s.du + hold }
@@ -202,6 +226,8 @@ for _, s in ipairs(scopes) do
     f[#f + 1] = now
     f[#f + 1] = 'tc'
     f[#f + 1] = s.tcap
+    f[#f + 1] = 'tr'
+    f[#f + 1] = s.trate
   end
   if s.rcap > 0 then
     f[#f + 1] = 'r'
@@ -216,20 +242,24 @@ end
 
 local expiry = now + lease
 local ik = ''
-if idem then
+if key_use ~= '' then
   ik = KEYS[3]
-  redis.call('SET', ik, id, 'PX', lease)
+  redis.call('HSET', ik, 'fp', fingerprint, 'n', attempts, 'id', id, 'lc', id)
+  redis.call('PEXPIRE', ik, lease)
 end
 local learn_into = ''
 if min_samples > 0 then
   learn_into = KEYS[4]
 end
-redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', 1,
-  'dy', today, 'ks', table.concat(names, ' '), 'xp', policy, 'ik', ik, 'rt', retention,
-  'ok', learn_into, 'oq', quantile)
+local ks = table.concat(names, ' ')
+redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts,
+  'dy', today, 'ks', ks, 'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile,
+  'oh', output, 'es', estimated)
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)
+redis.call('HSET', holds, id, string.format('%d %d %s %s', hold, today, policy, ks))
+redis.call('PEXPIRE', holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(hold, 1)
-return { 1, id, hold, 1, rem, lim, reset, rrem, rlim, rreset, output, estimated }
+return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0 }

@@ -11,9 +11,9 @@ use tollgate::estimate::PromptSize;
 use tollgate::store::Protocol;
 use tollgate::store::embedded::EmbeddedStore;
 
-async fn admission(yaml: &str) -> Admission<EmbeddedStore> {
+async fn admission(yaml: &str) -> Arc<Admission<EmbeddedStore>> {
     let policy = Policy::parse("test.yaml", yaml).unwrap();
-    Admission::new(Arc::new(policy), Protocol::new(EmbeddedStore::new().unwrap()).await.unwrap())
+    Arc::new(Admission::new(Arc::new(policy), Protocol::new(EmbeddedStore::new().unwrap()).await.unwrap()))
 }
 
 fn request(tenant: Option<&str>) -> Attributes {
@@ -23,7 +23,7 @@ fn request(tenant: Option<&str>) -> Attributes {
         model: Some("m".into()),
         priority: None,
         deadline_ms: None,
-        idempotency_key: None,
+        idempotency: None,
         prompt: PromptSize::Bytes(40),
         max_tokens: None,
         stream: false,
@@ -75,4 +75,24 @@ async fn the_hold_is_the_prompt_estimate_plus_the_output_ceiling() {
     named.max_tokens = Some(101);
     let Decision::Denied(d) = a.reserve(&named).await else { panic!() };
     assert_eq!(d.reason, Reason::InvalidRequest, "above the model's ceiling");
+}
+
+#[tokio::test]
+async fn the_stated_maximum_token_count_is_the_same_in_config_and_admission() {
+    assert_eq!(tollgate::admission::MAX_TOKEN_COUNT, tollgate::config::MAX_TOKEN_COUNT);
+}
+
+#[tokio::test]
+async fn the_expiry_index_stays_bounded_by_the_live_keys_over_ten_thousand_cycles() {
+    let store = EmbeddedStore::new().unwrap();
+    let policy =
+        Policy::parse("test.yaml", &format!("{MODELS}tenants:\n  acme: {{ limits: {{ max_concurrency: 4 }} }}\n"))
+            .unwrap();
+    let a = Arc::new(Admission::new(Arc::new(policy), Protocol::new(store.clone()).await.unwrap()));
+    for i in 0..10_000 {
+        let Decision::Admitted(ok) = a.reserve(&request(Some("acme"))).await else { panic!("cycle {i}") };
+        a.commit(&ok.reservation_id, 1, 1).await.unwrap();
+    }
+    let size = store.size().await.unwrap();
+    assert!(size.expiry_index <= size.keys, "one index entry per key with a TTL, at most: {size:?}");
 }

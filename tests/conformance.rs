@@ -4,10 +4,13 @@
 
 mod support;
 
+use std::time::Duration;
+
 use futures_util::future::join_all;
+use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
-use tollgate::admission::{Attributes, Decision, Priority, Reason};
-use tollgate::store::{Store, keys};
+use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
+use tollgate::store::{ReleaseOutcome, RenewOutcome, Store, keys};
 
 /// Scenarios, each generic over the store.
 mod scenarios {
@@ -74,7 +77,16 @@ mod scenarios {
         let id = admitted(&a).reservation_id.clone();
         assert_eq!(denied(&h.reserve(100, 500).await).reason, Reason::TokenRate);
         let c = h.admission.commit(&id, 100, 50).await.unwrap();
-        assert_eq!((c.state.as_str(), c.used, c.held, c.refunded, c.overrun), ("committed", 150, 600, 450, 0));
+        assert_eq!(
+            (
+                c.state(),
+                c.usage().unwrap().used,
+                c.usage().unwrap().held,
+                c.usage().unwrap().refunded,
+                c.usage().unwrap().overrun
+            ),
+            ("committed", 150, 600, 450, 0)
+        );
         let t = h.tenant_scope().await.num("t");
         assert!((850.0..851.0).contains(&t), "1000 - 600 + 450 = 850, got {t}");
         admitted(&h.reserve(100, 500).await);
@@ -85,16 +97,19 @@ mod scenarios {
         let first = h.admission.commit(&id, 100, 50).await.unwrap();
         let before = h.snapshot(&[&id]).await;
         let second = h.admission.commit(&id, 900, 900).await.unwrap();
-        assert!(!first.duplicate);
-        assert!(second.duplicate);
-        assert_eq!((second.used, second.refunded, second.state.as_str()), (150, 450, "committed"));
+        assert!(!first.usage().unwrap().duplicate);
+        assert!(second.usage().unwrap().duplicate);
+        assert_eq!(
+            (second.usage().unwrap().used, second.usage().unwrap().refunded, second.state()),
+            (150, 450, "committed")
+        );
         assert_eq!(before, h.snapshot(&[&id]).await);
     }
 
     pub async fn an_overrun_is_debt_bounded_by_the_capacity<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(50, 50).await).reservation_id.clone();
         let c = h.admission.commit(&id, 3000, 2000).await.unwrap();
-        assert_eq!((c.used, c.overrun, c.refunded), (5000, 4900, 0));
+        assert_eq!((c.usage().unwrap().used, c.usage().unwrap().overrun, c.usage().unwrap().refunded), (5000, 4900, 0));
         let t = h.tenant_scope().await.num("t");
         assert!((-1000.0..-999.0).contains(&t), "debt floors at minus the capacity, got {t}");
         let no = h.reserve(50, 50).await;
@@ -112,12 +127,12 @@ mod scenarios {
         let wait = no.retry_after_ms.unwrap();
         assert!((1..=1000).contains(&wait), "capped by concurrency_retry_ms, got {wait}");
         let r = h.admission.release(&a).await.unwrap();
-        assert_eq!((r.state.as_str(), r.refunded), ("released", 2));
+        assert_eq!(r, ReleaseOutcome::Released { refunded: 2, repeated: false });
         admitted(&h.reserve(1, 1).await);
         let again = h.admission.release(&a).await.unwrap();
-        assert_eq!((again.state.as_str(), again.refunded), ("released", 0), "a second release changes nothing");
+        assert_eq!(again, ReleaseOutcome::Released { refunded: 2, repeated: true }, "the first result, given once");
         let c = h.admission.commit(&a, 1, 1).await.unwrap();
-        assert_eq!(c.state, "released", "a released hold cannot be committed");
+        assert_eq!(c.state(), "released", "a released hold cannot be committed");
     }
 
     pub async fn an_expired_hold_keeps_its_tokens_under_charge_reserved<S: Store>(h: Harness<S>) {
@@ -129,7 +144,10 @@ mod scenarios {
         let t = h.tenant_scope().await.num("t");
         assert!((100.0..102.0).contains(&t), "1000 - 600 - 300 = 100, got {t}");
         let late = h.admission.commit(&first, 100, 20).await.unwrap();
-        assert_eq!((late.state.as_str(), late.used, late.refunded), ("late_committed", 120, 480));
+        assert_eq!(
+            (late.state(), late.usage().unwrap().used, late.usage().unwrap().refunded),
+            ("late_committed", 120, 480)
+        );
         let t = h.tenant_scope().await.num("t");
         assert!((580.0..582.0).contains(&t), "the late commit gives back 480, got {t}");
     }
@@ -141,7 +159,7 @@ mod scenarios {
         let t = h.tenant_scope().await.num("t");
         assert!((100.0..102.0).contains(&t), "600 came back, 900 went: {t}");
         let late = h.admission.commit(&first, 100, 20).await.unwrap();
-        assert_eq!(late.state, "late_committed");
+        assert_eq!(late.state(), "late_committed");
         let t = h.tenant_scope().await.num("t");
         assert!((-20.0..-18.0).contains(&t), "the late commit charges the 120 used, got {t}");
     }
@@ -150,40 +168,74 @@ mod scenarios {
         let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
         h.advance(400).await;
         let c = h.admission.commit(&id, 10, 10).await.unwrap();
-        assert_eq!(c.state, "late_committed");
+        assert_eq!(c.state(), "late_committed");
         let scope = h.tenant_scope().await;
         assert_eq!(scope.num("c"), 0.0, "the slot is free");
-        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state, "late_committed");
+        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state(), "late_committed");
     }
 
     pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
         h.advance(200).await;
         let r = h.admission.renew(&id, 3_600_000).await.unwrap();
-        assert_eq!((r.state.as_str(), r.lease_remaining_ms), ("reserved", 300), "never past the lease TTL");
+        assert_eq!(r, RenewOutcome::Renewed { lease_remaining_ms: 300 }, "never past the lease TTL");
         h.advance(200).await;
         // 400 ms after reserve, past the first lease but inside the renewed one: still held.
         assert_eq!(denied(&h.reserve(1, 1).await).reason, Reason::Concurrency);
         h.advance(200).await;
         admitted(&h.reserve(1, 1).await);
-        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state, "expired");
+        assert_eq!(h.admission.renew(&id, 0).await.unwrap().state(), "expired");
     }
 
-    pub async fn an_idempotency_key_returns_the_same_hold<S: Store>(h: Harness<S>) {
+    fn keyed<S: Store>(h: &Harness<S>, key: &str, repeat: KeyRepeat) -> Attributes {
         let mut a = h.attributes(100, 100);
-        a.idempotency_key = Some("req-1".into());
+        a.idempotency = Some(IdempotencyKey { key: key.into(), repeat });
+        a
+    }
+
+    /// `Admission/Reserve` repeated with a key: the caller lost the answer and gets its hold back.
+    pub async fn a_repeated_reserve_returns_the_same_hold<S: Store>(h: Harness<S>) {
+        let a = keyed(&h, "req-1", KeyRepeat::ReturnHold);
         let first = admitted(&h.admission.reserve(&a).await).clone();
         let second = admitted(&h.admission.reserve(&a).await).clone();
         assert_eq!(first.reservation_id, second.reservation_id);
         assert_eq!((first.attempts, second.attempts), (1, 2));
+        assert_eq!((first.replayed, second.replayed), (false, true));
         let t = h.tenant_scope().await.num("t");
         assert!((800.0..801.0).contains(&t), "charged once, got {t}");
         admitted(&h.admission.reserve(&a).await);
         let fourth = h.admission.reserve(&a).await;
         assert_eq!(denied(&fourth).reason, Reason::InvalidRequest, "past max_attempts");
         h.admission.commit(&first.reservation_id, 1, 1).await.unwrap();
-        let fresh = admitted(&h.admission.reserve(&a).await).clone();
-        assert_ne!(fresh.reservation_id, first.reservation_id, "a settled hold frees its key");
+        let after = h.admission.reserve(&a).await;
+        assert_eq!(denied(&after).reason, Reason::InvalidRequest, "the key counts attempts for its whole life");
+        if h.exact_time() {
+            h.advance(120_000).await;
+            let fresh = admitted(&h.admission.reserve(&a).await).clone();
+            assert_ne!(fresh.reservation_id, first.reservation_id, "past its TTL the key starts again");
+            assert_eq!(fresh.attempts, 1);
+        }
+    }
+
+    /// A request retried through Envoy with a key: it will reach the backend again, so each attempt
+    /// holds for itself; the key counts and bounds them.
+    pub async fn a_retried_request_is_a_new_attempt<S: Store>(h: Harness<S>) {
+        let a = keyed(&h, "req-2", KeyRepeat::NewAttempt);
+        let first = admitted(&h.admission.reserve(&a).await).clone();
+        let second = admitted(&h.admission.reserve(&a).await).clone();
+        assert_ne!(first.reservation_id, second.reservation_id);
+        assert_eq!((first.attempts, second.attempts), (1, 2));
+        assert!(!second.replayed);
+        let t = h.tenant_scope().await.num("t");
+        assert!((600.0..601.0).contains(&t), "each attempt charged: {t}");
+        admitted(&h.admission.reserve(&a).await);
+        let before = h.snapshot(&[]).await;
+        assert_eq!(denied(&h.admission.reserve(&a).await).reason, Reason::InvalidRequest, "past max_attempts");
+        let mut other = keyed(&h, "req-2", KeyRepeat::NewAttempt);
+        other.max_tokens = Some(99);
+        let no = h.admission.reserve(&other).await;
+        assert!(denied(&no).message.contains("different request"), "{:?}", denied(&no));
+        assert_eq!(h.snapshot(&[]).await, before, "refusals change nothing");
     }
 
     pub async fn user_and_model_scopes_limit_within_the_tenant<S: Store>(h: Harness<S>) {
@@ -255,9 +307,9 @@ mod scenarios {
     pub async fn bad_ids_change_nothing<S: Store>(h: Harness<S>) {
         assert!(h.admission.commit("nope", 1, 1).await.is_err());
         let unknown = format!("{}:{}", h.tenant, "0".repeat(32));
-        assert_eq!(h.admission.commit(&unknown, 1, 1).await.unwrap().state, "not_found");
-        assert_eq!(h.admission.release(&unknown).await.unwrap().state, "not_found");
-        assert_eq!(h.admission.renew(&unknown, 0).await.unwrap().state, "not_found");
+        assert_eq!(h.admission.commit(&unknown, 1, 1).await.unwrap().state(), "not_found");
+        assert_eq!(h.admission.release(&unknown).await.unwrap().state(), "not_found");
+        assert_eq!(h.admission.renew(&unknown, 0).await.unwrap().state(), "not_found");
         assert_eq!(h.tenant_scope().await.kind, "none");
     }
 
@@ -283,11 +335,11 @@ mod scenarios {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         let b = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         assert_eq!(h.pool_load().await, (2, 2200));
-        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state, "committed");
+        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state(), "committed");
         assert_eq!(h.pool_load().await, (1, 1100));
-        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state, "committed", "a repeat");
+        assert_eq!(h.admission.commit(&a, 90, 40).await.unwrap().state(), "committed", "a repeat");
         assert_eq!(h.pool_load().await, (1, 1100), "a repeated commit takes nothing more off the pool");
-        assert_eq!(h.admission.release(&b).await.unwrap().state, "released");
+        assert_eq!(h.admission.release(&b).await.unwrap().state(), "released");
         assert_eq!(h.pool_load().await, (0, 0));
     }
 
@@ -296,7 +348,7 @@ mod scenarios {
         h.advance(400).await;
         let b = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         assert_eq!(h.pool_load().await, (1, 1100), "the expired hold was swept from the pool");
-        assert_eq!(h.admission.commit(&a, 1, 1).await.unwrap().state, "late_committed");
+        assert_eq!(h.admission.commit(&a, 1, 1).await.unwrap().state(), "late_committed");
         assert_eq!(h.pool_load().await, (1, 1100), "a late commit takes nothing more off");
         h.admission.commit(&b, 1, 1).await.unwrap();
         assert_eq!(h.pool_load().await, (0, 0));
@@ -305,7 +357,7 @@ mod scenarios {
     pub async fn renew_extends_the_pool_lease_too<S: Store>(h: Harness<S>) {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         h.advance(200).await;
-        assert_eq!(h.admission.renew(&a, 0).await.unwrap().state, "reserved");
+        assert_eq!(h.admission.renew(&a, 0).await.unwrap().state(), "reserved");
         h.advance(200).await;
         // Past the first lease, inside the renewed one: the next reserve's sweep keeps it.
         admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
@@ -390,10 +442,10 @@ mod scenarios {
         let settle = |ids: Vec<(u32, String)>| async move {
             join_all(ids.into_iter().map(|(i, id)| async move {
                 if i % 2 == 0 {
-                    assert_eq!(h.admission.commit(&id, 30, 20).await.unwrap().state, "committed");
+                    assert_eq!(h.admission.commit(&id, 30, 20).await.unwrap().state(), "committed");
                     50
                 } else {
-                    assert_eq!(h.admission.release(&id).await.unwrap().state, "released");
+                    assert_eq!(h.admission.release(&id).await.unwrap().state(), "released");
                     0
                 }
             }))
@@ -414,6 +466,7 @@ mod scenarios {
                 match d {
                     Decision::Admitted(a) => pending.push((i, a.reservation_id)),
                     Decision::Denied(d) => refused.push(d.reason),
+                    Decision::Unmetered => panic!("the store is up: nothing is unmetered"),
                 }
             }
         }
@@ -459,7 +512,7 @@ mod scenarios {
         let a = admitted(&d);
         assert_eq!(a.reserved_tokens, 104);
         let c = h.admission.commit(&a.reservation_id, 0, 300).await.unwrap();
-        assert_eq!((c.overrun, c.refunded), (196, 0));
+        assert_eq!((c.usage().unwrap().overrun, c.usage().unwrap().refunded), (196, 0));
         let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
         assert_eq!((e.used_tokens, e.overrun_tokens), (1300, 196));
     }
@@ -470,7 +523,10 @@ mod scenarios {
         }
         // A second admission service on the same store, as a second replica would be.
         let protocol = tollgate::store::Protocol::new(h.admission.protocol().store().clone()).await.unwrap();
-        let other = tollgate::admission::Admission::new(std::sync::Arc::new(h.admission.policy().clone()), protocol);
+        let other = std::sync::Arc::new(tollgate::admission::Admission::new(
+            std::sync::Arc::new(h.admission.policy().clone()),
+            protocol,
+        ));
         let d = other.reserve(&h.attributes(0, 1000)).await;
         assert_eq!(admitted(&d).reserved_tokens, 104);
     }
@@ -486,6 +542,159 @@ mod scenarios {
         let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
         assert!(e.samples <= 20, "decayed to the window: {}", e.samples);
         assert_eq!(e.quantile_tokens, 404, "400 falls in (1.05^122, 1.05^123] = (384.7, 403.9], edge 404");
+    }
+
+    // The books balance on paths the scenarios above never walk: re-sent scripts, a caller that
+    // gives up mid-call, debt after refill, long renewed streams, a sweep that falls behind.
+
+    /// fred re-sends a script after a dropped connection; the first run happened, its reply was
+    /// lost. Every write script must charge, free and release exactly once all the same.
+    pub async fn every_write_script_is_safe_to_run_twice<S: Store + Clone>(h: Harness<S>) {
+        let all = &["reserve", "commit", "renew", "release", "pool_reserve", "pool_release", "pool_renew"];
+        let twice = h.wrapped(|s| Resend { inner: s, scripts: all }).await;
+        let a = admitted(&twice.admission.reserve(&pooled(&twice, Priority::Critical, None)).await).clone();
+        assert_eq!(a.reserved_tokens, 200);
+        assert_eq!(twice.pool_load().await, (1, 1100), "the pool holds the work once");
+        assert_eq!(twice.in_flight().await, 1.0, "one slot, not two");
+        let t = twice.tenant_scope().await.num("t");
+        assert!((800.0..802.0).contains(&t), "charged once: {t}");
+        assert_eq!(twice.admission.renew(&a.reservation_id, 0).await.unwrap().state(), "reserved");
+        let c = twice.admission.commit(&a.reservation_id, 50, 20).await.unwrap();
+        assert_eq!((c.usage().unwrap().used, c.usage().unwrap().refunded), (70, 130));
+        assert_eq!(twice.pool_load().await, (0, 0));
+        assert_eq!(twice.in_flight().await, 0.0);
+        let t = twice.tenant_scope().await.num("t");
+        assert!((930.0..932.0).contains(&t), "1000 - 70: {t}");
+        let b = admitted(&twice.admission.reserve(&pooled(&twice, Priority::Critical, None)).await).clone();
+        let r = twice.admission.release(&b.reservation_id).await.unwrap();
+        assert_eq!(r.state(), "released");
+        assert_eq!(twice.pool_load().await, (0, 0));
+        assert_eq!(twice.in_flight().await, 0.0);
+        let t = twice.tenant_scope().await.num("t");
+        assert!((930.0..933.0).contains(&t), "the release gave back all 200: {t}");
+    }
+
+    /// The caller gives up (Envoy's ext_authz timeout, a gRPC deadline) after the pool leg and
+    /// while the tenant leg's reply is on its way: neither leg may stay held for nobody.
+    pub async fn a_reserve_nobody_waits_for_leaves_nothing_held<S: Store + Clone>(h: Harness<S>) {
+        let slow = h.wrapped(|s| Faulty::new(s, "reserve", Fault::SlowReply(Duration::from_millis(300)))).await;
+        let gave_up = tokio::time::timeout(
+            Duration::from_millis(100),
+            slow.admission.reserve(&pooled(&slow, Priority::Critical, None)),
+        )
+        .await;
+        assert!(gave_up.is_err(), "the caller gave up before the answer");
+        let settled = h
+            .eventually(Duration::from_secs(3), || async {
+                h.pool_load().await == (0, 0) && h.in_flight().await == 0.0
+            })
+            .await;
+        assert!(settled, "pool {:?}, in flight {}", h.pool_load().await, h.in_flight().await);
+        let t = h.tenant_scope().await.num("t");
+        assert!(t >= 999.0, "the undelivered hold was given back: {t}");
+    }
+
+    /// A pool leg whose reply was lost may have run: it is released all the same.
+    pub async fn a_pool_leg_that_failed_is_released<S: Store + Clone>(h: Harness<S>) {
+        let lossy = h.wrapped(|s| Faulty::new(s, "pool_reserve", Fault::LostReply)).await;
+        let d = lossy.admission.reserve(&pooled(&lossy, Priority::Critical, None)).await;
+        assert_eq!(denied(&d).reason, Reason::StoreUnavailable);
+        assert_eq!(h.pool_load().await, (0, 0), "the pool leg that ran was given back");
+        assert_eq!(h.in_flight().await, 0.0);
+    }
+
+    /// The first commit settled the tenant leg but could not reach the pool; the caller commits
+    /// again (commit is idempotent), and this time the pool leg is released.
+    pub async fn a_repeated_commit_releases_the_pool_leg_the_first_could_not<S: Store + Clone>(h: Harness<S>) {
+        let flaky = h.wrapped(|s| Faulty::new(s, "pool_release", Fault::Unreachable(1))).await;
+        let id =
+            admitted(&flaky.admission.reserve(&pooled(&flaky, Priority::Critical, None)).await).reservation_id.clone();
+        assert_eq!(flaky.admission.commit(&id, 10, 10).await.unwrap().state(), "committed");
+        assert_eq!(h.pool_load().await, (1, 1100), "the first pool release did not arrive");
+        let again = flaky.admission.commit(&id, 10, 10).await.unwrap();
+        assert!(again.usage().unwrap().duplicate);
+        assert_eq!(h.pool_load().await, (0, 0), "the repeated commit released it");
+    }
+
+    /// An overrun is debt against the bucket as it stands now: a full bucket's refill, which it
+    /// could not hold, never pays it.
+    pub async fn debt_is_charged_after_the_refill<S: Store>(h: Harness<S>) {
+        // 1 token per ms, 1,000 of burst.
+        let id = admitted(&h.reserve(99, 1).await).reservation_id.clone();
+        h.advance(300).await;
+        // Full again (900 + 300, capped at 1,000); 1,000 tokens past the hold of 100.
+        let c = h.admission.commit(&id, 1_099, 1).await.unwrap();
+        assert_eq!(c.usage().unwrap().overrun, 1_000);
+        let no = h.reserve(99, 1).await;
+        let wait = denied(&no).retry_after_ms.unwrap();
+        assert!((90..=100).contains(&wait), "the bucket sits at 0: 100 tokens short, got {wait} ms");
+        if h.exact_time() {
+            assert_eq!(wait, 100);
+        }
+    }
+
+    /// Renew keeps every scope hash the hold counts in alive, not just its record: four long
+    /// streams of one user keep the user's four slots taken for as long as they run.
+    pub async fn renewed_holds_keep_their_scopes_alive<S: Store>(h: Harness<S>) {
+        let mut alice = h.attributes(1, 1);
+        alice.user = Some("alice".into());
+        let mut ids = Vec::new();
+        for _ in 0..4 {
+            ids.push(admitted(&h.admission.reserve(&alice).await).reservation_id.clone());
+        }
+        let user = keys::user_scope(&h.tenant, "alice");
+        let before = h.scope(&user).await.unwrap().pttl;
+        h.advance(250).await;
+        for id in &ids {
+            assert_eq!(h.admission.renew(id, 0).await.unwrap().state(), "reserved");
+        }
+        let after = h.scope(&user).await.unwrap().pttl;
+        assert!(after > before - 50, "renew refreshed the user scope's TTL: {before} -> {after}");
+        if h.exact_time() {
+            // Past the scope's idle TTL (about 61 s), renewing every 250 ms.
+            for _ in 0..300 {
+                h.advance(250).await;
+                for id in &ids {
+                    assert_eq!(h.admission.renew(id, 0).await.unwrap().state(), "reserved");
+                }
+            }
+            let no = h.admission.reserve(&alice).await;
+            assert_eq!(denied(&no).reason, Reason::Concurrency, "the four streams still hold alice's slots");
+            h.admission.commit(&ids[0], 1, 1).await.unwrap();
+            admitted(&h.admission.reserve(&alice).await);
+        }
+    }
+
+    /// A backlog of expired holds larger than the sweep's batch, swept slower than their records'
+    /// TTL: every slot still comes back.
+    pub async fn a_sweep_that_falls_behind_loses_no_slot<S: Store>(h: Harness<S>) {
+        if !h.exact_time() {
+            return; // Needs minutes of store time; the manual clock covers it.
+        }
+        for _ in 0..10 {
+            admitted(&h.reserve(1, 1).await);
+        }
+        h.advance(400).await;
+        // One reserve every 20 s sweeps one expired hold (batch 1); records outlive their lease by
+        // about a minute, so most are gone before the sweep reaches them.
+        for _ in 0..20 {
+            h.advance(20_000).await;
+            let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+            h.admission.commit(&id, 1, 1).await.unwrap();
+        }
+        assert_eq!(h.in_flight().await, 0.0, "every expired hold gave its slot back");
+        let holds = keys::holds(&h.tenant);
+        assert_eq!(h.inspect(vec![holds.clone()]).await[&holds].fields.len(), 0, "and left the holds hash");
+    }
+
+    /// Work is stored as integers: a hold's work leaves the pool exactly as it came, at any size.
+    pub async fn pool_work_is_exact_at_any_size<S: Store>(h: Harness<S>) {
+        // 999,999,937 prompt tokens at 0.003 tokens/s: 333,333,312,333,334 ms of work, 15 digits.
+        let d = h.reserve(999_999_937, 1).await;
+        let id = admitted(&d).reservation_id.clone();
+        assert_eq!(h.pool_load().await, (1, 333_333_312_333_334 + 1_000));
+        h.admission.commit(&id, 1, 1).await.unwrap();
+        assert_eq!(h.pool_load().await, (0, 0));
     }
 
     const POOL_SPEEDS: &str = "prefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n";
@@ -534,7 +743,8 @@ macro_rules! conformance {
             scenario!(an_expired_hold_is_refunded_under_refund, LEASE_REFUND);
             scenario!(a_commit_after_the_lease_settles_the_expiry_first, LEASE_CHARGE);
             scenario!(renew_extends_the_lease, LEASE_CHARGE);
-            scenario!(an_idempotency_key_returns_the_same_hold, BUCKET);
+            scenario!(a_repeated_reserve_returns_the_same_hold, BUCKET);
+            scenario!(a_retried_request_is_a_new_attempt, BUCKET);
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
             scenario!(the_daily_budget_resets_at_midnight_utc, DAILY);
             scenario!(the_request_rate_is_limited, REQUESTS);
@@ -598,6 +808,38 @@ macro_rules! conformance {
                     "limits: { tokens_per_minute: 60, burst_tokens: 1500 }\n",
                     "max_sequences: 4\nmax_queue_delay_ms: 2000\n"
                 )
+            );
+            scenario!(
+                every_write_script_is_safe_to_run_twice,
+                &pool_policy(
+                    "limits: { tokens_per_minute: 60, burst_tokens: 1000, max_concurrency: 4 }\n",
+                    "max_sequences: 4\nmax_queue_delay_ms: 60000\n"
+                )
+            );
+            scenario!(
+                a_reserve_nobody_waits_for_leaves_nothing_held,
+                &pool_policy("limits: { tokens_per_minute: 60, burst_tokens: 1000 }\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_pool_leg_that_failed_is_released,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_repeated_commit_releases_the_pool_leg_the_first_could_not,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(debt_is_charged_after_the_refill, "limits: { tokens_per_minute: 60000, burst_tokens: 1000 }\n");
+            scenario!(
+                renewed_holds_keep_their_scopes_alive,
+                "lease_ttl_ms: 300\ndefault_user: { max_concurrency: 4 }\nlimits: { max_concurrency: 100 }\n"
+            );
+            scenario!(
+                a_sweep_that_falls_behind_loses_no_slot,
+                "sweep_batch: 1\n---defaults---\nlease_ttl_ms: 300\nlimits: { max_concurrency: 10 }\n"
+            );
+            scenario!(
+                pool_work_is_exact_at_any_size,
+                "limits: {}\n---pool---\nprefill_tokens_per_second: 0.003\ndecode_tokens_per_second: 1\nmax_sequences: 4\nmax_queue_delay_ms: 60000\n"
             );
             scenario!(
                 the_kv_cache_bounds_what_a_pool_holds,

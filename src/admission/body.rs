@@ -6,6 +6,9 @@
 //! as the parser meets them, so a body cut short still yields everything before the cut. A number
 //! that runs into the cut may itself be cut (`"max_tokens": 12` of `1200`), so it is dropped and
 //! the model's ceiling is reserved instead: a partial body can only make the hold larger.
+//!
+//! A field named twice is refused: JSON leaves duplicates to the reader, and a backend that keeps
+//! the last `model` or `max_tokens` would generate for a request other than the one admitted.
 
 use std::fmt;
 
@@ -56,6 +59,18 @@ struct Found {
     stream: Option<bool>,
     /// The most recent value read was a token count, and nothing has been read after it.
     last_was_number: bool,
+    /// The fields read so far, to refuse one named twice.
+    seen: Vec<&'static str>,
+}
+
+impl Found {
+    fn first<E: de::Error>(&mut self, field: &'static str) -> Result<(), E> {
+        if self.seen.contains(&field) {
+            return Err(E::custom(format!("the body names {field} more than once")));
+        }
+        self.seen.push(field);
+        Ok(())
+    }
 }
 
 struct Collector<'a>(&'a mut Found);
@@ -79,13 +94,21 @@ impl<'de> Visitor<'de> for Collector<'_> {
         while let Some(key) = map.next_key::<String>()? {
             self.0.last_was_number = false;
             match key.as_str() {
-                "model" => self.0.model = map.next_value()?,
-                "stream" => self.0.stream = map.next_value()?,
+                "model" => {
+                    self.0.first("model")?;
+                    self.0.model = map.next_value()?;
+                }
+                "stream" => {
+                    self.0.first("stream")?;
+                    self.0.stream = map.next_value()?;
+                }
                 "max_tokens" => {
+                    self.0.first("max_tokens")?;
                     self.0.max_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
                     self.0.last_was_number = true;
                 }
                 "max_completion_tokens" => {
+                    self.0.first("max_completion_tokens")?;
                     self.0.max_completion_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
                     self.0.last_was_number = true;
                 }
@@ -168,6 +191,9 @@ mod tests {
             br#"{"model":"m","max_tokens":1e400}"#,
             br#"[1,2]"#,
             br#"{"model":"m""#,
+            br#"{"model":"m","model":"n"}"#,
+            br#"{"model":"m","max_tokens":1,"max_tokens":9}"#,
+            br#"{"model":"m","stream":false,"stream":true}"#,
         ] {
             assert!(parse(body, false).is_err(), "{}", String::from_utf8_lossy(body));
         }

@@ -95,11 +95,13 @@ impl Reason {
 /// A request admitted: its hold is live until committed, released or expired.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Admitted {
-    /// Empty when admitted unmetered (the store was down and the tenant fails open).
     pub reservation_id: String,
     pub reserved_tokens: u64,
-    /// 1, or more when an idempotency key returned an existing hold.
+    /// The reserves its idempotency key has made, this one included (1 without a key).
     pub attempts: u32,
+    /// The idempotency key gave back its earlier live hold (`Admission/Reserve` only): the same
+    /// reservation, nothing new charged.
+    pub replayed: bool,
     pub headroom: Headroom,
 }
 
@@ -113,13 +115,6 @@ pub struct Denial {
     pub headroom: Headroom,
 }
 
-impl Admitted {
-    /// Admitted without a hold: nothing to commit.
-    pub fn unmetered(&self) -> bool {
-        self.reservation_id.is_empty()
-    }
-}
-
 impl Denial {
     /// A refusal decided before the store was asked: no wait, no headroom.
     pub fn now(reason: Reason, message: impl Into<String>) -> Self {
@@ -130,5 +125,8 @@ impl Denial {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     Admitted(Admitted),
+    /// Admitted without a hold, so with nothing to commit: the store could not be reached and the
+    /// tenant fails open.
+    Unmetered,
     Denied(Denial),
 }

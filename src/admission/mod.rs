@@ -17,11 +17,20 @@
 //!    same idempotency key), **release the pool leg** (`pool_release.lua`).
 //!
 //! So a tenant is never charged for a request the pool refuses, and pool capacity held for a
-//! request the tenant refused is given back at once. If the process dies between 1 and 3, the pool
-//! hold's lease (the tenant's lease TTL) reclaims it. Commit and Release settle the tenant leg
-//! first, then release the pool leg by id; pool release is idempotent, so a repeated commit, a
-//! hold already swept, or a retry after a crash between the two changes nothing. Renew extends the
-//! pool lease only after the tenant hold was renewed.
+//! request the tenant refused is given back at once. A leg whose store call failed may still have
+//! run (the reply, not the call, may be what was lost), so it is released too. If the process dies
+//! between 1 and 3, the pool hold's lease (the tenant's lease TTL) reclaims it. Commit and Release
+//! settle the tenant leg first, then release the pool leg by id; pool release is idempotent, so a
+//! repeated commit (which retries a pool release the first could not make), a hold already swept,
+//! or a retry after a crash between the two changes nothing. Renew extends the pool lease only
+//! after the tenant hold was renewed.
+//!
+//! # Nobody waiting
+//!
+//! A caller may give up while the legs run (Envoy's ext_authz timeout, a gRPC deadline): tonic then
+//! drops the call's future. The legs therefore run on a task of their own, to completion, and hand
+//! their decision over a channel; a hold whose decision nobody received is released at once, since
+//! the request it was for will never reach the backend.
 
 pub mod body;
 mod decision;
@@ -31,48 +40,25 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
 pub use decision::{Admitted, Decision, Denial, Reason};
+use tokio::sync::oneshot;
 
-use crate::config::{OnStoreError, Policy, PoolPolicy, TenantPolicy};
+pub use crate::config::Priority;
+use crate::config::names;
+use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
+pub use crate::store::KeyRepeat;
 use crate::store::{
-    CommitOutcome, EstimateView, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal, ReleaseOutcome, RenewOutcome,
-    ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, keys,
+    CommitOutcome, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
+    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, keys,
 };
 
-/// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
-/// refused first, then `standard`; `critical` only when the pool truly cannot serve it. Ordered
-/// from lowest to highest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Priority {
-    Sheddable,
-    #[default]
-    Standard,
-    Critical,
-}
+/// The largest token count tollgate accepts anywhere: a prompt, an output, a commit's counts. Far
+/// above any model's context, and small enough that no sum of them nears 2^53, the largest integer
+/// Lua's numbers hold exactly.
+pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
-impl Priority {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Critical => "critical",
-            Priority::Standard => "standard",
-            Priority::Sheddable => "sheddable",
-        }
-    }
-}
-
-impl std::str::FromStr for Priority {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "critical" => Ok(Priority::Critical),
-            "standard" => Ok(Priority::Standard),
-            "sheddable" => Ok(Priority::Sheddable),
-            other => Err(format!("priority {other:?} is not one of critical, standard, sheddable")),
-        }
-    }
-}
+/// The largest body size (`content-length`, `prompt_bytes`) a prompt estimate starts from: 1 TiB.
+pub const MAX_PROMPT_BYTES: u64 = 1 << 40;
 
 /// One request, as admission sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,13 +69,20 @@ pub struct Attributes {
     pub model: Option<String>,
     /// The claimed tier; `None` takes the tenant's default.
     pub priority: Option<Priority>,
-    /// Relative deadline (ms).
+    /// Relative deadline (ms); `None` takes the tenant's default.
     pub deadline_ms: Option<u64>,
-    pub idempotency_key: Option<String>,
+    pub idempotency: Option<IdempotencyKey>,
     pub prompt: PromptSize,
     /// The caller's output ceiling.
     pub max_tokens: Option<u64>,
     pub stream: bool,
+}
+
+/// A request's idempotency key, and what a repeat of it means on the interface it came by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyKey {
+    pub key: String,
+    pub repeat: KeyRepeat,
 }
 
 /// A Commit / Renew / Release that could not be carried out.
@@ -99,11 +92,14 @@ pub enum AdmissionError {
     BadReservationId(String),
     #[error("{0}")]
     BadName(String),
+    #[error("{what} {value} is above the maximum of {MAX_TOKEN_COUNT}")]
+    TooLarge { what: &'static str, value: u64 },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
-/// The admission service over a store.
+/// The admission service over a store. Shared (`Arc`) by the gRPC services, because a reserve
+/// runs its legs on a task of its own.
 #[derive(Debug)]
 pub struct Admission<S> {
     policy: Arc<Policy>,
@@ -130,16 +126,31 @@ impl<S: Store> Admission<S> {
         &self.protocol
     }
 
-    /// The reserve phase.
-    pub async fn reserve(&self, a: &Attributes) -> Decision {
-        match self.plan(a) {
-            Ok(plan) => self.hold(plan).await,
-            Err(denial) => Decision::Denied(denial),
-        }
+    /// The reserve phase. The legs run to completion even if the caller stops waiting, and a hold
+    /// whose decision nobody received is released (see the module's "Nobody waiting").
+    pub async fn reserve(self: &Arc<Self>, a: &Attributes) -> Decision {
+        let plan = match self.plan(a) {
+            Ok(plan) => plan,
+            Err(denial) => return Decision::Denied(denial),
+        };
+        let (answer, decision) = oneshot::channel();
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let decided = this.hold(&plan).await;
+            if let Err(Decision::Admitted(undelivered)) = answer.send(decided)
+                && !undelivered.replayed
+            {
+                tracing::debug!(reservation = %undelivered.reservation_id, "nobody received the hold; releasing it");
+                this.give_back(&plan, &undelivered.reservation_id).await;
+            }
+        });
+        decision.await.unwrap_or_else(|_| {
+            Decision::Denied(Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision"))
+        })
     }
 
     /// Checks everything that needs no store and works out what to hold where.
-    fn plan<'a>(&'a self, a: &'a Attributes) -> Result<Plan<'a>, Denial> {
+    fn plan(&self, a: &Attributes) -> Result<Plan, Denial> {
         use Reason::{InvalidRequest, Unauthenticated, Unsatisfiable};
         let header = &self.policy.server.tenant_header;
         let tenant = a
@@ -147,16 +158,17 @@ impl<S: Store> Admission<S> {
             .as_deref()
             .or(self.policy.anonymous_tenant.as_deref())
             .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
-        ids::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
+        names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
         let tp = self
             .policy
             .tenant(tenant)
             .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?;
         if let Some(user) = &a.user {
-            ids::check_user(user).map_err(|e| Denial::now(InvalidRequest, format!("user id {e}")))?;
+            names::check_user(user).map_err(|e| Denial::now(InvalidRequest, format!("user id {e}")))?;
         }
-        if let Some(key) = &a.idempotency_key {
-            ids::check_idempotency_key(key).map_err(|e| Denial::now(InvalidRequest, format!("idempotency-key {e}")))?;
+        if let Some(k) = &a.idempotency {
+            names::check_idempotency_key(&k.key)
+                .map_err(|e| Denial::now(InvalidRequest, format!("idempotency-key {e}")))?;
         }
         let model_name = a.model.as_deref().ok_or_else(|| Denial::now(InvalidRequest, "the request names no model"))?;
         let model = self
@@ -173,7 +185,7 @@ impl<S: Store> Admission<S> {
             ));
         }
 
-        let prompt = estimate::prompt_tokens(a.prompt, model);
+        let prompt = bounded_prompt(a.prompt, model)?;
         let ceiling = estimate::output_reservation(a.max_tokens, model);
         let hold = prompt.saturating_add(ceiling);
         // With a learned output the hold may be smaller than the ceiling; the script checks the
@@ -190,53 +202,81 @@ impl<S: Store> Admission<S> {
                 ));
             }
         }
-        let pool = self.policy.pool_of(model).map(|(name, pool)| {
-            let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
-            let output = match tp.adaptive_output {
-                Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
-                None => ceiling,
-            };
-            PoolLeg { name, pool, tier, work_ms: pool.service_ms(prompt, output), kv_tokens: prompt + output }
-        });
-        if let Some(leg) = &pool
-            && let Some(kv) = leg.pool.kv_cache_tokens
-            && smallest > kv
-        {
-            return Err(Denial::now(
-                Unsatisfiable,
-                format!("request needs {hold} KV-cache tokens but pool {} has {kv}", leg.name),
-            ));
-        }
-        let deadline_ms = a.deadline_ms.or(tp.default_deadline_ms);
-        Ok(Plan { tenant, tp, model: model_name, prompt, ceiling, scopes, pool, deadline_ms, attributes: a })
+        let pool = match self.policy.pool_of(model) {
+            Some((name, pool)) => {
+                let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
+                let output = match tp.adaptive_output {
+                    Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
+                    None => ceiling,
+                };
+                let leg = PoolLeg {
+                    name: name.to_string(),
+                    pool: Arc::clone(pool),
+                    tier,
+                    work_ms: pool.service_ms(prompt, output),
+                    kv_tokens: prompt.saturating_add(output),
+                };
+                if let Some(kv) = pool.kv_cache_tokens
+                    && smallest > kv
+                {
+                    return Err(Denial::now(
+                        Unsatisfiable,
+                        format!("request needs {hold} KV-cache tokens but pool {name} has {kv}"),
+                    ));
+                }
+                Some(leg)
+            }
+            None => None,
+        };
+        let id = ids::new_reservation_id(tenant, pool.as_ref().map(|leg| leg.name.as_str())).map_err(|e| {
+            tracing::error!(error = %e, "cannot make a reservation id");
+            Denial::now(Reason::StoreUnavailable, "no reservation id could be made")
+        })?;
+        // The request a key stands for: a key reused for another user, model or size is refused.
+        let fingerprint = format!("{} {model_name} {prompt} {ceiling}", a.user.as_deref().unwrap_or(""));
+        Ok(Plan {
+            id,
+            tenant: tenant.to_string(),
+            tp: Arc::clone(tp),
+            model: model_name.to_string(),
+            prompt,
+            ceiling,
+            scopes,
+            pool,
+            deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
+            idempotency: a.idempotency.clone().map(|k| (k, fingerprint)),
+        })
     }
 
-    async fn hold(&self, plan: Plan<'_>) -> Decision {
-        let id = ids::new_reservation_id(plan.tenant, plan.pool.as_ref().map(|leg| leg.name));
+    async fn hold(&self, plan: &Plan) -> Decision {
         if let Some(leg) = &plan.pool
-            && let Err(denial) = self.pool_leg(&plan, leg, &id).await
+            && let Err(denial) = self.pool_leg(plan, leg).await
         {
             return match denial.reason {
-                Reason::StoreUnavailable => self.on_store_error(&plan, denial),
+                Reason::StoreUnavailable => {
+                    // The call may have run and only its reply been lost.
+                    self.release_pool_leg(&leg.name, &plan.id).await;
+                    self.on_store_error(plan, denial)
+                }
                 _ => Decision::Denied(denial),
             };
         }
-        let decision = self.tenant_leg(&plan, &id).await;
-        let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == id);
+        let decision = self.tenant_leg(plan).await;
+        let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == plan.id);
         if let Some(leg) = &plan.pool
             && !holds_this_id
         {
-            self.release_pool_leg(leg.name, &id).await;
+            self.release_pool_leg(&leg.name, &plan.id).await;
         }
         decision
     }
 
     /// Capacity: can the pool start and finish this request in time? Holds its work if so.
-    async fn pool_leg(&self, plan: &Plan<'_>, leg: &PoolLeg<'_>, id: &str) -> Result<(), Denial> {
-        let pool = leg.pool;
+    async fn pool_leg(&self, plan: &Plan, leg: &PoolLeg) -> Result<(), Denial> {
+        let pool = &leg.pool;
         let call = PoolCall {
-            pool: leg.name,
-            id,
+            pool: &leg.name,
+            id: &plan.id,
             work_ms: leg.work_ms,
             kv_tokens: leg.kv_tokens,
             lease_ms: plan.tp.lease_ttl_ms,
@@ -254,7 +294,7 @@ impl<S: Store> Admission<S> {
                 Reason::Deadline,
                 format!(
                     "predicted to finish in {} ms (start in {start_delay_ms} ms on pool {}), past the {} ms deadline",
-                    start_delay_ms + leg.work_ms,
+                    start_delay_ms.saturating_add(leg.work_ms),
                     leg.name,
                     plan.deadline_ms.unwrap_or(0)
                 ),
@@ -270,32 +310,27 @@ impl<S: Store> Admission<S> {
                     ),
                 )
             }),
-            Err(e) => Err(store_unavailable(&e, plan.tenant)),
+            Err(e) => Err(store_unavailable(&e, &plan.tenant)),
         }
     }
 
     /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.
-    fn on_store_error(&self, plan: &Plan<'_>, denial: Denial) -> Decision {
+    fn on_store_error(&self, plan: &Plan, denial: Denial) -> Decision {
         match plan.tp.on_store_error {
             OnStoreError::FailClosed => Decision::Denied(denial),
             OnStoreError::FailOpen => {
-                tracing::warn!(tenant = plan.tenant, "store unavailable; admitting unmetered (fail_open)");
-                Decision::Admitted(Admitted {
-                    reservation_id: String::new(),
-                    reserved_tokens: 0,
-                    attempts: 1,
-                    headroom: Default::default(),
-                })
+                tracing::warn!(tenant = %plan.tenant, "store unavailable; admitting unmetered (fail_open)");
+                Decision::Unmetered
             }
         }
     }
 
     /// Quota: every scope of the tenant must pass.
-    async fn tenant_leg(&self, plan: &Plan<'_>, id: &str) -> Decision {
+    async fn tenant_leg(&self, plan: &Plan) -> Decision {
         let call = ReserveCall {
-            tenant: plan.tenant,
-            model: plan.model,
-            id,
+            tenant: &plan.tenant,
+            model: &plan.model,
+            id: &plan.id,
             prompt_tokens: plan.prompt,
             output_ceiling: plan.ceiling,
             adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
@@ -304,19 +339,23 @@ impl<S: Store> Admission<S> {
             retention_ms: self.policy.record_retention_ms,
             expired_usage: plan.tp.expired_usage,
             sweep_batch: self.policy.sweep_batch,
-            idempotency_key: plan.attributes.idempotency_key.as_deref(),
+            idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {
+                key: &k.key,
+                repeat: k.repeat,
+                fingerprint: fingerprint.clone(),
+            }),
             max_attempts: self.policy.max_attempts,
             concurrency_retry_cap_ms: self.policy.concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
         };
         match self.protocol.reserve(&call).await {
-            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output }) => {
+            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed }) => {
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()
                 {
-                    self.remember_estimate(plan.tenant, plan.model, output);
+                    self.remember_estimate(&plan.tenant, &plan.model, output);
                 }
-                Decision::Admitted(Admitted { reservation_id: id, reserved_tokens: held, attempts, headroom })
+                Decision::Admitted(Admitted { reservation_id: id, reserved_tokens: held, attempts, replayed, headroom })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
@@ -331,7 +370,11 @@ impl<S: Store> Admission<S> {
                     Refusal::Budget => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
                     Refusal::Attempts => (
                         Reason::InvalidRequest,
-                        format!("idempotency key used more than {} times", self.policy.max_attempts),
+                        format!("idempotency key has made its most reserves ({})", self.policy.max_attempts),
+                    ),
+                    Refusal::Conflict => (
+                        Reason::InvalidRequest,
+                        "idempotency key was first used for a different request (user, model or size)".to_string(),
                     ),
                     Refusal::Unsatisfiable => {
                         (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
@@ -340,7 +383,23 @@ impl<S: Store> Admission<S> {
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
-            Err(e) => self.on_store_error(plan, store_unavailable(&e, plan.tenant)),
+            Err(e) => {
+                // The script may have run and only its reply been lost: give back what it may hold.
+                if let Err(release) = self.protocol.release(&plan.tenant, &plan.id).await {
+                    tracing::warn!(error = %release, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
+                }
+                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+            }
+        }
+    }
+
+    /// Releases a hold this call made but nobody received: both legs.
+    async fn give_back(&self, plan: &Plan, id: &str) {
+        if let Err(e) = self.protocol.release(&plan.tenant, id).await {
+            tracing::warn!(error = %e, reservation = id, "release of an undelivered hold failed; its lease will reclaim it");
+        }
+        if let Some(leg) = &plan.pool {
+            self.release_pool_leg(&leg.name, id).await;
         }
     }
 
@@ -358,17 +417,21 @@ impl<S: Store> Admission<S> {
         prompt: u64,
         output: u64,
     ) -> Result<CommitOutcome, AdmissionError> {
+        for (what, value) in [("prompt_tokens", prompt), ("completion_tokens", output)] {
+            if value > MAX_TOKEN_COUNT {
+                return Err(AdmissionError::TooLarge { what, value });
+            }
+        }
         let r = parse_id(reservation_id)?;
-        let learning = match self.policy.tenant(r.tenant) {
-            Some(tp) => (ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), tp.adaptive_output.map_or(u64::MAX / 2, |a| a.window)),
-            None => (ESTIMATE_TTL_MS, u64::MAX / 2),
-        };
+        let tp = self.policy.tenant(r.tenant);
+        let learning = tp.and_then(|tp| {
+            tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
+        });
         let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output, learning).await?;
-        // A repeated commit, or one of a released hold, finds its pool leg settled by the first
-        // call: no second round trip for it.
-        let settled_before = outcome.duplicate || outcome.state == "released";
+        // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
+        // call may have settled the tenant leg and failed to reach the pool. Idempotent.
         if let Some(pool) = r.pool
-            && !settled_before
+            && outcome != CommitOutcome::NotFound
         {
             self.release_pool_leg(pool, reservation_id).await;
         }
@@ -378,13 +441,10 @@ impl<S: Store> Admission<S> {
     /// Extends a live hold's lease by `lease_ms` (0 = the tenant's lease TTL; never more than it).
     pub async fn renew(&self, reservation_id: &str, lease_ms: u64) -> Result<RenewOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let (ttl, idle) = match self.policy.tenant(r.tenant) {
-            Some(tp) => (tp.lease_ttl_ms, tp.idle_ttl_ms),
-            None => return Ok(RenewOutcome { state: "not_found".into(), lease_remaining_ms: 0 }),
-        };
-        let lease = if lease_ms == 0 { ttl } else { lease_ms.min(ttl) };
-        let outcome = self.protocol.renew(r.tenant, reservation_id, lease, idle).await?;
-        if outcome.state == "reserved"
+        let Some(tp) = self.policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
+        let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
+        let outcome = self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?;
+        if let RenewOutcome::Renewed { .. } = outcome
             && let Some(pool) = r.pool
             && let Some(p) = self.policy.pools.get(pool)
         {
@@ -395,7 +455,7 @@ impl<S: Store> Admission<S> {
 
     /// What a tenant's commits have taught about one model's output lengths.
     pub async fn output_estimate(&self, tenant: &str, model: &str) -> Result<EstimateView, AdmissionError> {
-        ids::check_tenant(tenant).map_err(|e| AdmissionError::BadName(format!("tenant {e}")))?;
+        names::check_tenant(tenant).map_err(|e| AdmissionError::BadName(format!("tenant {e}")))?;
         if !self.policy.models.contains_key(model) {
             return Err(AdmissionError::BadName(format!("model {model:?} is not served here")));
         }
@@ -406,7 +466,9 @@ impl<S: Store> Admission<S> {
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
         let outcome = self.protocol.release(r.tenant, reservation_id).await?;
-        if let Some(pool) = r.pool {
+        if let Some(pool) = r.pool
+            && outcome != ReleaseOutcome::NotFound
+        {
             self.release_pool_leg(pool, reservation_id).await;
         }
         Ok(outcome)
@@ -425,15 +487,32 @@ impl<S> Admission<S> {
     }
 }
 
+/// Prompt tokens to hold, or a refusal when a count or size is past what tollgate accepts.
+fn bounded_prompt(size: PromptSize, model: &crate::config::ModelPolicy) -> Result<u64, Denial> {
+    let too_large = |what: &str, value: u64, max: u64| {
+        Denial::now(Reason::InvalidRequest, format!("{what} {value} is above the maximum of {max}"))
+    };
+    match size {
+        PromptSize::Tokens(n) if n > MAX_TOKEN_COUNT => return Err(too_large("prompt tokens", n, MAX_TOKEN_COUNT)),
+        PromptSize::Bytes(b) if b > MAX_PROMPT_BYTES => return Err(too_large("body size", b, MAX_PROMPT_BYTES)),
+        _ => {}
+    }
+    let tokens = estimate::prompt_tokens(size, model);
+    if tokens > MAX_TOKEN_COUNT {
+        return Err(too_large("estimated prompt tokens", tokens, MAX_TOKEN_COUNT));
+    }
+    Ok(tokens)
+}
+
 fn store_unavailable(e: &StoreError, tenant: &str) -> Denial {
     tracing::error!(error = %e, tenant, "store call failed; failing closed");
     Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
 }
 
 /// The capacity leg of a request whose model is served by a pool.
-struct PoolLeg<'a> {
-    name: &'a str,
-    pool: &'a PoolPolicy,
+struct PoolLeg {
+    name: String,
+    pool: Arc<PoolPolicy>,
     tier: Priority,
     /// Predicted slot time (ms).
     work_ms: u64,
@@ -441,17 +520,20 @@ struct PoolLeg<'a> {
     kv_tokens: u64,
 }
 
-struct Plan<'a> {
-    tenant: &'a str,
-    tp: &'a TenantPolicy,
-    model: &'a str,
+/// What one reserve will hold, where: owned, because the legs run on a task of their own.
+struct Plan {
+    id: String,
+    tenant: String,
+    tp: Arc<TenantPolicy>,
+    model: String,
     prompt: u64,
     /// The output held when no estimate applies.
     ceiling: u64,
     scopes: Vec<Scope>,
-    pool: Option<PoolLeg<'a>>,
+    pool: Option<PoolLeg>,
     deadline_ms: Option<u64>,
-    attributes: &'a Attributes,
+    /// The key, and the fingerprint of the request it stands for.
+    idempotency: Option<(IdempotencyKey, String)>,
 }
 
 /// One scope a request charges.
@@ -463,12 +545,24 @@ struct Scope {
     largest: Option<u64>,
 }
 
+/// Policy limits as the reserve script takes them.
+fn scope_limits(l: &Limits) -> ScopeLimits {
+    ScopeLimits {
+        token_capacity: l.token_capacity().unwrap_or(0),
+        tokens_per_ms: l.tokens_per_ms(),
+        request_capacity: l.requests_per_minute.unwrap_or(0),
+        requests_per_ms: l.requests_per_ms(),
+        max_concurrency: l.max_concurrency.unwrap_or(0),
+        daily_budget: l.tokens_per_day.unwrap_or(0),
+    }
+}
+
 /// The scopes a request charges: the tenant, then its user and model where the policy limits them.
 fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> Vec<Scope> {
-    let scope = |label: String, key: String, limits: &crate::config::Limits| Scope {
+    let scope = |label: String, key: String, limits: &Limits| Scope {
         label,
         key,
-        limits: limits.scope_limits(),
+        limits: scope_limits(limits),
         largest: limits.largest_admissible(),
     };
     let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), &tp.limits)];

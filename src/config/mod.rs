@@ -2,6 +2,7 @@
 //! error, so a typo cannot silently drop a limit) and validation names the field and the reason,
 //! so a bad file stops the start with a message a person can act on.
 
+pub mod names;
 mod raw;
 mod validate;
 
@@ -12,9 +13,53 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use raw::Limits;
+pub use validate::MAX_TOKEN_COUNT;
 
-use crate::admission::Priority;
-use crate::store::{ExpiredUsage, ScopeLimits};
+/// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
+/// refused first, then `standard`; `critical` only when the pool truly cannot serve it. Ordered
+/// from lowest to highest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    Sheddable,
+    #[default]
+    Standard,
+    Critical,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Critical => "critical",
+            Priority::Standard => "standard",
+            Priority::Sheddable => "sheddable",
+        }
+    }
+}
+
+impl std::str::FromStr for Priority {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "critical" => Ok(Priority::Critical),
+            "standard" => Ok(Priority::Standard),
+            "sheddable" => Ok(Priority::Sheddable),
+            other => Err(format!("priority {other:?} is not one of critical, standard, sheddable")),
+        }
+    }
+}
+
+/// What happens to the tokens of a hold whose owner never came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpiredUsage {
+    /// Missing usage is not zero usage: the slot is freed, the held tokens stay charged.
+    #[default]
+    ChargeReserved,
+    /// The held tokens come back as if the request had never run.
+    Refund,
+}
 
 /// A configuration the process refuses to start with.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +114,9 @@ pub struct ModelPolicy {
     pub max_output_tokens: u64,
     /// Body bytes per prompt token, for the prompt estimate.
     pub bytes_per_token: f64,
+    /// The longest prompt the model takes: held for a request whose size cannot be known (a
+    /// chunked body Envoy cut short, with no `content-length`).
+    pub max_prompt_tokens: u64,
     /// The backend pool serving this model; none means no capacity admission for it.
     pub pool: Option<String>,
 }
@@ -210,9 +258,9 @@ impl Policy {
     }
 
     /// The pool serving a model, with its name.
-    pub fn pool_of(&self, model: &ModelPolicy) -> Option<(&str, &PoolPolicy)> {
+    pub fn pool_of(&self, model: &ModelPolicy) -> Option<(&str, &Arc<PoolPolicy>)> {
         let name = model.pool.as_deref()?;
-        self.pools.get_key_value(name).map(|(n, p)| (n.as_str(), p.as_ref()))
+        self.pools.get_key_value(name).map(|(n, p)| (n.as_str(), p))
     }
 
     /// The tenant's policy, or the default tenant's.
@@ -256,24 +304,24 @@ impl Policy {
 }
 
 impl Limits {
-    /// These limits as the reserve script takes them.
-    pub fn scope_limits(&self) -> ScopeLimits {
-        let tpm = self.tokens_per_minute.unwrap_or(0);
-        let rpm = self.requests_per_minute.unwrap_or(0);
-        ScopeLimits {
-            token_capacity: if tpm > 0 { self.burst_tokens.unwrap_or(tpm) } else { 0 },
-            tokens_per_ms: tpm as f64 / 60_000.0,
-            request_capacity: rpm,
-            requests_per_ms: rpm as f64 / 60_000.0,
-            max_concurrency: self.max_concurrency.unwrap_or(0),
-            daily_budget: self.tokens_per_day.unwrap_or(0),
-        }
+    /// The token bucket's capacity: `burst_tokens`, or one minute of refill; `None` without a bucket.
+    pub fn token_capacity(&self) -> Option<u64> {
+        self.tokens_per_minute.map(|tpm| self.burst_tokens.unwrap_or(tpm))
+    }
+
+    /// The token bucket's refill per millisecond (0 without a bucket).
+    pub fn tokens_per_ms(&self) -> f64 {
+        per_ms(self.tokens_per_minute)
+    }
+
+    /// The request bucket's refill per millisecond (0 without one); its capacity is one minute's.
+    pub fn requests_per_ms(&self) -> f64 {
+        per_ms(self.requests_per_minute)
     }
 
     /// The largest request these limits can ever admit, in tokens; `None` when unbounded.
     pub fn largest_admissible(&self) -> Option<u64> {
-        let s = self.scope_limits();
-        [s.token_capacity, s.daily_budget].into_iter().filter(|&n| n > 0).min()
+        [self.token_capacity(), self.tokens_per_day].into_iter().flatten().min()
     }
 
     fn describe(&self) -> String {
@@ -292,4 +340,11 @@ impl Limits {
         }
         if parts.is_empty() { "no limits".into() } else { parts.join(", ") }
     }
+}
+
+/// A per-minute rate per millisecond. Limits are at most 10^12 (validated), well inside f64's
+/// exact integers.
+#[allow(clippy::cast_precision_loss)]
+fn per_ms(per_minute: Option<u64>) -> f64 {
+    per_minute.unwrap_or(0) as f64 / 60_000.0
 }

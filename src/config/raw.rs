@@ -4,9 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::OnStoreError;
-use crate::admission::Priority;
-use crate::store::ExpiredUsage;
+use super::{ExpiredUsage, OnStoreError, Priority};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -83,6 +81,13 @@ pub(super) struct RawModel {
     pub pool: Option<String>,
     #[serde(default = "default_bytes_per_token")]
     pub bytes_per_token: f64,
+    #[serde(default = "default_max_prompt_tokens")]
+    pub max_prompt_tokens: u64,
+}
+
+/// 128 Ki tokens: the context of most current models, so a prompt of unknown size is held in full.
+fn default_max_prompt_tokens() -> u64 {
+    131_072
 }
 
 fn default_bytes_per_token() -> f64 {

@@ -5,11 +5,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant};
 use super::{
     AdaptiveOutput, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
 };
-use crate::admission::ids;
 
 type Problem = (String, String);
 
@@ -19,6 +19,9 @@ const DAY_MS: u64 = 86_400_000;
 /// The largest output ceiling a model may declare: far above any model today, low enough that
 /// token arithmetic never nears overflow.
 const MAX_OUTPUT_CEILING: u64 = 10_000_000;
+/// The largest token count tollgate accepts anywhere (admission's `MAX_TOKEN_COUNT`; config
+/// imports nothing from the crate, so it is stated again here and a test holds the two equal).
+pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
 fn problem(field: impl Into<String>, why: impl Into<String>) -> Problem {
     (field.into(), why.into())
@@ -99,7 +102,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     let mut models = HashMap::new();
     for (name, m) in raw.models {
         let field = format!("models.{name}");
-        if name.is_empty() || name.len() > ids::MAX_ID_LEN || !name.bytes().all(|b| b.is_ascii_graphic()) {
+        if ids::check_model(&name).is_err() {
             return Err(problem(field, "a model name is 1-128 visible ASCII characters"));
         }
         if m.max_output_tokens == 0 || m.max_output_tokens > MAX_OUTPUT_CEILING {
@@ -111,6 +114,12 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         if !(m.bytes_per_token.is_finite() && m.bytes_per_token > 0.0) {
             return Err(problem(format!("{field}.bytes_per_token"), "must be a positive number"));
         }
+        if m.max_prompt_tokens == 0 || m.max_prompt_tokens > MAX_TOKEN_COUNT {
+            return Err(problem(
+                format!("{field}.max_prompt_tokens"),
+                format!("{} is outside 1..={MAX_TOKEN_COUNT}", m.max_prompt_tokens),
+            ));
+        }
         if let Some(pool) = &m.pool
             && !pools.contains_key(pool)
         {
@@ -121,7 +130,12 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         }
         models.insert(
             name,
-            ModelPolicy { max_output_tokens: m.max_output_tokens, bytes_per_token: m.bytes_per_token, pool: m.pool },
+            ModelPolicy {
+                max_output_tokens: m.max_output_tokens,
+                bytes_per_token: m.bytes_per_token,
+                max_prompt_tokens: m.max_prompt_tokens,
+                pool: m.pool,
+            },
         );
     }
 
@@ -227,7 +241,7 @@ fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
 /// What a tenant inherits from `defaults`.
 struct TenantDefaults {
     lease_ttl_ms: u64,
-    expired_usage: crate::store::ExpiredUsage,
+    expired_usage: super::ExpiredUsage,
     retention_ms: u64,
     adaptive_output: Option<AdaptiveOutput>,
     on_store_error: super::OnStoreError,
@@ -276,20 +290,20 @@ fn tenant_policy(
     let all =
         std::iter::once(&t.limits).chain(t.default_user.iter()).chain(users.values()).chain(tenant_models.values());
     for limits in all {
-        let s = limits.scope_limits();
-        if s.token_capacity > 0 {
-            idle = idle.max((s.token_capacity as f64 / s.tokens_per_ms).ceil() as u64);
+        // A full refill takes capacity / rate; a bucket refills one minute's worth per minute.
+        if let (Some(capacity), Some(tpm)) = (limits.token_capacity(), limits.tokens_per_minute) {
+            idle = idle.max(capacity.saturating_mul(60_000).div_ceil(tpm));
         }
-        if s.request_capacity > 0 {
-            idle = idle.max((s.request_capacity as f64 / s.requests_per_ms).ceil() as u64);
+        if limits.requests_per_minute.is_some() {
+            idle = idle.max(60_000);
         }
-        if s.daily_budget > 0 {
+        if limits.tokens_per_day.is_some() {
             idle = idle.max(2 * DAY_MS);
         }
     }
 
     let default_priority = t.default_priority.unwrap_or_default();
-    let max_priority = t.max_priority.unwrap_or(crate::admission::Priority::Critical);
+    let max_priority = t.max_priority.unwrap_or(super::Priority::Critical);
     if default_priority > max_priority {
         return Err(problem(
             format!("{field}.default_priority"),
@@ -360,14 +374,9 @@ fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
 /// A child scope may not allow more than its tenant: every request passes both, so a larger child
 /// limit could never be used and is almost certainly a mistake.
 fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Problem> {
-    let (c, p) = (child.scope_limits(), parent.scope_limits());
     let pairs = [
         ("tokens_per_minute", child.tokens_per_minute, parent.tokens_per_minute),
-        (
-            "burst_tokens",
-            (c.token_capacity > 0).then_some(c.token_capacity),
-            (p.token_capacity > 0).then_some(p.token_capacity),
-        ),
+        ("burst_tokens", child.token_capacity(), parent.token_capacity()),
         ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
         ("max_concurrency", child.max_concurrency, parent.max_concurrency),
         ("tokens_per_day", child.tokens_per_day, parent.tokens_per_day),

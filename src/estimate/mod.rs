@@ -13,14 +13,25 @@ pub enum PromptSize {
     /// model's bytes-per-token ratio. The whole body is counted, JSON included: an overestimate,
     /// which commit reconciles.
     Bytes(u64),
+    /// Not known: Envoy sent the first bytes of a body that has no `content-length` (chunked). The
+    /// model's longest prompt is held, never the few KiB that were seen.
+    Unknown,
 }
 
 /// Estimated prompt tokens.
 pub fn prompt_tokens(size: PromptSize, model: &ModelPolicy) -> u64 {
     match size {
         PromptSize::Tokens(n) => n,
-        PromptSize::Bytes(b) => (b as f64 / model.bytes_per_token).ceil() as u64,
+        PromptSize::Bytes(b) => bytes_to_tokens(b, model.bytes_per_token),
+        PromptSize::Unknown => model.max_prompt_tokens,
     }
+}
+
+/// `ceil(bytes / bytes_per_token)`, saturating. Admission bounds the bytes (2^40) first, so the
+/// conversion to f64 is exact.
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn bytes_to_tokens(bytes: u64, bytes_per_token: f64) -> u64 {
+    (bytes as f64 / bytes_per_token).ceil() as u64
 }
 
 /// Output tokens to reserve: the caller's ceiling, or the model's when the caller names none.
@@ -34,10 +45,11 @@ mod tests {
 
     #[test]
     fn bytes_round_up_to_whole_tokens() {
-        let m = ModelPolicy { max_output_tokens: 512, bytes_per_token: 4.0, pool: None };
+        let m = ModelPolicy { max_output_tokens: 512, bytes_per_token: 4.0, max_prompt_tokens: 1000, pool: None };
         assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m), 3);
         assert_eq!(prompt_tokens(PromptSize::Tokens(7), &m), 7);
         assert_eq!(output_reservation(None, &m), 512);
         assert_eq!(output_reservation(Some(10), &m), 10);
+        assert_eq!(prompt_tokens(PromptSize::Unknown, &m), 1000);
     }
 }

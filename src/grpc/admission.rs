@@ -5,14 +5,14 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::admission::{Admission, AdmissionError, Attributes, Decision};
+use crate::admission::{Admission, AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use crate::estimate::PromptSize;
 use crate::proto::admission_server;
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, ReleaseRequest, ReleaseResponse,
     RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
-use crate::store::Store;
+use crate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, Store};
 
 #[derive(Debug)]
 pub struct AdmissionService<S> {
@@ -27,7 +27,9 @@ impl<S> AdmissionService<S> {
 
 fn status(e: AdmissionError) -> Status {
     match e {
-        AdmissionError::BadReservationId(_) | AdmissionError::BadName(_) => Status::invalid_argument(e.to_string()),
+        AdmissionError::BadReservationId(_) | AdmissionError::BadName(_) | AdmissionError::TooLarge { .. } => {
+            Status::invalid_argument(e.to_string())
+        }
         AdmissionError::Store(s) if s.is_transient() => Status::unavailable(s.to_string()),
         AdmissionError::Store(s) => Status::internal(s.to_string()),
     }
@@ -49,7 +51,8 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             model: non_empty(r.model),
             priority,
             deadline_ms: (r.deadline_ms > 0).then_some(r.deadline_ms),
-            idempotency_key: non_empty(r.idempotency_key),
+            // A caller repeating a Reserve lost its answer: it gets the same hold back.
+            idempotency: non_empty(r.idempotency_key).map(|key| IdempotencyKey { key, repeat: KeyRepeat::ReturnHold }),
             prompt: if r.prompt_tokens > 0 {
                 PromptSize::Tokens(r.prompt_tokens)
             } else {
@@ -67,12 +70,21 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     reserved_tokens: a.reserved_tokens,
                     http_status: 200,
                     attempts: u64::from(a.attempts),
+                    replayed: a.replayed,
                     remaining_tokens: tokens.map_or(-1, |w| w.remaining),
                     limit_tokens: tokens.map_or(0, |w| w.limit),
                     reset_tokens_ms: tokens.map_or(0, |w| w.reset_ms),
                     ..Default::default()
                 }
             }
+            Decision::Unmetered => ReserveResponse {
+                admitted: true,
+                unmetered: true,
+                http_status: 200,
+                attempts: 1,
+                remaining_tokens: -1,
+                ..Default::default()
+            },
             Decision::Denied(d) => {
                 let tokens = d.headroom.tokens;
                 ReserveResponse {
@@ -96,23 +108,23 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens).await.map_err(status)?;
-        match o.state.as_str() {
-            "not_found" => {
+        match o {
+            CommitOutcome::NotFound => {
                 Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id)))
             }
-            "released" => Err(Status::failed_precondition(format!(
+            CommitOutcome::Released => Err(Status::failed_precondition(format!(
                 "reservation {} was released; it cannot be committed",
                 r.reservation_id
             ))),
-            _ => {
-                tracing::debug!(reservation = %r.reservation_id, state = %o.state, used = o.used, duplicate = o.duplicate, "committed");
+            CommitOutcome::Committed(u) => {
+                tracing::debug!(reservation = %r.reservation_id, state = o.state(), used = u.used, duplicate = u.duplicate, "committed");
                 Ok(Response::new(CommitResponse {
-                    state: o.state,
-                    duplicate: o.duplicate,
-                    used_tokens: o.used,
-                    reserved_tokens: o.held,
-                    refunded_tokens: o.refunded,
-                    overrun_tokens: o.overrun,
+                    state: o.state().to_string(),
+                    duplicate: u.duplicate,
+                    used_tokens: u.used,
+                    reserved_tokens: u.held,
+                    refunded_tokens: u.refunded,
+                    overrun_tokens: u.overrun,
                 }))
             }
         }
@@ -122,20 +134,28 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     async fn renew(&self, request: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.renew(&r.reservation_id, r.lease_ms).await.map_err(status)?;
-        if o.state == "not_found" {
-            return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
-        }
-        Ok(Response::new(RenewResponse { state: o.state, lease_remaining_ms: o.lease_remaining_ms }))
+        let lease_remaining_ms = match o {
+            RenewOutcome::NotFound => {
+                return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
+            }
+            RenewOutcome::Renewed { lease_remaining_ms } => lease_remaining_ms,
+            RenewOutcome::Settled(_) => 0,
+        };
+        Ok(Response::new(RenewResponse { state: o.state().to_string(), lease_remaining_ms }))
     }
 
     #[tracing::instrument(name = "release", skip_all)]
     async fn release(&self, request: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.release(&r.reservation_id).await.map_err(status)?;
-        if o.state == "not_found" {
-            return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
-        }
-        Ok(Response::new(ReleaseResponse { state: o.state, refunded_tokens: o.refunded }))
+        let (refunded_tokens, duplicate) = match o {
+            ReleaseOutcome::NotFound => {
+                return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
+            }
+            ReleaseOutcome::Released { refunded, repeated } => (refunded, repeated),
+            ReleaseOutcome::Settled(_) => (0, false),
+        };
+        Ok(Response::new(ReleaseResponse { state: o.state().to_string(), refunded_tokens, duplicate }))
     }
 
     #[tracing::instrument(name = "output_estimate", skip_all)]

@@ -9,15 +9,19 @@ use envoy_types::pb::envoy::service::auth::v3::{
 use tonic::{Request, Response, Status};
 
 use super::response::check_response;
-use crate::admission::{Admission, Attributes, Decision, Denial, Reason, body};
+use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason, body};
 use crate::estimate::PromptSize;
 use crate::store::Store;
 
 /// Envoy sets this when it sent only the first bytes of the body.
 const PARTIAL_BODY_HEADER: &str = "x-envoy-auth-partial-body";
 /// Names the model when the body cannot: OpenAI's Python SDK sends `messages` before `model`, so a
-/// body cut at `max_request_bytes` may end before the model. Used only when the body has none.
+/// body cut at `max_request_bytes` may end before the model. Used only when the body has none. It
+/// cannot be checked against the model the backend will read past the cut, so a trusted filter
+/// must set it, never a client.
 pub const MODEL_HEADER: &str = "x-tollgate-model";
+/// tollgate's own header namespace: a client's values under it never reach the backend.
+const OWN_PREFIX: &str = "x-tollgate-";
 
 /// The `envoy.service.auth.v3.Authorization` service.
 #[derive(Debug)]
@@ -36,6 +40,7 @@ impl<S: Store> Authorization for AuthzService<S> {
     #[tracing::instrument(name = "check", skip_all, fields(tenant, reason))]
     async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
         let header = &self.admission.policy().server.tenant_header;
+        let own = own_headers(request.get_ref());
         let decision = match attributes(request.get_ref(), header) {
             Ok(a) => {
                 let d = self.admission.reserve(&a).await;
@@ -47,7 +52,7 @@ impl<S: Store> Authorization for AuthzService<S> {
                 Decision::Denied(denial)
             }
         };
-        Ok(Response::new(check_response(&decision)))
+        Ok(Response::new(check_response(&decision, &own)))
     }
 }
 
@@ -64,6 +69,7 @@ fn log_decision(a: &Attributes, d: &Decision) {
             tokens = ok.reserved_tokens,
             "admitted"
         ),
+        Decision::Unmetered => tracing::debug!(tenant = a.tenant.as_deref(), "admitted unmetered"),
         Decision::Denied(no) => tracing::debug!(
             tenant = a.tenant.as_deref(),
             reason = no.reason.code(),
@@ -73,16 +79,34 @@ fn log_decision(a: &Attributes, d: &Decision) {
     }
 }
 
-/// A header by its lower-case name, from either of the two places Envoy may put headers.
-fn header<'a>(http: &'a HttpRequest, name: &str) -> Option<&'a str> {
+/// A header by its lower-case name, from either of the two places Envoy may put headers. A value
+/// that is not UTF-8 is refused, never read as absent: an unreadable tenant is not "no tenant".
+fn header<'a>(http: &'a HttpRequest, name: &str) -> Result<Option<&'a str>, Denial> {
     if let Some(v) = http.headers.get(name) {
-        return Some(v.as_str());
+        return Ok(Some(v.as_str()));
     }
-    let map = http.header_map.as_ref()?;
-    map.headers
-        .iter()
-        .find(|h| h.key.eq_ignore_ascii_case(name))
-        .and_then(|h| if h.value.is_empty() { std::str::from_utf8(&h.raw_value).ok() } else { Some(h.value.as_str()) })
+    let Some(h) = http.header_map.as_ref().and_then(|m| m.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name)))
+    else {
+        return Ok(None);
+    };
+    if !h.value.is_empty() {
+        return Ok(Some(h.value.as_str()));
+    }
+    std::str::from_utf8(&h.raw_value)
+        .map(Some)
+        .map_err(|_| Denial::now(Reason::InvalidRequest, format!("header {name} is not UTF-8")))
+}
+
+/// The `x-tollgate-*` headers the request came with: none of them may reach the backend as sent.
+fn own_headers(request: &CheckRequest) -> Vec<String> {
+    let Some(http) = request.attributes.as_ref().and_then(|a| a.request.as_ref()).and_then(|r| r.http.as_ref()) else {
+        return Vec::new();
+    };
+    let keys = http.headers.keys().chain(http.header_map.iter().flat_map(|m| m.headers.iter().map(|h| &h.key)));
+    let mut own: Vec<String> = keys.map(|k| k.to_ascii_lowercase()).filter(|k| k.starts_with(OWN_PREFIX)).collect();
+    own.sort();
+    own.dedup();
+    own
 }
 
 /// Reads the attributes of a Check request; a request that cannot be read is refused here.
@@ -95,9 +119,11 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         .and_then(|r| r.http.as_ref())
         .ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
 
-    let text = |name: &str| header(http, name).map(str::trim).filter(|v| !v.is_empty()).map(str::to_string);
+    let text = |name: &str| -> Result<Option<String>, Denial> {
+        Ok(header(http, name)?.map(str::trim).filter(|v| !v.is_empty()).map(str::to_string))
+    };
     let number = |name: &str| -> Result<Option<u64>, Denial> {
-        match header(http, name).map(str::trim) {
+        match header(http, name)?.map(str::trim) {
             None | Some("") => Ok(None),
             Some(v) => {
                 v.parse::<u64>().map(Some).map_err(|_| invalid(format!("{name} {v:?} is not a non-negative integer")))
@@ -106,12 +132,19 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     };
 
     let body_bytes: &[u8] = if http.raw_body.is_empty() { http.body.as_bytes() } else { &http.raw_body };
-    let partial = header(http, PARTIAL_BODY_HEADER).is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let partial = header(http, PARTIAL_BODY_HEADER)?.is_some_and(|v| v.eq_ignore_ascii_case("true"));
     let fields = body::parse(body_bytes, partial).map_err(|e| invalid(e.0))?;
-    let declared = number("content-length")?.unwrap_or(0);
-    let size = (http.size.max(0) as u64).max(declared).max(body_bytes.len() as u64);
+    // The whole body's size: content-length, or a size Envoy reports beyond the bytes it sent
+    // (a size equal to what was sent says nothing about what was cut).
+    let seen = u64::try_from(body_bytes.len()).unwrap_or(u64::MAX);
+    let declared = number("content-length")?.or(u64::try_from(http.size).ok().filter(|&n| n > seen));
+    let prompt = match declared {
+        // A chunked body, cut short: its size is unknown, so the worst case is held.
+        None if partial => PromptSize::Unknown,
+        declared => PromptSize::Bytes(declared.unwrap_or(0).max(seen)),
+    };
 
-    let model = match (fields.model, text(MODEL_HEADER)) {
+    let model = match (fields.model, text(MODEL_HEADER)?) {
         (Some(model), _) | (None, Some(model)) => Some(model),
         (None, None) if partial => {
             return Err(invalid(format!(
@@ -122,15 +155,17 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         }
         (None, None) => None,
     };
-    let priority = text("x-priority").map(|p| p.parse()).transpose().map_err(invalid)?;
+    let priority = text("x-priority")?.map(|p| p.parse()).transpose().map_err(invalid)?;
     Ok(Attributes {
-        tenant: text(tenant_header),
-        user: text("x-user-id"),
+        tenant: text(tenant_header)?,
+        user: text("x-user-id")?,
         model,
         priority,
-        deadline_ms: number("x-request-deadline-ms")?,
-        idempotency_key: text("idempotency-key"),
-        prompt: PromptSize::Bytes(size),
+        // 0 is "none given", as on Admission/Reserve: the tenant's default applies.
+        deadline_ms: number("x-request-deadline-ms")?.filter(|&ms| ms > 0),
+        // A retried HTTP request reaches the backend too: a new attempt with its own hold.
+        idempotency: text("idempotency-key")?.map(|key| IdempotencyKey { key, repeat: KeyRepeat::NewAttempt }),
+        prompt,
         max_tokens: fields.max_tokens,
         stream: fields.stream,
     })

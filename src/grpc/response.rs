@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::service::auth::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
-use crate::admission::{Admitted, Decision, Denial};
+use crate::admission::{Decision, Denial};
 use crate::store::Headroom;
 
 /// Upstream: the reservation the backend commits against.
@@ -27,27 +27,39 @@ pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
 const RPC_OK: i32 = 0;
 const RPC_PERMISSION_DENIED: i32 = 7;
 
-pub fn check_response(decision: &Decision) -> CheckResponse {
+/// The response to a Check. `client_own` names the `x-tollgate-*` headers the request came with:
+/// tollgate's own headers go upstream only as tollgate sets them, so every one of them that this
+/// answer does not overwrite is removed.
+pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckResponse {
     match decision {
-        Decision::Admitted(a) => admitted(a),
+        Decision::Admitted(a) => admitted(
+            vec![
+                header(RESERVATION_HEADER, a.reservation_id.clone()),
+                header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+            ],
+            rate_limit_headers(&a.headroom),
+            client_own,
+        ),
+        Decision::Unmetered => {
+            admitted(vec![header(UNMETERED_HEADER, "store_unavailable".to_string())], Vec::new(), client_own)
+        }
         Decision::Denied(d) => denied(d),
     }
 }
 
-fn admitted(a: &Admitted) -> CheckResponse {
-    let headers = if a.unmetered() {
-        vec![header(UNMETERED_HEADER, "store_unavailable".to_string())]
-    } else {
-        vec![
-            header(RESERVATION_HEADER, a.reservation_id.clone()),
-            header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-        ]
-    };
+fn admitted(
+    headers: Vec<HeaderValueOption>,
+    downstream: Vec<HeaderValueOption>,
+    client_own: &[String],
+) -> CheckResponse {
+    let set = |name: &String| headers.iter().any(|h| h.header.as_ref().is_some_and(|h| &h.key == name));
+    let headers_to_remove = client_own.iter().filter(|name| !set(name)).cloned().collect();
     CheckResponse {
         status: Some(RpcStatus { code: RPC_OK, ..Default::default() }),
         http_response: Some(HttpResponse::OkResponse(OkHttpResponse {
             headers,
-            response_headers_to_add: rate_limit_headers(&a.headroom),
+            headers_to_remove,
+            response_headers_to_add: downstream,
             ..Default::default()
         })),
         ..Default::default()
@@ -153,7 +165,7 @@ mod tests {
         for reason in Reason::ALL {
             let retry = reason.retryable().then_some(1500);
             let d = Denial { retry_after_ms: retry, ..Denial::now(reason, "m") };
-            let r = check_response(&Decision::Denied(d.clone()));
+            let r = check_response(&Decision::Denied(d.clone()), &[]);
             let Some(HttpResponse::DeniedResponse(denied)) = &r.http_response else { panic!() };
             assert_eq!(denied.status.as_ref().unwrap().code, i32::from(reason.http_status()));
             let h = headers(&r);
@@ -172,11 +184,12 @@ mod tests {
     }
 
     #[test]
-    fn an_unmetered_admission_carries_no_reservation() {
-        let a =
-            Admitted { reservation_id: String::new(), reserved_tokens: 0, attempts: 1, headroom: Headroom::default() };
-        let h = headers(&check_response(&Decision::Admitted(a)));
-        assert_eq!(h, vec![(UNMETERED_HEADER.to_string(), "store_unavailable".to_string())]);
+    fn an_unmetered_admission_carries_no_reservation_not_even_a_forged_one() {
+        let forged = [RESERVATION_HEADER.to_string(), UNMETERED_HEADER.to_string(), "x-tollgate-model".to_string()];
+        let r = check_response(&Decision::Unmetered, &forged);
+        assert_eq!(headers(&r), vec![(UNMETERED_HEADER.to_string(), "store_unavailable".to_string())]);
+        let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { panic!() };
+        assert_eq!(ok.headers_to_remove, vec![RESERVATION_HEADER.to_string(), "x-tollgate-model".to_string()]);
     }
 
     #[test]

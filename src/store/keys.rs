@@ -11,8 +11,9 @@
 //! tg:{acme}:s:u:<user>       user scope within the tenant
 //! tg:{acme}:s:m:<model>      model scope within the tenant
 //! tg:{acme}:leases           sorted set: reservation id by lease expiry, for the expiry sweep
+//! tg:{acme}:holds            hash: reservation id → what settling it takes, while it is live
 //! tg:{acme}:r:<id>           reservation record
-//! tg:{acme}:i:<key>          idempotency key → reservation id
+//! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
 //! ```
 //!
@@ -47,6 +48,11 @@ pub fn model_scope(tenant: &str, model: &str) -> String {
 /// The tenant's lease index.
 pub fn leases(tenant: &str) -> String {
     format!("tg:{{{tenant}}}:leases")
+}
+
+/// The tenant's live holds: what the sweep needs to settle each, should its record be gone.
+pub fn holds(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:holds")
 }
 
 /// The prefix that, followed by a reservation id, names its record.
@@ -102,6 +108,7 @@ mod tests {
             user_scope("acme", "alice"),
             model_scope("acme", "gpt-4o"),
             leases("acme"),
+            holds("acme"),
             record("acme", "acme:0f"),
             format!("{}acme:0f", record_prefix("acme")),
             idempotency("acme", "k{e}y:1"),

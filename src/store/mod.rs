@@ -16,8 +16,8 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    CommitOutcome, EstimateView, ExpiredUsage, Headroom, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
-    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Window,
+    CommitOutcome, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol,
+    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Settled, Usage, Window,
 };
 pub use scripts::Script;
 

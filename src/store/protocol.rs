@@ -1,27 +1,14 @@
-//! The four phases as typed calls over any [`Store`]: this is the only Rust that knows the
-//! `KEYS`/`ARGV` layout and the reply shape each script documents in its header.
-
-use serde::Deserialize;
+//! The phases as typed calls over any [`Store`]: this is the only Rust that knows the
+//! `KEYS`/`ARGV` layout and the reply shape each script documents in its header. Replies are
+//! parsed here, once, into enums; nothing above matches a script's text.
 
 use super::{Reply, Script, Store, StoreError, keys, scripts::Scripts};
+use crate::config::ExpiredUsage;
 
-/// What happens to the tokens of a hold whose owner never came back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum ExpiredUsage {
-    /// Missing usage is not zero usage: the slot is freed, the held tokens stay charged.
-    #[default]
-    ChargeReserved,
-    /// The held tokens come back as if the request had never run.
-    Refund,
-}
-
-impl ExpiredUsage {
-    fn as_lua(self) -> &'static str {
-        match self {
-            ExpiredUsage::ChargeReserved => "charge",
-            ExpiredUsage::Refund => "refund",
-        }
+fn expired_usage_lua(e: ExpiredUsage) -> &'static str {
+    match e {
+        ExpiredUsage::ChargeReserved => "charge",
+        ExpiredUsage::Refund => "refund",
     }
 }
 
@@ -34,6 +21,26 @@ pub struct ScopeLimits {
     pub requests_per_ms: f64,
     pub max_concurrency: u64,
     pub daily_budget: u64,
+}
+
+/// What a second reserve under the same idempotency key means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyRepeat {
+    /// The caller lost the answer (`Admission/Reserve`): give back the key's live hold, charging
+    /// nothing new.
+    ReturnHold,
+    /// A retried request (Envoy's `Check`): it will reach the backend too, so it is a new attempt
+    /// with a hold of its own.
+    NewAttempt,
+}
+
+/// An idempotency key as the reserve script takes it.
+#[derive(Debug, Clone)]
+pub struct KeyCall<'a> {
+    pub key: &'a str,
+    pub repeat: KeyRepeat,
+    /// The request it stands for (user, model, size); the key is refused for any other.
+    pub fingerprint: String,
 }
 
 /// Everything one reserve needs. Scope keys come from [`keys`]; the tenant's scope is first.
@@ -52,7 +59,7 @@ pub struct ReserveCall<'a> {
     pub retention_ms: u64,
     pub expired_usage: ExpiredUsage,
     pub sweep_batch: u32,
-    pub idempotency_key: Option<&'a str>,
+    pub idempotency: Option<KeyCall<'a>>,
     pub max_attempts: u32,
     pub concurrency_retry_cap_ms: u64,
     pub scopes: Vec<(String, ScopeLimits)>,
@@ -80,8 +87,10 @@ pub enum Refusal {
     RequestRate,
     Concurrency,
     Budget,
-    /// The idempotency key has made its most attempts.
+    /// The idempotency key has made its most reserves.
     Attempts,
+    /// The idempotency key was first used for a different request.
+    Conflict,
     /// The hold is larger than a scope's whole capacity.
     Unsatisfiable,
 }
@@ -94,6 +103,7 @@ impl Refusal {
             "concurrency" => Refusal::Concurrency,
             "budget" => Refusal::Budget,
             "attempts" => Refusal::Attempts,
+            "conflict" => Refusal::Conflict,
             "unsatisfiable" => Refusal::Unsatisfiable,
             _ => return None,
         })
@@ -110,6 +120,8 @@ pub enum ReserveOutcome {
         headroom: Headroom,
         /// The output part of the hold when it came from the estimate.
         estimated_output: Option<u64>,
+        /// An idempotency key gave back its earlier live hold: nothing new was charged.
+        replayed: bool,
     },
     Denied {
         reason: Refusal,
@@ -120,10 +132,42 @@ pub enum ReserveOutcome {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CommitOutcome {
-    /// `committed`, `late_committed`, `released` or `not_found`.
-    pub state: String,
+/// A state a hold has been settled in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Committed,
+    LateCommitted,
+    Released,
+    Expired,
+}
+
+impl Settled {
+    fn parse(s: &str) -> Option<Settled> {
+        Some(match s {
+            "committed" => Settled::Committed,
+            "late_committed" => Settled::LateCommitted,
+            "released" => Settled::Released,
+            "expired" => Settled::Expired,
+            _ => return None,
+        })
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Settled::Committed => "committed",
+            Settled::LateCommitted => "late_committed",
+            Settled::Released => "released",
+            Settled::Expired => "expired",
+        }
+    }
+}
+
+/// What a commit charged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// The hold had expired before its usage arrived.
+    pub late: bool,
+    /// An earlier commit of this id charged it; this is that commit's result.
     pub duplicate: bool,
     pub used: u64,
     pub held: u64,
@@ -131,18 +175,85 @@ pub struct CommitOutcome {
     pub overrun: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RenewOutcome {
-    /// `reserved` when renewed; otherwise the record's state or `not_found`.
-    pub state: String,
-    pub lease_remaining_ms: u64,
+/// The store's answer to a commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed(Usage),
+    /// The hold was released; it cannot be committed, and nothing was charged.
+    Released,
+    NotFound,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReleaseOutcome {
-    /// `released` when this call released it; otherwise the record's state or `not_found`.
-    pub state: String,
-    pub refunded: u64,
+impl CommitOutcome {
+    /// `committed`, `late_committed`, `released` or `not_found`, as the API names them.
+    pub fn state(&self) -> &'static str {
+        match self {
+            CommitOutcome::Committed(u) if u.late => "late_committed",
+            CommitOutcome::Committed(_) => "committed",
+            CommitOutcome::Released => "released",
+            CommitOutcome::NotFound => "not_found",
+        }
+    }
+
+    pub fn usage(&self) -> Option<&Usage> {
+        match self {
+            CommitOutcome::Committed(u) => Some(u),
+            _ => None,
+        }
+    }
+}
+
+/// The store's answer to a renew.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewOutcome {
+    Renewed {
+        lease_remaining_ms: u64,
+    },
+    /// Too late: the hold was already settled (or expired as this call found it).
+    Settled(Settled),
+    NotFound,
+}
+
+impl RenewOutcome {
+    pub fn state(&self) -> &'static str {
+        match self {
+            RenewOutcome::Renewed { .. } => "reserved",
+            RenewOutcome::Settled(s) => s.as_str(),
+            RenewOutcome::NotFound => "not_found",
+        }
+    }
+}
+
+/// The store's answer to a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// Released; `repeated` when an earlier call did it (the refund is that call's, given once).
+    Released {
+        refunded: u64,
+        repeated: bool,
+    },
+    /// Settled otherwise before this call (or expired as this call found it).
+    Settled(Settled),
+    NotFound,
+}
+
+impl ReleaseOutcome {
+    pub fn state(&self) -> &'static str {
+        match self {
+            ReleaseOutcome::Released { .. } => "released",
+            ReleaseOutcome::Settled(s) => s.as_str(),
+            ReleaseOutcome::NotFound => "not_found",
+        }
+    }
+}
+
+/// What a commit teaches the output estimate of a hold that learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Learning {
+    /// How long the estimate outlives its last commit (ms).
+    pub ttl_ms: u64,
+    /// Samples kept before every count is halved.
+    pub window: u64,
 }
 
 /// A tenant's learned output length for one model.
@@ -214,13 +325,20 @@ impl<S: Store> Protocol<S> {
 
     pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveOutcome, StoreError> {
         let tenant = call.tenant;
-        let mut keys = Vec::with_capacity(4 + call.scopes.len());
+        let key = call.idempotency.as_ref();
+        let mut keys = Vec::with_capacity(5 + call.scopes.len());
         keys.push(keys::leases(tenant));
         keys.push(keys::record(tenant, call.id));
-        keys.push(keys::idempotency(tenant, call.idempotency_key.unwrap_or("")));
+        keys.push(keys::idempotency(tenant, key.map_or("", |k| k.key)));
         keys.push(keys::output_estimate(tenant, call.model));
+        keys.push(keys::holds(tenant));
         let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
-        let mut args = Vec::with_capacity(14 + 6 * call.scopes.len());
+        let repeat = match key.map(|k| k.repeat) {
+            None => "",
+            Some(KeyRepeat::ReturnHold) => "same",
+            Some(KeyRepeat::NewAttempt) => "new",
+        };
+        let mut args = Vec::with_capacity(15 + 6 * call.scopes.len());
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -228,14 +346,15 @@ impl<S: Store> Protocol<S> {
             call.lease_ms.to_string(),
             call.idle_ttl_ms.to_string(),
             call.retention_ms.to_string(),
-            call.expired_usage.as_lua().to_string(),
+            expired_usage_lua(call.expired_usage).to_string(),
             call.sweep_batch.to_string(),
-            if call.idempotency_key.is_some() { "1" } else { "0" }.to_string(),
+            repeat.to_string(),
             call.max_attempts.to_string(),
             call.concurrency_retry_cap_ms.to_string(),
             call.output_ceiling.to_string(),
             min_samples.to_string(),
             quantile.to_string(),
+            key.map_or_else(String::new, |k| k.fingerprint.clone()),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -250,59 +369,57 @@ impl<S: Store> Protocol<S> {
         }
         let script = &self.scripts.reserve;
         let reply = self.store.eval(script, keys, args).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        let int = |i: usize| items.get(i).and_then(Reply::as_int).ok_or_else(bad);
-        match int(0)? {
+        let r = Fields::of(script, &reply)?;
+        match r.uint(0)? {
             1 => Ok(ReserveOutcome::Admitted {
-                id: text(items, 1).ok_or_else(bad)?,
-                held: int(2)?.max(0) as u64,
-                attempts: int(3)?.max(0) as u32,
-                headroom: Headroom {
-                    tokens: window(int(4)?, int(5)?, int(6)?),
-                    requests: window(int(7)?, int(8)?, int(9)?),
-                },
-                estimated_output: (int(11)? == 1).then_some(int(10)?.max(0) as u64),
+                id: r.text(1)?.to_string(),
+                held: r.uint(2)?,
+                attempts: r.count(3)?,
+                headroom: Headroom { tokens: r.window(4)?, requests: r.window(7)? },
+                estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
+                replayed: r.flag(12)?,
             }),
             0 => Ok(ReserveOutcome::Denied {
-                reason: text(items, 1).as_deref().and_then(Refusal::parse).ok_or_else(bad)?,
-                scope: (int(2)?.max(1) - 1) as usize,
-                retry_after_ms: int(3)?.max(0) as u64,
-                headroom: Headroom { tokens: window(int(4)?, int(5)?, int(6)?), requests: None },
+                reason: Refusal::parse(r.text(1)?).ok_or_else(|| r.bad())?,
+                scope: usize::try_from(r.uint(2)?.saturating_sub(1)).map_err(|_| r.bad())?,
+                retry_after_ms: r.uint(3)?,
+                headroom: Headroom { tokens: r.window(4)?, requests: None },
             }),
-            _ => Err(bad()),
+            _ => Err(r.bad()),
         }
     }
 
-    /// `learning` is the output estimate's (TTL ms, window) for a hold that teaches one.
+    /// `learning` is `None` when the hold's tenant no longer learns.
     pub async fn commit(
         &self,
         tenant: &str,
         id: &str,
         prompt_tokens: u64,
         output_tokens: u64,
-        learning: (u64, u64),
+        learning: Option<Learning>,
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
-        let keys = vec![keys::record(tenant, id), keys::leases(tenant)];
         let args = vec![
             id.to_string(),
             prompt_tokens.to_string(),
             output_tokens.to_string(),
-            learning.0.to_string(),
-            learning.1.to_string(),
+            learning.map_or(0, |l| l.ttl_ms).to_string(),
+            learning.map_or(0, |l| l.window).to_string(),
         ];
-        let reply = self.store.eval(script, keys, args).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
-        Ok(CommitOutcome {
-            state: text(items, 0).ok_or_else(bad)?,
-            duplicate: uint(1)? == 1,
-            used: uint(2)?,
-            held: uint(3)?,
-            refunded: uint(4)?,
-            overrun: uint(5)?,
+        let reply = self.store.eval(script, hold_keys(tenant, id), args).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "not_found" => CommitOutcome::NotFound,
+            "released" => CommitOutcome::Released,
+            state @ ("committed" | "late_committed") => CommitOutcome::Committed(Usage {
+                late: state == "late_committed",
+                duplicate: r.flag(1)?,
+                used: r.uint(2)?,
+                held: r.uint(3)?,
+                refunded: r.uint(4)?,
+                overrun: r.uint(5)?,
+            }),
+            _ => return Err(r.bad()),
         })
     }
 
@@ -313,34 +430,38 @@ impl<S: Store> Protocol<S> {
         lease_ms: u64,
         idle_ttl_ms: u64,
     ) -> Result<RenewOutcome, StoreError> {
-        let (state, n) = self
-            .state_and_number(
-                &self.scripts.renew,
-                tenant,
-                id,
-                vec![id.to_string(), lease_ms.to_string(), idle_ttl_ms.to_string()],
-            )
-            .await?;
-        Ok(RenewOutcome { state, lease_remaining_ms: n })
+        let script = &self.scripts.renew;
+        let args = vec![id.to_string(), lease_ms.to_string(), idle_ttl_ms.to_string()];
+        let reply = self.store.eval(script, hold_keys(tenant, id), args).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "reserved" => RenewOutcome::Renewed { lease_remaining_ms: r.uint(1)? },
+            "not_found" => RenewOutcome::NotFound,
+            other => RenewOutcome::Settled(Settled::parse(other).ok_or_else(|| r.bad())?),
+        })
     }
 
     pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
-        let (state, n) = self.state_and_number(&self.scripts.release, tenant, id, vec![id.to_string()]).await?;
-        Ok(ReleaseOutcome { state, refunded: n })
+        let script = &self.scripts.release;
+        let reply = self.store.eval(script, hold_keys(tenant, id), vec![id.to_string()]).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "released" => ReleaseOutcome::Released { refunded: r.uint(1)?, repeated: r.flag(2)? },
+            "not_found" => ReleaseOutcome::NotFound,
+            other => ReleaseOutcome::Settled(Settled::parse(other).ok_or_else(|| r.bad())?),
+        })
     }
 
     /// A tenant's output estimate for a model, and its error so far.
     pub async fn output_estimate(&self, tenant: &str, model: &str) -> Result<EstimateView, StoreError> {
         let script = &self.scripts.estimate;
         let reply = self.store.eval(script, vec![keys::output_estimate(tenant, model)], vec![]).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
+        let r = Fields::of(script, &reply)?;
         Ok(EstimateView {
-            samples: uint(0)?,
-            quantile_tokens: uint(1)?,
-            used_tokens: uint(2)?,
-            overrun_tokens: uint(3)?,
+            samples: r.uint(0)?,
+            quantile_tokens: r.uint(1)?,
+            used_tokens: r.uint(2)?,
+            overrun_tokens: r.uint(3)?,
         })
     }
 
@@ -360,20 +481,18 @@ impl<S: Store> Protocol<S> {
             call.deadline_ms.unwrap_or(0).to_string(),
         ];
         let reply = self.store.eval(script, pool_keys(call.pool), args).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        let uint = |i: usize| items.get(i).and_then(Reply::as_int).map(|n| n.max(0) as u64).ok_or_else(bad);
-        match uint(0)? {
-            1 => Ok(PoolOutcome::Admitted { start_delay_ms: uint(1)?, holds: uint(2)?, work_ms: uint(3)? }),
+        let r = Fields::of(script, &reply)?;
+        match r.uint(0)? {
+            1 => Ok(PoolOutcome::Admitted { start_delay_ms: r.uint(1)?, holds: r.uint(2)?, work_ms: r.uint(3)? }),
             0 => {
-                let reason = match text(items, 1).as_deref() {
-                    Some("deadline") => PoolRefusal::Deadline,
-                    Some("queue_full") => PoolRefusal::QueueFull,
-                    _ => return Err(bad()),
+                let reason = match r.text(1)? {
+                    "deadline" => PoolRefusal::Deadline,
+                    "queue_full" => PoolRefusal::QueueFull,
+                    _ => return Err(r.bad()),
                 };
-                Ok(PoolOutcome::Denied { reason, retry_after_ms: uint(2)?, start_delay_ms: uint(3)? })
+                Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
             }
-            _ => Err(bad()),
+            _ => Err(r.bad()),
         }
     }
 
@@ -381,9 +500,7 @@ impl<S: Store> Protocol<S> {
     pub async fn pool_release(&self, pool: &str, id: &str) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_release;
         let reply = self.store.eval(script, pool_keys(pool), vec![id.to_string()]).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        Ok(items.first().and_then(Reply::as_int).ok_or_else(bad)? == 1)
+        Fields::of(script, &reply)?.flag(0)
     }
 
     /// Extends a pool hold's lease; `false` when the pool does not hold it.
@@ -391,43 +508,78 @@ impl<S: Store> Protocol<S> {
         let script = &self.scripts.pool_renew;
         let args = vec![id.to_string(), lease_ms.to_string(), idle_ttl_ms.to_string()];
         let reply = self.store.eval(script, pool_keys(pool), args).await?;
-        Ok(reply.as_int().ok_or_else(|| StoreError::BadReply { script: script.name, reply: reply.clone() })? == 1)
+        match reply {
+            Reply::Int(n @ (0 | 1)) => Ok(n == 1),
+            _ => Err(StoreError::BadReply { script: script.name, reply }),
+        }
     }
+}
 
-    /// Renew and release share a call shape: KEYS = record, index; reply = {state, number}.
-    async fn state_and_number(
-        &self,
-        script: &Script,
-        tenant: &str,
-        id: &str,
-        args: Vec<String>,
-    ) -> Result<(String, u64), StoreError> {
-        let keys = vec![keys::record(tenant, id), keys::leases(tenant)];
-        let reply = self.store.eval(script, keys, args).await?;
-        let bad = || StoreError::BadReply { script: script.name, reply: reply.clone() };
-        let items = array(&reply).ok_or_else(bad)?;
-        let state = text(items, 0).ok_or_else(bad)?;
-        let n = items.get(1).and_then(Reply::as_int).ok_or_else(bad)?;
-        Ok((state, n.max(0) as u64))
-    }
+/// KEYS of commit, renew and release: the record, the lease index, the holds hash.
+fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
+    vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant)]
 }
 
 fn pool_keys(pool: &str) -> Vec<String> {
     vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)]
 }
 
-fn array(reply: &Reply) -> Option<&[Reply]> {
-    match reply {
-        Reply::Array(items) => Some(items),
-        _ => None,
+/// A script's array reply, read field by field; any field of the wrong shape is a [`StoreError::BadReply`]
+/// naming the script and the whole reply.
+struct Fields<'a> {
+    script: &'static str,
+    reply: &'a Reply,
+    items: &'a [Reply],
+}
+
+impl<'a> Fields<'a> {
+    fn of(script: &Script, reply: &'a Reply) -> Result<Self, StoreError> {
+        match reply {
+            Reply::Array(items) => Ok(Fields { script: script.name, reply, items }),
+            _ => Err(StoreError::BadReply { script: script.name, reply: reply.clone() }),
+        }
     }
-}
 
-fn text(items: &[Reply], i: usize) -> Option<String> {
-    items.get(i).and_then(Reply::as_text).map(str::to_string)
-}
+    fn bad(&self) -> StoreError {
+        StoreError::BadReply { script: self.script, reply: self.reply.clone() }
+    }
 
-/// The scripts send -1 for "no scope limits this".
-fn window(remaining: i64, limit: i64, reset_ms: i64) -> Option<Window> {
-    (limit >= 0).then(|| Window { remaining, limit: limit as u64, reset_ms: reset_ms.max(0) as u64 })
+    fn int(&self, i: usize) -> Result<i64, StoreError> {
+        self.items.get(i).and_then(Reply::as_int).ok_or_else(|| self.bad())
+    }
+
+    /// A count: never negative.
+    fn uint(&self, i: usize) -> Result<u64, StoreError> {
+        u64::try_from(self.int(i)?).map_err(|_| self.bad())
+    }
+
+    fn count(&self, i: usize) -> Result<u32, StoreError> {
+        u32::try_from(self.int(i)?).map_err(|_| self.bad())
+    }
+
+    /// A 0 / 1 field.
+    fn flag(&self, i: usize) -> Result<bool, StoreError> {
+        match self.int(i)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(self.bad()),
+        }
+    }
+
+    fn text(&self, i: usize) -> Result<&'a str, StoreError> {
+        self.items.get(i).and_then(Reply::as_text).ok_or_else(|| self.bad())
+    }
+
+    /// Remaining / limit / reset from `i`: the scripts send a limit of -1 for "no scope limits this".
+    fn window(&self, i: usize) -> Result<Option<Window>, StoreError> {
+        let limit = self.int(i + 1)?;
+        if limit < 0 {
+            return Ok(None);
+        }
+        Ok(Some(Window {
+            remaining: self.int(i)?,
+            limit: limit.unsigned_abs(),
+            reset_ms: u64::try_from(self.int(i + 2)?.max(0)).map_err(|_| self.bad())?,
+        }))
+    }
 }

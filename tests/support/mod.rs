@@ -7,6 +7,7 @@
 
 #![allow(dead_code)]
 
+pub mod faults;
 pub mod procs;
 pub mod upstream;
 
@@ -45,10 +46,18 @@ pub fn unique_tenant(prefix: &str) -> String {
 /// Separates a scenario's tenant body from its pool body: `"<tenant>\n---pool---\n<pool>"`.
 pub const POOL_SEPARATOR: &str = "---pool---";
 
+/// Separates extra `defaults:` lines from the rest: `"<defaults>\n---defaults---\n<body>"`.
+pub const DEFAULTS_SEPARATOR: &str = "---defaults---";
+
 /// A whole policy around one tenant's YAML body (as under `tenants.<t>:`) and, when the body
-/// carries a [`POOL_SEPARATOR`], one pool (as under `pools.<p>:`) that serves model `m`.
+/// carries a [`POOL_SEPARATOR`], one pool (as under `pools.<p>:`) that serves model `m`. Lines
+/// before a [`DEFAULTS_SEPARATOR`] go under `defaults:`.
 pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String {
     let indent = |text: &str| text.lines().map(|l| format!("    {l}\n")).collect::<String>();
+    let (defaults, body) = match body.split_once(DEFAULTS_SEPARATOR) {
+        Some((d, b)) => (d.lines().map(|l| format!("  {l}\n")).collect::<String>(), b),
+        None => (String::new(), body),
+    };
     let (tenant_body, pool_body) = match body.split_once(POOL_SEPARATOR) {
         Some((t, p)) => (t, Some(p)),
         None => (body, None),
@@ -58,7 +67,7 @@ pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String 
         None => (String::new(), String::new()),
     };
     format!(
-        "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n{pools}\
+        "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n{defaults}{pools}\
          models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n{served_by}  other:\n    max_output_tokens: 100000\n\
          tenants:\n  {tenant}:\n{}",
         indent(tenant_body)
@@ -116,7 +125,7 @@ impl KeyView {
 
 /// An admission service over one store, with one tenant of its own.
 pub struct Harness<S> {
-    pub admission: Admission<S>,
+    pub admission: Arc<Admission<S>>,
     pub tenant: String,
     /// The pool serving model `m`, when the scenario has one.
     pub pool: String,
@@ -159,12 +168,53 @@ impl<S: Store> Harness<S> {
     async fn build(store: S, policy: Policy, tenant: String, pool: String, clock: Option<ManualClock>) -> Self {
         let protocol = Protocol::new(store).await.expect("scripts load");
         Harness {
-            admission: Admission::new(Arc::new(policy), protocol),
+            admission: Arc::new(Admission::new(Arc::new(policy), protocol)),
             tenant,
             pool,
             clock,
             inspect: Script::new("inspect", INSPECT.to_string()),
         }
+    }
+
+    /// The same tenant, policy and keyspace seen through a wrapper around the store, as a second
+    /// replica on the same store would see them.
+    pub async fn wrapped<T: Store>(&self, wrap: impl FnOnce(S) -> T) -> Harness<T>
+    where
+        S: Clone,
+    {
+        let store = wrap(self.admission.protocol().store().clone());
+        let policy = self.admission.policy().clone();
+        Harness::build(store, policy, self.tenant.clone(), self.pool.clone(), self.clock.clone()).await
+    }
+
+    /// Waits (in real time, at most `limit`) until `done` holds of the harness; false if it never did.
+    pub async fn eventually<F, Fut>(&self, limit: Duration, mut done: F) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if done().await {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A scope hash by key, or `None` when it does not exist.
+    pub async fn scope(&self, key: &str) -> Option<KeyView> {
+        self.inspect(vec![key.to_string()]).await.remove(key).filter(|v| v.kind != "none")
+    }
+
+    /// Holds in flight in the tenant scope (0 when the scope hash does not exist).
+    pub async fn in_flight(&self) -> f64 {
+        self.scope(&keys::tenant_scope(&self.tenant))
+            .await
+            .map_or(0.0, |v| v.fields.get("c").map_or(0.0, |c| c.parse().unwrap()))
     }
 
     /// Moves time: the manual clock on the embedded store, real time on Redis (whose clock is
@@ -188,7 +238,7 @@ impl<S: Store> Harness<S> {
             model: Some("m".into()),
             priority: None,
             deadline_ms: None,
-            idempotency_key: None,
+            idempotency: None,
             prompt: PromptSize::Tokens(prompt),
             max_tokens: Some(max_tokens),
             stream: false,
@@ -265,13 +315,13 @@ impl<S: Store> Harness<S> {
 pub fn admitted(d: &Decision) -> &tollgate::admission::Admitted {
     match d {
         Decision::Admitted(a) => a,
-        Decision::Denied(d) => panic!("expected admission, got {d:?}"),
+        other => panic!("expected admission with a hold, got {other:?}"),
     }
 }
 
 pub fn denied(d: &Decision) -> &tollgate::admission::Denial {
     match d {
         Decision::Denied(d) => d,
-        Decision::Admitted(a) => panic!("expected denial, got {a:?}"),
+        other => panic!("expected denial, got {other:?}"),
     }
 }

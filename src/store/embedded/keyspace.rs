@@ -80,6 +80,10 @@ struct Entry {
 
 /// The keyspace. Expired keys vanish when touched, and [`Keyspace::purge_expired`] reclaims a
 /// bounded number of untouched ones per call, so an idle tenant's keys do not stay forever.
+///
+/// `expiries` holds exactly one entry per key that has a TTL: a new TTL replaces the key's old
+/// entry, and a key leaving the keyspace takes its entry with it. So the index is bounded by the
+/// live keys, however often their TTLs move (every reserve moves several).
 #[derive(Debug, Default)]
 pub struct Keyspace {
     entries: HashMap<Vec<u8>, Entry>,
@@ -97,6 +101,20 @@ impl Keyspace {
         self.entries.is_empty()
     }
 
+    /// Entries in the expiry index: never more than [`Keyspace::len`].
+    pub fn expiry_index_len(&self) -> usize {
+        self.expiries.len()
+    }
+
+    /// Removes a key and its expiry entry.
+    fn remove(&mut self, key: &[u8]) -> Option<Entry> {
+        let entry = self.entries.remove(key)?;
+        if let Some(at) = entry.expires_at {
+            self.expiries.remove(&(at, key.to_vec()));
+        }
+        Some(entry)
+    }
+
     /// Removes up to `limit` keys whose TTL has passed.
     pub fn purge_expired(&mut self, now: u64, limit: usize) {
         for _ in 0..limit {
@@ -105,9 +123,7 @@ impl Keyspace {
                 return;
             }
             self.expiries.pop_first();
-            if self.entries.get(&key).and_then(|e| e.expires_at) == Some(at) {
-                self.entries.remove(&key);
-            }
+            self.entries.remove(&key);
         }
     }
 
@@ -146,7 +162,7 @@ impl Keyspace {
                 let mut n = 0;
                 for key in a {
                     if self.live(now, key).is_some() {
-                        self.entries.remove(key);
+                        self.remove(key);
                         n += 1;
                     }
                 }
@@ -159,7 +175,7 @@ impl Keyspace {
                     return Ok(Resp::Int(0));
                 }
                 if ms <= 0 {
-                    self.entries.remove(&a[0]);
+                    self.remove(&a[0]);
                 } else {
                     self.set_expiry(&a[0], Some(now + ms as u64));
                 }
@@ -249,7 +265,7 @@ impl Keyspace {
                     Some(_) => return Err(wrongtype()),
                 };
                 if empty {
-                    self.entries.remove(&a[0]);
+                    self.remove(&a[0]);
                 }
                 Ok(Resp::Int(n as i64))
             }
@@ -279,7 +295,7 @@ impl Keyspace {
                     None => (0, false),
                 };
                 if empty {
-                    self.entries.remove(&a[0]);
+                    self.remove(&a[0]);
                 }
                 Ok(Resp::Int(n as i64))
             }
@@ -296,6 +312,7 @@ impl Keyspace {
             4 if a[2].eq_ignore_ascii_case(b"EX") => Some(now + 1000 * positive(int_arg(&a[3])?)?),
             _ => return Err("ERR syntax error (embedded SET takes only EX or PX)".into()),
         };
+        self.remove(&a[0]);
         self.entries.insert(a[0].clone(), Entry { value: Value::Str(a[1].clone()), expires_at: None });
         self.set_expiry(&a[0], expiry);
         Ok(Resp::Status("OK"))
@@ -343,7 +360,7 @@ impl Keyspace {
     fn live(&mut self, now: u64, key: &[u8]) -> Option<&mut Entry> {
         let expired = matches!(self.entries.get(key), Some(Entry { expires_at: Some(at), .. }) if *at <= now);
         if expired {
-            self.entries.remove(key);
+            self.remove(key);
             return None;
         }
         self.entries.get_mut(key)
@@ -382,7 +399,9 @@ impl Keyspace {
 
     fn set_expiry(&mut self, key: &[u8], at: Option<u64>) {
         if let Some(entry) = self.entries.get_mut(key) {
-            entry.expires_at = at;
+            if let Some(old) = std::mem::replace(&mut entry.expires_at, at) {
+                self.expiries.remove(&(old, key.to_vec()));
+            }
             if let Some(at) = at {
                 self.expiries.insert((at, key.to_vec()));
             }
@@ -465,6 +484,22 @@ mod tests {
         assert_eq!(ks.len(), 1);
         ks.purge_expired(60, 10);
         assert!(ks.is_empty());
+    }
+
+    #[test]
+    fn the_expiry_index_is_bounded_by_the_live_keys() {
+        let mut ks = Keyspace::default();
+        for i in 0..10_000u64 {
+            let key = format!("k{}", i % 7);
+            cmd(&mut ks, i, &["HSET", &key, "f", "v"]).unwrap();
+            cmd(&mut ks, i, &["PEXPIRE", &key, "60000"]).unwrap();
+            cmd(&mut ks, i, &["SET", "s", "1", "PX", "60000"]).unwrap();
+            if i % 3 == 0 {
+                cmd(&mut ks, i, &["DEL", &key]).unwrap();
+            }
+            assert!(ks.expiry_index_len() <= ks.len(), "cycle {i}: {} > {}", ks.expiry_index_len(), ks.len());
+        }
+        assert!(ks.len() <= 8);
     }
 
     #[test]

@@ -41,6 +41,14 @@ struct Context {
 enum Job {
     Load { script: Script, reply: oneshot::Sender<Result<(), StoreError>> },
     Eval { script: Script, keys: Vec<String>, args: Vec<String>, reply: oneshot::Sender<Result<Reply, StoreError>> },
+    Size { reply: oneshot::Sender<KeyspaceSize> },
+}
+
+/// How much the keyspace holds: its keys, and the entries of its expiry index (never more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyspaceSize {
+    pub keys: usize,
+    pub expiry_index: usize,
 }
 
 /// The in-process store. Clones share one keyspace; the thread ends when the last clone drops.
@@ -90,6 +98,15 @@ impl EmbeddedStore {
     }
 }
 
+impl EmbeddedStore {
+    /// The keyspace's size, for memory checks.
+    pub async fn size(&self) -> Result<KeyspaceSize, StoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.jobs.send(Job::Size { reply }).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())
+    }
+}
+
 impl Host {
     fn run(&mut self, job: Job) {
         match job {
@@ -98,6 +115,12 @@ impl Host {
             }
             Job::Eval { script, keys, args, reply } => {
                 let _ = reply.send(self.eval(&script, keys, args));
+            }
+            Job::Size { reply } => {
+                if let Some(ctx) = self.lua.app_data_ref::<Context>() {
+                    let _ = reply
+                        .send(KeyspaceSize { keys: ctx.keyspace.len(), expiry_index: ctx.keyspace.expiry_index_len() });
+                }
             }
         }
     }

@@ -1,0 +1,86 @@
+//! Stores that misbehave on purpose, wrapped around a real one: what a network and a client do to
+//! a script call. A script that ran may still look failed to its caller (the reply was lost), a
+//! client may re-send a call it already made, and a caller may give up while a call is in flight.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use tollgate::store::{Reply, Script, Store, StoreError};
+
+/// Runs every call of the named scripts twice and answers with the second reply, as fred does when
+/// it re-sends a command after a dropped connection: the first run happened, its reply was lost.
+#[derive(Clone)]
+pub struct Resend<S> {
+    pub inner: S,
+    pub scripts: &'static [&'static str],
+}
+
+impl<S: Store> Store for Resend<S> {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.inner.load(script).await
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        if self.scripts.contains(&script.name) {
+            self.inner.eval(script, keys.clone(), args.clone()).await?;
+        }
+        self.inner.eval(script, keys, args).await
+    }
+}
+
+/// What goes wrong with a call of the faulty script.
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    /// It runs, then its reply takes this long to arrive.
+    SlowReply(Duration),
+    /// It runs, then its reply is lost: the caller sees a timeout.
+    LostReply,
+    /// The first N calls never reach the store: the caller sees a timeout.
+    Unreachable(u32),
+}
+
+/// Applies a [`Fault`] to every call of one script, and passes every other call through.
+#[derive(Clone)]
+pub struct Faulty<S> {
+    pub inner: S,
+    pub script: &'static str,
+    pub fault: Fault,
+    calls: Arc<AtomicU32>,
+}
+
+impl<S> Faulty<S> {
+    pub fn new(inner: S, script: &'static str, fault: Fault) -> Self {
+        Faulty { inner, script, fault, calls: Arc::new(AtomicU32::new(0)) }
+    }
+}
+
+fn timeout() -> StoreError {
+    StoreError::Unavailable("injected: the reply never came".into())
+}
+
+impl<S: Store> Store for Faulty<S> {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.inner.load(script).await
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        if script.name != self.script {
+            return self.inner.eval(script, keys, args).await;
+        }
+        let call = self.calls.fetch_add(1, Ordering::SeqCst);
+        match self.fault {
+            Fault::SlowReply(delay) => {
+                let reply = self.inner.eval(script, keys, args).await;
+                tokio::time::sleep(delay).await;
+                reply
+            }
+            Fault::LostReply => {
+                self.inner.eval(script, keys, args).await?;
+                Err(timeout())
+            }
+            Fault::Unreachable(n) if call < n => Err(timeout()),
+            Fault::Unreachable(_) => self.inner.eval(script, keys, args).await,
+        }
+    }
+}
