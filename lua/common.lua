@@ -183,13 +183,16 @@ local function expire(rk, id, r, leases, holds, now)
   close(rk, id, r, leases, holds)
 end
 
--- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out.
+-- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out. Returns the
+-- ids it settled, so that the caller can take their pool legs (another slot) off their pools.
 local function sweep(leases, holds, prefix, batch, now)
+  local settled = {}
   for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
     local rk = prefix .. due
     local r = load(rk)
     if r and r.st == 'reserved' then
       expire(rk, due, r, leases, holds, now)
+      settled[#settled + 1] = due
     else
       local entry = redis.call('HGET', holds, due)
       if entry and not r then
@@ -200,11 +203,13 @@ local function sweep(leases, holds, prefix, batch, now)
           keys[#keys + 1] = e[i]
         end
         settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+        settled[#settled + 1] = due
       end
       redis.call('ZREM', leases, due)
       redis.call('HDEL', holds, due)
     end
   end
+  return settled
 end
 
 -- Loads a hold that is still live. Otherwise returns nil and the reply to send: not_found, the

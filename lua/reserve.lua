@@ -27,13 +27,15 @@
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed}
+--                   replayed, swept}
 --   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
 --    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
 --    scope limits them)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
---                   token reset ms}
+--                   token reset ms, swept}
+--   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
+--    caller takes off their pools)
 --   reason: token_rate | request_rate | concurrency | budget | attempts | conflict | unsatisfiable
 --   (unsatisfiable: the hold is larger than a scope's whole capacity, so no wait can help;
 --    attempts: the idempotency key has made its most reserves; conflict: the key was first used for
@@ -66,8 +68,16 @@ local FIRST_SCOPE = 6
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
 
+-- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
+-- nothing, not even the sweep: it answers as the first run did, below.
+local mine = load(KEYS[2])
+local resent = mine ~= nil or (key_use ~= '' and redis.call('HGET', KEYS[3], 'lc') == id)
+
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
-sweep(leases, holds, prefix, batch, now)
+local swept = {}
+if not resent then
+  swept = sweep(leases, holds, prefix, batch, now)
+end
 
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
@@ -121,16 +131,15 @@ end
 local function again(hold_id, r, attempts, replayed)
   local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
   return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
-    tonumber(r.es) or 0, replayed }
+    tonumber(r.es) or 0, replayed, swept }
 end
 
 local function refuse(reason)
   local rem, lim, reset = headroom(0, 0)
-  return { 0, reason, 1, 0, rem, lim, reset }
+  return { 0, reason, 1, 0, rem, lim, reset, swept }
 end
 
--- 3. A re-sent call: this id already holds. Answer as the first run did.
-local mine = load(KEYS[2])
+-- 3. A re-sent call whose first run made the hold: answer as that run did.
 if mine then
   return again(id, mine, mine.at, 0)
 end
@@ -178,7 +187,7 @@ end
 local hold = prompt + output
 for i, s in ipairs(scopes) do
   if (s.tcap > 0 and hold > s.tcap) or (s.budget > 0 and hold > s.budget) then
-    return { 0, 'unsatisfiable', i, 0, -1, -1, -1 }
+    return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept }
   end
 end
 
@@ -212,7 +221,7 @@ for i, s in ipairs(scopes) do
 end
 if reason then
   local rem, lim, reset = headroom(0, 0)
-  return { 0, reason, where, wait, rem, lim, reset }
+  return { 0, reason, where, wait, rem, lim, reset, swept }
 end
 
 -- 7. Hold: charge every scope, write the record, index its lease.
@@ -262,4 +271,4 @@ redis.call('HSET', holds, id, string.format('%d %d %s %s', hold, today, policy, 
 redis.call('PEXPIRE', holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(hold, 1)
-return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0 }
+return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept }

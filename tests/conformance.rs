@@ -354,6 +354,18 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (0, 0));
     }
 
+    /// The tenant's sweep settles an expired pooled hold on a reserve for another model: its pool
+    /// work leaves with it, not when the pool's own sweep comes round.
+    pub async fn a_hold_the_tenant_sweep_settles_leaves_its_pool<S: Store>(h: Harness<S>) {
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        assert_eq!(h.pool_load().await, (1, 1100));
+        h.advance(400).await;
+        let mut other = h.attributes(1, 1);
+        other.model = Some("other".into());
+        admitted(&h.admission.reserve(&other).await);
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
     pub async fn renew_extends_the_pool_lease_too<S: Store>(h: Harness<S>) {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         h.advance(200).await;
@@ -758,6 +770,10 @@ macro_rules! conformance {
             );
             scenario!(
                 an_expired_hold_leaves_the_pool,
+                &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_hold_the_tenant_sweep_settles_leaves_its_pool,
                 &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );
             scenario!(

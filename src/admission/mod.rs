@@ -348,7 +348,15 @@ impl<S: Store> Admission<S> {
             concurrency_retry_cap_ms: self.policy.concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
         };
-        match self.protocol.reserve(&call).await {
+        let reply = self.protocol.reserve(&call).await.map(|reply| (reply.outcome, reply.swept));
+        let outcome = match reply {
+            Ok((outcome, swept)) => {
+                self.release_swept_pool_legs(&swept).await;
+                Ok(outcome)
+            }
+            Err(e) => Err(e),
+        };
+        match outcome {
             Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed }) => {
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()
@@ -389,6 +397,16 @@ impl<S: Store> Admission<S> {
                     tracing::warn!(error = %release, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
                 }
                 self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+            }
+        }
+    }
+
+    /// The tenant leg's sweep settled these expired holds; their pool legs live on other slots and
+    /// are taken off here, so pool work leaves with its hold rather than with the pool's own sweep.
+    async fn release_swept_pool_legs(&self, swept: &[String]) {
+        for id in swept {
+            if let Some(pool) = ids::parse_reservation_id(id).and_then(|r| r.pool) {
+                self.release_pool_leg(pool, id).await;
             }
         }
     }
@@ -444,11 +462,17 @@ impl<S: Store> Admission<S> {
         let Some(tp) = self.policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
         let outcome = self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?;
-        if let RenewOutcome::Renewed { .. } = outcome
-            && let Some(pool) = r.pool
-            && let Some(p) = self.policy.pools.get(pool)
-        {
-            self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
+        if let Some(pool) = r.pool {
+            match outcome {
+                RenewOutcome::Renewed { .. } => {
+                    if let Some(p) = self.policy.pools.get(pool) {
+                        self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
+                    }
+                }
+                // Settled (perhaps expired by this very call): its pool leg goes too.
+                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id).await,
+                RenewOutcome::NotFound => {}
+            }
         }
         Ok(outcome)
     }

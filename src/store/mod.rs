@@ -17,7 +17,8 @@ use std::future::Future;
 
 pub use protocol::{
     CommitOutcome, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol,
-    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Settled, Usage, Window,
+    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled, Usage,
+    Window,
 };
 pub use scripts::Script;
 

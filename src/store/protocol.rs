@@ -110,6 +110,15 @@ impl Refusal {
     }
 }
 
+/// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveReply {
+    pub outcome: ReserveOutcome,
+    /// Ids of the expired holds this call settled: their pool legs, on another slot, are still to
+    /// be taken off their pools.
+    pub swept: Vec<String>,
+}
+
 /// The store's verdict on a reserve.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReserveOutcome {
@@ -323,7 +332,7 @@ impl<S: Store> Protocol<S> {
         &self.store
     }
 
-    pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveOutcome, StoreError> {
+    pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveReply, StoreError> {
         let tenant = call.tenant;
         let key = call.idempotency.as_ref();
         let mut keys = Vec::with_capacity(5 + call.scopes.len());
@@ -371,19 +380,25 @@ impl<S: Store> Protocol<S> {
         let reply = self.store.eval(script, keys, args).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
-            1 => Ok(ReserveOutcome::Admitted {
-                id: r.text(1)?.to_string(),
-                held: r.uint(2)?,
-                attempts: r.count(3)?,
-                headroom: Headroom { tokens: r.window(4)?, requests: r.window(7)? },
-                estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
-                replayed: r.flag(12)?,
+            1 => Ok(ReserveReply {
+                outcome: ReserveOutcome::Admitted {
+                    id: r.text(1)?.to_string(),
+                    held: r.uint(2)?,
+                    attempts: r.count(3)?,
+                    headroom: Headroom { tokens: r.window(4)?, requests: r.window(7)? },
+                    estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
+                    replayed: r.flag(12)?,
+                },
+                swept: r.texts(13)?,
             }),
-            0 => Ok(ReserveOutcome::Denied {
-                reason: Refusal::parse(r.text(1)?).ok_or_else(|| r.bad())?,
-                scope: usize::try_from(r.uint(2)?.saturating_sub(1)).map_err(|_| r.bad())?,
-                retry_after_ms: r.uint(3)?,
-                headroom: Headroom { tokens: r.window(4)?, requests: None },
+            0 => Ok(ReserveReply {
+                outcome: ReserveOutcome::Denied {
+                    reason: Refusal::parse(r.text(1)?).ok_or_else(|| r.bad())?,
+                    scope: usize::try_from(r.uint(2)?.saturating_sub(1)).map_err(|_| r.bad())?,
+                    retry_after_ms: r.uint(3)?,
+                    headroom: Headroom { tokens: r.window(4)?, requests: None },
+                },
+                swept: r.texts(7)?,
             }),
             _ => Err(r.bad()),
         }
@@ -568,6 +583,18 @@ impl<'a> Fields<'a> {
 
     fn text(&self, i: usize) -> Result<&'a str, StoreError> {
         self.items.get(i).and_then(Reply::as_text).ok_or_else(|| self.bad())
+    }
+
+    /// A list of texts. An empty Lua table arrives as an empty array (or, from the embedded
+    /// store, as nothing at all past the last field).
+    fn texts(&self, i: usize) -> Result<Vec<String>, StoreError> {
+        match self.items.get(i) {
+            None => Ok(Vec::new()),
+            Some(Reply::Array(items)) => {
+                items.iter().map(|t| t.as_text().map(str::to_string).ok_or_else(|| self.bad())).collect()
+            }
+            Some(_) => Err(self.bad()),
+        }
     }
 
     /// Remaining / limit / reset from `i`: the scripts send a limit of -1 for "no scope limits this".

@@ -8,6 +8,7 @@
 #![allow(dead_code)]
 
 pub mod faults;
+pub mod model;
 pub mod procs;
 pub mod upstream;
 
@@ -165,6 +166,18 @@ async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
 }
 
 impl<S: Store> Harness<S> {
+    /// A harness over a store and a policy made elsewhere; `tenant` and `pool` name the ones the
+    /// helpers look at.
+    pub async fn from_parts(
+        store: S,
+        policy: Policy,
+        tenant: String,
+        pool: String,
+        clock: Option<ManualClock>,
+    ) -> Self {
+        Harness::build(store, policy, tenant, pool, clock).await
+    }
+
     async fn build(store: S, policy: Policy, tenant: String, pool: String, clock: Option<ManualClock>) -> Self {
         let protocol = Protocol::new(store).await.expect("scripts load");
         Harness {

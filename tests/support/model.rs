@@ -1,0 +1,734 @@
+//! A reference model of the protocol in plain Rust: no Lua, no store. It keeps the same state the
+//! scripts keep (scopes, holds, lease indexes, idempotency keys, the pool) and applies each phase
+//! as `lua/` documents it, with the same float arithmetic in the same order, so on the embedded
+//! store's manual clock every reply and every counter must agree exactly.
+//!
+//! Where the model needs a rule, it states the rule as the README does, not as the script is
+//! written: "a denial changes nothing", "a hold leaves its scopes and its pool exactly as it came".
+//! The counters it compares (`c` of a scope, `n` and `w` of a pool) are derived from the live holds,
+//! never counted, so comparing them with the store's counters checks the invariant itself.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tollgate::admission::{Admitted, Decision, Denial, Reason};
+use tollgate::config::{ExpiredUsage, PoolPolicy, Priority};
+use tollgate::store::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
+
+pub const DAY_MS: u64 = 86_400_000;
+
+/// One scope's limits, as the model takes them (0: no such limit).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Limits {
+    pub token_capacity: u64,
+    pub tokens_per_ms: f64,
+    pub request_capacity: u64,
+    pub requests_per_ms: f64,
+    pub max_concurrency: u64,
+    pub daily_budget: u64,
+}
+
+/// What the model knows of a tenant's policy.
+#[derive(Debug, Clone)]
+pub struct TenantRules {
+    pub lease_ms: u64,
+    pub expired_usage: ExpiredUsage,
+    pub tenant: Limits,
+    /// Limits of every user (the policy's `default_user`), if any.
+    pub user: Option<Limits>,
+    /// Limits of model `n` within the tenant, if any.
+    pub model_n: Option<Limits>,
+}
+
+/// A scope hash.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Scope {
+    pub t: Option<f64>,
+    pub tt: u64,
+    pub tc: u64,
+    pub tr: f64,
+    pub r: Option<f64>,
+    pub rt: u64,
+    pub d: Option<u64>,
+    pub du: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Reserved,
+    Settled(Settled),
+}
+
+/// A reservation record.
+#[derive(Debug, Clone)]
+pub struct Hold {
+    pub tenant: String,
+    pub state: State,
+    pub held: u64,
+    pub charged: u64,
+    pub slot: bool,
+    pub lease_end: u64,
+    pub attempts: u32,
+    pub day: u64,
+    pub scopes: Vec<String>,
+    pub policy: ExpiredUsage,
+    pub key: Option<String>,
+    pub usage: Option<Usage>,
+    pub refunded_on_release: u64,
+    /// The record is gone at this time (retention after settling).
+    pub gone_at: Option<u64>,
+    pub pool: Option<String>,
+}
+
+/// An idempotency key.
+#[derive(Debug, Clone)]
+pub struct Key {
+    pub fingerprint: String,
+    pub made: u32,
+    pub latest: Option<String>,
+    pub last_call: Option<u64>,
+    pub expires_at: u64,
+}
+
+/// A pool's holds: id → (work, kv, lease end).
+#[derive(Debug, Clone, Default)]
+pub struct Pool {
+    pub holds: BTreeMap<String, (u64, u64, u64)>,
+}
+
+impl Pool {
+    pub fn load(&self) -> (u64, u64) {
+        (self.holds.len() as u64, self.holds.values().map(|h| h.0).sum())
+    }
+}
+
+/// One reserve, as the generator makes it.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub tenant: String,
+    pub user: Option<String>,
+    pub model: String,
+    pub prompt: u64,
+    pub max_tokens: u64,
+    pub priority: Priority,
+    pub deadline_ms: Option<u64>,
+    pub key: Option<(String, KeyRepeat)>,
+}
+
+/// The model's world.
+#[derive(Debug, Clone)]
+pub struct Model {
+    pub rules: BTreeMap<String, TenantRules>,
+    pub pool_name: String,
+    pub pool_policy: PoolPolicy,
+    pub sweep_batch: usize,
+    pub max_attempts: u32,
+    pub retention_ms: u64,
+    pub concurrency_cap_ms: u64,
+    pub scopes: BTreeMap<String, Scope>,
+    pub holds: BTreeMap<String, Hold>,
+    /// Per tenant: (lease end, id).
+    pub leases: BTreeMap<String, BTreeSet<(u64, String)>>,
+    pub keys: BTreeMap<(String, String), Key>,
+    pub pool: Pool,
+    /// Calls made, for a replay's "last call" identity.
+    calls: u64,
+}
+
+/// The model's answer to a reserve: the decision, and for an admission that made a new hold, a
+/// placeholder the driver replaces with the id the store chose.
+pub const NEW_ID: &str = "<new>";
+
+fn refilled(level: Option<f64>, at: u64, cap: u64, rate: f64, now: u64) -> f64 {
+    match level {
+        None => cap as f64,
+        Some(level) => (cap as f64).min(level + rate * (now.saturating_sub(at)) as f64),
+    }
+}
+
+impl Model {
+    pub fn new(
+        rules: BTreeMap<String, TenantRules>,
+        pool_name: String,
+        pool_policy: PoolPolicy,
+        sweep_batch: usize,
+        max_attempts: u32,
+        retention_ms: u64,
+        concurrency_cap_ms: u64,
+    ) -> Self {
+        Model {
+            rules,
+            pool_name,
+            pool_policy,
+            sweep_batch,
+            max_attempts,
+            retention_ms,
+            concurrency_cap_ms,
+            scopes: BTreeMap::new(),
+            holds: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            keys: BTreeMap::new(),
+            pool: Pool::default(),
+            calls: 0,
+        }
+    }
+
+    /// A record as a script would load it: `None` once its TTL has passed.
+    fn record(&self, id: &str, now: u64) -> Option<&Hold> {
+        self.holds.get(id).filter(|h| h.gone_at.is_none_or(|at| now < at))
+    }
+
+    /// Holds in flight in a scope: the live holds that took a slot in it.
+    pub fn in_flight(&self, scope: &str) -> u64 {
+        self.holds.values().filter(|h| h.slot && h.scopes.iter().any(|s| s == scope)).count() as u64
+    }
+
+    fn scope_keys(&self, ask: &Ask) -> Vec<(String, Limits)> {
+        let r = &self.rules[&ask.tenant];
+        let t = &ask.tenant;
+        let mut out = vec![(format!("tg:{{{t}}}:s:t"), r.tenant)];
+        if let (Some(user), Some(limits)) = (&ask.user, r.user) {
+            out.push((format!("tg:{{{t}}}:s:u:{user}"), limits));
+        }
+        if ask.model == "n"
+            && let Some(limits) = r.model_n
+        {
+            out.push((format!("tg:{{{t}}}:s:m:n"), limits));
+        }
+        out
+    }
+
+    // ---- tenant helpers, as common.lua ----
+
+    fn move_tokens(&mut self, key: &str, delta: f64, now: u64) {
+        if let Some(s) = self.scopes.get_mut(key)
+            && let Some(t) = s.t
+        {
+            let cap = s.tc as f64;
+            let level = refilled(Some(t), s.tt, s.tc, s.tr, now) + delta;
+            s.t = Some((-cap).max(cap.min(level)));
+            s.tt = now;
+        }
+    }
+
+    fn refund(&mut self, keys: &[String], amount: u64, day: u64, now: u64) {
+        if amount == 0 {
+            return;
+        }
+        for k in keys {
+            self.move_tokens(k, amount as f64, now);
+            if let Some(s) = self.scopes.get_mut(k)
+                && s.d == Some(day)
+            {
+                s.du = s.du.saturating_sub(amount);
+            }
+        }
+    }
+
+    fn charge(&mut self, keys: &[String], amount: u64, now: u64) {
+        if amount == 0 {
+            return;
+        }
+        let today = now / DAY_MS;
+        for k in keys {
+            self.move_tokens(k, -(amount as f64), now);
+            if let Some(s) = self.scopes.get_mut(k) {
+                match s.d {
+                    Some(d) if d == today => s.du += amount,
+                    Some(_) => {
+                        s.d = Some(today);
+                        s.du = amount;
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    fn close(&mut self, id: &str, now: u64) {
+        let h = self.holds.get_mut(id).expect("closing a known hold");
+        h.gone_at = Some(now + self.retention_ms);
+        let (tenant, key) = (h.tenant.clone(), h.key.clone());
+        if let Some(set) = self.leases.get_mut(&tenant) {
+            set.retain(|(_, i)| i != id);
+        }
+        if let Some(k) = key
+            && let Some(entry) = self.keys.get_mut(&(tenant, k))
+            && entry.latest.as_deref() == Some(id)
+        {
+            entry.latest = None;
+        }
+    }
+
+    fn expire(&mut self, id: &str, now: u64) {
+        let h = self.holds[id].clone();
+        let mut charged = h.charged;
+        if h.slot && h.policy == ExpiredUsage::Refund {
+            self.refund(&h.scopes, h.charged, h.day, now);
+            charged = 0;
+        }
+        let h = self.holds.get_mut(id).unwrap();
+        h.charged = charged;
+        h.state = State::Settled(Settled::Expired);
+        h.slot = false;
+        self.close(id, now);
+    }
+
+    /// The tenant's sweep. Admission takes each settled hold's pool leg off its pool when the
+    /// reply reaches it; `delivered` is false when the reply was lost.
+    fn sweep(&mut self, tenant: &str, now: u64, delivered: bool) {
+        let due: Vec<String> = self
+            .leases
+            .get(tenant)
+            .map(|set| {
+                set.iter().filter(|(le, _)| *le <= now).take(self.sweep_batch).map(|(_, id)| id.clone()).collect()
+            })
+            .unwrap_or_default();
+        for id in due {
+            if self.record(&id, now).is_some_and(|h| h.state == State::Reserved) {
+                self.expire(&id, now);
+                if delivered && self.holds[&id].pool.is_some() {
+                    self.pool_drop(&id);
+                }
+            } else if let Some(set) = self.leases.get_mut(tenant) {
+                set.retain(|(_, i)| *i != id);
+            }
+        }
+    }
+
+    /// A live hold, or the reply to send (settling it now when its lease has passed).
+    fn live(&mut self, id: &str, now: u64) -> Result<(), Option<Settled>> {
+        let Some(h) = self.record(id, now) else { return Err(None) };
+        match h.state {
+            State::Settled(s) => Err(Some(s)),
+            State::Reserved if now >= h.lease_end => {
+                self.expire(id, now);
+                Err(Some(Settled::Expired))
+            }
+            State::Reserved => Ok(()),
+        }
+    }
+
+    // ---- the pool, as pool_reserve.lua and pool_release.lua ----
+
+    fn pool_drop(&mut self, id: &str) {
+        self.pool.holds.remove(id);
+    }
+
+    /// The pool leg: `Err` is the refusal.
+    fn pool_reserve(&mut self, id: &str, work: u64, kv: u64, lease: u64, ask: &Ask, now: u64) -> Result<(), Denial> {
+        let due: Vec<String> = {
+            let mut v: Vec<(u64, String)> =
+                self.pool.holds.iter().filter(|(_, h)| h.2 <= now).map(|(id, h)| (h.2, id.clone())).collect();
+            v.sort();
+            v.into_iter().take(self.sweep_batch).map(|(_, id)| id).collect()
+        };
+        for d in due {
+            self.pool_drop(&d);
+        }
+        let (n, w) = self.pool.load();
+        let p = &self.pool_policy;
+        let start_delay = |over: u64| if n < over { 0 } else { w.div_ceil(over) };
+        let delay = start_delay(p.max_sequences);
+        if let Some(deadline) = ask.deadline_ms
+            && delay + work > deadline
+        {
+            return Err(Denial::now(Reason::Deadline, ""));
+        }
+        let tier_slots = p.slots_for(ask.priority);
+        if start_delay(tier_slots) > p.max_queue_delay_ms {
+            let over = w.saturating_sub(p.max_queue_delay_ms * tier_slots);
+            let retry = over.div_ceil(p.max_sequences).max(1);
+            return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
+        }
+        self.pool.holds.insert(id.to_string(), (work, kv, now + lease));
+        Ok(())
+    }
+
+    // ---- the phases, as admission runs them ----
+
+    /// A reserve. An admission of a new hold comes back with [`NEW_ID`] as its id: the driver
+    /// calls [`Model::adopt`] with the id the store chose. `twice`: every script of the call runs
+    /// twice and only the second reply arrives, as when a client re-sends after a lost reply.
+    pub fn reserve(&mut self, ask: &Ask, now: u64, twice: bool) -> Decision {
+        self.calls += 1;
+        let call = self.calls;
+        let rules = self.rules[&ask.tenant].clone();
+        let scopes = self.scope_keys(ask);
+        let hold = ask.prompt + ask.max_tokens;
+        // Plan: what can never fit is refused before any store call.
+        for (_, l) in &scopes {
+            let largest = [l.token_capacity, l.daily_budget].into_iter().filter(|&n| n > 0).min();
+            if largest.is_some_and(|largest| hold > largest) {
+                return Decision::Denied(Denial::now(Reason::Unsatisfiable, ""));
+            }
+        }
+        let id = NEW_ID.to_string();
+        let pooled = ask.model == "m";
+        if pooled {
+            let work = self.pool_policy.service_ms(ask.prompt, ask.max_tokens);
+            let mut pool = self.pool_reserve(&id, work, hold, rules.lease_ms, ask, now);
+            // A re-sent pool reserve finds its hold and changes nothing; a refused one decides again.
+            if twice && pool.is_err() {
+                pool = self.pool_reserve(&id, work, hold, rules.lease_ms, ask, now);
+            }
+            if let Err(d) = pool {
+                return Decision::Denied(d);
+            }
+        }
+        let mut decision = self.tenant_reserve(ask, &scopes, call, now, !twice);
+        // A re-sent reserve whose first run held (or replayed) answers as that run did, changing
+        // nothing; one whose first run refused runs again in full.
+        if twice && matches!(decision, Decision::Denied(_)) {
+            decision = self.tenant_reserve(ask, &scopes, call, now, true);
+        }
+        let holds_new = matches!(&decision, Decision::Admitted(a) if a.reservation_id == NEW_ID);
+        if pooled && !holds_new {
+            self.pool_drop(&id);
+        }
+        decision
+    }
+
+    fn tenant_reserve(
+        &mut self,
+        ask: &Ask,
+        scope_keys: &[(String, Limits)],
+        call: u64,
+        now: u64,
+        delivered: bool,
+    ) -> Decision {
+        let rules = self.rules[&ask.tenant].clone();
+        let hold = ask.prompt + ask.max_tokens;
+        let today = now / DAY_MS;
+        self.sweep(&ask.tenant, now, delivered);
+
+        // Read and refill every scope.
+        struct Read {
+            key: String,
+            l: Limits,
+            t: f64,
+            r: f64,
+            c: u64,
+            du: u64,
+        }
+        let reads: Vec<Read> = scope_keys
+            .iter()
+            .map(|(key, l)| {
+                let s = self.scopes.get(key).cloned().unwrap_or_default();
+                Read {
+                    key: key.clone(),
+                    l: *l,
+                    t: if l.token_capacity > 0 {
+                        refilled(s.t, s.tt, l.token_capacity, l.tokens_per_ms, now)
+                    } else {
+                        0.0
+                    },
+                    r: if l.request_capacity > 0 {
+                        refilled(s.r, s.rt, l.request_capacity, l.requests_per_ms, now)
+                    } else {
+                        0.0
+                    },
+                    c: self.in_flight(key),
+                    du: if s.d == Some(today) { s.du } else { 0 },
+                }
+            })
+            .collect();
+        let headroom = |take_t: f64, take_r: f64| {
+            let (mut rem, mut lim, mut reset) = (-1.0f64, -1i64, -1i64);
+            let (mut rrem, mut rlim, mut rreset) = (-1.0f64, -1i64, -1i64);
+            for s in &reads {
+                if s.l.token_capacity > 0 && (rem == -1.0 || s.t - take_t < rem) {
+                    rem = (s.t - take_t).max(0.0);
+                    lim = s.l.token_capacity as i64;
+                    reset = ((s.l.token_capacity as f64 - rem) / s.l.tokens_per_ms).ceil() as i64;
+                }
+                if s.l.request_capacity > 0 && (rrem == -1.0 || s.r - take_r < rrem) {
+                    rrem = (s.r - take_r).max(0.0);
+                    rlim = s.l.request_capacity as i64;
+                    rreset = ((s.l.request_capacity as f64 - rrem) / s.l.requests_per_ms).ceil() as i64;
+                }
+            }
+            let window = |rem: f64, lim: i64, reset: i64| {
+                (lim >= 0).then(|| Window {
+                    remaining: rem.floor() as i64,
+                    limit: lim as u64,
+                    reset_ms: reset.max(0) as u64,
+                })
+            };
+            (window(rem, lim, reset), window(rrem, rlim, rreset))
+        };
+        let refuse = |reason: Reason| {
+            Decision::Denied(Denial {
+                retry_after_ms: None,
+                headroom: tollgate::store::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                ..Denial::now(reason, "")
+            })
+        };
+
+        // Idempotency.
+        let mut attempts = 1;
+        let mut fingerprint = String::new();
+        if let Some((key, repeat)) = &ask.key {
+            fingerprint =
+                format!("{} {} {} {}", ask.user.as_deref().unwrap_or(""), ask.model, ask.prompt, ask.max_tokens);
+            let k = self.keys.get(&(ask.tenant.clone(), key.clone())).filter(|k| now < k.expires_at).cloned();
+            if let Some(k) = k {
+                if k.fingerprint != fingerprint {
+                    return refuse(Reason::InvalidRequest);
+                }
+                if *repeat == KeyRepeat::ReturnHold
+                    && let Some(latest) = &k.latest
+                    && let Some(h) =
+                        self.record(latest, now).filter(|h| h.state == State::Reserved && h.lease_end > now)
+                {
+                    if k.made >= self.max_attempts {
+                        return refuse(Reason::InvalidRequest);
+                    }
+                    let (held, latest) = (h.held, latest.clone());
+                    let entry = self.keys.get_mut(&(ask.tenant.clone(), key.clone())).unwrap();
+                    entry.made += 1;
+                    entry.last_call = Some(call);
+                    let (tokens, requests) = headroom(0.0, 0.0);
+                    return Decision::Admitted(Admitted {
+                        reservation_id: latest,
+                        reserved_tokens: held,
+                        attempts: k.made + 1,
+                        replayed: true,
+                        headroom: tollgate::store::Headroom { tokens, requests },
+                    });
+                }
+                if k.made >= self.max_attempts {
+                    return refuse(Reason::InvalidRequest);
+                }
+                attempts = k.made + 1;
+            }
+        }
+
+        // Decide: the limit that frees last is the reason.
+        let mut verdict: Option<(Reason, u64)> = None;
+        let mut deny = |why: Reason, ms: f64| {
+            let ms = ms.ceil().max(1.0) as u64;
+            if verdict.is_none_or(|(_, w)| ms > w) {
+                verdict = Some((why, ms));
+            }
+        };
+        let first_lease = self.leases.get(&ask.tenant).and_then(|set| set.iter().next().map(|(le, _)| *le));
+        for s in &reads {
+            if s.l.token_capacity > 0 && s.t < hold as f64 {
+                deny(Reason::TokenRate, (hold as f64 - s.t) / s.l.tokens_per_ms);
+            }
+            if s.l.request_capacity > 0 && s.r < 1.0 {
+                deny(Reason::RequestRate, (1.0 - s.r) / s.l.requests_per_ms);
+            }
+            if s.l.max_concurrency > 0 && s.c >= s.l.max_concurrency {
+                let ms = first_lease.map_or(self.concurrency_cap_ms as f64, |le| {
+                    (self.concurrency_cap_ms as f64).min(le as f64 - now as f64)
+                });
+                deny(Reason::Concurrency, ms);
+            }
+            if s.l.daily_budget > 0 && s.du + hold > s.l.daily_budget {
+                deny(Reason::Budget, ((today + 1) * DAY_MS - now) as f64);
+            }
+        }
+        if let Some((reason, wait)) = verdict {
+            return Decision::Denied(Denial {
+                retry_after_ms: Some(wait),
+                headroom: tollgate::store::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                ..Denial::now(reason, "")
+            });
+        }
+
+        // Hold.
+        for s in &reads {
+            let scope = self.scopes.entry(s.key.clone()).or_default();
+            scope.d = Some(today);
+            scope.du = s.du + hold;
+            if s.l.token_capacity > 0 {
+                scope.t = Some(s.t - hold as f64);
+                scope.tt = now;
+                scope.tc = s.l.token_capacity;
+                scope.tr = s.l.tokens_per_ms;
+            }
+            if s.l.request_capacity > 0 {
+                scope.r = Some(s.r - 1.0);
+                scope.rt = now;
+            }
+        }
+        let id = NEW_ID.to_string();
+        if let Some((key, _)) = &ask.key {
+            self.keys.insert(
+                (ask.tenant.clone(), key.clone()),
+                Key {
+                    fingerprint,
+                    made: attempts,
+                    latest: Some(id.clone()),
+                    last_call: Some(call),
+                    expires_at: now + rules.lease_ms,
+                },
+            );
+        }
+        self.holds.insert(
+            id.clone(),
+            Hold {
+                tenant: ask.tenant.clone(),
+                state: State::Reserved,
+                held: hold,
+                charged: hold,
+                slot: true,
+                lease_end: now + rules.lease_ms,
+                attempts,
+                day: today,
+                scopes: reads.iter().map(|s| s.key.clone()).collect(),
+                policy: rules.expired_usage,
+                key: ask.key.as_ref().map(|(k, _)| k.clone()),
+                usage: None,
+                refunded_on_release: 0,
+                gone_at: None,
+                pool: (ask.model == "m").then(|| self.pool_name.clone()),
+            },
+        );
+        self.leases.entry(ask.tenant.clone()).or_default().insert((now + rules.lease_ms, id.clone()));
+        let (tokens, requests) = headroom(hold as f64, 1.0);
+        Decision::Admitted(Admitted {
+            reservation_id: id,
+            reserved_tokens: hold,
+            attempts,
+            replayed: false,
+            headroom: tollgate::store::Headroom { tokens, requests },
+        })
+    }
+
+    /// Names the hold the last reserve made with the id the store chose.
+    pub fn adopt(&mut self, id: &str) {
+        let hold = self.holds.remove(NEW_ID).expect("a new hold to adopt");
+        let tenant = hold.tenant.clone();
+        if let Some(set) = self.leases.get_mut(&tenant) {
+            let entries: Vec<_> = set.iter().filter(|(_, i)| i == NEW_ID).cloned().collect();
+            for (le, _) in entries {
+                set.remove(&(le, NEW_ID.to_string()));
+                set.insert((le, id.to_string()));
+            }
+        }
+        for k in self.keys.values_mut() {
+            if k.latest.as_deref() == Some(NEW_ID) {
+                k.latest = Some(id.to_string());
+            }
+        }
+        if let Some(p) = self.pool.holds.remove(NEW_ID) {
+            self.pool.holds.insert(id.to_string(), p);
+        }
+        self.holds.insert(id.to_string(), hold);
+    }
+
+    pub fn commit(&mut self, id: &str, prompt: u64, output: u64, now: u64) -> CommitOutcome {
+        let outcome = self.tenant_commit(id, prompt, output, now);
+        if outcome != CommitOutcome::NotFound
+            && let Some(h) = self.holds.get(id)
+            && h.pool.is_some()
+        {
+            self.pool_drop(id);
+        }
+        outcome
+    }
+
+    fn tenant_commit(&mut self, id: &str, prompt: u64, output: u64, now: u64) -> CommitOutcome {
+        let Some(h) = self.record(id, now).cloned() else { return CommitOutcome::NotFound };
+        match h.state {
+            State::Settled(Settled::Committed | Settled::LateCommitted) => {
+                let u = h.usage.expect("a committed hold has its usage");
+                return CommitOutcome::Committed(Usage { duplicate: true, ..u });
+            }
+            State::Settled(Settled::Released) => return CommitOutcome::Released,
+            _ => {}
+        }
+        if h.state == State::Reserved && now >= h.lease_end {
+            self.expire(id, now);
+        }
+        let h = self.holds[id].clone();
+        let used = prompt + output;
+        if used < h.charged {
+            self.refund(&h.scopes, h.charged - used, h.day, now);
+        } else {
+            self.charge(&h.scopes, used - h.charged, now);
+        }
+        let late = h.state == State::Settled(Settled::Expired);
+        let usage = Usage {
+            late,
+            duplicate: false,
+            used,
+            held: h.held,
+            refunded: h.held.saturating_sub(used),
+            overrun: used.saturating_sub(h.held),
+        };
+        let rec = self.holds.get_mut(id).unwrap();
+        rec.state = State::Settled(if late { Settled::LateCommitted } else { Settled::Committed });
+        rec.charged = used;
+        rec.slot = false;
+        rec.usage = Some(usage);
+        self.close(id, now);
+        CommitOutcome::Committed(usage)
+    }
+
+    pub fn release(&mut self, id: &str, now: u64) -> ReleaseOutcome {
+        let outcome = match self.live(id, now) {
+            Err(None) => ReleaseOutcome::NotFound,
+            Err(Some(Settled::Released)) => {
+                ReleaseOutcome::Released { refunded: self.holds[id].refunded_on_release, repeated: true }
+            }
+            Err(Some(s)) => ReleaseOutcome::Settled(s),
+            Ok(()) => {
+                let h = self.holds[id].clone();
+                self.refund(&h.scopes, h.charged, h.day, now);
+                let rec = self.holds.get_mut(id).unwrap();
+                rec.state = State::Settled(Settled::Released);
+                rec.refunded_on_release = h.charged;
+                rec.charged = 0;
+                rec.slot = false;
+                self.close(id, now);
+                ReleaseOutcome::Released { refunded: h.charged, repeated: false }
+            }
+        };
+        if outcome != ReleaseOutcome::NotFound && self.holds.get(id).is_some_and(|h| h.pool.is_some()) {
+            self.pool_drop(id);
+        }
+        outcome
+    }
+
+    pub fn renew(&mut self, id: &str, now: u64) -> RenewOutcome {
+        match self.live(id, now) {
+            Err(None) => RenewOutcome::NotFound,
+            Err(Some(s)) => {
+                self.pool_drop(id);
+                RenewOutcome::Settled(s)
+            }
+            Ok(()) => {
+                let h = self.holds[id].clone();
+                let lease = self.rules[&h.tenant].lease_ms;
+                let end = now + lease;
+                self.holds.get_mut(id).unwrap().lease_end = end;
+                let set = self.leases.entry(h.tenant.clone()).or_default();
+                set.retain(|(_, i)| i != id);
+                set.insert((end, id.to_string()));
+                if let Some(k) = &h.key
+                    && let Some(entry) = self.keys.get_mut(&(h.tenant.clone(), k.clone()))
+                    && now < entry.expires_at
+                {
+                    entry.expires_at = end;
+                }
+                if let Some(p) = self.pool.holds.get_mut(id) {
+                    p.2 = end;
+                }
+                RenewOutcome::Renewed { lease_remaining_ms: lease }
+            }
+        }
+    }
+
+    /// Pool holds whose lease has not run out at `now`: the pool's own sweep reclaims the rest.
+    pub fn pool_holds_in_lease(&self, now: u64) -> u64 {
+        self.pool.holds.values().filter(|h| h.2 > now).count() as u64
+    }
+
+    /// Ids of every hold still reserved.
+    pub fn live_ids(&self) -> Vec<String> {
+        self.holds.iter().filter(|(_, h)| h.state == State::Reserved).map(|(id, _)| id.clone()).collect()
+    }
+}
