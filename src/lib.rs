@@ -24,6 +24,7 @@
 //! The protocol itself lives in `lua/` and exists once: both stores run those scripts.
 
 #![forbid(unsafe_code)]
+#![warn(clippy::unwrap_used)]
 
 pub mod admission;
 pub mod bench;

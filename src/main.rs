@@ -1,6 +1,7 @@
 //! The `tollgate` binary: parse the command line, start telemetry and the runtime, dispatch.
 
 #![forbid(unsafe_code)]
+#![warn(clippy::unwrap_used)]
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -12,9 +12,9 @@ use tollgate::config::Policy;
 fn fixtures() -> Vec<(PathBuf, String)> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/config");
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let text = std::fs::read_to_string(&path).unwrap();
+    for entry in std::fs::read_dir(&dir).expect("tests/config is readable") {
+        let path = entry.expect("a directory entry").path();
+        let text = std::fs::read_to_string(&path).expect("a fixture is readable");
         let expected = text
             .lines()
             .next()

@@ -264,7 +264,7 @@ mod scenarios {
         if h.exact_time() {
             assert_eq!(wait, 43_200_000, "the manual clock starts at noon UTC");
         } else {
-            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+            let now = tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock);
             let expected = 86_400_000 - now % 86_400_000;
             assert!(wait.abs_diff(expected) < 5_000, "{wait} vs {expected}");
         }

@@ -288,3 +288,28 @@ fn the_envoy_bootstrap_validates() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("OK") || String::from_utf8_lossy(&out.stderr).contains("OK"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tollgate_headers_a_client_sends_never_reach_the_backend() {
+    let stack = Stack::start("").await;
+    let forged = "big:00000000000000000000000000000000";
+    let extra = [
+        SKIP_COMMIT,
+        ("x-tollgate-reservation", forged),
+        ("x-tollgate-reserved-tokens", "1"),
+        ("x-tollgate-unmetered", "store_unavailable"),
+        ("x-tollgate-anything", "else"),
+    ];
+    let r = stack.chat("big", &chat_body("m", Some(20), 10), &extra).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let id = r.header("x-test-reservation").unwrap().to_string();
+    assert_ne!(id, forged);
+    let reserved = r.header("x-test-reserved-tokens").unwrap();
+    // What reached the backend: tollgate's two headers, as tollgate set them, and nothing else.
+    assert_eq!(
+        r.header("x-test-tollgate-headers"),
+        Some(format!("x-tollgate-reservation={id};x-tollgate-reserved-tokens={reserved}").as_str()),
+        "{}",
+        stack.diagnostics()
+    );
+}

@@ -140,7 +140,7 @@ impl<'de> de::Deserialize<'de> for TokenCount {
                 if n <= 0 {
                     Err(E::custom(format!("max_tokens must be at least 1, not {n}")))
                 } else {
-                    Ok(TokenCount(n as u64))
+                    Ok(TokenCount(n.unsigned_abs()))
                 }
             }
             fn visit_f64<E: de::Error>(self, n: f64) -> Result<TokenCount, E> {

@@ -32,6 +32,9 @@
 //! their decision over a channel; a hold whose decision nobody received is released at once, since
 //! the request it was for will never reach the backend.
 
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
 pub mod body;
 mod decision;
 pub mod ids;

@@ -8,6 +8,10 @@
 //! charged the whole wait (no coordinated omission). The requests vary as real traffic does (see
 //! [`RequestMix`]).
 
+// Measurement arithmetic (rates, percentiles, simulated lengths), not token accounting: float
+// casts here round a figure for display or a schedule, and saturate where they must.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
 pub mod burst;
 mod report;
 pub mod sweep;

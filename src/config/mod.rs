@@ -150,16 +150,23 @@ impl PoolPolicy {
     }
 
     /// The slots a tier may fill before it queues: its share of the pool, at least one.
+    // Float → integer `as` saturates; a share is in (0, 1], so the product is finite, non-negative
+    // and at most the pool's own size.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     pub fn slots_for(&self, tier: Priority) -> u64 {
         ((self.max_sequences as f64 * self.share(tier)).floor() as u64).max(1)
     }
 
     /// The KV-cache tokens a tier may fill; `None` when the pool sets no KV capacity.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     pub fn kv_for(&self, tier: Priority) -> Option<u64> {
         self.kv_cache_tokens.map(|kv| ((kv as f64 * self.share(tier)).floor() as u64).max(1))
     }
 
-    /// Predicted slot time of one request: prefill the prompt, then decode the output.
+    /// Predicted slot time of one request: prefill the prompt, then decode the output. Token
+    /// counts are bounded (10^9) and speeds positive, so the result is finite and non-negative;
+    /// `as` saturates all the same.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     pub fn service_ms(&self, prompt_tokens: u64, output_tokens: u64) -> u64 {
         (prompt_tokens as f64 / self.prefill_tokens_per_ms + output_tokens as f64 / self.decode_tokens_per_ms).ceil()
             as u64

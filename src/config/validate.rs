@@ -84,8 +84,8 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     let lease_ttl_ms = lease("defaults.lease_ttl_ms", d.lease_ttl_ms.unwrap_or(120_000))?;
     let expired_usage = d.expired_usage.unwrap_or_default();
     let record_retention_ms = positive("defaults.record_retention_ms", d.record_retention_ms, 3_600_000)?;
-    let sweep_batch = positive("defaults.sweep_batch", d.sweep_batch.map(u64::from), 16)? as u32;
-    let max_attempts = positive("defaults.max_attempts", d.max_attempts.map(u64::from), 3)? as u32;
+    let sweep_batch = positive_u32("defaults.sweep_batch", d.sweep_batch, 16)?;
+    let max_attempts = positive_u32("defaults.max_attempts", d.max_attempts, 3)?;
     let concurrency_retry_ms = positive("defaults.concurrency_retry_ms", d.concurrency_retry_ms, 1_000)?;
     let adaptive_output = d.adaptive_output.map(|a| adaptive("defaults.adaptive_output", a)).transpose()?;
 
@@ -396,6 +396,14 @@ fn lease(field: &str, ms: u64) -> Result<u64, Problem> {
         Ok(ms)
     } else {
         Err(problem(field, format!("{ms} is outside {MIN_LEASE_MS}..={MAX_LEASE_MS} ms")))
+    }
+}
+
+fn positive_u32(field: &str, value: Option<u32>, default: u32) -> Result<u32, Problem> {
+    match value {
+        Some(0) => Err(problem(field, "must be at least 1")),
+        Some(n) => Ok(n),
+        None => Ok(default),
     }
 }
 

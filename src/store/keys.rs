@@ -96,9 +96,8 @@ mod tests {
 
     /// Redis Cluster's hash tag: the substring between the first `{` and the next `}`.
     fn hash_tag(key: &str) -> &str {
-        let open = key.find('{').expect("tagged");
-        let close = key[open + 1..].find('}').expect("closed") + open + 1;
-        &key[open + 1..close]
+        let (_, rest) = key.split_once('{').expect("tagged");
+        rest.split_once('}').expect("closed").0
     }
 
     #[test]

@@ -6,6 +6,9 @@
 //!   no Redis), with an injectable clock.
 //! - [`redis`]: Redis or Redis Cluster through fred, scripts loaded at start and called by SHA.
 
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
 pub mod clock;
 pub mod embedded;
 pub mod keys;

@@ -335,7 +335,7 @@ impl<S: Store> Protocol<S> {
     pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveReply, StoreError> {
         let tenant = call.tenant;
         let key = call.idempotency.as_ref();
-        let mut keys = Vec::with_capacity(5 + call.scopes.len());
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(5));
         keys.push(keys::leases(tenant));
         keys.push(keys::record(tenant, call.id));
         keys.push(keys::idempotency(tenant, key.map_or("", |k| k.key)));
@@ -347,7 +347,7 @@ impl<S: Store> Protocol<S> {
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut args = Vec::with_capacity(15 + 6 * call.scopes.len());
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(15));
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -385,7 +385,7 @@ impl<S: Store> Protocol<S> {
                     id: r.text(1)?.to_string(),
                     held: r.uint(2)?,
                     attempts: r.count(3)?,
-                    headroom: Headroom { tokens: r.window(4)?, requests: r.window(7)? },
+                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])? },
                     estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
                     replayed: r.flag(12)?,
                 },
@@ -396,7 +396,7 @@ impl<S: Store> Protocol<S> {
                     reason: Refusal::parse(r.text(1)?).ok_or_else(|| r.bad())?,
                     scope: usize::try_from(r.uint(2)?.saturating_sub(1)).map_err(|_| r.bad())?,
                     retry_after_ms: r.uint(3)?,
-                    headroom: Headroom { tokens: r.window(4)?, requests: None },
+                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: None },
                 },
                 swept: r.texts(7)?,
             }),
@@ -597,16 +597,17 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// Remaining / limit / reset from `i`: the scripts send a limit of -1 for "no scope limits this".
-    fn window(&self, i: usize) -> Result<Option<Window>, StoreError> {
-        let limit = self.int(i + 1)?;
+    /// Remaining / limit / reset at these fields: the scripts send a limit of -1 for "no scope
+    /// limits this".
+    fn window(&self, [remaining, limit, reset]: [usize; 3]) -> Result<Option<Window>, StoreError> {
+        let limit = self.int(limit)?;
         if limit < 0 {
             return Ok(None);
         }
         Ok(Some(Window {
-            remaining: self.int(i)?,
+            remaining: self.int(remaining)?,
             limit: limit.unsigned_abs(),
-            reset_ms: u64::try_from(self.int(i + 2)?.max(0)).map_err(|_| self.bad())?,
+            reset_ms: self.int(reset)?.max(0).unsigned_abs(),
         }))
     }
 }

@@ -156,6 +156,8 @@ fn to_reply(value: Value) -> Reply {
         Value::Null | Value::Boolean(false) => Reply::Nil,
         Value::Boolean(true) => Reply::Int(1),
         Value::Integer(n) => Reply::Int(n),
+        // As Redis itself turns a Lua number into an integer reply: truncated (`as` saturates).
+        #[allow(clippy::cast_possible_truncation)]
         Value::Double(f) => Reply::Int(f.trunc() as i64),
         Value::String(s) => Reply::Text(s.to_string()),
         Value::Bytes(b) => Reply::Text(String::from_utf8_lossy(&b).into_owned()),

@@ -5,7 +5,8 @@
 //! `TOLLGATE_TEST_REDIS_URL` and `TOLLGATE_TEST_REDIS_CLUSTER`; a test that needs one and finds
 //! the variable unset fails and says how to run it.
 
-#![allow(dead_code)]
+// A harness: an unwrap that fails is a test that fails, and its casts are of small test numbers.
+#![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod faults;
 pub mod model;

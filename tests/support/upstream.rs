@@ -5,7 +5,8 @@
 //! Test controls, as request headers: `x-test-output-tokens: N` sets the completion tokens
 //! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back.
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
-//! `x-test-commit-state`.
+//! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
+//! `x-test-tollgate-headers: name=value;name=value`.
 
 use std::convert::Infallible;
 
@@ -57,6 +58,13 @@ async fn handle(
     mut client: AdmissionClient<Channel>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let mut own: Vec<String> = req
+        .headers()
+        .iter()
+        .filter(|(k, _)| k.as_str().starts_with("x-tollgate-"))
+        .map(|(k, v)| format!("{}={}", k.as_str(), v.to_str().unwrap_or("?")))
+        .collect();
+    own.sort();
     let reservation = header("x-tollgate-reservation");
     let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
     let output: Option<u64> = header("x-test-output-tokens").and_then(|v| v.parse().ok());
@@ -87,6 +95,7 @@ async fn handle(
         .header("x-test-reservation", reservation.unwrap_or_default())
         .header("x-test-reserved-tokens", reserved)
         .header("x-test-commit-state", commit_state)
+        .header("x-test-tollgate-headers", own.join(";"))
         .body(Full::new(Bytes::from(usage.to_string())))
         .unwrap();
     Ok(response)

@@ -232,8 +232,8 @@ fn to_lua(lua: &Lua, resp: Resp) -> mlua::Result<Value> {
         }
         Resp::Array(items) => {
             let t = lua.create_table_with_capacity(items.len(), 0)?;
-            for (i, item) in items.into_iter().enumerate() {
-                t.raw_set(i + 1, to_lua(lua, item)?)?;
+            for (i, item) in (1..).zip(items) {
+                t.raw_set(i, to_lua(lua, item)?)?;
             }
             Value::Table(t)
         }
@@ -247,6 +247,8 @@ fn to_reply(value: Value) -> Result<Reply, String> {
         Value::Nil | Value::Boolean(false) => Reply::Nil,
         Value::Boolean(true) => Reply::Int(1),
         Value::Integer(n) => Reply::Int(n),
+        // Redis turns a Lua number into an integer reply by truncation; `as` saturates past i64.
+        #[allow(clippy::cast_possible_truncation)]
         Value::Number(n) => Reply::Int(n.trunc() as i64),
         Value::String(s) => Reply::Text(s.to_string_lossy()),
         Value::Table(t) => {
