@@ -167,6 +167,13 @@ async fn a_lost_reserve_answer_is_given_back_without_a_second_charge() {
     let mut user = reserve("acme", "r-1", 10);
     user.user = "bob".into();
     assert_eq!(e.reserve(user).await.reason, "invalid_request");
+
+    // Release is as idempotent as commit: a repeat answers the first refund, given once.
+    let released = e.admission.release(ReleaseRequest { reservation_id: first.reservation_id.clone() }).await.unwrap();
+    let again = e.admission.release(ReleaseRequest { reservation_id: first.reservation_id.clone() }).await.unwrap();
+    let (released, again) = (released.into_inner(), again.into_inner());
+    assert_eq!((released.refunded_tokens, released.duplicate), (15, false));
+    assert_eq!((again.state.as_str(), again.refunded_tokens, again.duplicate), ("released", 15, true));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

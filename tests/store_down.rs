@@ -72,6 +72,9 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
         ("store_unavailable", 503, 1000),
         "{down:?}"
     );
+    let open = client.reserve(ReserveRequest { tenant: "open".into(), ..reserve() }).await.unwrap().into_inner();
+    assert!(open.admitted && open.unmetered, "a fail_open tenant is admitted unmetered: {open:?}");
+    assert_eq!(open.reservation_id, "", "with nothing to commit");
 
     let _back = OwnRedis::start(port);
     let start = Instant::now();
