@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use envoy_types::pb::envoy::service::auth::v3::authorization_server::AuthorizationServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
 
 use super::admission::AdmissionService;
 use super::authz::AuthzService;
@@ -23,6 +23,14 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
+}
+
+/// The connections `serve` accepts, each with TCP_NODELAY set. A decision is a few hundred bytes
+/// and an ext_proc stream many small messages: under Nagle's algorithm each reply would wait for
+/// the peer's next ACK. (The builder's own `tcp_nodelay` applies only to listeners tonic binds
+/// itself, not to an incoming stream handed to it, so it is set here, on every accepted socket.)
+pub fn incoming(listener: TcpListener) -> TcpIncoming {
+    TcpIncoming::from(listener).with_nodelay(Some(true))
 }
 
 /// Serves until `shutdown` is cancelled, then stops accepting, lets in-flight calls finish for at
@@ -48,8 +56,6 @@ pub async fn serve<S: Store>(
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let server = Server::builder()
-        // Decisions are a few hundred bytes: Nagle's algorithm would only add latency.
-        .tcp_nodelay(true)
         // Envoy keeps HTTP/2 connections open; pings find dead peers.
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -65,7 +71,7 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
         .add_service(AdmissionServer::new(AdmissionService::new(admission)))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.clone().cancelled_owned());
+        .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
 
     tokio::select! {
         result = server => result?,
@@ -74,4 +80,24 @@ pub async fn serve<S: Store>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn every_accepted_connection_has_nodelay_set() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut accepted = incoming(listener);
+        for _ in 0..3 {
+            let client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let server_side = accepted.next().await.unwrap().unwrap();
+            assert!(server_side.nodelay().unwrap(), "TCP_NODELAY read back from the accepted socket");
+            drop(client);
+        }
+    }
 }
