@@ -5,17 +5,19 @@
 -- KEYS[2] the tenant's lease index
 -- KEYS[3] the tenant's holds hash
 -- ARGV[1] reservation id
--- ARGV[2] prompt tokens used
+-- ARGV[2] prompt tokens used, or empty when the response did not say: the prompt held is charged
 -- ARGV[3] output tokens used
 -- ARGV[4] TTL of the output estimate this commit teaches (ms)
 -- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
+-- ARGV[6] exact | metered: whether the counts were reported or metered by tollgate
 --
--- Reply: {state, duplicate (0|1), used, held, refunded, overrun}
+-- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1)}
 --   state: committed | late_committed, or not_found | released when nothing was charged
 --   A commit of an already committed id returns the first commit's result with duplicate = 1: a
 --   caller that commits twice, or a client that re-sends after a lost reply, charges once.
 --
--- A hold that learns (its record names an estimate) teaches it the output length, once.
+-- A hold that learns (its record names an estimate) teaches it the output length, once, and only
+-- an exact one: a metered length would teach the estimate the meter's error.
 --
 -- Invariants: each record is charged for usage at most once; a hold whose lease has passed is
 -- settled as expired first (whether or not a sweep reached it), then late-committed, so the
@@ -26,20 +28,24 @@ local rk = KEYS[1]
 local leases = KEYS[2]
 local holds = KEYS[3]
 local id = ARGV[1]
-local prompt = tonumber(ARGV[2])
 local output = tonumber(ARGV[3])
 local estimate_ttl = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
+local metered = ARGV[6] == 'metered'
 
 local r = load(rk)
 if not r then
-  return { 'not_found', 0, 0, 0, 0, 0 }
+  return { 'not_found', 0, 0, 0, 0, 0, 0 }
 end
 if r.st == 'committed' or r.st == 'late_committed' then
-  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov) }
+  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov), tonumber(r.mx) or 0 }
 end
 if r.st == 'released' then
-  return { 'released', 0, 0, r.h, 0, 0 }
+  return { 'released', 0, 0, r.h, 0, 0, 0 }
+end
+local prompt = tonumber(ARGV[2])
+if not prompt then
+  prompt = math.max(0, r.h - (tonumber(r.oh) or 0))
 end
 
 local now = now_ms()
@@ -65,10 +71,14 @@ if r.st == 'expired' then
 end
 local refunded = math.max(0, r.h - used)
 local overrun = math.max(0, used - r.h)
+local mx = 0
+if metered then
+  mx = 1
+end
 redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
-  'rf', refunded, 'ov', overrun)
+  'rf', refunded, 'ov', overrun, 'mx', mx)
 close(rk, id, r, leases, holds)
-if r.ok and r.ok ~= '' and window > 0 then
+if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end
-return { state, 0, used, r.h, refunded, overrun }
+return { state, 0, used, r.h, refunded, overrun, mx }

@@ -13,6 +13,7 @@
 --   it  idle TTL (ms) of the tenant's keys: every phase that touches a hold keeps its keys alive
 --   oh  the output part of the hold         es  1 when that came from the output estimate
 --   pt ot us rf ov  commit result: prompt, output, used, refunded (release too), overrun tokens
+--   mx  1 when the commit's counts were metered by tollgate, not reported by the response
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
 --
@@ -46,7 +47,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
-  'ok', 'oq', 'it', 'oh', 'es' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)

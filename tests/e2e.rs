@@ -305,10 +305,10 @@ async fn tollgate_headers_a_client_sends_never_reach_the_backend() {
     let id = r.header("x-test-reservation").unwrap().to_string();
     assert_ne!(id, forged);
     let reserved = r.header("x-test-reserved-tokens").unwrap();
-    // What reached the backend: tollgate's two headers, as tollgate set them, and nothing else.
+    // What reached the backend: tollgate's own headers, as tollgate set them, and nothing else.
     assert_eq!(
         r.header("x-test-tollgate-headers"),
-        Some(format!("x-tollgate-reservation={id};x-tollgate-reserved-tokens={reserved}").as_str()),
+        Some(format!("x-tollgate-model=m;x-tollgate-reservation={id};x-tollgate-reserved-tokens={reserved}").as_str()),
         "{}",
         stack.diagnostics()
     );

@@ -96,6 +96,8 @@ impl Reason {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Admitted {
     pub reservation_id: String,
+    /// The model the hold was made for (goes upstream, so the commit from the response meters it).
+    pub model: String,
     pub reserved_tokens: u64,
     /// The reserves its idempotency key has made, this one included (1 without a key).
     pub attempts: u32,

@@ -38,6 +38,7 @@
 pub mod body;
 mod decision;
 pub mod ids;
+pub mod usage;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -51,7 +52,7 @@ use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 pub use crate::store::KeyRepeat;
 use crate::store::{
-    CommitOutcome, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
+    CommitOutcome, Counted, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
     ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, keys,
 };
 
@@ -366,7 +367,14 @@ impl<S: Store> Admission<S> {
                 {
                     self.remember_estimate(&plan.tenant, &plan.model, output);
                 }
-                Decision::Admitted(Admitted { reservation_id: id, reserved_tokens: held, attempts, replayed, headroom })
+                Decision::Admitted(Admitted {
+                    reservation_id: id,
+                    model: plan.model.clone(),
+                    reserved_tokens: held,
+                    attempts,
+                    replayed,
+                    headroom,
+                })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
@@ -431,14 +439,28 @@ impl<S: Store> Admission<S> {
         }
     }
 
-    /// The commit phase: reconcile a hold against actual usage, then free its pool work.
+    /// The commit phase: reconcile a hold against the usage its caller reports, then free its pool
+    /// work.
     pub async fn commit(
         &self,
         reservation_id: &str,
         prompt: u64,
         output: u64,
     ) -> Result<CommitOutcome, AdmissionError> {
-        for (what, value) in [("prompt_tokens", prompt), ("completion_tokens", output)] {
+        self.commit_counted(reservation_id, Counted::Exact { prompt, output }).await
+    }
+
+    /// The commit phase, with counts reported or metered.
+    pub async fn commit_counted(
+        &self,
+        reservation_id: &str,
+        counted: Counted,
+    ) -> Result<CommitOutcome, AdmissionError> {
+        let counts = match counted {
+            Counted::Exact { prompt, output } => [("prompt_tokens", prompt), ("completion_tokens", output)],
+            Counted::Metered { output } => [("prompt_tokens", 0), ("completion_tokens", output)],
+        };
+        for (what, value) in counts {
             if value > MAX_TOKEN_COUNT {
                 return Err(AdmissionError::TooLarge { what, value });
             }
@@ -448,7 +470,7 @@ impl<S: Store> Admission<S> {
         let learning = tp.and_then(|tp| {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
         });
-        let outcome = self.protocol.commit(r.tenant, reservation_id, prompt, output, learning).await?;
+        let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
         // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
         // call may have settled the tenant leg and failed to reach the pool. Idempotent.
         if let Some(pool) = r.pool

@@ -125,6 +125,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     reserved_tokens: u.held,
                     refunded_tokens: u.refunded,
                     overrun_tokens: u.overrun,
+                    metered: u.metered,
                 }))
             }
         }

@@ -3,5 +3,6 @@
 
 pub mod admission;
 pub mod authz;
+pub mod ext_proc;
 pub mod response;
 pub mod server;

@@ -22,6 +22,8 @@ pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
 pub const REASON_HEADER: &str = "x-tollgate-reason";
 /// Upstream: admitted without a hold (the store was down and the tenant fails open).
 pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
+/// Upstream: the model the hold was made for, which the commit from the response meters by.
+pub const MODEL_HEADER: &str = "x-tollgate-model";
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
 const RPC_OK: i32 = 0;
@@ -36,6 +38,7 @@ pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckRespon
             vec![
                 header(RESERVATION_HEADER, a.reservation_id.clone()),
                 header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+                header(MODEL_HEADER, a.model.clone()),
             ],
             rate_limit_headers(&a.headroom),
             client_own,

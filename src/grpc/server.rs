@@ -1,4 +1,4 @@
-//! One port, every service: Envoy's `Authorization`, tollgate's `Admission`, `grpc.health.v1`, and
+//! One port, every service: Envoy's `Authorization` and `ExternalProcessor`, tollgate's `Admission`, `grpc.health.v1`, and
 //! server reflection v1 and v1alpha (grpcurl 1.8 speaks only v1alpha). The stack is built here and
 //! nowhere else.
 
@@ -13,9 +13,11 @@ use tonic::transport::server::TcpIncoming;
 
 use super::admission::AdmissionService;
 use super::authz::AuthzService;
+use super::ext_proc::ExtProcService;
 use crate::admission::Admission;
 use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
 use crate::store::Store;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -44,6 +46,7 @@ pub async fn serve<S: Store>(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
     health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
+    health.set_serving::<ExternalProcessorServer<ExtProcService<S>>>().await;
 
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -70,6 +73,7 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
+        .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
         .add_service(AdmissionServer::new(AdmissionService::new(admission)))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
 

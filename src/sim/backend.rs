@@ -5,6 +5,9 @@
 //! the prefill speed) and then decode (one token at a time at the decode speed); the output stops
 //! at a length drawn from [`OutputLengths`] or at `max_tokens`, whichever comes first.
 //!
+//! With `--tollgate` it commits its usage itself and says so (`x-tollgate-commit: caller`), so
+//! Envoy's commit from the response leaves its holds alone; without, Envoy commits them.
+//!
 //! `POST /v1/chat/completions` answers JSON with a `usage` block, or with `"stream": true` a
 //! server-sent event stream whose last chunk carries `usage` when `stream_options.include_usage`
 //! is set. A request carrying `x-tollgate-reservation` is committed to tollgate with its real
@@ -129,7 +132,25 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let sim = sim.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| handle(sim.clone(), req));
+            let service = hyper::service::service_fn(move |req| {
+                let sim = sim.clone();
+                async move {
+                    let commits_itself = sim.tollgate.is_some();
+                    let reservation = req.headers().get("x-tollgate-reservation").cloned();
+                    let mut response = handle(sim, req).await?;
+                    // Echoed, so a client (a test) can look its hold up.
+                    if let Some(id) = reservation {
+                        response.headers_mut().insert("x-sim-reservation", id);
+                    }
+                    if commits_itself {
+                        // Envoy's commit from the response leaves this backend's holds to it.
+                        response
+                            .headers_mut()
+                            .insert("x-tollgate-commit", hyper::header::HeaderValue::from_static("caller"));
+                    }
+                    Ok::<_, Infallible>(response)
+                }
+            });
             let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
         });
     }

@@ -19,9 +19,9 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    CommitOutcome, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol,
-    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled, Usage,
-    Window,
+    CommitOutcome, Counted, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal,
+    Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled,
+    Usage, Window,
 };
 pub use scripts::Script;
 

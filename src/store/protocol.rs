@@ -171,6 +171,15 @@ impl Settled {
     }
 }
 
+/// What a commit is told was used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Counts the response (or the caller) reported.
+    Exact { prompt: u64, output: u64 },
+    /// Counted by tollgate from the text that passed; the prompt is the one held at admission.
+    Metered { output: u64 },
+}
+
 /// What a commit charged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -178,6 +187,8 @@ pub struct Usage {
     pub late: bool,
     /// An earlier commit of this id charged it; this is that commit's result.
     pub duplicate: bool,
+    /// The counts charged were metered by tollgate, not reported.
+    pub metered: bool,
     pub used: u64,
     pub held: u64,
     pub refunded: u64,
@@ -409,17 +420,21 @@ impl<S: Store> Protocol<S> {
         &self,
         tenant: &str,
         id: &str,
-        prompt_tokens: u64,
-        output_tokens: u64,
+        counted: Counted,
         learning: Option<Learning>,
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
+        let (prompt, output, measure) = match counted {
+            Counted::Exact { prompt, output } => (prompt.to_string(), output, "exact"),
+            Counted::Metered { output } => (String::new(), output, "metered"),
+        };
         let args = vec![
             id.to_string(),
-            prompt_tokens.to_string(),
-            output_tokens.to_string(),
+            prompt,
+            output.to_string(),
             learning.map_or(0, |l| l.ttl_ms).to_string(),
             learning.map_or(0, |l| l.window).to_string(),
+            measure.to_string(),
         ];
         let reply = self.store.eval(script, hold_keys(tenant, id), args).await?;
         let r = Fields::of(script, &reply)?;
@@ -429,6 +444,7 @@ impl<S: Store> Protocol<S> {
             state @ ("committed" | "late_committed") => CommitOutcome::Committed(Usage {
                 late: state == "late_committed",
                 duplicate: r.flag(1)?,
+                metered: r.flag(6)?,
                 used: r.uint(2)?,
                 held: r.uint(3)?,
                 refunded: r.uint(4)?,

@@ -490,6 +490,7 @@ impl Model {
                     let (tokens, requests) = headroom(0.0, 0.0);
                     return Decision::Admitted(Admitted {
                         reservation_id: latest,
+                        model: ask.model.clone(),
                         reserved_tokens: held,
                         attempts: k.made + 1,
                         replayed: true,
@@ -590,6 +591,7 @@ impl Model {
         let (tokens, requests) = headroom(hold as f64, 1.0);
         Decision::Admitted(Admitted {
             reservation_id: id,
+            model: ask.model.clone(),
             reserved_tokens: hold,
             attempts,
             replayed: false,
@@ -654,6 +656,7 @@ impl Model {
         let usage = Usage {
             late,
             duplicate: false,
+            metered: false,
             used,
             held: h.held,
             refunded: h.held.saturating_sub(used),

@@ -3,7 +3,9 @@
 //! integration, commits that usage to tollgate with the reservation id Envoy forwarded.
 //!
 //! Test controls, as request headers: `x-test-output-tokens: N` sets the completion tokens
-//! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back.
+//! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back;
+//! `x-test-status: N` answers that status with an error body and no usage, commits nothing, and
+//! leaves the hold to Envoy's commit from the response.
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -69,6 +71,15 @@ async fn handle(
     let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
     let output: Option<u64> = header("x-test-output-tokens").and_then(|v| v.parse().ok());
     let skip = header("x-test-skip-commit").is_some();
+    if let Some(status) = header("x-test-status").and_then(|s| s.parse::<u16>().ok()) {
+        let response = Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .header("x-test-reservation", reservation.unwrap_or_default())
+            .body(Full::new(Bytes::from(r#"{"error":{"message":"injected","type":"server_error"}}"#)))
+            .unwrap();
+        return Ok(response);
+    }
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let max_tokens = json["max_tokens"].as_u64().or(json["max_completion_tokens"].as_u64()).unwrap_or(16);
@@ -96,6 +107,8 @@ async fn handle(
         .header("x-test-reserved-tokens", reserved)
         .header("x-test-commit-state", commit_state)
         .header("x-test-tollgate-headers", own.join(";"))
+        // This backend commits itself: Envoy's commit from the response leaves its holds alone.
+        .header("x-tollgate-commit", "caller")
         .body(Full::new(Bytes::from(usage.to_string())))
         .unwrap();
     Ok(response)

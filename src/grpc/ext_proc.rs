@@ -1,0 +1,254 @@
+//! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
+//! in front of a backend that knows nothing of tollgate.
+//!
+//! One gRPC stream per HTTP request. Envoy sends the request headers (after `ext_authz` added
+//! `x-tollgate-reservation`), then the response headers and the response body as it streams, in
+//! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! reads the usage the response reports (or meters the text that passes, see
+//! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
+//! ends settles the hold:
+//!
+//! | the response | settled as |
+//! |---|---|
+//! | 2xx | committed: its reported usage, else metered |
+//! | 429 or 5xx before any output | released: nothing was generated |
+//! | 429 or 5xx after output | committed: what was generated |
+//! | other 4xx | committed with the usage it reports, else released |
+//! | cut short (the client went away, Envoy reset the stream) | committed: what was generated so far, else released |
+//!
+//! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
+//! tollgate leaves the hold to it; a route whose backends all commit turns the filter off
+//! (`ExtProcPerRoute { disabled: true }`). Only the backend's word counts: a client's request header
+//! could claim it commits and so run for free (and `Check` strips every `x-tollgate-*` a client
+//! sends anyway). Both committing is harmless, since commit is idempotent. A tollgate restart
+//! mid-stream leaves the hold to expiry.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, HeadersResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
+};
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::response::{MODEL_HEADER, RESERVATION_HEADER};
+use crate::admission::usage::{Measured, Meter};
+use crate::admission::{Admission, ids};
+use crate::store::Store;
+
+/// Response header by which a backend says it commits itself.
+pub const COMMIT_HEADER: &str = "x-tollgate-commit";
+
+/// The `envoy.service.ext_proc.v3.ExternalProcessor` service.
+#[derive(Debug)]
+pub struct ExtProcService<S> {
+    admission: Arc<Admission<S>>,
+}
+
+impl<S> ExtProcService<S> {
+    pub fn new(admission: Arc<Admission<S>>) -> Self {
+        ExtProcService { admission }
+    }
+}
+
+type Replies = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl<S: Store> ExternalProcessor for ExtProcService<S> {
+    type ProcessStream = Replies;
+
+    async fn process(&self, request: Request<Streaming<ProcessingRequest>>) -> Result<Response<Replies>, Status> {
+        let mut inbound = request.into_inner();
+        let (replies, out) = mpsc::channel(16);
+        let admission = Arc::clone(&self.admission);
+        // The exchange outlives this call: it settles the hold when the response ends, or when the
+        // stream is cut short.
+        tokio::spawn(async move {
+            let mut exchange = Exchange::new();
+            // The stream ends cleanly, or with an error when Envoy resets it (the client left).
+            while let Ok(Some(message)) = inbound.message().await {
+                // In observability mode Envoy expects no reply; otherwise, continue.
+                if let Some(reply) = exchange.read(message, &admission).await {
+                    let _ = replies.send(Ok(reply)).await;
+                }
+                if exchange.settled {
+                    break;
+                }
+            }
+            exchange.settle(&admission, Ending::CutShort).await;
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+}
+
+/// How a response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Complete,
+    CutShort,
+}
+
+/// One request's response, as tollgate follows it.
+struct Exchange {
+    reservation: Option<String>,
+    model: Option<String>,
+    /// Someone else commits this hold.
+    caller_commits: bool,
+    status: Option<u16>,
+    meter: Option<Meter>,
+    last_renewal: Instant,
+    settled: bool,
+}
+
+impl Exchange {
+    fn new() -> Self {
+        Exchange {
+            reservation: None,
+            model: None,
+            caller_commits: false,
+            status: None,
+            meter: None,
+            last_renewal: Instant::now(),
+            settled: false,
+        }
+    }
+
+    /// Takes one message; returns the reply Envoy waits for, if it waits.
+    async fn read<S: Store>(
+        &mut self,
+        message: ProcessingRequest,
+        admission: &Admission<S>,
+    ) -> Option<ProcessingResponse> {
+        let observing = message.observability_mode;
+        let reply = match message.request? {
+            Phase::RequestHeaders(h) => {
+                let headers = h.headers.unwrap_or_default();
+                self.reservation = header(&headers, RESERVATION_HEADER);
+                self.model = header(&headers, MODEL_HEADER);
+                Reply::RequestHeaders(HeadersResponse::default())
+            }
+            Phase::ResponseHeaders(h) => {
+                let headers = h.headers.unwrap_or_default();
+                self.status = header(&headers, ":status").and_then(|s| s.parse().ok());
+                self.caller_commits |= header(&headers, COMMIT_HEADER).is_some_and(|v| v == "caller");
+                let bytes_per_token = self
+                    .model
+                    .as_deref()
+                    .and_then(|m| admission.policy().models.get(m))
+                    .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
+                self.meter = Some(Meter::new(
+                    header(&headers, "content-type").as_deref(),
+                    header(&headers, "content-encoding").as_deref(),
+                    bytes_per_token,
+                ));
+                if h.end_of_stream {
+                    self.settle(admission, Ending::Complete).await;
+                }
+                Reply::ResponseHeaders(HeadersResponse::default())
+            }
+            Phase::ResponseBody(b) => {
+                if let Some(meter) = &mut self.meter {
+                    meter.feed(&b.body);
+                }
+                self.keep_alive(admission).await;
+                if b.end_of_stream {
+                    self.settle(admission, Ending::Complete).await;
+                }
+                Reply::ResponseBody(BodyResponse::default())
+            }
+            Phase::ResponseTrailers(_) => {
+                self.settle(admission, Ending::Complete).await;
+                Reply::ResponseTrailers(TrailersResponse::default())
+            }
+            Phase::RequestBody(_) => Reply::RequestBody(BodyResponse::default()),
+            Phase::RequestTrailers(_) => Reply::RequestTrailers(TrailersResponse::default()),
+        };
+        (!observing).then(|| ProcessingResponse { response: Some(reply), ..Default::default() })
+    }
+
+    /// Renews the lease of a long stream while its bytes keep flowing: every third of a lease.
+    async fn keep_alive<S: Store>(&mut self, admission: &Admission<S>) {
+        let Some(id) = self.reservation.as_deref().filter(|_| !self.caller_commits) else { return };
+        let Some(lease) = ids::parse_reservation_id(id)
+            .and_then(|r| admission.policy().tenant(r.tenant))
+            .map(|t| Duration::from_millis(t.lease_ttl_ms))
+        else {
+            return;
+        };
+        if self.last_renewal.elapsed() < lease / 3 {
+            return;
+        }
+        self.last_renewal = Instant::now();
+        if let Err(e) = admission.renew(id, 0).await {
+            tracing::warn!(error = %e, reservation = id, "renewing a streaming hold failed");
+        }
+    }
+
+    /// Commits or releases the hold, once, by how the response ended (see the module's table).
+    async fn settle<S: Store>(&mut self, admission: &Admission<S>, ending: Ending) {
+        if std::mem::replace(&mut self.settled, true) {
+            return;
+        }
+        let Some(id) = self.reservation.as_deref() else { return };
+        if self.caller_commits {
+            return;
+        }
+        let status = self.status.unwrap_or(0);
+        let Some(meter) = &mut self.meter else {
+            // No response at all: nothing was generated.
+            release(admission, id).await;
+            return;
+        };
+        let saw_output = meter.saw_output();
+        let measured = meter.measured();
+        let commit = match (status, measured) {
+            (200..=299, _) => true,
+            (429 | 500..=599, _) => saw_output,
+            (_, Measured::Exact { .. }) => true,
+            _ => false,
+        };
+        if !commit {
+            release(admission, id).await;
+            return;
+        }
+        match admission.commit_counted(id, measured).await {
+            Ok(outcome) => tracing::debug!(
+                reservation = id,
+                state = outcome.state(),
+                ?measured,
+                cut_short = ending == Ending::CutShort,
+                "committed from the response"
+            ),
+            Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
+        }
+    }
+}
+
+/// Bytes per token when the model is not known.
+const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+
+async fn release<S: Store>(admission: &Admission<S>, id: &str) {
+    match admission.release(id).await {
+        Ok(outcome) => {
+            tracing::debug!(reservation = id, state = outcome.state(), "released: the response generated nothing")
+        }
+        Err(e) => tracing::warn!(error = %e, reservation = id, "release from the response failed"),
+    }
+}
+
+/// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes).
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    let h = headers.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
+    if !h.value.is_empty() {
+        return Some(h.value.clone());
+    }
+    String::from_utf8(h.raw_value.clone()).ok()
+}

@@ -1,0 +1,203 @@
+//! The loop closes in front of a backend that knows nothing of tollgate: real Envoy, tollgate's
+//! ext_authz and ext_proc, and the simulated backend in its mode that commits nothing. Each hold
+//! must end committed with what the backend generated (exactly when the response reports usage,
+//! metered when not) or released when nothing was generated, with nobody calling Commit.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::procs::{Envoy, Tollgate};
+use support::upstream::{Upstream, post};
+use tokio_util::sync::CancellationToken;
+use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::proto::{CommitRequest, CommitResponse, RenewRequest};
+use tollgate::sim::backend::{self, SimConfig, SimStats};
+use tollgate::sim::lengths::OutputLengths;
+
+const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096 }\n\
+                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n";
+const CHAT: &str = "/v1/chat/completions";
+
+/// tollgate, the simulated backend (committing nothing itself) and Envoy in front.
+struct Stack {
+    tollgate: Tollgate,
+    envoy: Envoy,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Stack {
+    async fn start(decode_tokens_per_second: f64) -> Stack {
+        let tollgate = Tollgate::start(POLICY);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let config = SimConfig {
+            slots: 4,
+            prefill_tokens_per_second: 1_000_000.0,
+            decode_tokens_per_second,
+            lengths: OutputLengths::Fixed(40),
+            tollgate: None,
+            ..SimConfig::default()
+        };
+        let shutdown = CancellationToken::new();
+        tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+        let envoy = Envoy::start(tollgate.addr, port);
+        Stack { tollgate, envoy, shutdown }
+    }
+
+    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
+        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
+    }
+
+    /// Waits until the hold is settled by someone (renewing a live one meanwhile, harmlessly),
+    /// and returns its state.
+    async fn settled(&self, id: &str) -> String {
+        let mut client = self.client().await;
+        let start = Instant::now();
+        loop {
+            let state = client
+                .renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 })
+                .await
+                .unwrap_or_else(|e| panic!("renew {id}: {e}\n{}", self.diagnostics()))
+                .into_inner()
+                .state;
+            if state != "reserved" {
+                return state;
+            }
+            assert!(start.elapsed() < Duration::from_secs(5), "{id} never settled\n{}", self.diagnostics());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// What the commit from the response charged: a second commit answers with it.
+    async fn charged(&self, id: &str) -> CommitResponse {
+        assert_eq!(self.settled(id).await, "committed", "{}", self.diagnostics());
+        let mut client = self.client().await;
+        let c = client
+            .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(c.duplicate, "the response's commit came first: {c:?}");
+        c
+    }
+
+    fn diagnostics(&self) -> String {
+        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
+    }
+}
+
+fn chat(stream: bool, include_usage: bool) -> String {
+    let options = if include_usage { r#","stream_options":{"include_usage":true}"# } else { "" };
+    format!(
+        r#"{{"model":"sim","max_tokens":100,"stream":{stream}{options},"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(200)
+    )
+}
+
+const TENANT: (&str, &str) = ("x-tenant-id", "acme");
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_response_is_committed_with_its_exact_usage() {
+    let stack = Stack::start(10_000.0).await;
+    let r = post(stack.envoy.port, CHAT, &[TENANT], chat(false, false)).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let id = r.header("x-sim-reservation").unwrap().to_string();
+    let usage = &r.json()["usage"];
+    let c = stack.charged(&id).await;
+    let reported = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
+    assert_eq!((c.used_tokens, c.metered), (reported, false), "charged what the response reported");
+    assert_eq!(usage["completion_tokens"], 40);
+}
+
+/// The usage chunk of an OpenAI stream, from the SSE body.
+fn stream_usage(body: &str) -> Option<(u64, u64)> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find_map(|v| Some((v["usage"]["prompt_tokens"].as_u64()?, v["usage"]["completion_tokens"].as_u64()?)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_with_a_usage_chunk_is_committed_exactly() {
+    let stack = Stack::start(10_000.0).await;
+    let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let (prompt, output) = stream_usage(&r.body).expect("a usage chunk");
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered), (prompt + output, false));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_usage_is_committed_metered() {
+    let stack = Stack::start(10_000.0).await;
+    let body = chat(true, false);
+    let r = post(stack.envoy.port, CHAT, &[TENANT], body.clone()).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(stream_usage(&r.body), None);
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    // The held prompt (body bytes / 4) and the metered output: 40 tokens of "tok " at 4 bytes each.
+    let held_prompt = (body.len() as u64).div_ceil(4);
+    assert_eq!((c.used_tokens, c.metered), (held_prompt + 40, true), "{c:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_is_charged_what_was_generated() {
+    // 40 tokens at 20 tokens/s: two seconds of stream; the client leaves after the first chunks.
+    let stack = Stack::start(20.0).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let request = hyper::Request::post(format!("http://127.0.0.1:{}{CHAT}", stack.envoy.port))
+        .header("content-type", "application/json")
+        .header(TENANT.0, TENANT.1)
+        .body(Full::new(Bytes::from(chat(true, false))))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let id = response.headers()["x-sim-reservation"].to_str().unwrap().to_string();
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(Duration::from_secs(5), body.frame()).await.unwrap();
+    assert!(first.is_some());
+    drop(body);
+    drop(client);
+    let c = stack.charged(&id).await;
+    assert!(c.metered, "{c:?}");
+    assert!(c.used_tokens < c.reserved_tokens, "charged what was generated, not the hold: {c:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_failure_before_any_output_releases_the_hold() {
+    let tollgate = Tollgate::start(POLICY);
+    let upstream = Upstream::start(tollgate.endpoint()).await;
+    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
+    for status in ["500", "503", "429"] {
+        let r = post(envoy.port, CHAT, &[TENANT, ("x-test-status", status)], body).await;
+        assert_eq!(r.status.to_string(), status);
+        let id = r.header("x-test-reservation").unwrap().to_string();
+        let start = Instant::now();
+        loop {
+            let state = client
+                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
+                .await
+                .unwrap()
+                .into_inner()
+                .state;
+            if state == "released" {
+                break;
+            }
+            assert_eq!(state, "reserved", "{status}");
+            assert!(start.elapsed() < Duration::from_secs(5), "{status}: never released\n{}", tollgate.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
