@@ -6,7 +6,7 @@
 -- KEYS[3] the tenant's holds hash
 -- ARGV[1] reservation id
 -- ARGV[2] prompt tokens used, or empty when the response did not say: the prompt held is charged
--- ARGV[3] output tokens used
+-- ARGV[3] output tokens used, or empty when they could not be counted: the output held is charged
 -- ARGV[4] TTL of the output estimate this commit teaches (ms)
 -- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
 -- ARGV[6] exact | metered: whether the counts were reported or metered by tollgate
@@ -28,7 +28,6 @@ local rk = KEYS[1]
 local leases = KEYS[2]
 local holds = KEYS[3]
 local id = ARGV[1]
-local output = tonumber(ARGV[3])
 local estimate_ttl = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
 local metered = ARGV[6] == 'metered'
@@ -43,10 +42,9 @@ end
 if r.st == 'released' then
   return { 'released', 0, 0, r.h, 0, 0, 0 }
 end
-local prompt = tonumber(ARGV[2])
-if not prompt then
-  prompt = math.max(0, r.h - (tonumber(r.oh) or 0))
-end
+local output_held = math.min(r.h, tonumber(r.oh) or 0)
+local prompt = tonumber(ARGV[2]) or (r.h - output_held)
+local output = tonumber(ARGV[3]) or output_held
 
 local now = now_ms()
 if r.st == 'reserved' and now >= r.le then

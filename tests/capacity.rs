@@ -31,7 +31,9 @@ fn policy(capacity: bool) -> String {
     )
 }
 
-/// `tollgate sim-backend`: 4 slots, 20,000 prefill and 1,000 decode tokens/s per sequence.
+/// `tollgate sim-backend`: 4 slots, 20,000 prefill and 1,000 decode tokens/s per sequence. It
+/// commits nothing: Envoy's commit from the response closes every hold, as in front of an
+/// unmodified backend.
 struct SimBackend {
     child: Child,
     port: u16,
@@ -39,12 +41,12 @@ struct SimBackend {
 }
 
 impl SimBackend {
-    fn start(tollgate: &str) -> SimBackend {
+    fn start() -> SimBackend {
         let dir = TempDir::new("sim");
         let port = free_port();
         let log = std::fs::File::create(dir.0.join("sim.log")).unwrap();
         let mut child = Command::new(tollgate_bin())
-            .args(["sim-backend", "--listen", &format!("127.0.0.1:{port}"), "--tollgate", tollgate])
+            .args(["sim-backend", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--slots", "4", "--prefill-tps", "20000", "--decode-tps", "1000"])
             .stdout(Stdio::null())
             .stderr(log)
@@ -66,7 +68,7 @@ impl Drop for SimBackend {
 /// 2,000-token batch requests at 20/s: 60 of them are 120 slot-seconds of work for 4 slots.
 async fn scenario(capacity: bool) -> (ClassReport, ClassReport) {
     let tollgate = Tollgate::start(&policy(capacity));
-    let sim = SimBackend::start(&tollgate.endpoint());
+    let sim = SimBackend::start();
     let envoy = Envoy::start(tollgate.addr, sim.port);
     let target = format!("http://127.0.0.1:{}", envoy.port);
     let interactive = Class {

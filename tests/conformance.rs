@@ -10,7 +10,7 @@ use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
 use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
-use tollgate::store::{ReleaseOutcome, RenewOutcome, Store, keys};
+use tollgate::store::{Counted, ReleaseOutcome, RenewOutcome, Store, keys};
 
 /// Scenarios, each generic over the store.
 mod scenarios {
@@ -645,6 +645,25 @@ mod scenarios {
         }
     }
 
+    /// A commit from a response that reported no usage: the prompt held, the output metered (or,
+    /// unreadable, the whole hold), marked metered in the reply of every later duplicate too.
+    pub async fn metered_commits_charge_the_held_prompt_and_say_so<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        let c = h.admission.commit_counted(&id, Counted::Metered { output: 50 }).await.unwrap();
+        let u = *c.usage().unwrap();
+        assert_eq!((u.used, u.refunded, u.metered, u.duplicate), (150, 450, true, false));
+        let again = h.admission.commit(&id, 1, 1).await.unwrap();
+        assert_eq!(again.usage().map(|u| (u.used, u.metered, u.duplicate)), Some((150, true, true)));
+        let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        let c = h.admission.commit_counted(&id, Counted::AsHeld).await.unwrap();
+        assert_eq!(c.usage().map(|u| (u.used, u.refunded, u.metered)), Some((600, 0, true)));
+        let id = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        let c = h.admission.commit(&id, 10, 10).await.unwrap();
+        assert_eq!(c.usage().map(|u| u.metered), Some(false), "reported counts are exact");
+        let t = h.tenant_scope().await.num("t");
+        assert!((230.0..233.0).contains(&t), "1000 - 150 - 600 - 20: {t}");
+    }
+
     /// Renew keeps every scope hash the hold counts in alive, not just its record: four long
     /// streams of one user keep the user's four slots taken for as long as they run.
     pub async fn renewed_holds_keep_their_scopes_alive<S: Store>(h: Harness<S>) {
@@ -844,6 +863,7 @@ macro_rules! conformance {
                 a_repeated_commit_releases_the_pool_leg_the_first_could_not,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );
+            scenario!(metered_commits_charge_the_held_prompt_and_say_so, BUCKET);
             scenario!(debt_is_charged_after_the_refill, "limits: { tokens_per_minute: 60000, burst_tokens: 1000 }\n");
             scenario!(
                 renewed_holds_keep_their_scopes_alive,

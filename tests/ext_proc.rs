@@ -20,7 +20,7 @@ use tollgate::sim::backend::{self, SimConfig, SimStats};
 use tollgate::sim::lengths::OutputLengths;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096 }\n\
-                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n";
+                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n";
 const CHAT: &str = "/v1/chat/completions";
 
 /// tollgate, the simulated backend (committing nothing itself) and Envoy in front.
@@ -200,4 +200,16 @@ async fn an_upstream_failure_before_any_output_releases_the_hold() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_longer_than_its_lease_is_renewed_while_it_flows() {
+    // 40 tokens at 20 tokens/s: two seconds of stream against a 600 ms lease.
+    let stack = Stack::start(20.0).await;
+    let r = post(stack.envoy.port, CHAT, &[("x-tenant-id", "brief")], chat(true, true)).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let (prompt, output) = stream_usage(&r.body).expect("a usage chunk");
+    // Committed, not late_committed: the lease never ran out while the stream flowed.
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!((c.state.as_str(), c.used_tokens), ("committed", prompt + output));
 }

@@ -459,6 +459,7 @@ impl<S: Store> Admission<S> {
         let counts = match counted {
             Counted::Exact { prompt, output } => [("prompt_tokens", prompt), ("completion_tokens", output)],
             Counted::Metered { output } => [("prompt_tokens", 0), ("completion_tokens", output)],
+            Counted::AsHeld => [("prompt_tokens", 0), ("completion_tokens", 0)],
         };
         for (what, value) in counts {
             if value > MAX_TOKEN_COUNT {

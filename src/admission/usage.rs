@@ -14,8 +14,10 @@
 //!   seen is the count. Generated text is metered as it passes: OpenAI `choices[].delta.content`
 //!   and `choices[].text`, Anthropic `delta.text`, Responses `delta` strings.
 //!
-//! A compressed body (any `content-encoding` but `identity`) is never parsed: it is metered as
-//! unknown, so it cannot be mis-read. A JSON body past [`MAX_JSON_BODY`] is not buffered further.
+//! A compressed body (any `content-encoding` but `identity`) is never parsed, nor is a content type
+//! tollgate does not read: their usage is unknown, and the hold is charged as it was made (as an
+//! expired hold is under `charge_reserved`), never a count mis-read from bytes it cannot read. A
+//! JSON body past [`MAX_JSON_BODY`] is not buffered further and is metered from its size.
 
 /// The largest JSON response body buffered to read its usage.
 pub const MAX_JSON_BODY: usize = 8 << 20;
@@ -96,9 +98,15 @@ impl Meter {
         }
     }
 
-    /// Whether any generated output has passed yet.
+    /// Whether the body can be read at all.
+    fn opaque(&self) -> bool {
+        self.format == Format::Opaque
+    }
+
+    /// Whether generated output has passed yet: only a stream says so as it goes. (A JSON body
+    /// arrives whole, and a failed response's body is an error message, not output.)
     pub fn saw_output(&self) -> bool {
-        self.text_bytes > 0 || self.output.is_some_and(|o| o > 0)
+        self.format == Format::Events && (self.text_bytes > 0 || self.output.is_some_and(|o| o > 0))
     }
 
     /// What the whole body used, at its end (or at a disconnect: what passed until then).
@@ -119,6 +127,7 @@ impl Meter {
         }
         match (self.prompt, self.output) {
             (Some(prompt), Some(output)) => Measured::Exact { prompt, output },
+            _ if self.opaque() => Measured::AsHeld,
             _ => Measured::Metered { output: tokens_of(self.text_bytes, self.bytes_per_token) },
         }
     }
@@ -258,7 +267,11 @@ mod tests {
         let body = r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
         let mut m = Meter::new(Some("application/json"), Some("gzip"), 4.0);
         m.feed(body.as_bytes());
-        assert_eq!(m.measured(), Measured::Metered { output: tokens_of(len(body.as_bytes()), 4.0) });
+        assert!(!m.saw_output());
+        assert_eq!(m.measured(), Measured::AsHeld);
+        let mut m = Meter::new(Some("application/octet-stream"), None, 4.0);
+        m.feed(b"bytes");
+        assert_eq!(m.measured(), Measured::AsHeld);
     }
 
     #[test]

@@ -178,6 +178,9 @@ pub enum Counted {
     Exact { prompt: u64, output: u64 },
     /// Counted by tollgate from the text that passed; the prompt is the one held at admission.
     Metered { output: u64 },
+    /// Not countable (a compressed body, a format tollgate does not read): the hold is charged as
+    /// it was made, prompt and output.
+    AsHeld,
 }
 
 /// What a commit charged.
@@ -425,13 +428,14 @@ impl<S: Store> Protocol<S> {
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
         let (prompt, output, measure) = match counted {
-            Counted::Exact { prompt, output } => (prompt.to_string(), output, "exact"),
-            Counted::Metered { output } => (String::new(), output, "metered"),
+            Counted::Exact { prompt, output } => (prompt.to_string(), output.to_string(), "exact"),
+            Counted::Metered { output } => (String::new(), output.to_string(), "metered"),
+            Counted::AsHeld => (String::new(), String::new(), "metered"),
         };
         let args = vec![
             id.to_string(),
             prompt,
-            output.to_string(),
+            output,
             learning.map_or(0, |l| l.ttl_ms).to_string(),
             learning.map_or(0, |l| l.window).to_string(),
             measure.to_string(),
