@@ -78,6 +78,9 @@ fn the_configmap_envoy_bootstrap_validates() {
     let text = find(&docs, "ConfigMap", "envoy-config")["data"]["envoy.yaml"].as_str().unwrap();
     let out = support::procs::envoy_validate(text);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let authz = text.find("envoy.filters.http.ext_authz").expect("ext_authz");
+    let ext_proc = text.find("envoy.filters.http.ext_proc").expect("ext_proc commits from the response");
+    assert!(authz < ext_proc, "ext_proc runs after ext_authz, so it sees the reservation");
 }
 
 #[test]

@@ -213,3 +213,36 @@ async fn a_stream_longer_than_its_lease_is_renewed_while_it_flows() {
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
     assert_eq!((c.state.as_str(), c.used_tokens), ("committed", prompt + output));
 }
+
+/// An Anthropic Messages or OpenAI Responses request through Envoy: the sim reports 50 prompt
+/// tokens (200 bytes at 4 per token) and generates 40.
+async fn other_format(path: &str, body: String) {
+    let stack = Stack::start(10_000.0).await;
+    let r = post(stack.envoy.port, path, &[TENANT], body).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered), (50 + 40, false), "{path}: {c:?}\n{}", r.body);
+}
+
+fn anthropic(stream: bool) -> String {
+    format!(
+        r#"{{"model":"sim","max_tokens":100,"stream":{stream},"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(200)
+    )
+}
+
+fn responses(stream: bool) -> String {
+    format!(r#"{{"model":"sim","max_output_tokens":100,"stream":{stream},"input":"{}"}}"#, "x".repeat(200))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_json_and_streams_are_committed_exactly() {
+    other_format("/v1/messages", anthropic(false)).await;
+    other_format("/v1/messages", anthropic(true)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_api_json_and_streams_are_committed_exactly() {
+    other_format("/v1/responses", responses(false)).await;
+    other_format("/v1/responses", responses(true)).await;
+}

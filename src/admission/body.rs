@@ -1,6 +1,6 @@
-//! The few fields of an OpenAI-compatible (`/v1/chat/completions`, `/v1/completions`) or Anthropic
-//! (`/v1/messages`) request body that admission needs: `model`, `max_tokens` /
-//! `max_completion_tokens` and `stream`.
+//! The few fields of an OpenAI-compatible (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/responses`) or Anthropic (`/v1/messages`) request body that admission needs: `model`, the
+//! output ceiling (`max_completion_tokens`, `max_output_tokens` or `max_tokens`) and `stream`.
 //!
 //! Envoy may send only the first bytes of a body (`allow_partial_message`). Fields are collected
 //! as the parser meets them, so a body cut short still yields everything before the cut. A number
@@ -39,6 +39,7 @@ pub fn parse(body: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
             if found.last_was_number {
                 found.max_tokens = None;
                 found.max_completion_tokens = None;
+                found.max_output_tokens = None;
             }
         }
         Err(e) if e.is_data() => return Err(BodyError(e.to_string())),
@@ -46,7 +47,7 @@ pub fn parse(body: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
     }
     Ok(BodyFields {
         model: found.model,
-        max_tokens: found.max_completion_tokens.or(found.max_tokens),
+        max_tokens: found.max_completion_tokens.or(found.max_output_tokens).or(found.max_tokens),
         stream: found.stream.unwrap_or(false),
     })
 }
@@ -56,6 +57,7 @@ struct Found {
     model: Option<String>,
     max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
+    max_output_tokens: Option<u64>,
     stream: Option<bool>,
     /// The most recent value read was a token count, and nothing has been read after it.
     last_was_number: bool,
@@ -112,6 +114,11 @@ impl<'de> Visitor<'de> for Collector<'_> {
                     self.0.max_completion_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
                     self.0.last_was_number = true;
                 }
+                "max_output_tokens" => {
+                    self.0.first("max_output_tokens")?;
+                    self.0.max_output_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
+                    self.0.last_was_number = true;
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -164,6 +171,8 @@ mod tests {
         );
         let messages = br#"{"model":"claude","max_tokens":1024,"messages":[]}"#;
         assert_eq!(parse(messages, false).unwrap().max_tokens, Some(1024));
+        let responses = br#"{"model":"gpt-4o","input":"hi","max_output_tokens":77}"#;
+        assert_eq!(parse(responses, false).unwrap().max_tokens, Some(77));
         assert_eq!(parse(br#"{"model":"m","max_tokens":null}"#, false).unwrap().max_tokens, None);
     }
 

@@ -10,7 +10,8 @@
 //!
 //! `POST /v1/chat/completions` answers JSON with a `usage` block, or with `"stream": true` a
 //! server-sent event stream whose last chunk carries `usage` when `stream_options.include_usage`
-//! is set. A request carrying `x-tollgate-reservation` is committed to tollgate with its real
+//! is set; `/v1/messages` and `/v1/responses` answer as Anthropic's Messages API and OpenAI's
+//! Responses API do, usage included (see [`super::formats`]). A request carrying `x-tollgate-reservation` is committed to tollgate with its real
 //! usage when generation ends, and renewed every `renew_every` while it runs. A client that
 //! disconnects stops its generation, and the tokens produced so far are committed: real usage,
 //! not the hold. A test may fix one request's output with `x-sim-output-tokens`.
@@ -32,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
+use super::formats::{self, Api};
 use super::lengths::{OutputLengths, Sampler};
 use crate::proto::admission_client::AdmissionClient;
 use crate::proto::{CommitRequest, RenewRequest};
@@ -173,34 +175,16 @@ fn error(status: StatusCode, message: &str) -> Response<Body> {
     json(status, serde_json::json!({"error": {"message": message, "type": "invalid_request_error"}}))
 }
 
-/// What the simulator reads from a request.
-struct Chat {
-    model: String,
-    prompt_tokens: u64,
-    max_tokens: u64,
-    stream: bool,
-    include_usage: bool,
-}
-
-fn parse_chat(body: &[u8], bytes_per_token: f64) -> Result<Chat, String> {
-    let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| format!("body is not JSON: {e}"))?;
-    let content_bytes: usize = v["messages"]
-        .as_array()
-        .map(|messages| messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum())
-        .unwrap_or(0);
-    Ok(Chat {
-        model: v["model"].as_str().unwrap_or("sim").to_string(),
-        prompt_tokens: ((content_bytes as f64 / bytes_per_token).ceil() as u64).max(1),
-        max_tokens: v["max_completion_tokens"].as_u64().or(v["max_tokens"].as_u64()).unwrap_or(4096),
-        stream: v["stream"].as_bool().unwrap_or(false),
-        include_usage: v["stream_options"]["include_usage"].as_bool().unwrap_or(false),
-    })
-}
-
 async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
-    if req.method() != hyper::Method::POST || req.uri().path() != "/v1/chat/completions" {
-        return Ok(error(StatusCode::NOT_FOUND, "the simulator serves POST /v1/chat/completions"));
-    }
+    let api = match Api::of_path(req.uri().path()) {
+        Some(api) if req.method() == hyper::Method::POST => api,
+        _ => {
+            return Ok(error(
+                StatusCode::NOT_FOUND,
+                "the simulator serves POST /v1/chat/completions, /v1/messages and /v1/responses",
+            ));
+        }
+    };
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     let reservation = header("x-tollgate-reservation");
     let fixed_output = header("x-sim-output-tokens").and_then(|v| v.parse::<u64>().ok());
@@ -208,62 +192,37 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         Ok(b) => b.to_bytes(),
         Err(_) => return Ok(error(StatusCode::BAD_REQUEST, "body unreadable or over 16 MiB")),
     };
-    let chat = match parse_chat(&body, sim.config.bytes_per_token) {
-        Ok(c) => c,
+    let ask = match formats::parse(api, &body, sim.config.bytes_per_token) {
+        Ok(a) => a,
         Err(e) => return Ok(error(StatusCode::BAD_REQUEST, &e)),
     };
-    let output = fixed_output.map_or_else(|| sim.sampler.sample(chat.max_tokens), |n| n.clamp(1, chat.max_tokens));
+    let output = fixed_output.map_or_else(|| sim.sampler.sample(ask.max_tokens), |n| n.clamp(1, ask.max_tokens));
 
     // The queue: a slot is taken in arrival order, and held for the whole generation.
     let Ok(slot) = sim.slots.clone().acquire_owned().await else {
         return Ok(error(StatusCode::SERVICE_UNAVAILABLE, "simulator shutting down"));
     };
-    let mut generation = Generation::new(sim.clone(), reservation, chat.prompt_tokens);
-    if !chat.stream {
+    let mut generation = Generation::new(sim.clone(), reservation, ask.prompt_tokens);
+    if !ask.stream {
         generation.run(output, None).await;
         generation.finish().await;
         drop(slot);
-        let usage = usage(chat.prompt_tokens, output);
-        let finish = if output == chat.max_tokens { "length" } else { "stop" };
-        return Ok(json(
-            StatusCode::OK,
-            serde_json::json!({
-                "id": "chatcmpl-sim",
-                "object": "chat.completion",
-                "created": 0,
-                "model": chat.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok ".repeat(output.min(64) as usize)}, "finish_reason": finish}],
-                "usage": usage,
-            }),
-        ));
+        return Ok(json(StatusCode::OK, formats::answer(&ask, output)));
     }
 
     let (tx, rx): (Chunks, _) = mpsc::channel(16);
     tokio::spawn(async move {
         let _slot = slot;
-        let chunk = |tokens: u64| {
-            let v = serde_json::json!({
-                "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
-                "choices": [{"index": 0, "delta": {"content": "tok ".repeat(tokens as usize)}, "finish_reason": null}],
-            });
-            Frame::data(Bytes::from(format!("data: {v}\n\n")))
-        };
+        let frame = |text: String| Ok(Frame::data(Bytes::from(text)));
+        for opening in formats::opening(&ask) {
+            let _ = tx.send(frame(opening)).await;
+        }
+        let chunk = |tokens: u64| Frame::data(Bytes::from(formats::step(&ask, tokens)));
         let complete = generation.run(output, Some((&tx, &chunk))).await;
         if complete {
-            let finish = if output == chat.max_tokens { "length" } else { "stop" };
-            let last = serde_json::json!({
-                "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
-                "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
-            });
-            let _ = tx.send(Ok(Frame::data(Bytes::from(format!("data: {last}\n\n"))))).await;
-            if chat.include_usage {
-                let u = serde_json::json!({
-                    "id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": chat.model,
-                    "choices": [], "usage": usage(chat.prompt_tokens, output),
-                });
-                let _ = tx.send(Ok(Frame::data(Bytes::from(format!("data: {u}\n\n"))))).await;
+            for closing in formats::closing(&ask, output) {
+                let _ = tx.send(frame(closing)).await;
             }
-            let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))).await;
         }
         generation.finish().await;
     });
@@ -273,10 +232,6 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         .header("cache-control", "no-cache")
         .body(body)
         .unwrap_or_default())
-}
-
-fn usage(prompt: u64, completion: u64) -> serde_json::Value {
-    serde_json::json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
 /// One request's time on a slot. Dropped unfinished (the client went away while it ran), it still
@@ -363,18 +318,5 @@ async fn commit(sim: Arc<Sim>, reservation: Option<String>, prompt: u64, complet
             sim.stats.commits.fetch_add(1, Ordering::Relaxed);
         }
         Err(e) => tracing::warn!(reservation = %id, "commit failed: {e}"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_prompt_size_limits_and_streaming_options() {
-        let body = br#"{"model":"m","messages":[{"role":"user","content":"12345678"}],"max_tokens":9,"stream":true,"stream_options":{"include_usage":true}}"#;
-        let c = parse_chat(body, 4.0).unwrap();
-        assert_eq!((c.prompt_tokens, c.max_tokens, c.stream, c.include_usage), (2, 9, true, true));
-        assert!(parse_chat(b"nope", 4.0).is_err());
     }
 }

@@ -12,5 +12,6 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod backend;
+pub mod formats;
 pub mod lengths;
 pub mod load;
