@@ -234,6 +234,16 @@ end
 --   n  holds outstanding      w  their predicted slot time (ms)      kv  their KV-cache tokens
 -- Pool holds hash: reservation id -> "<work> <kv>".
 
+-- The share of a pool admitted, as its provider's 429s left it (see pool_throttle.lua): the share
+-- written at `at`, recovered since at `recover` per ms, never above the whole pool.
+local function pool_share(share, at, recover, now)
+  share = tonumber(share)
+  if not share then
+    return 1
+  end
+  return math.min(1, share + recover * math.max(0, now - tonumber(at)))
+end
+
 -- Takes one hold off a pool, exactly as it was added; returns its work, or nil if the pool does
 -- not hold it (already released, or swept after its lease).
 local function pool_drop(state, holds, leases, id)

@@ -16,18 +16,21 @@
 -- ARGV[9]  max queue delay (ms)
 -- ARGV[10] KV tokens this tier may fill (0: the pool sets no KV limit)
 -- ARGV[11] deadline, ms from now (0: none)
+-- ARGV[12] recovery per ms of the share its provider's 429s left (see pool_throttle.lua)
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
 --    finds the hold and answers with the pool as it stands: the work is held once)
 -- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
---   reason: deadline | queue_full
+--   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed)
 --
 -- The model, fluid and conservative: the pool drains outstanding work at one slot-ms per slot per
 -- ms. A request starts at once while fewer holds than slots are outstanding, otherwise after the
 -- outstanding work spread over the slots: ceil(w / slots). A tier sees only its share of the slots,
 -- so lower tiers queue (and are refused) first and the rest is headroom they cannot borrow. Work
 -- leaves the pool exactly when its hold is committed, released or expires, never by time alone.
+-- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
+-- that pool_throttle.lua left it.
 
 local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -41,6 +44,7 @@ local tier_slots = tonumber(ARGV[8])
 local max_delay = tonumber(ARGV[9])
 local tier_kv = tonumber(ARGV[10])
 local deadline = tonumber(ARGV[11])
+local recover = tonumber(ARGV[12])
 
 local now = now_ms()
 
@@ -56,8 +60,17 @@ for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0
 end
 
 -- 2. Predict; nothing is written yet.
-local v = redis.call('HMGET', state, 'n', 'w', 'kv')
+local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
+local resume = tonumber(v[6]) or 0
+if now < resume then
+  return { 0, 'throttled', resume - now, 0 }
+end
+local share = pool_share(v[4], v[5], recover, now)
+if share < 1 then
+  slots = math.max(1, math.floor(slots * share))
+  tier_slots = math.max(1, math.floor(tier_slots * share))
+end
 
 local function start_delay(over_slots)
   if n < over_slots then

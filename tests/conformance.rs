@@ -366,6 +366,37 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (0, 0));
     }
 
+    /// A provider's 429 throttles the pool: nothing new until its Retry-After, then half the slots
+    /// (one decrease per cooldown), recovering with time.
+    pub async fn a_providers_429s_throttle_its_pool<S: Store>(h: Harness<S>) {
+        // Four slots, 1,000 ms max queue delay; each request is 1,100 ms of work.
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        assert_eq!(h.admission.upstream_refused(&a, Some(300)).await.unwrap(), Some(0.5));
+        let v = h.admission.pool_status(&h.pool).await.unwrap();
+        assert_eq!((v.holds, v.share), (2, 0.5));
+        assert!((1..=300).contains(&v.resumes_in_ms), "{v:?}");
+        let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        let no = denied(&no);
+        assert_eq!(no.reason, Reason::QueueFull);
+        assert!(no.message.contains("throttled"), "{}", no.message);
+        assert!(no.retry_after_ms.is_some_and(|ms| ms <= 300), "{no:?}");
+        h.advance(400).await;
+        // Retry-After passed; half the pool: two holds on two slots wait ceil(2200 / 2) > 1,000 ms.
+        let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        assert!(denied(&no).message.contains("is full"), "{:?}", denied(&no));
+        // Another 429 within the cooldown is the same burst: no second decrease.
+        let share = h.admission.upstream_refused(&a, None).await.unwrap().unwrap();
+        assert!((0.5..0.6).contains(&share), "{share}");
+        assert_eq!(h.pool_load().await, (2, 2200), "a throttled refusal holds nothing");
+        if h.exact_time() {
+            // 0.05 of the pool back per second: whole again within ten seconds.
+            h.advance(10_000).await;
+            assert_eq!(h.admission.pool_status(&h.pool).await.unwrap().share, 1.0);
+            admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
+        }
+    }
+
     pub async fn renew_extends_the_pool_lease_too<S: Store>(h: Harness<S>) {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         h.advance(200).await;
@@ -794,6 +825,10 @@ macro_rules! conformance {
             scenario!(
                 a_hold_the_tenant_sweep_settles_leaves_its_pool,
                 &pool_policy("lease_ttl_ms: 300\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_providers_429s_throttle_its_pool,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 1000\n")
             );
             scenario!(
                 renew_extends_the_pool_lease_too,

@@ -15,11 +15,12 @@ use support::procs::{Envoy, Tollgate};
 use support::upstream::{Upstream, post};
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
-use tollgate::proto::{CommitRequest, CommitResponse, RenewRequest};
+use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, RenewRequest};
 use tollgate::sim::backend::{self, SimConfig, SimStats};
 use tollgate::sim::lengths::OutputLengths;
 
-const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096 }\n\
+const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
+                      pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n";
 const CHAT: &str = "/v1/chat/completions";
 
@@ -200,6 +201,37 @@ async fn an_upstream_failure_before_any_output_releases_the_hold() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_providers_429_throttles_its_pool_until_its_retry_after() {
+    let tollgate = Tollgate::start(POLICY);
+    let upstream = Upstream::start(tollgate.endpoint()).await;
+    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
+    let r = post(envoy.port, CHAT, &[TENANT, ("x-test-status", "429"), ("x-test-retry-after", "3")], body).await;
+    assert_eq!(r.status, 429);
+    let status = |client: &mut AdmissionClient<tonic::transport::Channel>| {
+        let mut client = client.clone();
+        async move { client.pool_status(PoolStatusRequest { pool: "provider".into() }).await.unwrap().into_inner() }
+    };
+    let start = Instant::now();
+    let v = loop {
+        let v = status(&mut client).await;
+        if v.share < 1.0 {
+            break v;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "the pool was never throttled\n{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(v.share, 0.5);
+    assert!((1..=3000).contains(&v.resumes_in_ms), "the provider's Retry-After: {v:?}");
+    // Until then the pool admits nothing new: a 503 with the time left, not a trip to the provider.
+    let r = post(envoy.port, CHAT, &[TENANT], body).await;
+    assert_eq!((r.status, r.header("x-tollgate-reason")), (503, Some("queue_full")), "{r:?}");
+    let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3).contains(&wait), "{wait}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,8 +5,9 @@ mod support;
 
 use support::procs::{Tollgate, grpcurl};
 
-const POLICY: &str =
-    "models:\n  m:\n    max_output_tokens: 512\ntenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
+const POLICY: &str = "models:\n  m:\n    max_output_tokens: 512\n  p:\n    max_output_tokens: 512\n    pool: gpu\n\
+                      pools:\n  gpu: { max_sequences: 4, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 1000 }\n\
+                      tenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
 
 fn run(t: &Tollgate, args: &[&str]) -> String {
     let out = grpcurl(t.addr, args);
@@ -28,7 +29,7 @@ fn grpcurl_lists_every_service_by_reflection() {
         assert!(list.lines().any(|l| l.trim() == service), "{service} missing from:\n{list}");
     }
     let admission = run(&t, &["describe", "tollgate.v1.Admission"]);
-    for rpc in ["rpc Reserve", "rpc Commit", "rpc Renew", "rpc Release"] {
+    for rpc in ["rpc Reserve", "rpc Commit", "rpc Renew", "rpc Release", "rpc PoolStatus"] {
         assert!(admission.contains(rpc), "{rpc} missing from:\n{admission}");
     }
     let authz = run(&t, &["describe", "envoy.service.auth.v3.Authorization"]);
@@ -79,4 +80,19 @@ fn grpcurl_calls_check_then_commit() {
     let out = run(&t, &["-d", &anonymous, "envoy.service.auth.v3.Authorization/Check"]);
     let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(reply["deniedResponse"]["status"]["code"], "Unauthorized", "{out}");
+}
+
+#[test]
+fn grpcurl_shows_a_pools_load_and_throttle() {
+    let t = Tollgate::start(POLICY);
+    let out = run(&t, &["-d", r#"{"pool":"gpu"}"#, "tollgate.v1.Admission/PoolStatus"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(reply["share"], 1.0, "an unthrottled pool admits its whole share: {out}");
+    let out = grpcurl(t.addr, &["-d", r#"{"pool":"nope"}"#, "tollgate.v1.Admission/PoolStatus"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("InvalidArgument"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -52,8 +52,9 @@ use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 pub use crate::store::KeyRepeat;
 use crate::store::{
-    CommitOutcome, Counted, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, Protocol, Refusal,
-    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, keys,
+    CommitOutcome, Counted, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol,
+    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, ThrottleCall,
+    keys,
 };
 
 /// The largest token count tollgate accepts anywhere: a prompt, an output, a commit's counts. Far
@@ -291,6 +292,7 @@ impl<S: Store> Admission<S> {
             max_queue_delay_ms: pool.max_queue_delay_ms,
             tier_kv_tokens: pool.kv_for(leg.tier),
             deadline_ms: plan.deadline_ms,
+            recover_per_ms: pool.upstream_throttle.map_or(0.0, |t| t.recover_per_ms),
         };
         match self.protocol.pool_reserve(&call).await {
             Ok(PoolOutcome::Admitted { .. }) => Ok(()),
@@ -303,6 +305,13 @@ impl<S: Store> Admission<S> {
                     plan.deadline_ms.unwrap_or(0)
                 ),
             )),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::Throttled, retry_after_ms, .. }) => Err(Denial {
+                retry_after_ms: Some(retry_after_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!("pool {} is throttled: its provider refused with a Retry-After", leg.name),
+                )
+            }),
             Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {
                 retry_after_ms: Some(retry_after_ms),
                 ..Denial::now(
@@ -501,6 +510,42 @@ impl<S: Store> Admission<S> {
             }
         }
         Ok(outcome)
+    }
+
+    /// The provider behind a hold's pool refused its request (HTTP 429): throttle the pool, so
+    /// tollgate stops admitting what the provider will refuse. Nothing happens for a hold without a
+    /// pool, or a pool whose policy turns the throttle off. Returns the share of the pool left.
+    pub async fn upstream_refused(
+        &self,
+        reservation_id: &str,
+        retry_after_ms: Option<u64>,
+    ) -> Result<Option<f64>, AdmissionError> {
+        let r = parse_id(reservation_id)?;
+        let Some((name, pool)) = r.pool.and_then(|p| self.policy.pools.get_key_value(p)) else { return Ok(None) };
+        let Some(t) = pool.upstream_throttle else { return Ok(None) };
+        let call = ThrottleCall {
+            pool: name,
+            retry_after_ms: retry_after_ms.unwrap_or(0).min(t.max_retry_after_ms),
+            decrease: t.decrease,
+            min_share: t.min_share,
+            recover_per_ms: t.recover_per_ms,
+            cooldown_ms: t.cooldown_ms,
+            idle_ttl_ms: pool.idle_ttl_ms,
+        };
+        let (share, resumes_in_ms) = self.protocol.pool_throttle(&call).await?;
+        tracing::info!(pool = %name, share_per_mille = share, resumes_in_ms, "provider refused (429): pool throttled");
+        Ok(Some(f64::from(u32::try_from(share).unwrap_or(1000)) / 1000.0))
+    }
+
+    /// What a pool holds, and how far its provider's 429s throttle it.
+    pub async fn pool_status(&self, pool: &str) -> Result<PoolView, AdmissionError> {
+        let policy = self
+            .policy
+            .pools
+            .get(pool)
+            .ok_or_else(|| AdmissionError::BadName(format!("pool {pool:?} is not one of this policy's")))?;
+        let recover = policy.upstream_throttle.map_or(0.0, |t| t.recover_per_ms);
+        Ok(self.protocol.pool_status(pool, recover).await?)
     }
 
     /// What a tenant's commits have taught about one model's output lengths.

@@ -138,6 +138,22 @@ pub struct PoolPolicy {
     pub sheddable_share: f64,
     /// How long the pool's keys outlive their last write: two of the longest lease, and a minute.
     pub idle_ttl_ms: u64,
+    /// How the provider's 429s throttle the pool; `None` when they do not.
+    pub upstream_throttle: Option<UpstreamThrottle>,
+}
+
+/// Adaptive throttle from the provider's 429s (additive increase, multiplicative decrease): each
+/// refusal (one per cooldown) multiplies the share of the pool admitted by `decrease`, down to
+/// `min_share`; the share recovers by `recover_per_ms` every millisecond; and nothing new is
+/// admitted until the provider's Retry-After has passed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct UpstreamThrottle {
+    pub decrease: f64,
+    pub min_share: f64,
+    pub recover_per_ms: f64,
+    pub cooldown_ms: u64,
+    /// The longest provider Retry-After honoured.
+    pub max_retry_after_ms: u64,
 }
 
 impl PoolPolicy {

@@ -104,6 +104,37 @@ pub(super) struct RawPool {
     pub kv_cache_tokens: Option<u64>,
     #[serde(default)]
     pub tier_shares: RawShares,
+    #[serde(default)]
+    pub upstream_throttle: RawThrottle,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawThrottle {
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    pub decrease: Option<f64>,
+    pub min_share: Option<f64>,
+    pub recover_per_second: Option<f64>,
+    pub cooldown_ms: Option<u64>,
+    pub max_retry_after_ms: Option<u64>,
+}
+
+impl Default for RawThrottle {
+    fn default() -> Self {
+        RawThrottle {
+            enabled: true,
+            decrease: None,
+            min_share: None,
+            recover_per_second: None,
+            cooldown_ms: None,
+            max_retry_after_ms: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Default, Deserialize)]

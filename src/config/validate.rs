@@ -226,6 +226,29 @@ fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
             format!("{sheddable} is above standard's {standard}: a lower tier may not get more of the pool"),
         ));
     }
+    let t = &p.upstream_throttle;
+    let upstream_throttle = if t.enabled {
+        let decrease = t.decrease.unwrap_or(0.5);
+        let min_share = t.min_share.unwrap_or(0.1);
+        let recover = t.recover_per_second.unwrap_or(0.05);
+        for (name, value) in [("decrease", decrease), ("min_share", min_share)] {
+            if !(value > 0.0 && value <= 1.0) {
+                return Err(problem(format!("{field}.upstream_throttle.{name}"), format!("{value} is outside (0, 1]")));
+            }
+        }
+        if !(recover.is_finite() && recover > 0.0) {
+            return Err(problem(format!("{field}.upstream_throttle.recover_per_second"), "must be a positive number"));
+        }
+        Some(super::UpstreamThrottle {
+            decrease,
+            min_share,
+            recover_per_ms: recover / 1000.0,
+            cooldown_ms: t.cooldown_ms.unwrap_or(1_000),
+            max_retry_after_ms: t.max_retry_after_ms.unwrap_or(60_000),
+        })
+    } else {
+        None
+    };
     Ok(PoolPolicy {
         max_sequences: p.max_sequences,
         prefill_tokens_per_ms: p.prefill_tokens_per_second / 1000.0,
@@ -235,6 +258,7 @@ fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
         standard_share: standard,
         sheddable_share: sheddable,
         idle_ttl_ms: 0,
+        upstream_throttle,
     })
 }
 

@@ -9,8 +9,8 @@ use crate::admission::{Admission, AdmissionError, Attributes, Decision, Idempote
 use crate::estimate::PromptSize;
 use crate::proto::admission_server;
 use crate::proto::{
-    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, ReleaseRequest, ReleaseResponse,
-    RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
+    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
+    PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
 use crate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, Store};
 
@@ -157,6 +157,18 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             ReleaseOutcome::Settled(_) => (0, false),
         };
         Ok(Response::new(ReleaseResponse { state: o.state().to_string(), refunded_tokens, duplicate }))
+    }
+
+    #[tracing::instrument(name = "pool_status", skip_all)]
+    async fn pool_status(&self, request: Request<PoolStatusRequest>) -> Result<Response<PoolStatusResponse>, Status> {
+        let v = self.admission.pool_status(&request.into_inner().pool).await.map_err(status)?;
+        Ok(Response::new(PoolStatusResponse {
+            holds: v.holds,
+            work_ms: v.work_ms,
+            kv_tokens: v.kv_tokens,
+            share: v.share,
+            resumes_in_ms: v.resumes_in_ms,
+        }))
     }
 
     #[tracing::instrument(name = "output_estimate", skip_all)]

@@ -11,7 +11,7 @@
 //! | the response | settled as |
 //! |---|---|
 //! | 2xx | committed: its reported usage, else metered |
-//! | 429 or 5xx before any output | released: nothing was generated |
+//! | 429 or 5xx before any output | released: nothing was generated (a 429 also throttles the pool: [`Admission::upstream_refused`]) |
 //! | 429 or 5xx after output | committed: what was generated |
 //! | other 4xx | committed with the usage it reports, else released |
 //! | cut short (the client went away, Envoy reset the stream) | committed: what was generated so far, else released |
@@ -103,6 +103,8 @@ struct Exchange {
     /// Someone else commits this hold.
     caller_commits: bool,
     status: Option<u16>,
+    /// The provider's Retry-After on a 429, in ms.
+    retry_after_ms: Option<u64>,
     meter: Option<Meter>,
     last_renewal: Instant,
     settled: bool,
@@ -115,6 +117,7 @@ impl Exchange {
             model: None,
             caller_commits: false,
             status: None,
+            retry_after_ms: None,
             meter: None,
             last_renewal: Instant::now(),
             settled: false,
@@ -138,6 +141,13 @@ impl Exchange {
             Phase::ResponseHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
                 self.status = header(&headers, ":status").and_then(|s| s.parse().ok());
+                self.retry_after_ms = retry_after_ms(&headers);
+                if self.status == Some(429)
+                    && let Some(id) = &self.reservation
+                    && let Err(e) = admission.upstream_refused(id, self.retry_after_ms).await
+                {
+                    tracing::warn!(error = %e, reservation = %id, "throttling the pool after a provider 429 failed");
+                }
                 self.caller_commits |= header(&headers, COMMIT_HEADER).is_some_and(|v| v == "caller");
                 let bytes_per_token = self
                     .model
@@ -242,6 +252,15 @@ async fn release<S: Store>(admission: &Admission<S>, id: &str) {
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "release from the response failed"),
     }
+}
+
+/// A provider's Retry-After: `retry-after-ms`, or `retry-after` in whole seconds (an HTTP date is
+/// not read: no wait is assumed).
+fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
+    if let Some(ms) = header(headers, "retry-after-ms").and_then(|v| v.trim().parse::<u64>().ok()) {
+        return Some(ms);
+    }
+    header(headers, "retry-after").and_then(|v| v.trim().parse::<u64>().ok()).map(|s| s.saturating_mul(1000))
 }
 
 /// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes).

@@ -20,8 +20,8 @@ use std::future::Future;
 
 pub use protocol::{
     CommitOutcome, Counted, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal,
-    Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled,
-    Usage, Window,
+    PoolView, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits,
+    Settled, ThrottleCall, Usage, Window,
 };
 pub use scripts::Script;
 

@@ -307,6 +307,32 @@ pub struct PoolCall<'a> {
     /// `None` when the pool sets no KV limit.
     pub tier_kv_tokens: Option<u64>,
     pub deadline_ms: Option<u64>,
+    /// Recovery per ms of the share the provider's 429s left the pool (0 without a throttle).
+    pub recover_per_ms: f64,
+}
+
+/// What a pool holds, and how far its provider's 429s throttle it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolView {
+    pub holds: u64,
+    pub work_ms: u64,
+    pub kv_tokens: u64,
+    /// The share of the pool admitted: 1 unthrottled, down to the throttle's lowest.
+    pub share: f64,
+    /// Nothing new is admitted for this long (the provider's Retry-After).
+    pub resumes_in_ms: u64,
+}
+
+/// A provider's refusal as `pool_throttle.lua` takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct ThrottleCall<'a> {
+    pub pool: &'a str,
+    pub retry_after_ms: u64,
+    pub decrease: f64,
+    pub min_share: f64,
+    pub recover_per_ms: f64,
+    pub cooldown_ms: u64,
+    pub idle_ttl_ms: u64,
 }
 
 /// Why a pool refused.
@@ -316,6 +342,8 @@ pub enum PoolRefusal {
     Deadline,
     /// The tier's share of the pool is full: its predicted queue delay is past the max.
     QueueFull,
+    /// The provider behind the pool refused with a Retry-After that has not passed.
+    Throttled,
 }
 
 /// The pool's verdict.
@@ -514,6 +542,7 @@ impl<S: Store> Protocol<S> {
             call.max_queue_delay_ms.to_string(),
             call.tier_kv_tokens.unwrap_or(0).to_string(),
             call.deadline_ms.unwrap_or(0).to_string(),
+            call.recover_per_ms.to_string(),
         ];
         let reply = self.store.eval(script, pool_keys(call.pool), args).await?;
         let r = Fields::of(script, &reply)?;
@@ -523,12 +552,44 @@ impl<S: Store> Protocol<S> {
                 let reason = match r.text(1)? {
                     "deadline" => PoolRefusal::Deadline,
                     "queue_full" => PoolRefusal::QueueFull,
+                    "throttled" => PoolRefusal::Throttled,
                     _ => return Err(r.bad()),
                 };
                 Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
             }
             _ => Err(r.bad()),
         }
+    }
+
+    /// A provider refused a request of this pool: throttle it. Returns the share left, in
+    /// thousandths, and how long admission pauses.
+    pub async fn pool_throttle(&self, call: &ThrottleCall<'_>) -> Result<(u64, u64), StoreError> {
+        let script = &self.scripts.pool_throttle;
+        let args = vec![
+            call.retry_after_ms.to_string(),
+            call.decrease.to_string(),
+            call.min_share.to_string(),
+            call.recover_per_ms.to_string(),
+            call.cooldown_ms.to_string(),
+            call.idle_ttl_ms.to_string(),
+        ];
+        let reply = self.store.eval(script, vec![keys::pool_state(call.pool)], args).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok((r.uint(0)?, r.uint(1)?))
+    }
+
+    /// What a pool holds and how far it is throttled. Reads only.
+    pub async fn pool_status(&self, pool: &str, recover_per_ms: f64) -> Result<PoolView, StoreError> {
+        let script = &self.scripts.pool_status;
+        let reply = self.store.eval(script, vec![keys::pool_state(pool)], vec![recover_per_ms.to_string()]).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(PoolView {
+            holds: r.uint(0)?,
+            work_ms: r.uint(1)?,
+            kv_tokens: r.uint(2)?,
+            share: thousandths(r.uint(3)?),
+            resumes_in_ms: r.uint(4)?,
+        })
     }
 
     /// Takes a hold off its pool; `false` when the pool did not hold it. Idempotent.
@@ -553,6 +614,12 @@ impl<S: Store> Protocol<S> {
 /// KEYS of commit, renew and release: the record, the lease index, the holds hash.
 fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
     vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant)]
+}
+
+/// A share the scripts send in thousandths (at most 1,000).
+#[allow(clippy::cast_precision_loss)]
+fn thousandths(n: u64) -> f64 {
+    n.min(1_000) as f64 / 1000.0
 }
 
 fn pool_keys(pool: &str) -> Vec<String> {

@@ -36,6 +36,8 @@ pub struct Scripts {
     pub pool_reserve: Script,
     pub pool_release: Script,
     pub pool_renew: Script,
+    pub pool_throttle: Script,
+    pub pool_status: Script,
     pub estimate: Script,
 }
 
@@ -49,11 +51,13 @@ impl Scripts {
             pool_reserve: Script::phase("pool_reserve", include_str!("../../lua/pool_reserve.lua")),
             pool_release: Script::phase("pool_release", include_str!("../../lua/pool_release.lua")),
             pool_renew: Script::phase("pool_renew", include_str!("../../lua/pool_renew.lua")),
+            pool_throttle: Script::phase("pool_throttle", include_str!("../../lua/pool_throttle.lua")),
+            pool_status: Script::phase("pool_status", include_str!("../../lua/pool_status.lua")),
             estimate: Script::phase("estimate", include_str!("../../lua/estimate.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 8] {
+    pub fn all(&self) -> [&Script; 10] {
         [
             &self.reserve,
             &self.commit,
@@ -62,6 +66,8 @@ impl Scripts {
             &self.pool_reserve,
             &self.pool_release,
             &self.pool_renew,
+            &self.pool_throttle,
+            &self.pool_status,
             &self.estimate,
         ]
     }

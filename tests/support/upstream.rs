@@ -5,7 +5,8 @@
 //! Test controls, as request headers: `x-test-output-tokens: N` sets the completion tokens
 //! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back;
 //! `x-test-status: N` answers that status with an error body and no usage, commits nothing, and
-//! leaves the hold to Envoy's commit from the response.
+//! leaves the hold to Envoy's commit from the response (with `x-test-retry-after: S`, it carries
+//! `retry-after: S`).
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -74,6 +75,7 @@ async fn handle(
     if let Some(status) = header("x-test-status").and_then(|s| s.parse::<u16>().ok()) {
         let response = Response::builder()
             .status(status)
+            .header("retry-after", header("x-test-retry-after").unwrap_or_else(|| "0".into()))
             .header("content-type", "application/json")
             .header("x-test-reservation", reservation.unwrap_or_default())
             .body(Full::new(Bytes::from(r#"{"error":{"message":"injected","type":"server_error"}}"#)))
