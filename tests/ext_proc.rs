@@ -39,6 +39,10 @@ impl Drop for Stack {
 
 impl Stack {
     async fn start(decode_tokens_per_second: f64) -> Stack {
+        Stack::start_edited(decode_tokens_per_second, |c| c).await
+    }
+
+    async fn start_edited(decode_tokens_per_second: f64, edit: impl FnOnce(String) -> String) -> Stack {
         let tollgate = Tollgate::start(POLICY);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -52,7 +56,7 @@ impl Stack {
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
-        let envoy = Envoy::start(tollgate.addr, port);
+        let envoy = Envoy::start_edited(tollgate.addr, port, edit);
         Stack { tollgate, envoy, shutdown }
     }
 
@@ -277,4 +281,30 @@ async fn anthropic_messages_json_and_streams_are_committed_exactly() {
 async fn responses_api_json_and_streams_are_committed_exactly() {
     other_format("/v1/responses", responses(false)).await;
     other_format("/v1/responses", responses(true)).await;
+}
+
+/// A route whose backends commit themselves turns the filter off; other routes keep it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_can_turn_the_commit_from_the_response_off() {
+    const ROUTES: &str = "                        - match: { prefix: \"/v1/\" }";
+    let stack = Stack::start_edited(10_000.0, |config| {
+        assert!(config.contains(ROUTES), "envoy.yaml's route changed");
+        let off = "                        - match: { prefix: \"/v1/messages\" }\n\
+                   \x20                         route: { cluster: inference, timeout: 300s }\n\
+                   \x20                         typed_per_filter_config:\n\
+                   \x20                           envoy.filters.http.ext_proc:\n\
+                   \x20                             \"@type\": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute\n\
+                   \x20                             disabled: true\n";
+        config.replacen(ROUTES, &format!("{off}{ROUTES}"), 1)
+    })
+    .await;
+    let r = post(stack.envoy.port, "/v1/messages", &[TENANT], anthropic(false)).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let id = r.header("x-sim-reservation").unwrap().to_string();
+    let r = post(stack.envoy.port, CHAT, &[TENANT], chat(false, false)).await;
+    stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    // The other route's hold was committed meanwhile; this one is still the caller's to commit.
+    let mut client = stack.client().await;
+    let state = client.renew(RenewRequest { reservation_id: id, lease_ms: 0 }).await.unwrap().into_inner().state;
+    assert_eq!(state, "reserved");
 }

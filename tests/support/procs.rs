@@ -180,9 +180,14 @@ pub struct Envoy {
 
 impl Envoy {
     pub fn start(tollgate: SocketAddr, upstream: u16) -> Envoy {
+        Envoy::start_edited(tollgate, upstream, |config| config)
+    }
+
+    /// The same, with the bootstrap's text edited first (a route added, a filter changed).
+    pub fn start_edited(tollgate: SocketAddr, upstream: u16, edit: impl FnOnce(String) -> String) -> Envoy {
         let dir = TempDir::new("envoy");
         let (port, admin) = (free_port(), free_port());
-        let config = dir.write("envoy.yaml", &envoy_config(port, admin, tollgate.port(), upstream));
+        let config = dir.write("envoy.yaml", &edit(envoy_config(port, admin, tollgate.port(), upstream)));
         let log = std::fs::File::create(dir.0.join("envoy.log")).unwrap();
         let mut child = Command::new(envoy_bin())
             .arg("-c")
