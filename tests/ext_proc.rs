@@ -308,3 +308,30 @@ async fn a_route_can_turn_the_commit_from_the_response_off() {
     let state = client.renew(RenewRequest { reservation_id: id, lease_ms: 0 }).await.unwrap().into_inner().state;
     assert_eq!(state, "reserved");
 }
+
+/// A compressed body is never parsed: its usage is unknown, so the hold is charged as made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_response_is_charged_as_held_never_misread() {
+    let tollgate = Tollgate::start(POLICY);
+    let upstream = Upstream::start(tollgate.endpoint()).await;
+    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
+    let r = post(envoy.port, CHAT, &[TENANT, ("x-test-gzip", "1")], body).await;
+    assert_eq!(r.status, 200);
+    let (id, reserved) = (r.header("x-test-reservation").unwrap(), r.header("x-test-reserved-tokens").unwrap());
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let start = Instant::now();
+    while client.renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 }).await.unwrap().into_inner().state
+        == "reserved"
+    {
+        assert!(start.elapsed() < Duration::from_secs(5), "never settled\n{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = client
+        .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 0, completion_tokens: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(c.duplicate, "{c:?}");
+    assert_eq!((c.used_tokens.to_string(), c.metered), (reserved.to_string(), true), "{c:?}");
+}

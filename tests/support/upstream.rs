@@ -6,7 +6,8 @@
 //! (default: min(max_tokens, 16)); `x-test-skip-commit: 1` plays a client that never comes back;
 //! `x-test-status: N` answers that status with an error body and no usage, commits nothing, and
 //! leaves the hold to Envoy's commit from the response (with `x-test-retry-after: S`, it carries
-//! `retry-after: S`).
+//! `retry-after: S`). `x-test-gzip: 1` answers 200 with a `content-encoding: gzip` body (opaque
+//! bytes whose plain text would read as usage), commits nothing and leaves the hold to Envoy.
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -79,6 +80,16 @@ async fn handle(
             .header("content-type", "application/json")
             .header("x-test-reservation", reservation.unwrap_or_default())
             .body(Full::new(Bytes::from(r#"{"error":{"message":"injected","type":"server_error"}}"#)))
+            .unwrap();
+        return Ok(response);
+    }
+    if header("x-test-gzip").is_some() {
+        let response = Response::builder()
+            .header("content-type", "application/json")
+            .header("content-encoding", "gzip")
+            .header("x-test-reservation", reservation.unwrap_or_default())
+            .header("x-test-reserved-tokens", reserved)
+            .body(Full::new(Bytes::from(r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#)))
             .unwrap();
         return Ok(response);
     }
