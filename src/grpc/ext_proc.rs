@@ -1,9 +1,9 @@
 //! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
 //! in front of a backend that knows nothing of tollgate.
 //!
-//! One gRPC stream per HTTP request. Envoy sends the request headers (after `ext_authz` added
-//! `x-tollgate-reservation`), then the response headers and the response body as it streams, in
-//! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! One gRPC stream per HTTP request. Envoy sends the response headers, with ext_authz's dynamic
+//! metadata (the reservation and its model, set by `Check`), then the response body as it
+//! streams, in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
 //! ends settles the hold:
@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
@@ -39,7 +40,7 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::response::{MODEL_HEADER, RESERVATION_HEADER};
+use super::response::{METADATA_MODEL, METADATA_RESERVATION, MODEL_HEADER, RESERVATION_HEADER};
 use crate::admission::usage::{Measured, Meter};
 use crate::admission::{Admission, ids};
 use crate::store::Store;
@@ -131,6 +132,9 @@ impl Exchange {
         admission: &Admission<S>,
     ) -> Option<ProcessingResponse> {
         let observing = message.observability_mode;
+        if self.reservation.is_none() {
+            self.read_metadata(&message);
+        }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
@@ -182,6 +186,25 @@ impl Exchange {
             Phase::RequestTrailers(_) => Reply::RequestTrailers(TrailersResponse::default()),
         };
         (!observing).then(|| ProcessingResponse { response: Some(reply), ..Default::default() })
+    }
+
+    /// The hold, from ext_authz's dynamic metadata, which Envoy forwards with every message when
+    /// the filter's `metadata_options` name its namespace.
+    fn read_metadata(&mut self, message: &ProcessingRequest) {
+        let Some(fields) = message
+            .metadata_context
+            .as_ref()
+            .and_then(|m| m.filter_metadata.get(AUTHZ_NAMESPACE))
+            .map(|s| &s.fields)
+        else {
+            return;
+        };
+        let text = |name: &str| match fields.get(name).and_then(|v| v.kind.as_ref()) {
+            Some(Kind::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        };
+        self.reservation = text(METADATA_RESERVATION);
+        self.model = text(METADATA_MODEL);
     }
 
     /// Renews the lease of a long stream while its bytes keep flowing: every third of a lease.
@@ -241,6 +264,9 @@ impl Exchange {
         }
     }
 }
+
+/// Where Envoy keeps ext_authz's dynamic metadata.
+const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 
 /// Bytes per token when the model is not known.
 const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
