@@ -28,13 +28,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
-use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, HeadersResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
+use envoy_types::pb::google::protobuf::value::Kind;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -191,11 +191,8 @@ impl Exchange {
     /// The hold, from ext_authz's dynamic metadata, which Envoy forwards with every message when
     /// the filter's `metadata_options` name its namespace.
     fn read_metadata(&mut self, message: &ProcessingRequest) {
-        let Some(fields) = message
-            .metadata_context
-            .as_ref()
-            .and_then(|m| m.filter_metadata.get(AUTHZ_NAMESPACE))
-            .map(|s| &s.fields)
+        let Some(fields) =
+            message.metadata_context.as_ref().and_then(|m| m.filter_metadata.get(AUTHZ_NAMESPACE)).map(|s| &s.fields)
         else {
             return;
         };
