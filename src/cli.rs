@@ -122,6 +122,13 @@ pub enum BenchKind {
     Burst(BurstArgs),
 }
 
+/// What the simulated backend's tokens read as.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum SimText {
+    Tok,
+    Words,
+}
+
 /// `sim-backend`'s settings.
 #[derive(Debug, clap::Args)]
 pub struct SimBackendArgs {
@@ -147,6 +154,10 @@ pub struct SimBackendArgs {
     /// Every output this long instead (capped by max_tokens).
     #[arg(long)]
     pub output_fixed: Option<u64>,
+    /// What generated tokens read as: `tok` (4 bytes each) or `words` (an English-like
+    /// vocabulary, 4.375 bytes per token on average).
+    #[arg(long, value_enum, default_value = "tok")]
+    pub text: SimText,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     #[arg(long, default_value_t = 30_000)]
@@ -295,6 +306,10 @@ impl From<&SimBackendArgs> for SimConfig {
             seed: a.seed,
             tollgate: a.tollgate.clone(),
             renew_every: Duration::from_millis(a.renew_every_ms),
+            text: match a.text {
+                SimText::Tok => crate::sim::formats::Text::Tok,
+                SimText::Words => crate::sim::formats::Text::Words,
+            },
             ..SimConfig::default()
         }
     }

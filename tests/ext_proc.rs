@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, RenewRequest};
 use tollgate::sim::backend::{self, SimConfig, SimStats};
+use tollgate::sim::formats::Text;
 use tollgate::sim::lengths::OutputLengths;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
@@ -43,6 +44,10 @@ impl Stack {
     }
 
     async fn start_edited(decode_tokens_per_second: f64, edit: impl FnOnce(String) -> String) -> Stack {
+        Stack::start_with(decode_tokens_per_second, Text::Tok, edit).await
+    }
+
+    async fn start_with(decode_tokens_per_second: f64, text: Text, edit: impl FnOnce(String) -> String) -> Stack {
         let tollgate = Tollgate::start(POLICY);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
@@ -52,6 +57,7 @@ impl Stack {
             decode_tokens_per_second,
             lengths: OutputLengths::Fixed(40),
             tollgate: None,
+            text,
             ..SimConfig::default()
         };
         let shutdown = CancellationToken::new();
@@ -334,4 +340,41 @@ async fn a_compressed_response_is_charged_as_held_never_misread() {
         .into_inner();
     assert!(c.duplicate, "{c:?}");
     assert_eq!((c.used_tokens.to_string(), c.metered), (reserved.to_string(), true), "{c:?}");
+}
+
+/// The meter against true counts: streams without usage of English-like text (4.375 bytes per
+/// token) metered at the model's 4 bytes per token. The error is the text's bytes per token over
+/// the configured ratio, plus the noise of short outputs; docs/BENCHMARKS.md cites this run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_meter_error_on_english_like_text() {
+    let stack = Stack::start_with(100_000.0, Text::Words, |c| c).await;
+    let body = chat(true, false).replace(r#""max_tokens":100"#, r#""max_tokens":400"#);
+    let held_prompt = (body.len() as u64).div_ceil(4);
+    let mut errors = Vec::new();
+    for output in (10..=400).step_by(10) {
+        let n = output.to_string();
+        let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-sim-output-tokens", &n)], body.clone()).await;
+        assert_eq!(r.status, 200, "{r:?}");
+        let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+        assert!(c.metered);
+        let metered = c.used_tokens - held_prompt;
+        errors.push((output, metered as f64 / output as f64 - 1.0));
+    }
+    let mean = errors.iter().map(|e| e.1).sum::<f64>() / errors.len() as f64;
+    let (lo, hi) = errors.iter().fold((f64::MAX, f64::MIN), |(lo, hi), e| (lo.min(e.1), hi.max(e.1)));
+    let long: Vec<f64> = errors.iter().filter(|e| e.0 >= 100).map(|e| e.1).collect();
+    let (long_lo, long_hi) = long.iter().fold((f64::MAX, f64::MIN), |(lo, hi), e| (lo.min(*e), hi.max(*e)));
+    println!(
+        "meter error over {} streams of 10..400 tokens: mean {:+.1}%, range {:+.1}% to {:+.1}%; \
+         outputs of 100 tokens or more: {:+.1}% to {:+.1}%",
+        errors.len(),
+        mean * 100.0,
+        lo * 100.0,
+        hi * 100.0,
+        long_lo * 100.0,
+        long_hi * 100.0
+    );
+    // 4.375 / 4 - 1 = +9.4 %, the systematic part.
+    assert!((0.04..0.15).contains(&mean), "mean error {mean}");
+    assert!(lo > -0.35 && hi < 0.6, "{errors:?}");
 }

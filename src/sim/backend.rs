@@ -52,6 +52,8 @@ pub struct SimConfig {
     /// tollgate's gRPC endpoint; usage is committed there when set.
     pub tollgate: Option<String>,
     pub renew_every: Duration,
+    /// What the generated tokens read as.
+    pub text: formats::Text,
 }
 
 impl Default for SimConfig {
@@ -65,6 +67,7 @@ impl Default for SimConfig {
             bytes_per_token: 4.0,
             tollgate: None,
             renew_every: Duration::from_secs(30),
+            text: formats::Text::Tok,
         }
     }
 }
@@ -92,6 +95,14 @@ struct Sim {
     sampler: Sampler,
     tollgate: Option<AdmissionClient<Channel>>,
     stats: Arc<SimStats>,
+    /// Seeds each response's text, so runs repeat.
+    seeds: AtomicU64,
+}
+
+impl Sim {
+    fn next_seed(&self) -> u64 {
+        self.config.seed.wrapping_add(self.seeds.fetch_add(1, Ordering::Relaxed))
+    }
 }
 
 /// Serves until `shutdown` is cancelled. Returns the counters, shared with the running server.
@@ -119,6 +130,7 @@ pub async fn serve(
         config,
         tollgate,
         stats,
+        seeds: AtomicU64::new(0),
     });
     loop {
         let stream = tokio::select! {
@@ -207,7 +219,8 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         generation.run(output, None).await;
         generation.finish().await;
         drop(slot);
-        return Ok(json(StatusCode::OK, formats::answer(&ask, output)));
+        let mut writer = formats::Writer::new(sim.config.text, sim.next_seed());
+        return Ok(json(StatusCode::OK, formats::answer(&ask, output, &mut writer)));
     }
 
     let (tx, rx): (Chunks, _) = mpsc::channel(16);
@@ -217,7 +230,11 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         for opening in formats::opening(&ask) {
             let _ = tx.send(frame(opening)).await;
         }
-        let chunk = |tokens: u64| Frame::data(Bytes::from(formats::step(&ask, tokens)));
+        let writer = std::sync::Mutex::new(formats::Writer::new(sim.config.text, sim.next_seed()));
+        let chunk = |tokens: u64| {
+            let text = writer.lock().unwrap_or_else(|p| p.into_inner()).take(tokens);
+            Frame::data(Bytes::from(formats::step(&ask, &text)))
+        };
         let complete = generation.run(output, Some((&tx, &chunk))).await;
         if complete {
             for closing in formats::closing(&ask, output) {

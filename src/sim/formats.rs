@@ -2,7 +2,9 @@
 //! against each: OpenAI chat completions (`/v1/chat/completions`), Anthropic Messages
 //! (`/v1/messages`) and the OpenAI Responses API (`/v1/responses`). Each is a request reader, a JSON
 //! answer, and the events of a stream: what comes before the tokens, each step of tokens, and what
-//! closes the stream. Every generated token is the text `"tok "`.
+//! closes the stream. A generated token is the text `"tok "` ([`Text::Tok`], 4 bytes, so a meter
+//! at 4 bytes per token reads it exactly), or a word of a small English-like vocabulary
+//! ([`Text::Words`], 1 to 10 bytes, 4.375 on average), to measure a meter against.
 
 use serde_json::{Value, json};
 
@@ -66,13 +68,67 @@ pub fn parse(api: Api, body: &[u8], bytes_per_token: f64) -> Result<Ask, String>
     })
 }
 
-fn text(tokens: u64) -> String {
-    "tok ".repeat(usize::try_from(tokens).unwrap_or(0))
+/// What a generated token reads as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Text {
+    #[default]
+    Tok,
+    Words,
+}
+
+/// Tokens as a BPE tokenizer cuts English: a leading space on words, punctuation alone. Their
+/// lengths sum to 70 over 16, 4.375 bytes per token.
+const VOCABULARY: [&str; 16] = [
+    " the",
+    " of",
+    ",",
+    ".",
+    " and",
+    " to",
+    " a",
+    " in",
+    " is",
+    " model",
+    " request",
+    " tokens",
+    "ing",
+    " admission",
+    " budget",
+    " that",
+];
+
+/// Writes one response's tokens, the same sequence for the same seed.
+#[derive(Debug, Clone)]
+pub struct Writer {
+    text: Text,
+    state: u64,
+}
+
+impl Writer {
+    pub fn new(text: Text, seed: u64) -> Self {
+        Writer { text, state: seed }
+    }
+
+    /// The text of the next `tokens` tokens.
+    pub fn take(&mut self, tokens: u64) -> String {
+        let n = usize::try_from(tokens).unwrap_or(0);
+        match self.text {
+            Text::Tok => "tok ".repeat(n),
+            Text::Words => (0..n)
+                .map(|_| {
+                    // A 64-bit LCG (Knuth's MMIX constants): plenty for picking words.
+                    self.state =
+                        self.state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                    VOCABULARY[(self.state >> 60) as usize]
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The whole answer of a request that did not stream.
-pub fn answer(ask: &Ask, output: u64) -> Value {
-    let (prompt, model, content) = (ask.prompt_tokens, &ask.model, text(output.min(64)));
+pub fn answer(ask: &Ask, output: u64, writer: &mut Writer) -> Value {
+    let (prompt, model, content) = (ask.prompt_tokens, &ask.model, writer.take(output.min(64)));
     let stopped = if output == ask.max_tokens { "length" } else { "stop" };
     match ask.api {
         Api::Chat => json!({
@@ -124,21 +180,21 @@ pub fn opening(ask: &Ask) -> Vec<String> {
     }
 }
 
-/// One step of generated tokens.
-pub fn step(ask: &Ask, tokens: u64) -> String {
+/// One step of generated tokens, as `text`.
+pub fn step(ask: &Ask, text: &str) -> String {
     match ask.api {
         Api::Chat => event(
             None,
             &json!({"id": "chatcmpl-sim", "object": "chat.completion.chunk", "created": 0, "model": ask.model,
-                "choices": [{"index": 0, "delta": {"content": text(tokens)}, "finish_reason": null}]}),
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]}),
         ),
         Api::Messages => event(
             Some("content_block_delta"),
-            &json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text(tokens)}}),
+            &json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}),
         ),
         Api::Responses => event(
             Some("response.output_text.delta"),
-            &json!({"type": "response.output_text.delta", "output_index": 0, "delta": text(tokens)}),
+            &json!({"type": "response.output_text.delta", "output_index": 0, "delta": text}),
         ),
     }
 }
@@ -197,5 +253,16 @@ mod tests {
         let a = parse(Api::Responses, responses, 4.0).unwrap();
         assert_eq!((a.prompt_tokens, a.max_tokens, a.stream), (3, 5, true));
         assert!(parse(Api::Chat, b"nope", 4.0).is_err());
+    }
+
+    #[test]
+    fn words_average_their_vocabulary() {
+        let total: usize = VOCABULARY.iter().map(|w| w.len()).sum();
+        assert_eq!(total, 70);
+        let text = Writer::new(Text::Words, 7).take(100_000);
+        let per_token = text.len() as f64 / 100_000.0;
+        assert!((per_token - 4.375).abs() < 0.05, "{per_token}");
+        assert_eq!(Writer::new(Text::Words, 7).take(50), Writer::new(Text::Words, 7).take(50));
+        assert_eq!(Writer::new(Text::Tok, 0).take(3), "tok tok tok ");
     }
 }
