@@ -378,3 +378,27 @@ async fn the_meter_error_on_english_like_text() {
     assert!((0.04..0.15).contains(&mean), "mean error {mean}");
     assert!(lo > -0.35 && hi < 0.6, "{errors:?}");
 }
+
+/// A backend that commits and does not say so: both commit, and the hold is charged once, with the
+/// backend's counts (the first commit wins; the second is a duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_also_commits_is_charged_once() {
+    let tollgate = Tollgate::start(POLICY);
+    let upstream = Upstream::start(tollgate.endpoint()).await;
+    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
+    let r = post(envoy.port, CHAT, &[TENANT, ("x-test-silent-commit", "1"), ("x-test-output-tokens", "7")], body).await;
+    assert_eq!((r.status, r.header("x-test-commit-state")), (200, Some("committed")), "{r:?}");
+    let id = r.header("x-test-reservation").unwrap();
+    let usage = &r.json()["usage"];
+    let reported = usage["prompt_tokens"].as_u64().unwrap() + 7;
+    // Envoy's commit from the same usage follows; both are one charge.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let c = client
+        .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((c.duplicate, c.used_tokens, c.metered), (true, reported, false), "{c:?}");
+}

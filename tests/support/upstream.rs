@@ -8,6 +8,7 @@
 //! leaves the hold to Envoy's commit from the response (with `x-test-retry-after: S`, it carries
 //! `retry-after: S`). `x-test-gzip: 1` answers 200 with a `content-encoding: gzip` body (opaque
 //! bytes whose plain text would read as usage), commits nothing and leaves the hold to Envoy.
+//! `x-test-silent-commit: 1` commits as usual but does not say so, so Envoy commits too.
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -73,6 +74,7 @@ async fn handle(
     let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
     let output: Option<u64> = header("x-test-output-tokens").and_then(|v| v.parse().ok());
     let skip = header("x-test-skip-commit").is_some();
+    let silent = header("x-test-silent-commit").is_some();
     if let Some(status) = header("x-test-status").and_then(|s| s.parse::<u16>().ok()) {
         let response = Response::builder()
             .status(status)
@@ -120,10 +122,13 @@ async fn handle(
         .header("x-test-reserved-tokens", reserved)
         .header("x-test-commit-state", commit_state)
         .header("x-test-tollgate-headers", own.join(";"))
-        // This backend commits itself: Envoy's commit from the response leaves its holds alone.
-        .header("x-tollgate-commit", "caller")
         .body(Full::new(Bytes::from(usage.to_string())))
         .unwrap();
+    let mut response = response;
+    if !silent {
+        // This backend commits itself: Envoy's commit from the response leaves its holds alone.
+        response.headers_mut().insert("x-tollgate-commit", hyper::header::HeaderValue::from_static("caller"));
+    }
     Ok(response)
 }
 
