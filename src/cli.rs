@@ -84,6 +84,10 @@ pub struct CycleArgs {
     /// Drive chat completions through Envoy to the simulated backend instead of gRPC cycles.
     #[arg(long)]
     pub http: bool,
+    /// With --http: stream the responses and measure to the first byte of the body (time to first
+    /// token) instead of the last.
+    #[arg(long, requires = "http")]
+    pub stream: bool,
     /// Offered rates to sweep, cycles per second (comma separated).
     #[arg(long, default_value = "1000", value_delimiter = ',')]
     pub rates: Vec<u32>,
@@ -321,6 +325,7 @@ impl CycleArgs {
             base: BenchOptions {
                 target: self.target,
                 http: self.http,
+                stream: self.stream,
                 rate: 0,
                 duration: Duration::from_secs(self.seconds),
                 warmup: Duration::from_secs(self.warmup_seconds),

@@ -19,6 +19,7 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
     let options = BenchOptions {
         target: t.endpoint(),
         http: false,
+        stream: false,
         rate: 200,
         duration: Duration::from_secs(1),
         warmup: Duration::from_millis(200),
@@ -46,6 +47,7 @@ async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
     let options = BenchOptions {
         target: format!("http://127.0.0.1:{}", envoy.port),
         http: true,
+        stream: false,
         rate: 50,
         duration: Duration::from_secs(1),
         warmup: Duration::from_millis(200),
@@ -57,6 +59,41 @@ async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
     shutdown.cancel();
     assert_eq!((report.cycles, report.admitted, report.errors), (50, 50, 0), "{report}");
     assert!(stats.commits.load(std::sync::atomic::Ordering::Relaxed) >= 50, "the backend committed every request");
+}
+
+/// `--stream` measures to the first byte of the body: streams of 200 tokens at 500 tokens/s take
+/// 400 ms to finish, but their first chunk (10 tokens) comes after 20 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_mode_measures_the_time_to_the_first_byte() {
+    use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
+    let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sim_port = listener.local_addr().unwrap().port();
+    let config = SimConfig {
+        slots: 64,
+        prefill_tokens_per_second: 1e9,
+        decode_tokens_per_second: 500.0,
+        lengths: tollgate::sim::lengths::OutputLengths::Fixed(200),
+        ..SimConfig::default()
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(sim::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let envoy = support::procs::Envoy::start(t.addr, sim_port);
+    let options = BenchOptions {
+        target: format!("http://127.0.0.1:{}", envoy.port),
+        http: true,
+        stream: true,
+        rate: 20,
+        duration: Duration::from_secs(1),
+        warmup: Duration::from_millis(100),
+        tenants: vec!["a".into()],
+        model: "m".into(),
+        connections: 1,
+    };
+    let report = bench::run(&options).await.unwrap();
+    shutdown.cancel();
+    assert_eq!((report.cycles, report.errors), (20, 0), "{report}");
+    assert!(report.p99 < Duration::from_millis(200), "to the first byte, not the 400 ms stream: {report}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

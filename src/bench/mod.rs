@@ -39,6 +39,9 @@ pub struct BenchOptions {
     pub target: String,
     /// Drive HTTP chat completions through Envoy instead of gRPC cycles.
     pub http: bool,
+    /// HTTP mode: the requests stream, and a cycle's latency is to the first byte of the body
+    /// (time to first token) instead of to the last.
+    pub stream: bool,
     /// Cycles per second, fixed for the run.
     pub rate: u32,
     pub duration: Duration,
@@ -121,6 +124,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let tenants = options.tenants.clone();
     let dispatch_samples = samples.clone();
     let target = Arc::new(options.target.clone());
+    let stream = options.stream;
     control.sent.store(0, Ordering::Relaxed);
     let dispatcher = tokio::task::spawn_blocking(move || {
         let mut tasks = Vec::with_capacity(total as usize);
@@ -140,7 +144,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
                 let (client, target) = (http.clone(), target.clone());
                 runtime.spawn(async move {
                     let request = mix.get(i);
-                    let sample = http_cycle(&client, &target, tenant, &request.body, scheduled).await;
+                    let sample = http_cycle(&client, &target, tenant, &request.body, stream, scheduled).await;
                     if record {
                         samples.lock().await.push(sample);
                     }
@@ -224,23 +228,33 @@ async fn http_cycle(
     target: &str,
     tenant: String,
     body: &str,
+    stream: bool,
     scheduled: Instant,
 ) -> Sample {
     use http_body_util::BodyExt;
+    let body = if stream { body.replacen('{', r#"{"stream":true,"#, 1) } else { body.to_string() };
     let request = hyper::Request::post(format!("{target}/v1/chat/completions"))
         .header("content-type", "application/json")
         .header("x-tenant-id", tenant)
-        .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())));
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)));
     let Ok(request) = request else { return Sample { latency: scheduled.elapsed(), admitted: false, error: true } };
+    let mut first_byte = None;
     let outcome = async {
         let res = client.request(request).await.ok()?;
         let status = res.status().as_u16();
         let denied = res.headers().contains_key("x-tollgate-reason");
-        res.into_body().collect().await.ok()?;
+        let mut body = res.into_body();
+        while let Some(frame) = body.frame().await {
+            frame.ok()?;
+            first_byte.get_or_insert_with(|| scheduled.elapsed());
+        }
         Some((status, denied))
     }
     .await;
-    let latency = scheduled.elapsed();
+    let latency = match first_byte {
+        Some(first) if stream => first,
+        _ => scheduled.elapsed(),
+    };
     match outcome {
         Some((200, _)) => Sample { latency, admitted: true, error: false },
         Some((_, true)) => Sample { latency, admitted: false, error: false },

@@ -225,6 +225,7 @@ mod tests {
             base: BenchOptions {
                 target: String::new(),
                 http: false,
+                stream: false,
                 rate: 0,
                 duration: Duration::ZERO,
                 warmup: Duration::ZERO,
