@@ -1,5 +1,6 @@
 //! Compiles tollgate's own proto into Rust, and builds the descriptor set that server reflection
-//! serves: tollgate's Admission service plus the vendored closure of Envoy's `external_auth.proto`.
+//! serves: tollgate's Admission service plus the vendored closure of Envoy's `external_auth.proto`
+//! and `external_processor.proto`.
 //! Envoy's Rust types come from `envoy-types`; its protos are compiled here only for reflection.
 //! protox does the parsing, so no system `protoc` is needed.
 
@@ -14,7 +15,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let own = protox::compile(["tollgate/v1/admission.proto"], ["proto"])?;
     tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(own.clone())?;
 
-    let mut reflection = protox::compile(["envoy/service/auth/v3/external_auth.proto"], ["proto/vendor"])?;
+    let mut reflection = protox::compile(
+        ["envoy/service/auth/v3/external_auth.proto", "envoy/service/ext_proc/v3/external_processor.proto"],
+        ["proto/vendor"],
+    )?;
     for file in own.file {
         if !reflection.file.iter().any(|f| f.name == file.name) {
             reflection.file.push(file);

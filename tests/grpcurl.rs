@@ -21,6 +21,7 @@ fn grpcurl_lists_every_service_by_reflection() {
     let list = run(&t, &["list"]);
     for service in [
         "envoy.service.auth.v3.Authorization",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
         "tollgate.v1.Admission",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
