@@ -88,6 +88,9 @@ pub struct CycleArgs {
     /// token) instead of the last.
     #[arg(long, requires = "http")]
     pub stream: bool,
+    /// With --stream: time each stream to its last byte instead (every chunk of it).
+    #[arg(long, requires = "stream")]
+    pub last_byte: bool,
     /// Offered rates to sweep, cycles per second (comma separated).
     #[arg(long, default_value = "1000", value_delimiter = ',')]
     pub rates: Vec<u32>,
@@ -326,6 +329,7 @@ impl CycleArgs {
                 target: self.target,
                 http: self.http,
                 stream: self.stream,
+                last_byte: self.last_byte,
                 rate: 0,
                 duration: Duration::from_secs(self.seconds),
                 warmup: Duration::from_secs(self.warmup_seconds),
@@ -396,6 +400,8 @@ pub async fn bench(args: BenchArgs) -> ExitCode {
 /// `tollgate sim-backend`: serves until SIGTERM or SIGINT.
 pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
     let config = SimConfig::from(&args);
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
     let listener = match TcpListener::bind(args.listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -403,8 +409,6 @@ pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(cancel_on_signal(shutdown.clone()));
     match backend::serve(listener, config, shutdown, Default::default()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -428,21 +432,33 @@ pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
 }
 
 /// Kubernetes sends SIGTERM to stop a pod; a terminal sends SIGINT. Either cancels `shutdown`.
-pub async fn cancel_on_signal(shutdown: CancellationToken) {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
+/// The handlers are installed before this returns, so call it before the port opens: a signal
+/// that arrives once the process is seen to listen is always a drain, never the default kill.
+pub fn cancel_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let listen = |kind: SignalKind, name: &'static str| match signal(kind) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!("cannot listen for {name}: {e}");
+            None
         }
     };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
-        () = terminate => tracing::info!("SIGTERM: draining"),
-    }
-    shutdown.cancel();
+    let (mut interrupt, mut terminate) =
+        (listen(SignalKind::interrupt(), "SIGINT"), listen(SignalKind::terminate(), "SIGTERM"));
+    tokio::spawn(async move {
+        // A signal that cannot be listened for (or whose stream ends) never fires.
+        let received = |s: Option<tokio::signal::unix::Signal>| async move {
+            if let Some(mut s) = s
+                && s.recv().await.is_some()
+            {
+                return;
+            }
+            std::future::pending::<()>().await
+        };
+        tokio::select! {
+            () = received(interrupt.take()) => tracing::info!("SIGINT: draining"),
+            () = received(terminate.take()) => tracing::info!("SIGTERM: draining"),
+        }
+        shutdown.cancel();
+    });
 }

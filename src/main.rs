@@ -45,9 +45,9 @@ fn main() -> ExitCode {
                 };
                 let result = async {
                     let policy = Arc::new(Policy::load(&config)?);
-                    let listener = cli::bind(&policy, listen).await?;
                     let shutdown = CancellationToken::new();
-                    tokio::spawn(cli::cancel_on_signal(shutdown.clone()));
+                    cli::cancel_on_signal(shutdown.clone());
+                    let listener = cli::bind(&policy, listen).await?;
                     cli::serve(policy, listener, shutdown).await
                 }
                 .await;

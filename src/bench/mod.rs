@@ -42,6 +42,8 @@ pub struct BenchOptions {
     /// HTTP mode: the requests stream, and a cycle's latency is to the first byte of the body
     /// (time to first token) instead of to the last.
     pub stream: bool,
+    /// With `stream`: time to the last byte after all (a whole stream, every chunk of it).
+    pub last_byte: bool,
     /// Cycles per second, fixed for the run.
     pub rate: u32,
     pub duration: Duration,
@@ -124,7 +126,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let tenants = options.tenants.clone();
     let dispatch_samples = samples.clone();
     let target = Arc::new(options.target.clone());
-    let stream = options.stream;
+    let timing = (options.stream, options.last_byte);
     control.sent.store(0, Ordering::Relaxed);
     let dispatcher = tokio::task::spawn_blocking(move || {
         let mut tasks = Vec::with_capacity(total as usize);
@@ -144,7 +146,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
                 let (client, target) = (http.clone(), target.clone());
                 runtime.spawn(async move {
                     let request = mix.get(i);
-                    let sample = http_cycle(&client, &target, tenant, &request.body, stream, scheduled).await;
+                    let sample = http_cycle(&client, &target, tenant, &request.body, timing, scheduled).await;
                     if record {
                         samples.lock().await.push(sample);
                     }
@@ -228,7 +230,7 @@ async fn http_cycle(
     target: &str,
     tenant: String,
     body: &str,
-    stream: bool,
+    (stream, last_byte): (bool, bool),
     scheduled: Instant,
 ) -> Sample {
     use http_body_util::BodyExt;
@@ -252,7 +254,7 @@ async fn http_cycle(
     }
     .await;
     let latency = match first_byte {
-        Some(first) if stream => first,
+        Some(first) if stream && !last_byte => first,
         _ => scheduled.elapsed(),
     };
     match outcome {

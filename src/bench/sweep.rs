@@ -226,6 +226,7 @@ mod tests {
                 target: String::new(),
                 http: false,
                 stream: false,
+                last_byte: false,
                 rate: 0,
                 duration: Duration::ZERO,
                 warmup: Duration::ZERO,
