@@ -15,14 +15,14 @@ use support::procs::{Envoy, Tollgate};
 use support::upstream::{Upstream, post};
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
-use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, RenewRequest};
+use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, ReleaseRequest, RenewRequest, ReserveRequest};
 use tollgate::sim::backend::{self, SimConfig, SimStats};
 use tollgate::sim::formats::Text;
 use tollgate::sim::lengths::OutputLengths;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
                       pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\
-                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n";
+                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n  probe:\n    limits: { tokens_per_minute: 60, burst_tokens: 100000 }\n";
 const CHAT: &str = "/v1/chat/completions";
 
 /// tollgate, the simulated backend (committing nothing itself) and Envoy in front.
@@ -85,7 +85,9 @@ impl Stack {
             if state != "reserved" {
                 return state;
             }
-            assert!(start.elapsed() < Duration::from_secs(5), "{id} never settled\n{}", self.diagnostics());
+            // Envoy tells tollgate of a client that left by closing the stream, deferred_close_timeout
+            // (1 s) after the request ended.
+            assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
@@ -401,4 +403,50 @@ async fn a_backend_that_also_commits_is_charged_once() {
         .unwrap()
         .into_inner();
     assert_eq!((c.duplicate, c.used_tokens, c.metered), (true, reported, false), "{c:?}");
+}
+
+/// A client that gives up before the response starts (the backend still reading a long prompt):
+/// the prompt held is charged, no output, never left to expire. Seen in the tenant's bucket: the
+/// held output comes back, the prompt does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_the_response_is_charged_the_prompt() {
+    let tollgate = Tollgate::start(POLICY);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // 10 prompt tokens a second: the 50-token prompt takes five seconds to read.
+    let config = SimConfig { slots: 4, prefill_tokens_per_second: 10.0, tollgate: None, ..SimConfig::default() };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let envoy = Envoy::start(tollgate.addr, port);
+    let body = chat(false, false);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(300),
+        post(envoy.port, CHAT, &[("x-tenant-id", "probe")], body.clone()),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the response started early");
+    let held_prompt = (body.len() as u64).div_ceil(4) as i64;
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    // A one-token probe, released at once, reads the bucket: 100,000 less the prompt and its own 2
+    // once the hold is settled (plus a token a second of refill); 100 less again while it is not.
+    let start = Instant::now();
+    loop {
+        let probe = ReserveRequest {
+            tenant: "probe".into(),
+            model: "sim".into(),
+            prompt_tokens: 1,
+            max_tokens: 1,
+            ..Default::default()
+        };
+        let r = client.reserve(probe).await.unwrap().into_inner();
+        client.release(ReleaseRequest { reservation_id: r.reservation_id.clone() }).await.unwrap();
+        let settled = 100_000 - held_prompt - 2;
+        if r.remaining_tokens >= settled {
+            assert!(r.remaining_tokens <= settled + 15, "the prompt stayed charged: {r:?}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "never settled: {r:?}\n{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
 }

@@ -1,9 +1,9 @@
 //! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
 //! in front of a backend that knows nothing of tollgate.
 //!
-//! One gRPC stream per HTTP request. Envoy sends the response headers, with ext_authz's dynamic
-//! metadata (the reservation and its model, set by `Check`), then the response body as it
-//! streams, in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! One gRPC stream per HTTP request. Envoy sends the request headers, the response headers and the
+//! response body as it streams, each with ext_authz's dynamic metadata (the reservation and its
+//! model, set by `Check`), in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
 //! ends settles the hold:
@@ -14,7 +14,8 @@
 //! | 429 or 5xx before any output | released: nothing was generated (a 429 also throttles the pool: [`Admission::upstream_refused`]) |
 //! | 429 or 5xx after output | committed: what was generated |
 //! | other 4xx | committed with the usage it reports, else released |
-//! | cut short (the client went away, Envoy reset the stream) | committed: what was generated so far, else released |
+//! | cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far |
+//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) |
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
 //! tollgate leaves the hold to it; a route whose backends all commit turns the filter off
@@ -233,32 +234,37 @@ impl Exchange {
         }
         let status = self.status.unwrap_or(0);
         let Some(meter) = &mut self.meter else {
-            // No response at all: nothing was generated.
-            release(admission, id).await;
+            // Cut short before any response: the request reached the backend, which read its
+            // prompt and generated nothing the client saw; the prompt held is charged.
+            commit(admission, id, Measured::Metered { output: 0 }, ending).await;
             return;
         };
         let saw_output = meter.saw_output();
         let measured = meter.measured();
-        let commit = match (status, measured) {
+        let charge = match (status, measured) {
             (200..=299, _) => true,
             (429 | 500..=599, _) => saw_output,
             (_, Measured::Exact { .. }) => true,
             _ => false,
         };
-        if !commit {
+        if !charge {
             release(admission, id).await;
             return;
         }
-        match admission.commit_counted(id, measured).await {
-            Ok(outcome) => tracing::debug!(
-                reservation = id,
-                state = outcome.state(),
-                ?measured,
-                cut_short = ending == Ending::CutShort,
-                "committed from the response"
-            ),
-            Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
-        }
+        commit(admission, id, measured, ending).await;
+    }
+}
+
+async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured, ending: Ending) {
+    match admission.commit_counted(id, measured).await {
+        Ok(outcome) => tracing::debug!(
+            reservation = id,
+            state = outcome.state(),
+            ?measured,
+            cut_short = ending == Ending::CutShort,
+            "committed from the response"
+        ),
+        Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
     }
 }
 
