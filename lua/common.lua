@@ -79,18 +79,35 @@ local function refilled(level, at, cap, rate, now)
   return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
 end
 
--- Moves a scope's token bucket by `delta` tokens (a refund when positive, debt when negative),
--- from its level now: refilled first, so a full bucket's refill (which it could not hold) never
--- pays debt. Never above the capacity, never below minus it. A scope hash that has expired (idle
--- longer than its TTL) is not recreated: an idle bucket is full anyway.
-local function move_tokens(k, delta, now)
-  local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr')
-  local cap = tonumber(v[3])
-  if not (v[1] and cap) then
-    return
+-- Charges `amount` tokens to each scope (debt when positive, a refund when negative), one read
+-- and one write a scope. The bucket moves from its level now: refilled first, so a full bucket's
+-- refill (which it could not hold) never pays debt; never above its capacity, never below minus
+-- it. The day's usage moves when it is `day`'s; debt charged on a new day starts the day's count.
+-- A scope hash that has expired (idle longer than its TTL) is not recreated: an idle bucket is
+-- full anyway.
+local function adjust(keys, amount, day, now)
+  for _, k in ipairs(keys) do
+    local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr', 'd', 'du')
+    local f = {}
+    local cap = tonumber(v[3])
+    if v[1] and cap then
+      local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) - amount
+      f = { 't', math.max(-cap, math.min(cap, level)), 'tt', now }
+    end
+    local d = tonumber(v[5])
+    if d == day then
+      f[#f + 1] = 'du'
+      f[#f + 1] = math.max(0, tonumber(v[6]) + amount)
+    elseif d and amount > 0 then
+      f[#f + 1] = 'd'
+      f[#f + 1] = day
+      f[#f + 1] = 'du'
+      f[#f + 1] = amount
+    end
+    if #f > 0 then
+      redis.call('HSET', k, unpack(f))
+    end
   end
-  local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) + delta
-  redis.call('HSET', k, 't', math.max(-cap, math.min(cap, level)), 'tt', now)
 end
 
 -- Frees the concurrency slot a hold occupies in each of its scopes.
@@ -106,33 +123,16 @@ end
 -- Gives tokens back: to each token bucket, and to the day's usage when the hold was charged to
 -- the current day.
 local function refund(keys, amount, day, now)
-  if amount <= 0 then
-    return
-  end
-  for _, k in ipairs(keys) do
-    move_tokens(k, amount, now)
-    local v = redis.call('HMGET', k, 'd', 'du')
-    if v[1] and tonumber(v[1]) == day then
-      redis.call('HSET', k, 'du', math.max(0, tonumber(v[2]) - amount))
-    end
+  if amount > 0 then
+    adjust(keys, -amount, day, now)
   end
 end
 
 -- Charges tokens beyond the hold as debt: a bucket may go negative, down to minus its capacity,
 -- and the debt is repaid by refill (it shows in the next Retry-After).
 local function charge(keys, amount, now)
-  if amount <= 0 then
-    return
-  end
-  local today = math.floor(now / DAY_MS)
-  for _, k in ipairs(keys) do
-    move_tokens(k, -amount, now)
-    local v = redis.call('HMGET', k, 'd', 'du')
-    if v[1] and tonumber(v[1]) == today then
-      redis.call('HSET', k, 'du', tonumber(v[2]) + amount)
-    elseif v[1] then
-      redis.call('HSET', k, 'd', today, 'du', amount)
-    end
+  if amount > 0 then
+    adjust(keys, amount, math.floor(now / DAY_MS), now)
   end
 end
 

@@ -70,7 +70,11 @@ local today = math.floor(now / DAY_MS)
 
 -- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
 -- nothing, not even the sweep: it answers as the first run did, below.
-local mine = load(KEYS[2])
+-- (A new id has no record: one field tells, before the whole record is read.)
+local mine = nil
+if redis.call('HGET', KEYS[2], 'st') then
+  mine = load(KEYS[2])
+end
 local resent = mine ~= nil or (key_use ~= '' and redis.call('HGET', KEYS[3], 'lc') == id)
 
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.

@@ -5,6 +5,7 @@
 mod support;
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use support::procs::Tollgate;
@@ -12,6 +13,7 @@ use tollgate::bench::burst::{self, BurstOptions};
 use tollgate::bench::{self, BenchOptions};
 use tollgate::proto::OutputEstimateRequest;
 use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cycle_benchmark_sends_its_whole_schedule() {
@@ -33,32 +35,44 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
     assert!(report.p50 <= report.p99 && report.p99 <= report.max);
 }
 
-/// HTTP mode: chat completions through real Envoy to the simulated backend, which commits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
-    use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
+/// tollgate, the simulated backend (built from `config`, told tollgate's endpoint) and Envoy in
+/// front; and a bench through that Envoy at `rate` for a second.
+async fn through_envoy(
+    config: impl FnOnce(String) -> SimConfig,
+    stream: bool,
+    rate: u32,
+    warmup: Duration,
+) -> (bench::Report, Arc<SimStats>) {
     let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let sim_port = listener.local_addr().unwrap().port();
-    let stats = std::sync::Arc::new(SimStats::default());
-    let config = SimConfig { decode_tokens_per_second: 20_000.0, tollgate: Some(t.endpoint()), ..SimConfig::default() };
+    let stats = Arc::new(SimStats::default());
     let shutdown = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(sim::serve(listener, config, shutdown.clone(), stats.clone()));
+    tokio::spawn(sim::serve(listener, config(t.endpoint()), shutdown.clone(), stats.clone()));
     let envoy = support::procs::Envoy::start(t.addr, sim_port);
     let options = BenchOptions {
         target: format!("http://127.0.0.1:{}", envoy.port),
         http: true,
-        stream: false,
+        stream,
         last_byte: false,
-        rate: 50,
+        rate,
         duration: Duration::from_secs(1),
-        warmup: Duration::from_millis(200),
+        warmup,
         tenants: vec!["a".into()],
         model: "m".into(),
         connections: 1,
     };
     let report = bench::run(&options).await.unwrap();
     shutdown.cancel();
+    (report, stats)
+}
+
+/// HTTP mode: chat completions through real Envoy to the simulated backend, which commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
+    let config =
+        |tollgate| SimConfig { decode_tokens_per_second: 20_000.0, tollgate: Some(tollgate), ..SimConfig::default() };
+    let (report, stats) = through_envoy(config, false, 50, Duration::from_millis(200)).await;
     assert_eq!((report.cycles, report.admitted, report.errors), (50, 50, 0), "{report}");
     assert!(stats.commits.load(std::sync::atomic::Ordering::Relaxed) >= 50, "the backend committed every request");
 }
@@ -67,34 +81,14 @@ async fn the_http_mode_drives_envoy_and_the_simulated_backend() {
 /// 400 ms to finish, but their first chunk (10 tokens) comes after 20 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stream_mode_measures_the_time_to_the_first_byte() {
-    use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
-    let t = Tollgate::start("models:\n  m: { max_output_tokens: 4096 }\ndefault_tenant: {}\n");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let sim_port = listener.local_addr().unwrap().port();
-    let config = SimConfig {
+    let config = |_| SimConfig {
         slots: 64,
         prefill_tokens_per_second: 1e9,
         decode_tokens_per_second: 500.0,
         lengths: tollgate::sim::lengths::OutputLengths::Fixed(200),
         ..SimConfig::default()
     };
-    let shutdown = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(sim::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
-    let envoy = support::procs::Envoy::start(t.addr, sim_port);
-    let options = BenchOptions {
-        target: format!("http://127.0.0.1:{}", envoy.port),
-        http: true,
-        stream: true,
-        last_byte: false,
-        rate: 20,
-        duration: Duration::from_secs(1),
-        warmup: Duration::from_millis(100),
-        tenants: vec!["a".into()],
-        model: "m".into(),
-        connections: 1,
-    };
-    let report = bench::run(&options).await.unwrap();
-    shutdown.cancel();
+    let (report, _) = through_envoy(config, true, 20, Duration::from_millis(100)).await;
     assert_eq!((report.cycles, report.errors), (20, 0), "{report}");
     assert!(report.p99 < Duration::from_millis(200), "to the first byte, not the 400 ms stream: {report}");
 }

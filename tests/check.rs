@@ -3,40 +3,13 @@
 
 mod support;
 
+use envoy_types::pb::envoy::service::auth::v3::CheckRequest;
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
 use envoy_types::pb::envoy::service::auth::v3::check_response::HttpResponse;
-use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, CheckResponse, attribute_context};
+use support::checks::{check, reason};
 use support::procs::Tollgate;
 
 const POLICY: &str = "models:\n  m: { max_output_tokens: 64 }\ntenants:\n  acme:\n    limits: { tokens_per_minute: 60, burst_tokens: 1000 }\n";
-
-fn check(headers: &[(&str, &str)], body: &[u8]) -> CheckRequest {
-    let http = attribute_context::HttpRequest {
-        headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        raw_body: body.to_vec(),
-        ..Default::default()
-    };
-    CheckRequest {
-        attributes: Some(AttributeContext {
-            request: Some(attribute_context::Request { http: Some(http), ..Default::default() }),
-            ..Default::default()
-        }),
-    }
-}
-
-fn reason(r: &CheckResponse) -> String {
-    match &r.http_response {
-        Some(HttpResponse::DeniedResponse(d)) => d
-            .headers
-            .iter()
-            .filter_map(|h| h.header.as_ref())
-            .find(|h| h.key == "x-tollgate-reason")
-            .map(|h| h.value.clone())
-            .unwrap_or_default(),
-        Some(HttpResponse::OkResponse(_)) => "admitted".into(),
-        other => panic!("unexpected {other:?}"),
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inputs_envoy_would_never_send_are_refused_cleanly() {

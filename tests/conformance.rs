@@ -695,6 +695,17 @@ mod scenarios {
         assert!((230.0..233.0).contains(&t), "1000 - 150 - 600 - 20: {t}");
     }
 
+    /// A metered count is the meter's error, not an output length: it teaches no estimate.
+    pub async fn a_metered_commit_teaches_no_estimate<S: Store>(h: Harness<S>) {
+        for _ in 0..10 {
+            let id = admitted(&h.reserve(0, 1000).await).reservation_id.clone();
+            h.admission.commit_counted(&id, Counted::Metered { output: 100 }).await.unwrap();
+        }
+        let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
+        assert_eq!(e.samples, 0);
+        assert_eq!(admitted(&h.reserve(0, 1000).await).reserved_tokens, 1000, "the ceiling is still held");
+    }
+
     /// Renew keeps every scope hash the hold counts in alive, not just its record: four long
     /// streams of one user keep the user's four slots taken for as long as they run.
     pub async fn renewed_holds_keep_their_scopes_alive<S: Store>(h: Harness<S>) {
@@ -899,6 +910,10 @@ macro_rules! conformance {
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );
             scenario!(metered_commits_charge_the_held_prompt_and_say_so, BUCKET);
+            scenario!(
+                a_metered_commit_teaches_no_estimate,
+                "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
+            );
             scenario!(debt_is_charged_after_the_refill, "limits: { tokens_per_minute: 60000, burst_tokens: 1000 }\n");
             scenario!(
                 renewed_holds_keep_their_scopes_alive,

@@ -7,9 +7,8 @@ mod support;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
 use envoy_types::pb::envoy::service::auth::v3::check_response::HttpResponse;
-use envoy_types::pb::envoy::service::auth::v3::{
-    AttributeContext, CheckRequest, CheckResponse, OkHttpResponse, attribute_context,
-};
+use envoy_types::pb::envoy::service::auth::v3::{CheckRequest, CheckResponse, OkHttpResponse};
+use support::checks::{check, check_of, http, reason};
 use support::procs::Tollgate;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, ReleaseRequest, ReserveRequest, ReserveResponse};
@@ -61,42 +60,6 @@ impl Edge {
 
     async fn release(&mut self, id: &str) {
         self.admission.release(ReleaseRequest { reservation_id: id.into() }).await.unwrap();
-    }
-}
-
-fn http(headers: &[(&str, &str)], body: &[u8]) -> attribute_context::HttpRequest {
-    attribute_context::HttpRequest {
-        headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        raw_body: body.to_vec(),
-        ..Default::default()
-    }
-}
-
-fn check_of(http: attribute_context::HttpRequest) -> CheckRequest {
-    CheckRequest {
-        attributes: Some(AttributeContext {
-            request: Some(attribute_context::Request { http: Some(http), ..Default::default() }),
-            ..Default::default()
-        }),
-    }
-}
-
-fn check(headers: &[(&str, &str)], body: &[u8]) -> CheckRequest {
-    check_of(http(headers, body))
-}
-
-/// The reason code, or `admitted`.
-fn reason(r: &CheckResponse) -> String {
-    match &r.http_response {
-        Some(HttpResponse::DeniedResponse(d)) => d
-            .headers
-            .iter()
-            .filter_map(|h| h.header.as_ref())
-            .find(|h| h.key == "x-tollgate-reason")
-            .map(|h| h.value.clone())
-            .unwrap_or_default(),
-        Some(HttpResponse::OkResponse(_)) => "admitted".into(),
-        other => panic!("unexpected {other:?}"),
     }
 }
 

@@ -29,16 +29,28 @@ const CHAT: &str = "/v1/chat/completions";
 struct Stack {
     tollgate: Tollgate,
     envoy: Envoy,
-    shutdown: CancellationToken,
+    /// Stops the simulated backend; `None` in front of the test upstream (which stops on drop).
+    shutdown: Option<CancellationToken>,
+    _upstream: Option<Upstream>,
 }
 
 impl Drop for Stack {
     fn drop(&mut self) {
-        self.shutdown.cancel();
+        if let Some(shutdown) = &self.shutdown {
+            shutdown.cancel();
+        }
     }
 }
 
 impl Stack {
+    /// In front of the test upstream of `support::upstream`, whose headers steer each answer.
+    async fn with_test_upstream() -> Stack {
+        let tollgate = Tollgate::start(POLICY);
+        let upstream = Upstream::start(tollgate.endpoint()).await;
+        let envoy = Envoy::start(tollgate.addr, upstream.port);
+        Stack { tollgate, envoy, shutdown: None, _upstream: Some(upstream) }
+    }
+
     async fn start(decode_tokens_per_second: f64) -> Stack {
         Stack::start_edited(decode_tokens_per_second, |c| c).await
     }
@@ -63,7 +75,7 @@ impl Stack {
         let shutdown = CancellationToken::new();
         tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
         let envoy = Envoy::start_edited(tollgate.addr, port, edit);
-        Stack { tollgate, envoy, shutdown }
+        Stack { tollgate, envoy, shutdown: Some(shutdown), _upstream: None }
     }
 
     async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
@@ -188,38 +200,19 @@ async fn a_client_that_leaves_mid_stream_is_charged_what_was_generated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_failure_before_any_output_releases_the_hold() {
-    let tollgate = Tollgate::start(POLICY);
-    let upstream = Upstream::start(tollgate.endpoint()).await;
-    let envoy = Envoy::start(tollgate.addr, upstream.port);
-    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let stack = Stack::with_test_upstream().await;
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     for status in ["500", "503", "429"] {
-        let r = post(envoy.port, CHAT, &[TENANT, ("x-test-status", status)], body).await;
+        let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-test-status", status)], body).await;
         assert_eq!(r.status.to_string(), status);
-        let id = r.header("x-test-reservation").unwrap().to_string();
-        let start = Instant::now();
-        loop {
-            let state = client
-                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
-                .await
-                .unwrap()
-                .into_inner()
-                .state;
-            if state == "released" {
-                break;
-            }
-            assert_eq!(state, "reserved", "{status}");
-            assert!(start.elapsed() < Duration::from_secs(5), "{status}: never released\n{}", tollgate.log());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        assert_eq!(stack.settled(r.header("x-test-reservation").unwrap()).await, "released", "{status}");
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_providers_429_throttles_its_pool_until_its_retry_after() {
-    let tollgate = Tollgate::start(POLICY);
-    let upstream = Upstream::start(tollgate.endpoint()).await;
-    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let stack = Stack::with_test_upstream().await;
+    let (envoy, tollgate) = (&stack.envoy, &stack.tollgate);
     let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     let r = post(envoy.port, CHAT, &[TENANT, ("x-test-status", "429"), ("x-test-retry-after", "3")], body).await;
@@ -320,26 +313,12 @@ async fn a_route_can_turn_the_commit_from_the_response_off() {
 /// A compressed body is never parsed: its usage is unknown, so the hold is charged as made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compressed_response_is_charged_as_held_never_misread() {
-    let tollgate = Tollgate::start(POLICY);
-    let upstream = Upstream::start(tollgate.endpoint()).await;
-    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let stack = Stack::with_test_upstream().await;
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
-    let r = post(envoy.port, CHAT, &[TENANT, ("x-test-gzip", "1")], body).await;
+    let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-test-gzip", "1")], body).await;
     assert_eq!(r.status, 200);
     let (id, reserved) = (r.header("x-test-reservation").unwrap(), r.header("x-test-reserved-tokens").unwrap());
-    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
-    let start = Instant::now();
-    while client.renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 }).await.unwrap().into_inner().state
-        == "reserved"
-    {
-        assert!(start.elapsed() < Duration::from_secs(5), "never settled\n{}", tollgate.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let c = client
-        .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 0, completion_tokens: 0 })
-        .await
-        .unwrap()
-        .into_inner();
+    let c = stack.charged(id).await;
     assert!(c.duplicate, "{c:?}");
     assert_eq!((c.used_tokens.to_string(), c.metered), (reserved.to_string(), true), "{c:?}");
 }
@@ -385,9 +364,8 @@ async fn the_meter_error_on_english_like_text() {
 /// backend's counts (the first commit wins; the second is a duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_that_also_commits_is_charged_once() {
-    let tollgate = Tollgate::start(POLICY);
-    let upstream = Upstream::start(tollgate.endpoint()).await;
-    let envoy = Envoy::start(tollgate.addr, upstream.port);
+    let stack = Stack::with_test_upstream().await;
+    let (envoy, tollgate) = (&stack.envoy, &stack.tollgate);
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     let r = post(envoy.port, CHAT, &[TENANT, ("x-test-silent-commit", "1"), ("x-test-output-tokens", "7")], body).await;
     assert_eq!((r.status, r.header("x-test-commit-state")), (200, Some("committed")), "{r:?}");

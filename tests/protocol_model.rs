@@ -124,17 +124,6 @@ fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool) -> String
     )
 }
 
-fn model_limits(l: &tollgate::config::Limits) -> model::Limits {
-    model::Limits {
-        token_capacity: l.token_capacity().unwrap_or(0),
-        tokens_per_ms: l.tokens_per_ms(),
-        request_capacity: l.requests_per_minute.unwrap_or(0),
-        requests_per_ms: l.requests_per_ms(),
-        max_concurrency: l.max_concurrency.unwrap_or(0),
-        daily_budget: l.tokens_per_day.unwrap_or(0),
-    }
-}
-
 fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
     let rules = tenants
         .iter()
@@ -145,9 +134,9 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
                 TenantRules {
                     lease_ms: tp.lease_ttl_ms,
                     expired_usage: tp.expired_usage,
-                    tenant: model_limits(&tp.limits),
-                    user: tp.default_user.as_ref().map(model_limits),
-                    model_n: tp.models.get("n").map(model_limits),
+                    tenant: model::Limits::from(&tp.limits),
+                    user: tp.default_user.as_ref().map(model::Limits::from),
+                    model_n: tp.models.get("n").map(model::Limits::from),
                 },
             )
         })

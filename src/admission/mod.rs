@@ -53,8 +53,8 @@ use crate::estimate::{self, PromptSize};
 pub use crate::store::KeyRepeat;
 use crate::store::{
     CommitOutcome, Counted, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol,
-    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ScopeLimits, Store, StoreError, ThrottleCall,
-    keys,
+    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Store, StoreError,
+    ThrottleCall, keys,
 };
 
 /// The largest token count tollgate accepts anywhere: a prompt, an output, a commit's counts. Far
@@ -238,7 +238,10 @@ impl<S: Store> Admission<S> {
             Denial::now(Reason::StoreUnavailable, "no reservation id could be made")
         })?;
         // The request a key stands for: a key reused for another user, model or size is refused.
-        let fingerprint = format!("{} {model_name} {prompt} {ceiling}", a.user.as_deref().unwrap_or(""));
+        let idempotency = a
+            .idempotency
+            .clone()
+            .map(|k| (k, format!("{} {model_name} {prompt} {ceiling}", a.user.as_deref().unwrap_or(""))));
         Ok(Plan {
             id,
             tenant: tenant.to_string(),
@@ -249,7 +252,7 @@ impl<S: Store> Admission<S> {
             scopes,
             pool,
             deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
-            idempotency: a.idempotency.clone().map(|k| (k, fingerprint)),
+            idempotency,
         })
     }
 
@@ -355,15 +358,14 @@ impl<S: Store> Admission<S> {
             idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {
                 key: &k.key,
                 repeat: k.repeat,
-                fingerprint: fingerprint.clone(),
+                fingerprint,
             }),
             max_attempts: self.policy.max_attempts,
             concurrency_retry_cap_ms: self.policy.concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
         };
-        let reply = self.protocol.reserve(&call).await.map(|reply| (reply.outcome, reply.swept));
-        let outcome = match reply {
-            Ok((outcome, swept)) => {
+        let outcome = match self.protocol.reserve(&call).await {
+            Ok(ReserveReply { outcome, swept }) => {
                 self.release_swept_pool_legs(&swept).await;
                 Ok(outcome)
             }
@@ -465,12 +467,12 @@ impl<S: Store> Admission<S> {
         reservation_id: &str,
         counted: Counted,
     ) -> Result<CommitOutcome, AdmissionError> {
-        let counts = match counted {
-            Counted::Exact { prompt, output } => [("prompt_tokens", prompt), ("completion_tokens", output)],
-            Counted::Metered { output } => [("prompt_tokens", 0), ("completion_tokens", output)],
-            Counted::AsHeld => [("prompt_tokens", 0), ("completion_tokens", 0)],
+        let (prompt, output) = match counted {
+            Counted::Exact { prompt, output } => (prompt, output),
+            Counted::Metered { output } => (0, output),
+            Counted::AsHeld => (0, 0),
         };
-        for (what, value) in counts {
+        for (what, value) in [("prompt_tokens", prompt), ("completion_tokens", output)] {
             if value > MAX_TOKEN_COUNT {
                 return Err(AdmissionError::TooLarge { what, value });
             }
@@ -533,8 +535,8 @@ impl<S: Store> Admission<S> {
             idle_ttl_ms: pool.idle_ttl_ms,
         };
         let (share, resumes_in_ms) = self.protocol.pool_throttle(&call).await?;
-        tracing::info!(pool = %name, share_per_mille = share, resumes_in_ms, "provider refused (429): pool throttled");
-        Ok(Some(f64::from(u32::try_from(share).unwrap_or(1000)) / 1000.0))
+        tracing::info!(pool = %name, share, resumes_in_ms, "provider refused (429): pool throttled");
+        Ok(Some(share))
     }
 
     /// What a pool holds, and how far its provider's 429s throttle it.
@@ -640,24 +642,12 @@ struct Scope {
     largest: Option<u64>,
 }
 
-/// Policy limits as the reserve script takes them.
-fn scope_limits(l: &Limits) -> ScopeLimits {
-    ScopeLimits {
-        token_capacity: l.token_capacity().unwrap_or(0),
-        tokens_per_ms: l.tokens_per_ms(),
-        request_capacity: l.requests_per_minute.unwrap_or(0),
-        requests_per_ms: l.requests_per_ms(),
-        max_concurrency: l.max_concurrency.unwrap_or(0),
-        daily_budget: l.tokens_per_day.unwrap_or(0),
-    }
-}
-
 /// The scopes a request charges: the tenant, then its user and model where the policy limits them.
 fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> Vec<Scope> {
     let scope = |label: String, key: String, limits: &Limits| Scope {
         label,
         key,
-        limits: scope_limits(limits),
+        limits: ScopeLimits::from(limits),
         largest: limits.largest_admissible(),
     };
     let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), &tp.limits)];

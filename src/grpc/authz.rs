@@ -103,7 +103,9 @@ fn own_headers(request: &CheckRequest) -> Vec<String> {
         return Vec::new();
     };
     let keys = http.headers.keys().chain(http.header_map.iter().flat_map(|m| m.headers.iter().map(|h| &h.key)));
-    let mut own: Vec<String> = keys.map(|k| k.to_ascii_lowercase()).filter(|k| k.starts_with(OWN_PREFIX)).collect();
+    // Only a header under the prefix is copied (lower-cased), never every header of every request.
+    let ours = |k: &&String| k.get(..OWN_PREFIX.len()).is_some_and(|p| p.eq_ignore_ascii_case(OWN_PREFIX));
+    let mut own: Vec<String> = keys.filter(ours).map(|k| k.to_ascii_lowercase()).collect();
     own.sort();
     own.dedup();
     own

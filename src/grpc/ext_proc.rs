@@ -1,9 +1,9 @@
 //! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
 //! in front of a backend that knows nothing of tollgate.
 //!
-//! One gRPC stream per HTTP request. Envoy sends the request headers, the response headers and the
-//! response body as it streams, each with ext_authz's dynamic metadata (the reservation and its
-//! model, set by `Check`), in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! One gRPC stream per HTTP request. Envoy sends the request headers (with the reservation and its
+//! model, which `Check` added), the response headers and the response body as it streams, in
+//! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
 //! ends settles the hold:
@@ -35,13 +35,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyResponse, HeadersResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
-use envoy_types::pb::google::protobuf::value::Kind;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::response::{METADATA_MODEL, METADATA_RESERVATION, MODEL_HEADER, RESERVATION_HEADER};
+use super::response::{MODEL_HEADER, RESERVATION_HEADER};
 use crate::admission::usage::{Measured, Meter};
 use crate::admission::{Admission, ids};
 use crate::store::Store;
@@ -102,11 +101,11 @@ enum Ending {
 struct Exchange {
     reservation: Option<String>,
     model: Option<String>,
+    /// How often a long stream renews its lease: a third of its tenant's lease.
+    renew_every: Option<Duration>,
     /// Someone else commits this hold.
     caller_commits: bool,
     status: Option<u16>,
-    /// The provider's Retry-After on a 429, in ms.
-    retry_after_ms: Option<u64>,
     meter: Option<Meter>,
     last_renewal: Instant,
     settled: bool,
@@ -117,9 +116,9 @@ impl Exchange {
         Exchange {
             reservation: None,
             model: None,
+            renew_every: None,
             caller_commits: false,
             status: None,
-            retry_after_ms: None,
             meter: None,
             last_renewal: Instant::now(),
             settled: false,
@@ -133,35 +132,37 @@ impl Exchange {
         admission: &Admission<S>,
     ) -> Option<ProcessingResponse> {
         let observing = message.observability_mode;
-        if self.reservation.is_none() {
-            self.read_metadata(&message);
-        }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
-                self.reservation = header(&headers, RESERVATION_HEADER);
-                self.model = header(&headers, MODEL_HEADER);
+                self.reservation = header(&headers, RESERVATION_HEADER).map(str::to_string);
+                self.model = header(&headers, MODEL_HEADER).map(str::to_string);
+                self.renew_every = self
+                    .reservation
+                    .as_deref()
+                    .and_then(ids::parse_reservation_id)
+                    .and_then(|r| admission.policy().tenant(r.tenant))
+                    .map(|t| Duration::from_millis(t.lease_ttl_ms) / 3);
                 Reply::RequestHeaders(HeadersResponse::default())
             }
             Phase::ResponseHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
                 self.status = header(&headers, ":status").and_then(|s| s.parse().ok());
-                self.retry_after_ms = retry_after_ms(&headers);
                 if self.status == Some(429)
                     && let Some(id) = &self.reservation
-                    && let Err(e) = admission.upstream_refused(id, self.retry_after_ms).await
+                    && let Err(e) = admission.upstream_refused(id, retry_after_ms(&headers)).await
                 {
                     tracing::warn!(error = %e, reservation = %id, "throttling the pool after a provider 429 failed");
                 }
-                self.caller_commits |= header(&headers, COMMIT_HEADER).is_some_and(|v| v == "caller");
+                self.caller_commits |= header(&headers, COMMIT_HEADER) == Some("caller");
                 let bytes_per_token = self
                     .model
                     .as_deref()
                     .and_then(|m| admission.policy().models.get(m))
                     .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
                 self.meter = Some(Meter::new(
-                    header(&headers, "content-type").as_deref(),
-                    header(&headers, "content-encoding").as_deref(),
+                    header(&headers, "content-type"),
+                    header(&headers, "content-encoding"),
                     bytes_per_token,
                 ));
                 if h.end_of_stream {
@@ -189,32 +190,10 @@ impl Exchange {
         (!observing).then(|| ProcessingResponse { response: Some(reply), ..Default::default() })
     }
 
-    /// The hold, from ext_authz's dynamic metadata, which Envoy forwards with every message when
-    /// the filter's `metadata_options` name its namespace.
-    fn read_metadata(&mut self, message: &ProcessingRequest) {
-        let Some(fields) =
-            message.metadata_context.as_ref().and_then(|m| m.filter_metadata.get(AUTHZ_NAMESPACE)).map(|s| &s.fields)
-        else {
-            return;
-        };
-        let text = |name: &str| match fields.get(name).and_then(|v| v.kind.as_ref()) {
-            Some(Kind::StringValue(s)) => Some(s.clone()),
-            _ => None,
-        };
-        self.reservation = text(METADATA_RESERVATION);
-        self.model = text(METADATA_MODEL);
-    }
-
     /// Renews the lease of a long stream while its bytes keep flowing: every third of a lease.
     async fn keep_alive<S: Store>(&mut self, admission: &Admission<S>) {
-        let Some(id) = self.reservation.as_deref().filter(|_| !self.caller_commits) else { return };
-        let Some(lease) = ids::parse_reservation_id(id)
-            .and_then(|r| admission.policy().tenant(r.tenant))
-            .map(|t| Duration::from_millis(t.lease_ttl_ms))
-        else {
-            return;
-        };
-        if self.last_renewal.elapsed() < lease / 3 {
+        let (Some(id), Some(every)) = (self.reservation.as_deref(), self.renew_every) else { return };
+        if self.caller_commits || self.last_renewal.elapsed() < every {
             return;
         }
         self.last_renewal = Instant::now();
@@ -268,9 +247,6 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
     }
 }
 
-/// Where Envoy keeps ext_authz's dynamic metadata.
-const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
-
 /// Bytes per token when the model is not known.
 const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
 
@@ -293,10 +269,10 @@ fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes).
-fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     let h = headers.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
     if !h.value.is_empty() {
-        return Some(h.value.clone());
+        return Some(&h.value);
     }
-    String::from_utf8(h.raw_value.clone()).ok()
+    std::str::from_utf8(&h.raw_value).ok()
 }

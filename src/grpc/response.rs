@@ -10,7 +10,6 @@ use envoy_types::pb::envoy::service::auth::v3::{
     CheckResponse, DeniedHttpResponse, OkHttpResponse, check_response::HttpResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use crate::admission::{Decision, Denial};
@@ -35,38 +34,19 @@ const RPC_PERMISSION_DENIED: i32 = 7;
 /// answer does not overwrite is removed.
 pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckResponse {
     match decision {
-        Decision::Admitted(a) => CheckResponse {
-            // For the commit from the response: Envoy hands ext_authz's dynamic metadata to ext_proc
-            // with the response headers, so ext_proc needs no request-headers message of its own.
-            dynamic_metadata: Some(hold_metadata(&a.reservation_id, &a.model)),
-            ..admitted(
-                vec![
-                    header(RESERVATION_HEADER, a.reservation_id.clone()),
-                    header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-                    header(MODEL_HEADER, a.model.clone()),
-                ],
-                rate_limit_headers(&a.headroom),
-                client_own,
-            )
-        },
+        Decision::Admitted(a) => admitted(
+            vec![
+                header(RESERVATION_HEADER, a.reservation_id.clone()),
+                header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+                header(MODEL_HEADER, a.model.clone()),
+            ],
+            rate_limit_headers(&a.headroom),
+            client_own,
+        ),
         Decision::Unmetered => {
             admitted(vec![header(UNMETERED_HEADER, "store_unavailable".to_string())], Vec::new(), client_own)
         }
         Decision::Denied(d) => denied(d),
-    }
-}
-
-/// Field names of the hold in ext_authz's dynamic metadata (namespace
-/// `envoy.filters.http.ext_authz`).
-pub const METADATA_RESERVATION: &str = "reservation";
-pub const METADATA_MODEL: &str = "model";
-
-fn hold_metadata(reservation: &str, model: &str) -> Struct {
-    let text = |s: &str| Value { kind: Some(Kind::StringValue(s.to_string())) };
-    Struct {
-        fields: [(METADATA_RESERVATION.to_string(), text(reservation)), (METADATA_MODEL.to_string(), text(model))]
-            .into_iter()
-            .collect(),
     }
 }
 

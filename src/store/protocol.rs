@@ -3,7 +3,7 @@
 //! parsed here, once, into enums; nothing above matches a script's text.
 
 use super::{Reply, Script, Store, StoreError, keys, scripts::Scripts};
-use crate::config::ExpiredUsage;
+use crate::config::{ExpiredUsage, Limits};
 
 fn expired_usage_lua(e: ExpiredUsage) -> &'static str {
     match e {
@@ -23,6 +23,19 @@ pub struct ScopeLimits {
     pub daily_budget: u64,
 }
 
+impl From<&Limits> for ScopeLimits {
+    fn from(l: &Limits) -> Self {
+        ScopeLimits {
+            token_capacity: l.token_capacity().unwrap_or(0),
+            tokens_per_ms: l.tokens_per_ms(),
+            request_capacity: l.requests_per_minute.unwrap_or(0),
+            requests_per_ms: l.requests_per_ms(),
+            max_concurrency: l.max_concurrency.unwrap_or(0),
+            daily_budget: l.tokens_per_day.unwrap_or(0),
+        }
+    }
+}
+
 /// What a second reserve under the same idempotency key means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyRepeat {
@@ -40,7 +53,7 @@ pub struct KeyCall<'a> {
     pub key: &'a str,
     pub repeat: KeyRepeat,
     /// The request it stands for (user, model, size); the key is refused for any other.
-    pub fingerprint: String,
+    pub fingerprint: &'a str,
 }
 
 /// Everything one reserve needs. Scope keys come from [`keys`]; the tenant's scope is first.
@@ -405,7 +418,7 @@ impl<S: Store> Protocol<S> {
             call.output_ceiling.to_string(),
             min_samples.to_string(),
             quantile.to_string(),
-            key.map_or_else(String::new, |k| k.fingerprint.clone()),
+            key.map_or_else(String::new, |k| k.fingerprint.to_string()),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -561,9 +574,9 @@ impl<S: Store> Protocol<S> {
         }
     }
 
-    /// A provider refused a request of this pool: throttle it. Returns the share left, in
-    /// thousandths, and how long admission pauses.
-    pub async fn pool_throttle(&self, call: &ThrottleCall<'_>) -> Result<(u64, u64), StoreError> {
+    /// A provider refused a request of this pool: throttle it. Returns the share of the pool left
+    /// and how long admission pauses (ms).
+    pub async fn pool_throttle(&self, call: &ThrottleCall<'_>) -> Result<(f64, u64), StoreError> {
         let script = &self.scripts.pool_throttle;
         let args = vec![
             call.retry_after_ms.to_string(),
@@ -575,7 +588,7 @@ impl<S: Store> Protocol<S> {
         ];
         let reply = self.store.eval(script, vec![keys::pool_state(call.pool)], args).await?;
         let r = Fields::of(script, &reply)?;
-        Ok((r.uint(0)?, r.uint(1)?))
+        Ok((thousandths(r.uint(0)?), r.uint(1)?))
     }
 
     /// What a pool holds and how far it is throttled. Reads only.

@@ -16,16 +16,8 @@ use tollgate::store::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Se
 
 pub const DAY_MS: u64 = 86_400_000;
 
-/// One scope's limits, as the model takes them (0: no such limit).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Limits {
-    pub token_capacity: u64,
-    pub tokens_per_ms: f64,
-    pub request_capacity: u64,
-    pub requests_per_ms: f64,
-    pub max_concurrency: u64,
-    pub daily_budget: u64,
-}
+/// One scope's limits, as the reserve script takes them (0: no such limit).
+pub use tollgate::store::ScopeLimits as Limits;
 
 /// What the model knows of a tenant's policy.
 #[derive(Debug, Clone)]

@@ -1,0 +1,42 @@
+//! Envoy `CheckRequest`s built by hand, and the reason a `CheckResponse` gives, for tests that
+//! call tollgate's Check directly over gRPC.
+
+use envoy_types::pb::envoy::service::auth::v3::check_response::HttpResponse;
+use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, CheckResponse, attribute_context};
+
+/// An HTTP request as Envoy describes it: headers, and the body bytes it sent.
+pub fn http(headers: &[(&str, &str)], body: &[u8]) -> attribute_context::HttpRequest {
+    attribute_context::HttpRequest {
+        headers: headers.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        raw_body: body.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn check_of(http: attribute_context::HttpRequest) -> CheckRequest {
+    CheckRequest {
+        attributes: Some(AttributeContext {
+            request: Some(attribute_context::Request { http: Some(http), ..Default::default() }),
+            ..Default::default()
+        }),
+    }
+}
+
+pub fn check(headers: &[(&str, &str)], body: &[u8]) -> CheckRequest {
+    check_of(http(headers, body))
+}
+
+/// The reason code of a denial, or `admitted`.
+pub fn reason(r: &CheckResponse) -> String {
+    match &r.http_response {
+        Some(HttpResponse::DeniedResponse(d)) => d
+            .headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == "x-tollgate-reason")
+            .map(|h| h.value.clone())
+            .unwrap_or_default(),
+        Some(HttpResponse::OkResponse(_)) => "admitted".into(),
+        other => panic!("unexpected {other:?}"),
+    }
+}
