@@ -22,6 +22,11 @@
 -- what the sweep needs to settle the hold. A record can run out of TTL before a sweep that has
 -- fallen behind reaches it; its entry here cannot, so no slot and no token is ever left behind.
 --
+-- Replica lease (a hash, one per tenant and replica, at record prefix .. '@' .. replica; indexed in the
+-- lease index under '@' .. replica like a hold): scope key -> concurrency slots the replica holds
+-- in that scope. Tokens and request permits a replica draws are charged to the scopes when drawn;
+-- the record only carries what settling a replica that stopped calling takes (see lease.lua).
+--
 -- Idempotency key (a hash, one per key): fp the request it was first used for (user, model, size),
 -- n the reserves it has made, id its latest hold, lc the last call answered with a replay.
 --
@@ -77,6 +82,103 @@ local function refilled(level, at, cap, rate, now)
     return cap
   end
   return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
+end
+
+-- A scope as the admission scripts see it: its limits, from six ARGV numbers after `b` (token
+-- capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget; 0
+-- meaning no such limit), and its counters refilled to `now`. Reads; writes nothing.
+local function read_scope(key, args, b, now, today)
+  local s = {
+    key = key,
+    tcap = tonumber(args[b + 1]),
+    trate = tonumber(args[b + 2]),
+    rcap = tonumber(args[b + 3]),
+    rrate = tonumber(args[b + 4]),
+    cmax = tonumber(args[b + 5]),
+    budget = tonumber(args[b + 6]),
+  }
+  local v = redis.call('HMGET', key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
+  if s.tcap > 0 then
+    s.t = refilled(v[1], v[2], s.tcap, s.trate, now)
+  end
+  if s.rcap > 0 then
+    s.r = refilled(v[3], v[4], s.rcap, s.rrate, now)
+  end
+  s.c = tonumber(v[5]) or 0
+  if tonumber(v[6]) == today then
+    s.du = tonumber(v[7])
+  else
+    s.du = 0
+  end
+  return s
+end
+
+-- Calls `deny(reason, ms)` for every limit of scope `s` that taking `tokens`, `requests` and
+-- `slots` more would break, with how long until it would not.
+local function check_scope(s, tokens, requests, slots, leases, wait_cap, now, today, deny)
+  if s.tcap > 0 and tokens > 0 and s.t < tokens then
+    deny('token_rate', (tokens - s.t) / s.trate)
+  end
+  if s.rcap > 0 and requests > 0 and s.r < requests then
+    deny('request_rate', (requests - s.r) / s.rrate)
+  end
+  if s.cmax > 0 and slots > 0 and s.c + slots > s.cmax then
+    -- A slot frees at the latest when the oldest lease runs out; usually sooner, by a commit.
+    local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+    local ms = wait_cap
+    if first[2] then
+      ms = math.min(ms, tonumber(first[2]) - now)
+    end
+    deny('concurrency', ms)
+  end
+  if s.budget > 0 and tokens > 0 and s.du + tokens > s.budget then
+    deny('budget', (today + 1) * DAY_MS - now)
+  end
+end
+
+-- Takes `tokens`, `requests` and `slots` from scope `s` (as read_scope left it) and keeps the scope
+-- alive for `idle` ms.
+local function take(s, tokens, requests, slots, today, now, idle)
+  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens }
+  if s.tcap > 0 then
+    f[#f + 1] = 't'
+    f[#f + 1] = s.t - tokens
+    f[#f + 1] = 'tt'
+    f[#f + 1] = now
+    f[#f + 1] = 'tc'
+    f[#f + 1] = s.tcap
+    f[#f + 1] = 'tr'
+    f[#f + 1] = s.trate
+  end
+  if s.rcap > 0 then
+    f[#f + 1] = 'r'
+    f[#f + 1] = s.r - requests
+    f[#f + 1] = 'rt'
+    f[#f + 1] = now
+  end
+  redis.call('HSET', s.key, unpack(f))
+  redis.call('PEXPIRE', s.key, idle)
+end
+
+-- The scope with the fewest tokens (requests) left after taking `take_tokens` (`take_requests`),
+-- for the rate-limit headers: remaining, limit and ms to full, for tokens and then requests; -1
+-- when no scope limits them.
+local function headroom(scopes, take_tokens, take_requests)
+  local rem, lim, reset = -1, -1, -1
+  local rrem, rlim, rreset = -1, -1, -1
+  for _, s in ipairs(scopes) do
+    if s.tcap > 0 and (rem == -1 or s.t - take_tokens < rem) then
+      rem = math.max(0, s.t - take_tokens)
+      lim = s.tcap
+      reset = math.ceil((s.tcap - rem) / s.trate)
+    end
+    if s.rcap > 0 and (rrem == -1 or s.r - take_requests < rrem) then
+      rrem = math.max(0, s.r - take_requests)
+      rlim = s.rcap
+      rreset = math.ceil((s.rcap - rrem) / s.rrate)
+    end
+  end
+  return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
 end
 
 -- Charges `amount` tokens to each scope (debt when positive, a refund when negative), one read
@@ -184,30 +286,55 @@ local function expire(rk, id, r, leases, holds, now)
   close(rk, id, r, leases, holds)
 end
 
--- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out. Returns the
--- ids it settled, so that the caller can take their pool legs (another slot) off their pools.
+-- Settles the lease of a replica that stopped renewing it (it died, or lost the store for a whole
+-- lease): the concurrency slots it held are freed. Its tokens and request permits stay charged:
+-- what its in-flight requests used is unknown, and missing usage is not zero usage.
+local function settle_lease(rk, leases, member)
+  local flat = redis.call('HGETALL', rk)
+  for i = 1, #flat, 2 do
+    local c = tonumber(redis.call('HGET', flat[i], 'c'))
+    if c then
+      redis.call('HSET', flat[i], 'c', math.max(0, c - tonumber(flat[i + 1])))
+    end
+  end
+  redis.call('DEL', rk)
+  redis.call('ZREM', leases, member)
+end
+
+-- Settles one expired hold from its record, or from the holds hash when the record ran out of TTL
+-- before the sweep came. Returns true when it settled a live hold.
+local function sweep_hold(rk, due, leases, holds, now)
+  local r = load(rk)
+  if r and r.st == 'reserved' then
+    expire(rk, due, r, leases, holds, now)
+    return true
+  end
+  local entry = redis.call('HGET', holds, due)
+  local settled = false
+  if entry and not r then
+    local e = split(entry)
+    local keys = {}
+    for i = 4, #e do
+      keys[#keys + 1] = e[i]
+    end
+    settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+    settled = true
+  end
+  redis.call('ZREM', leases, due)
+  redis.call('HDEL', holds, due)
+  return settled
+end
+
+-- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out, and the leases
+-- of replicas that stopped renewing theirs ('@' ids). Returns the hold ids it settled, so that the
+-- caller can take their pool legs (another slot) off their pools.
 local function sweep(leases, holds, prefix, batch, now)
   local settled = {}
   for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
-    local rk = prefix .. due
-    local r = load(rk)
-    if r and r.st == 'reserved' then
-      expire(rk, due, r, leases, holds, now)
+    if string.sub(due, 1, 1) == '@' then
+      settle_lease(prefix .. due, leases, due)
+    elseif sweep_hold(prefix .. due, due, leases, holds, now) then
       settled[#settled + 1] = due
-    else
-      local entry = redis.call('HGET', holds, due)
-      if entry and not r then
-        -- The record ran out of TTL before the sweep came: settle from the holds hash alone.
-        local e = split(entry)
-        local keys = {}
-        for i = 4, #e do
-          keys[#keys + 1] = e[i]
-        end
-        settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
-        settled[#settled + 1] = due
-      end
-      redis.call('ZREM', leases, due)
-      redis.call('HDEL', holds, due)
     end
   end
   return settled

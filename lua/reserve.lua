@@ -86,60 +86,18 @@ end
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  local b = 15 + (i - FIRST_SCOPE) * 6
-  local s = {
-    key = KEYS[i],
-    tcap = tonumber(ARGV[b + 1]),
-    trate = tonumber(ARGV[b + 2]),
-    rcap = tonumber(ARGV[b + 3]),
-    rrate = tonumber(ARGV[b + 4]),
-    cmax = tonumber(ARGV[b + 5]),
-    budget = tonumber(ARGV[b + 6]),
-  }
-  local v = redis.call('HMGET', s.key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
-  if s.tcap > 0 then
-    s.t = refilled(v[1], v[2], s.tcap, s.trate, now)
-  end
-  if s.rcap > 0 then
-    s.r = refilled(v[3], v[4], s.rcap, s.rrate, now)
-  end
-  s.c = tonumber(v[5]) or 0
-  if tonumber(v[6]) == today then
-    s.du = tonumber(v[7])
-  else
-    s.du = 0
-  end
-  scopes[#scopes + 1] = s
-end
-
--- The scope with the fewest tokens (requests) left after taking `take`, for the rate-limit headers.
-local function headroom(take_tokens, take_requests)
-  local rem, lim, reset = -1, -1, -1
-  local rrem, rlim, rreset = -1, -1, -1
-  for _, s in ipairs(scopes) do
-    if s.tcap > 0 and (rem == -1 or s.t - take_tokens < rem) then
-      rem = math.max(0, s.t - take_tokens)
-      lim = s.tcap
-      reset = math.ceil((s.tcap - rem) / s.trate)
-    end
-    if s.rcap > 0 and (rrem == -1 or s.r - take_requests < rrem) then
-      rrem = math.max(0, s.r - take_requests)
-      rlim = s.rcap
-      rreset = math.ceil((s.rcap - rrem) / s.rrate)
-    end
-  end
-  return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 15 + (i - FIRST_SCOPE) * 6, now, today)
 end
 
 -- An earlier hold answered again: charges nothing.
 local function again(hold_id, r, attempts, replayed)
-  local rem, lim, reset, rrem, rlim, rreset = headroom(0, 0)
+  local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
   return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
     tonumber(r.es) or 0, replayed, swept }
 end
 
 local function refuse(reason)
-  local rem, lim, reset = headroom(0, 0)
+  local rem, lim, reset = headroom(scopes, 0, 0)
   return { 0, reason, 1, 0, rem, lim, reset, swept }
 end
 
@@ -204,52 +162,19 @@ local function deny(why, i, ms)
   end
 end
 for i, s in ipairs(scopes) do
-  if s.tcap > 0 and s.t < hold then
-    deny('token_rate', i, (hold - s.t) / s.trate)
-  end
-  if s.rcap > 0 and s.r < 1 then
-    deny('request_rate', i, (1 - s.r) / s.rrate)
-  end
-  if s.cmax > 0 and s.c >= s.cmax then
-    -- A slot frees at the latest when the oldest lease runs out; usually sooner, by a commit.
-    local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
-    local ms = concurrency_wait_cap
-    if first[2] then
-      ms = math.min(ms, tonumber(first[2]) - now)
-    end
-    deny('concurrency', i, ms)
-  end
-  if s.budget > 0 and s.du + hold > s.budget then
-    deny('budget', i, (today + 1) * DAY_MS - now)
-  end
+  check_scope(s, hold, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
+    deny(why, i, ms)
+  end)
 end
 if reason then
-  local rem, lim, reset = headroom(0, 0)
+  local rem, lim, reset = headroom(scopes, 0, 0)
   return { 0, reason, where, wait, rem, lim, reset, swept }
 end
 
 -- 7. Hold: charge every scope, write the record, index its lease.
 local names = {}
 for _, s in ipairs(scopes) do
-  local f = { 'c', s.c + 1, 'd', today, 'du', s.du + hold }
-  if s.tcap > 0 then
-    f[#f + 1] = 't'
-    f[#f + 1] = s.t - hold
-    f[#f + 1] = 'tt'
-    f[#f + 1] = now
-    f[#f + 1] = 'tc'
-    f[#f + 1] = s.tcap
-    f[#f + 1] = 'tr'
-    f[#f + 1] = s.trate
-  end
-  if s.rcap > 0 then
-    f[#f + 1] = 'r'
-    f[#f + 1] = s.r - 1
-    f[#f + 1] = 'rt'
-    f[#f + 1] = now
-  end
-  redis.call('HSET', s.key, unpack(f))
-  redis.call('PEXPIRE', s.key, idle)
+  take(s, hold, 1, 1, today, now, idle)
   names[#names + 1] = s.key
 end
 
@@ -274,5 +199,5 @@ redis.call('PEXPIRE', leases, idle)
 redis.call('HSET', holds, id, string.format('%d %d %s %s', hold, today, policy, ks))
 redis.call('PEXPIRE', holds, idle)
 
-local rem, lim, reset, rrem, rlim, rreset = headroom(hold, 1)
+local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
 return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept }
