@@ -24,7 +24,7 @@
 --
 -- Replica lease (a hash, one per tenant and replica, at record prefix .. '@' .. replica; indexed in the
 -- lease index under '@' .. replica like a hold): scope key -> concurrency slots the replica holds
--- in that scope. Tokens and request permits a replica draws are charged to the scopes when drawn;
+-- in that scope, and '@' -> 1 while the replica is there. Tokens and request permits a replica draws are charged to the scopes when drawn;
 -- the record only carries what settling a replica that stopped calling takes (see lease.lua).
 --
 -- Idempotency key (a hash, one per key): fp the request it was first used for (user, model, size),
@@ -292,9 +292,11 @@ end
 local function settle_lease(rk, leases, member)
   local flat = redis.call('HGETALL', rk)
   for i = 1, #flat, 2 do
-    local c = tonumber(redis.call('HGET', flat[i], 'c'))
-    if c then
-      redis.call('HSET', flat[i], 'c', math.max(0, c - tonumber(flat[i + 1])))
+    if flat[i] ~= '@' then
+      local c = tonumber(redis.call('HGET', flat[i], 'c'))
+      if c then
+        redis.call('HSET', flat[i], 'c', math.max(0, c - tonumber(flat[i + 1])))
+      end
     end
   end
   redis.call('DEL', rk)

@@ -277,7 +277,15 @@ async fn run_on<S: Store>(
     let addr = listener.local_addr().ok();
     tracing::info!(?addr, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol));
-    serve_grpc(listener, admission, shutdown, drain).await?;
+    // Lease windows run until the server has drained, then give every slice back.
+    let leases_done = CancellationToken::new();
+    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(leases_done.clone()));
+    let served = serve_grpc(listener, admission, shutdown, drain).await;
+    leases_done.cancel();
+    if leasing.await.is_err() {
+        tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
+    }
+    served?;
     tracing::info!("tollgate stopped");
     Ok(())
 }

@@ -38,6 +38,7 @@
 pub mod body;
 mod decision;
 pub mod ids;
+mod lease;
 pub mod usage;
 
 use std::collections::HashMap;
@@ -51,11 +52,13 @@ use crate::config::names;
 use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 pub use crate::store::KeyRepeat;
+use crate::store::clock::{Clock, SystemClock};
 use crate::store::{
-    CommitOutcome, Counted, EstimateView, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol,
-    Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Store, StoreError,
-    ThrottleCall, keys,
+    CommitOutcome, Counted, EstimateView, Forwarded, Headroom, KeyCall, Learning, PoolCall, PoolOutcome, PoolRefusal,
+    PoolView, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits,
+    Store, StoreError, ThrottleCall, keys,
 };
+use lease::{Ask, AskScope, Leases, Local};
 
 /// The largest token count tollgate accepts anywhere: a prompt, an output, a commit's counts. Far
 /// above any model's context, and small enough that no sum of them nears 2^53, the largest integer
@@ -113,6 +116,8 @@ pub struct Admission<S> {
     /// before the tenant leg and on another slot, so it cannot read the estimate itself. The store
     /// keeps the truth; this is this replica's most recent look at it.
     seen_estimates: RwLock<HashMap<(String, String), u64>>,
+    /// This replica's slices and leased holds, when the policy leases.
+    leases: Option<Leases>,
 }
 
 /// How long an output estimate outlives its last commit: a week, or the tenant's idle TTL if longer.
@@ -120,7 +125,31 @@ const ESTIMATE_TTL_MS: u64 = 7 * 86_400_000;
 
 impl<S: Store> Admission<S> {
     pub fn new(policy: Arc<Policy>, protocol: Protocol<S>) -> Self {
-        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()) }
+        Admission::with_clock(policy, protocol, Arc::new(SystemClock))
+    }
+
+    /// With the clock leased holds keep their leases by (the embedded store's, in tests).
+    pub fn with_clock(policy: Arc<Policy>, protocol: Protocol<S>, clock: Arc<dyn Clock>) -> Self {
+        let leases = policy.leasing.map(|settings| {
+            let replica = ids::new_replica_id().unwrap_or_else(|e| {
+                // Without the OS's randomness, the process id and start time still name a replica
+                // apart from its peers (ids themselves are refused without it).
+                tracing::warn!(error = %e, "no randomness for the replica id; using the process id");
+                format!("{:06x}{:06x}", std::process::id() & 0xff_ffff, clock.now_ms() & 0xff_ffff)
+            });
+            Leases::new(replica, settings, Arc::clone(&clock), policy.record_retention_ms)
+        });
+        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()), leases }
+    }
+
+    /// Leased holds this replica keeps in memory for a tenant: (live, settled and remembered).
+    pub fn leased_holds(&self, tenant: &str) -> (usize, usize) {
+        self.leases.as_ref().map_or((0, 0), |l| l.held(tenant))
+    }
+
+    /// This replica's name in leased reservation ids, when the policy leases.
+    pub fn replica(&self) -> Option<&str> {
+        self.leases.as_ref().map(|l| l.replica.as_str())
     }
 
     pub fn policy(&self) -> &Policy {
@@ -138,6 +167,14 @@ impl<S: Store> Admission<S> {
             Ok(plan) => plan,
             Err(denial) => return Decision::Denied(denial),
         };
+        // A lease hit decides here, from memory: no store call, no task, nothing to cancel.
+        if let (Some(leases), true, None) = (&self.leases, plan.leased, &plan.pool) {
+            let t = leases.tenant(&plan.tenant, &plan.tp);
+            match leases.try_admit(&t, &plan.ask()) {
+                Local::Miss => {}
+                local => return self.leased_decision(&plan, local),
+            }
+        }
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
         tokio::spawn(async move {
@@ -233,7 +270,13 @@ impl<S: Store> Admission<S> {
             }
             None => None,
         };
-        let id = ids::new_reservation_id(tenant, pool.as_ref().map(|leg| leg.name.as_str())).map_err(|e| {
+        let leased = self.leases.is_some() && !tp.strict && a.idempotency.is_none() && tp.adaptive_output.is_none();
+        let pool_name = pool.as_ref().map(|leg| leg.name.as_str());
+        let id = match (&self.leases, leased) {
+            (Some(leases), true) => ids::new_leased_reservation_id(tenant, pool_name, &leases.replica),
+            _ => ids::new_reservation_id(tenant, pool_name),
+        }
+        .map_err(|e| {
             tracing::error!(error = %e, "cannot make a reservation id");
             Denial::now(Reason::StoreUnavailable, "no reservation id could be made")
         })?;
@@ -253,6 +296,7 @@ impl<S: Store> Admission<S> {
             pool,
             deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
             idempotency,
+            leased,
         })
     }
 
@@ -269,7 +313,7 @@ impl<S: Store> Admission<S> {
                 _ => Decision::Denied(denial),
             };
         }
-        let decision = self.tenant_leg(plan).await;
+        let decision = if plan.leased { self.leased_leg(plan).await } else { self.tenant_leg(plan).await };
         let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == plan.id);
         if let Some(leg) = &plan.pool
             && !holds_this_id
@@ -341,6 +385,143 @@ impl<S: Store> Admission<S> {
         }
     }
 
+    /// Quota from this replica's slices: a hit decides from memory; a miss makes one lease call
+    /// (one at a time per tenant: a miss that waited for another's call looks again first).
+    async fn leased_leg(&self, plan: &Plan) -> Decision {
+        let Some(leases) = &self.leases else { return self.tenant_leg(plan).await };
+        let ask = plan.ask();
+        let t = leases.tenant(&plan.tenant, &plan.tp);
+        match leases.try_admit(&t, &ask) {
+            Local::Miss => {}
+            local => return self.leased_decision(plan, local),
+        }
+        let _one_call = t.calls.lock().await;
+        // The tenant may have been left (and made anew) while this waited.
+        let t = leases.tenant(&plan.tenant, &plan.tp);
+        match leases.try_admit(&t, &ask) {
+            Local::Miss => {}
+            local => return self.leased_decision(plan, local),
+        }
+        match leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, self.sweep_args()).await {
+            Ok((refused, followups)) => {
+                self.follow_up(followups).await;
+                match refused {
+                    Some((scope, reason, retry_after_ms)) => {
+                        self.leased_decision(plan, Local::Refused { scope, reason, retry_after_ms })
+                    }
+                    None => match leases.try_admit(&t, &ask) {
+                        // Granted but not covered: only if the policy changed under it; the store decides.
+                        Local::Miss => self.tenant_leg(plan).await,
+                        local => self.leased_decision(plan, local),
+                    },
+                }
+            }
+            Err(e) => self.on_store_error(plan, store_unavailable(&e, &plan.tenant)),
+        }
+    }
+
+    /// A decision from the slices, as a [`Decision`].
+    fn leased_decision(&self, plan: &Plan, local: Local) -> Decision {
+        match local {
+            Local::Admitted { headroom } => Decision::Admitted(Admitted {
+                reservation_id: plan.id.clone(),
+                model: plan.model.clone(),
+                reserved_tokens: plan.prompt.saturating_add(plan.ceiling),
+                attempts: 1,
+                replayed: false,
+                headroom,
+            }),
+            Local::Refused { scope, reason, retry_after_ms } => {
+                let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
+                let (reason, message) = refusal_reason(reason, label, self.policy.max_attempts);
+                let retry_after_ms = reason.retryable().then_some(retry_after_ms);
+                Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
+            }
+            Local::Miss => {
+                Decision::Denied(Denial::now(Reason::StoreUnavailable, "no lease could decide the request"))
+            }
+        }
+    }
+
+    fn sweep_args(&self) -> (u32, u64) {
+        (self.policy.sweep_batch, self.policy.concurrency_retry_ms)
+    }
+
+    /// After a lease call: apply what other replicas forwarded for this replica's holds, and take
+    /// settled holds' pool legs off their pools.
+    async fn follow_up(&self, f: lease::Followups) {
+        self.apply_forwarded(f.forwarded).await;
+        self.release_swept_pool_legs(&f.released).await;
+    }
+
+    async fn apply_forwarded(&self, forwarded: Vec<(String, Forwarded)>) {
+        for (id, op) in forwarded {
+            let result = match op {
+                Forwarded::Commit(counted) => self.commit_counted(&id, counted).await.map(|o| o.state()),
+                Forwarded::Release => self.release(&id).await.map(|o| o.state()),
+                Forwarded::Renew { lease_ms } => self.renew(&id, lease_ms).await.map(|o| o.state()),
+            };
+            match result {
+                Ok(state) => tracing::debug!(reservation = %id, state, "applied a forwarded operation"),
+                Err(e) => tracing::warn!(reservation = %id, error = %e, "a forwarded operation failed"),
+            }
+        }
+    }
+
+    /// One window of leasing: for every tenant this replica serves, settle leased holds whose
+    /// lease passed, give back what it will not use, draw for the next window, and apply forwarded
+    /// operations. `ending` gives everything back (shutdown). Run by [`Admission::run_leases`];
+    /// public so tests can drive it on a manual clock.
+    pub async fn lease_tick(&self, ending: bool) {
+        let Some(leases) = &self.leases else { return };
+        for tenant in leases.tenant_names() {
+            let Some(tp) = self.policy.tenant(&tenant) else { continue };
+            let t = leases.tenant(&tenant, tp);
+            let one_call = t.calls.lock().await;
+            let (mut released, due) = leases.upkeep(&t);
+            if due.is_some() || ending {
+                let leaving = ending || due == Some(true);
+                // Forwarded operations settle holds and free what they held: a leaving replica
+                // gives that back with a second call.
+                for _ in 0..2 {
+                    match leases.call(&self.protocol, &tenant, &t, None, leaving, self.sweep_args()).await {
+                        Ok((_, f)) => {
+                            released.extend(f.released);
+                            let applied = !f.forwarded.is_empty();
+                            self.apply_forwarded(f.forwarded).await;
+                            if !(applied && leaving) {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(tenant = %tenant, error = %e, "lease call failed; slices kept until the lease lapses");
+                            break;
+                        }
+                    }
+                }
+                if leaving && !ending {
+                    leases.leave(&tenant);
+                }
+            }
+            drop(one_call);
+            self.release_swept_pool_legs(&released).await;
+        }
+    }
+
+    /// Runs the lease windows until `shutdown`, then gives back every slice.
+    pub async fn run_leases(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let Some(window) = self.leases.as_ref().map(|l| l.settings.window_ms) else { return };
+        let mut ticks = tokio::time::interval(std::time::Duration::from_millis(window));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => self.lease_tick(false).await,
+                () = shutdown.cancelled() => break,
+            }
+        }
+        self.lease_tick(true).await;
+    }
+
     /// Quota: every scope of the tenant must pass.
     async fn tenant_leg(&self, plan: &Plan) -> Decision {
         let call = ReserveCall {
@@ -389,27 +570,7 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = match reason {
-                    Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
-                    Refusal::RequestRate => {
-                        (Reason::RequestRate, format!("request rate limit of scope {scope} reached"))
-                    }
-                    Refusal::Concurrency => {
-                        (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held"))
-                    }
-                    Refusal::Budget => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
-                    Refusal::Attempts => (
-                        Reason::InvalidRequest,
-                        format!("idempotency key has made its most reserves ({})", self.policy.max_attempts),
-                    ),
-                    Refusal::Conflict => (
-                        Reason::InvalidRequest,
-                        "idempotency key was first used for a different request (user, model or size)".to_string(),
-                    ),
-                    Refusal::Unsatisfiable => {
-                        (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
-                    }
-                };
+                let (reason, message) = refusal_reason(reason, scope, self.policy.max_attempts);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
@@ -478,6 +639,18 @@ impl<S: Store> Admission<S> {
             }
         }
         let r = parse_id(reservation_id)?;
+        if let Some(replica) = r.replica {
+            let outcome = match self.leases.as_ref().filter(|l| l.replica == replica) {
+                Some(leases) => leases.commit(r.tenant, reservation_id, counted),
+                None => self.forward(&r, reservation_id, Forwarded::Commit(counted)).await?,
+            };
+            if let Some(pool) = r.pool
+                && outcome != CommitOutcome::NotFound
+            {
+                self.release_pool_leg(pool, reservation_id).await;
+            }
+            return Ok(outcome);
+        }
         let tp = self.policy.tenant(r.tenant);
         let learning = tp.and_then(|tp| {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
@@ -498,7 +671,13 @@ impl<S: Store> Admission<S> {
         let r = parse_id(reservation_id)?;
         let Some(tp) = self.policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
-        let outcome = self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?;
+        let outcome = match r.replica {
+            None => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
+            Some(replica) => match self.leases.as_ref().filter(|l| l.replica == replica) {
+                Some(leases) => leases.renew(r.tenant, reservation_id, lease),
+                None => self.forward(&r, reservation_id, Forwarded::Renew { lease_ms: lease }).await?,
+            },
+        };
         if let Some(pool) = r.pool {
             match outcome {
                 RenewOutcome::Renewed { .. } => {
@@ -508,7 +687,8 @@ impl<S: Store> Admission<S> {
                 }
                 // Settled (perhaps expired by this very call): its pool leg goes too.
                 RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id).await,
-                RenewOutcome::NotFound => {}
+                // The owner renews the pool leg when it applies the renewal.
+                RenewOutcome::NotFound | RenewOutcome::Forwarded => {}
             }
         }
         Ok(outcome)
@@ -562,13 +742,68 @@ impl<S: Store> Admission<S> {
     /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let outcome = self.protocol.release(r.tenant, reservation_id).await?;
+        let outcome = match r.replica {
+            None => self.protocol.release(r.tenant, reservation_id).await?,
+            Some(replica) => match self.leases.as_ref().filter(|l| l.replica == replica) {
+                Some(leases) => leases.release(r.tenant, reservation_id),
+                None => self.forward(&r, reservation_id, Forwarded::Release).await?,
+            },
+        };
         if let Some(pool) = r.pool
             && outcome != ReleaseOutcome::NotFound
         {
             self.release_pool_leg(pool, reservation_id).await;
         }
         Ok(outcome)
+    }
+}
+
+/// An outcome that a forwarded operation answers with.
+trait ForwardedOutcome: Sized {
+    /// Left for the owner replica, which applies it within a window.
+    fn forwarded() -> Self;
+    fn not_found() -> Self;
+}
+
+impl ForwardedOutcome for CommitOutcome {
+    fn forwarded() -> Self {
+        CommitOutcome::Forwarded
+    }
+    fn not_found() -> Self {
+        CommitOutcome::NotFound
+    }
+}
+
+impl ForwardedOutcome for ReleaseOutcome {
+    fn forwarded() -> Self {
+        ReleaseOutcome::Forwarded
+    }
+    fn not_found() -> Self {
+        ReleaseOutcome::NotFound
+    }
+}
+
+impl ForwardedOutcome for RenewOutcome {
+    fn forwarded() -> Self {
+        RenewOutcome::Forwarded
+    }
+    fn not_found() -> Self {
+        RenewOutcome::NotFound
+    }
+}
+
+impl<S: Store> Admission<S> {
+    /// Leaves an operation on another replica's leased hold for that replica. Not found when the
+    /// replica no longer holds a lease on the tenant: it stopped, and its holds settle as expired.
+    async fn forward<O: ForwardedOutcome>(
+        &self,
+        r: &ids::ReservationRef<'_>,
+        id: &str,
+        op: Forwarded,
+    ) -> Result<O, AdmissionError> {
+        let (Some(replica), Some(tp)) = (r.replica, self.policy.tenant(r.tenant)) else { return Ok(O::not_found()) };
+        let forwarded = self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?;
+        Ok(if forwarded { O::forwarded() } else { O::not_found() })
     }
 }
 
@@ -601,6 +836,26 @@ fn bounded_prompt(size: PromptSize, model: &crate::config::ModelPolicy) -> Resul
     Ok(tokens)
 }
 
+/// The reason and message of a store refusal on `scope`.
+fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, String) {
+    match refusal {
+        Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
+        Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
+        Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
+        Refusal::Budget => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
+        Refusal::Attempts => {
+            (Reason::InvalidRequest, format!("idempotency key has made its most reserves ({max_attempts})"))
+        }
+        Refusal::Conflict => (
+            Reason::InvalidRequest,
+            "idempotency key was first used for a different request (user, model or size)".to_string(),
+        ),
+        Refusal::Unsatisfiable => {
+            (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
+        }
+    }
+}
+
 fn store_unavailable(e: &StoreError, tenant: &str) -> Denial {
     tracing::error!(error = %e, tenant, "store call failed; failing closed");
     Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
@@ -631,6 +886,24 @@ struct Plan {
     deadline_ms: Option<u64>,
     /// The key, and the fingerprint of the request it stands for.
     idempotency: Option<(IdempotencyKey, String)>,
+    /// Decided from this replica's slices (the policy leases, the tenant is not strict, and the
+    /// request needs nothing only the store has: an idempotency key, a learned estimate).
+    leased: bool,
+}
+
+impl Plan {
+    fn ask(&self) -> Ask<'_> {
+        Ask {
+            id: &self.id,
+            scopes: self
+                .scopes
+                .iter()
+                .map(|s| AskScope { key: &s.key, limits: s.limits })
+                .collect(),
+            hold: self.prompt.saturating_add(self.ceiling),
+            prompt: self.prompt,
+        }
+    }
 }
 
 /// One scope a request charges.

@@ -232,6 +232,8 @@ pub struct TenantPolicy {
     /// Learned output reservation; none means the ceiling is always reserved.
     pub adaptive_output: Option<AdaptiveOutput>,
     pub on_store_error: OnStoreError,
+    /// Every decision goes to the store, even when the policy leases (`leasing`).
+    pub strict: bool,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.
@@ -263,6 +265,19 @@ pub struct Policy {
     pub sweep_batch: u32,
     pub max_attempts: u32,
     pub concurrency_retry_ms: u64,
+    /// Decide from slices of the store's buckets leased to this replica; `None`: every decision
+    /// goes to the store.
+    pub leasing: Option<Leasing>,
+}
+
+/// Leasing: each replica draws slices of a scope's tokens, request permits and concurrency slots
+/// from the store and decides from them in memory (see `admission::lease`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Leasing {
+    /// How often a replica gives back what it did not use and draws again, per tenant.
+    pub window_ms: u64,
+    /// The most of a scope's capacity one replica's unused slice may hold.
+    pub max_share: f64,
 }
 
 impl Policy {
@@ -311,6 +326,13 @@ impl Policy {
             names.join(", "),
             if self.default_tenant.is_some() { "yes" } else { "no (unknown tenants are refused)" },
         );
+        if let Some(l) = &self.leasing {
+            out.push_str(&format!(
+                "  leasing: window {} ms, slices up to {:.0}% of a scope\n",
+                l.window_ms,
+                l.max_share * 100.0
+            ));
+        }
         for name in &names {
             let t = &self.tenants[name];
             out.push_str(&format!(

@@ -23,6 +23,14 @@ pub(super) struct RawPolicy {
     pub tenants: BTreeMap<String, RawTenant>,
     pub default_tenant: Option<RawTenant>,
     pub anonymous_tenant: Option<String>,
+    pub leasing: Option<RawLeasing>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLeasing {
+    pub window_ms: Option<u64>,
+    pub max_share: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -156,6 +164,8 @@ pub(super) struct RawTenant {
     pub default_deadline_ms: Option<u64>,
     pub adaptive_output: Option<RawAdaptive>,
     pub on_store_error: Option<OnStoreError>,
+    #[serde(default)]
+    pub strict: bool,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,

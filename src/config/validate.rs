@@ -8,7 +8,7 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant};
 use super::{
-    AdaptiveOutput, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
+    AdaptiveOutput, Leasing, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
 };
 
 type Problem = (String, String);
@@ -192,7 +192,20 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         sweep_batch,
         max_attempts,
         concurrency_retry_ms,
+        leasing: raw.leasing.map(leasing).transpose()?,
     })
+}
+
+fn leasing(l: super::raw::RawLeasing) -> Result<Leasing, Problem> {
+    let window_ms = l.window_ms.unwrap_or(250);
+    if !(10..=60_000).contains(&window_ms) {
+        return Err(problem("leasing.window_ms", format!("{window_ms} is outside 10..=60000")));
+    }
+    let max_share = l.max_share.unwrap_or(0.1);
+    if !(max_share.is_finite() && max_share > 0.0 && max_share <= 1.0) {
+        return Err(problem("leasing.max_share", format!("{max_share} is not a share in (0, 1]")));
+    }
+    Ok(Leasing { window_ms, max_share })
 }
 
 fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Problem> {
@@ -345,6 +358,7 @@ fn tenant_policy(
         default_deadline_ms: t.default_deadline_ms,
         adaptive_output,
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
+        strict: t.strict,
         users,
         default_user: t.default_user,
         models: tenant_models,

@@ -116,6 +116,10 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                 "reservation {} was released; it cannot be committed",
                 r.reservation_id
             ))),
+            CommitOutcome::Forwarded => {
+                tracing::debug!(reservation = %r.reservation_id, "commit forwarded to the replica that holds it");
+                Ok(Response::new(CommitResponse { state: o.state().to_string(), ..Default::default() }))
+            }
             CommitOutcome::Committed(u) => {
                 tracing::debug!(reservation = %r.reservation_id, state = o.state(), used = u.used, duplicate = u.duplicate, "committed");
                 Ok(Response::new(CommitResponse {
@@ -140,7 +144,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                 return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
             }
             RenewOutcome::Renewed { lease_remaining_ms } => lease_remaining_ms,
-            RenewOutcome::Settled(_) => 0,
+            RenewOutcome::Settled(_) | RenewOutcome::Forwarded => 0,
         };
         Ok(Response::new(RenewResponse { state: o.state().to_string(), lease_remaining_ms }))
     }
@@ -154,7 +158,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                 return Err(Status::not_found(format!("reservation {} is unknown", r.reservation_id)));
             }
             ReleaseOutcome::Released { refunded, repeated } => (refunded, repeated),
-            ReleaseOutcome::Settled(_) => (0, false),
+            ReleaseOutcome::Settled(_) | ReleaseOutcome::Forwarded => (0, false),
         };
         Ok(Response::new(ReleaseResponse { state: o.state().to_string(), refunded_tokens, duplicate }))
     }

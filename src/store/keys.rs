@@ -15,6 +15,8 @@
 //! tg:{acme}:r:<id>           reservation record
 //! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
+//! tg:{acme}:r:@<replica>     a replica's lease on the tenant (leasing): the slots it holds
+//! tg:{acme}:f:<replica>      operations on that replica's holds forwarded by other replicas
 //! ```
 //!
 //! Backend pools are shared by every tenant, so their keys carry the pool's own tag and live on
@@ -75,6 +77,22 @@ pub fn output_estimate(tenant: &str, model: &str) -> String {
     format!("tg:{{{tenant}}}:o:{model}")
 }
 
+/// A replica's member in the tenant's lease index: `@<replica>`, which no reservation id starts with.
+pub fn lease_member(replica: &str) -> String {
+    format!("@{replica}")
+}
+
+/// A replica's lease record on a tenant: under the record prefix, so the sweep finds it from the
+/// lease index as it finds hold records.
+pub fn lease_record(tenant: &str, replica: &str) -> String {
+    format!("tg:{{{tenant}}}:r:@{replica}")
+}
+
+/// Operations on a replica's leased holds that reached another replica.
+pub fn forwarded(tenant: &str, replica: &str) -> String {
+    format!("tg:{{{tenant}}}:f:{replica}")
+}
+
 /// A pool's state hash.
 pub fn pool_state(pool: &str) -> String {
     format!("tg:pool:{{{pool}}}:s")
@@ -112,11 +130,14 @@ mod tests {
             format!("{}acme:0f", record_prefix("acme")),
             idempotency("acme", "k{e}y:1"),
             output_estimate("acme", "gpt-4o"),
+            lease_record("acme", "0a1b2c3d4e5f"),
+            forwarded("acme", "0a1b2c3d4e5f"),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), "acme", "{key}");
         }
         assert_eq!(record("acme", "x"), format!("{}x", record_prefix("acme")));
+        assert_eq!(lease_record("acme", "r1"), format!("{}{}", record_prefix("acme"), lease_member("r1")));
         for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a")] {
             assert_eq!(hash_tag(&key), "gpu-a", "{key}");
         }

@@ -19,7 +19,7 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    CommitOutcome, Counted, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal,
+    Amounts, CommitOutcome, Forwarded, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope, Counted, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal,
     PoolView, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits,
     Settled, ThrottleCall, Usage, Window,
 };

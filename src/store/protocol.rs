@@ -78,6 +78,112 @@ pub struct ReserveCall<'a> {
     pub scopes: Vec<(String, ScopeLimits)>,
 }
 
+/// Tokens, request permits and concurrency slots: what a replica's slice of a scope holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Amounts {
+    pub tokens: u64,
+    pub requests: u64,
+    pub slots: u64,
+}
+
+/// One scope of a lease call: what the replica gives back, the slots it keeps, and what it asks for.
+#[derive(Debug, Clone)]
+pub struct LeaseScope {
+    pub key: String,
+    pub limits: ScopeLimits,
+    /// Tokens given back (negative: debt its holds ran up, charged now).
+    pub back_tokens: i64,
+    /// The day the tokens given back were drawn on (they come off that day's usage only).
+    pub back_day: u64,
+    /// Tokens given back to the bucket only: refunds of holds drawn on an earlier day, whose
+    /// budget that day keeps.
+    pub back_bucket_tokens: u64,
+    pub back_requests: u64,
+    /// Slots the replica holds after its return: the slots of its live holds.
+    pub held_slots: u64,
+    /// At least this, or nothing: what the request that asked needs beyond the slice it has.
+    pub need: Amounts,
+    /// As much as this, as far as the scope has it.
+    pub want: Amounts,
+}
+
+/// One lease call of a replica on one tenant's scopes.
+#[derive(Debug, Clone)]
+pub struct LeaseCall<'a> {
+    pub tenant: &'a str,
+    pub replica: &'a str,
+    /// How long the lease record lives unrenewed: the tenant's hold lease.
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub sweep_batch: u32,
+    pub concurrency_retry_cap_ms: u64,
+    /// The replica leaves the tenant: drop its record if it holds no slot.
+    pub ending: bool,
+    pub scopes: Vec<LeaseScope>,
+}
+
+/// The store's answer to a lease call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReply {
+    pub outcome: LeaseOutcome,
+    /// The store's day number (UTC days since the epoch).
+    pub day: u64,
+    pub headroom: Headroom,
+    /// Operations other replicas forwarded for this replica's holds, now this replica's to apply.
+    pub forwarded: Vec<(String, Forwarded)>,
+    /// Ids of expired store holds the sweep settled (their pool legs are still to be released).
+    pub swept: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// Drawn, per scope in call order.
+    Granted(Vec<Amounts>),
+    /// Nothing drawn: a scope cannot give what the asking request needs.
+    Refused { reason: Refusal, scope: usize, retry_after_ms: u64 },
+}
+
+/// An operation on a leased hold that reached another replica, handed to the one that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    Commit(Counted),
+    Release,
+    Renew { lease_ms: u64 },
+}
+
+impl Forwarded {
+    fn encode(self) -> String {
+        let count = |n: Option<u64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
+        match self {
+            Forwarded::Commit(Counted::Exact { prompt, output }) => {
+                format!("commit {prompt} {output} exact")
+            }
+            Forwarded::Commit(Counted::Metered { output }) => format!("commit - {} metered", count(Some(output))),
+            Forwarded::Commit(Counted::AsHeld) => "commit - - metered".to_string(),
+            Forwarded::Release => "release".to_string(),
+            Forwarded::Renew { lease_ms } => format!("renew {lease_ms}"),
+        }
+    }
+
+    fn decode(op: &str) -> Option<Forwarded> {
+        let words: Vec<&str> = op.split(' ').collect();
+        let count = |w: &str| if w == "-" { Ok(None) } else { w.parse::<u64>().map(Some) };
+        Some(match words.as_slice() {
+            ["release"] => Forwarded::Release,
+            ["renew", ms] => Forwarded::Renew { lease_ms: ms.parse().ok()? },
+            ["commit", prompt, output, measure] => {
+                match (count(prompt).ok()?, count(output).ok()?, *measure) {
+                    (Some(prompt), Some(output), "exact") => Forwarded::Commit(Counted::Exact { prompt, output }),
+                    (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
+                    (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        })
+    }
+}
+
 /// Remaining / limit / reset of the tightest scope, for the `x-ratelimit-*` headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Window {
@@ -218,6 +324,9 @@ pub enum CommitOutcome {
     /// The hold was released; it cannot be committed, and nothing was charged.
     Released,
     NotFound,
+    /// A leased hold of another replica: the commit was left for it, which applies it within one
+    /// lease window.
+    Forwarded,
 }
 
 impl CommitOutcome {
@@ -228,6 +337,7 @@ impl CommitOutcome {
             CommitOutcome::Committed(_) => "committed",
             CommitOutcome::Released => "released",
             CommitOutcome::NotFound => "not_found",
+            CommitOutcome::Forwarded => "forwarded",
         }
     }
 
@@ -248,6 +358,8 @@ pub enum RenewOutcome {
     /// Too late: the hold was already settled (or expired as this call found it).
     Settled(Settled),
     NotFound,
+    /// Left for the replica that holds the leased hold.
+    Forwarded,
 }
 
 impl RenewOutcome {
@@ -256,6 +368,7 @@ impl RenewOutcome {
             RenewOutcome::Renewed { .. } => "reserved",
             RenewOutcome::Settled(s) => s.as_str(),
             RenewOutcome::NotFound => "not_found",
+            RenewOutcome::Forwarded => "forwarded",
         }
     }
 }
@@ -271,6 +384,8 @@ pub enum ReleaseOutcome {
     /// Settled otherwise before this call (or expired as this call found it).
     Settled(Settled),
     NotFound,
+    /// Left for the replica that holds the leased hold.
+    Forwarded,
 }
 
 impl ReleaseOutcome {
@@ -279,6 +394,7 @@ impl ReleaseOutcome {
             ReleaseOutcome::Released { .. } => "released",
             ReleaseOutcome::Settled(s) => s.as_str(),
             ReleaseOutcome::NotFound => "not_found",
+            ReleaseOutcome::Forwarded => "forwarded",
         }
     }
 }
@@ -456,6 +572,121 @@ impl<S: Store> Protocol<S> {
                 swept: r.texts(7)?,
             }),
             _ => Err(r.bad()),
+        }
+    }
+
+    /// A replica's lease call on one tenant (see `lua/lease.lua`).
+    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseReply, StoreError> {
+        let tenant = call.tenant;
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(4));
+        keys.extend([
+            keys::leases(tenant),
+            keys::holds(tenant),
+            keys::lease_record(tenant, call.replica),
+            keys::forwarded(tenant, call.replica),
+        ]);
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(17).saturating_add(7));
+        args.extend([
+            keys::lease_member(call.replica),
+            keys::record_prefix(tenant),
+            call.lease_ms.to_string(),
+            call.idle_ttl_ms.to_string(),
+            call.sweep_batch.to_string(),
+            call.concurrency_retry_cap_ms.to_string(),
+            if call.ending { "end" } else { "keep" }.to_string(),
+        ]);
+        for s in &call.scopes {
+            keys.push(s.key.clone());
+            let l = &s.limits;
+            args.extend([
+                l.token_capacity.to_string(),
+                l.tokens_per_ms.to_string(),
+                l.request_capacity.to_string(),
+                l.requests_per_ms.to_string(),
+                l.max_concurrency.to_string(),
+                l.daily_budget.to_string(),
+                s.back_tokens.to_string(),
+                s.back_day.to_string(),
+                s.back_bucket_tokens.to_string(),
+                s.back_requests.to_string(),
+                s.held_slots.to_string(),
+                s.need.tokens.to_string(),
+                s.need.requests.to_string(),
+                s.need.slots.to_string(),
+                s.want.tokens.to_string(),
+                s.want.requests.to_string(),
+                s.want.slots.to_string(),
+            ]);
+        }
+        let script = &self.scripts.lease;
+        let reply = self.store.eval(script, keys, args).await?;
+        let r = Fields::of(script, &reply)?;
+        let outcome = match r.uint(0)? {
+            1 => {
+                let Some(Reply::Array(rows)) = r.items.get(11) else { return Err(r.bad()) };
+                let granted = rows
+                    .iter()
+                    .map(|row| match row {
+                        Reply::Array(n) => {
+                            let at = |i: usize| n.get(i).and_then(Reply::as_int).and_then(|v| u64::try_from(v).ok());
+                            Some(Amounts { tokens: at(0)?, requests: at(1)?, slots: at(2)? })
+                        }
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| r.bad())?;
+                if granted.len() != call.scopes.len() {
+                    return Err(r.bad());
+                }
+                LeaseOutcome::Granted(granted)
+            }
+            0 => LeaseOutcome::Refused {
+                reason: Refusal::parse(r.text(1)?).ok_or_else(|| r.bad())?,
+                scope: usize::try_from(r.uint(2)?.saturating_sub(1)).map_err(|_| r.bad())?,
+                retry_after_ms: r.uint(3)?,
+            },
+            _ => return Err(r.bad()),
+        };
+        let ops = r.texts(12)?;
+        let forwarded = ops
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [id, op] => match Forwarded::decode(op) {
+                    Some(f) => Some((id.clone(), f)),
+                    None => {
+                        tracing::warn!(reservation = %id, op = %op, "a forwarded operation could not be read; dropped");
+                        None
+                    }
+                },
+                _ => None,
+            })
+            .collect();
+        Ok(LeaseReply {
+            outcome,
+            day: r.uint(4)?,
+            headroom: Headroom { tokens: r.window([5, 6, 7])?, requests: r.window([8, 9, 10])? },
+            forwarded,
+            swept: r.texts(13)?,
+        })
+    }
+
+    /// Leaves an operation on a leased hold for the replica that holds it. `Ok(false)`: that
+    /// replica holds no lease on the tenant any more (it stopped; its holds settle as expired).
+    pub async fn forward(
+        &self,
+        tenant: &str,
+        replica: &str,
+        id: &str,
+        op: Forwarded,
+        ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let script = &self.scripts.lease_forward;
+        let keys = vec![keys::forwarded(tenant, replica), keys::lease_record(tenant, replica)];
+        let reply = self.store.eval(script, keys, vec![id.to_string(), op.encode(), ttl_ms.to_string()]).await?;
+        match reply.as_text() {
+            Some("forwarded") => Ok(true),
+            Some("gone") => Ok(false),
+            _ => Err(StoreError::BadReply { script: script.name, reply }),
         }
     }
 

@@ -39,6 +39,8 @@ pub struct Scripts {
     pub pool_throttle: Script,
     pub pool_status: Script,
     pub estimate: Script,
+    pub lease: Script,
+    pub lease_forward: Script,
 }
 
 impl Scripts {
@@ -54,10 +56,12 @@ impl Scripts {
             pool_throttle: Script::phase("pool_throttle", include_str!("../../lua/pool_throttle.lua")),
             pool_status: Script::phase("pool_status", include_str!("../../lua/pool_status.lua")),
             estimate: Script::phase("estimate", include_str!("../../lua/estimate.lua")),
+            lease: Script::phase("lease", include_str!("../../lua/lease.lua")),
+            lease_forward: Script::phase("lease_forward", include_str!("../../lua/lease_forward.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 10] {
+    pub fn all(&self) -> [&Script; 12] {
         [
             &self.reserve,
             &self.commit,
@@ -69,6 +73,8 @@ impl Scripts {
             &self.pool_throttle,
             &self.pool_status,
             &self.estimate,
+            &self.lease,
+            &self.lease_forward,
         ]
     }
 }

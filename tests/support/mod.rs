@@ -141,11 +141,15 @@ pub const CLOCK_START_MS: u64 = 1_795_953_600_000;
 
 pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
-    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, "")).expect("test policy");
+    let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
+    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, top)).expect("test policy");
     let clock = ManualClock::new(CLOCK_START_MS);
     let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
     Harness::build(store, policy, tenant, pool, Some(clock)).await
 }
+
+/// A policy section placed before `store:` (e.g. `leasing:`): `"<top>\n---top---\n<body>"`.
+pub const TOP_SEPARATOR: &str = "---top---";
 
 pub async fn redis(tenant_body: &str) -> Harness<RedisStore> {
     redis_backend(Backend::Redis, tenant_body).await
@@ -157,7 +161,8 @@ pub async fn cluster(tenant_body: &str) -> Harness<RedisStore> {
 
 async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
-    let yaml = policy_yaml(&tenant, &pool, body, &backend.store_yaml());
+    let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
+    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\n{}", backend.store_yaml()));
     let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
     let target = match backend {
         Backend::Cluster => RedisTarget::Cluster(redis_cluster_nodes()),
@@ -182,8 +187,12 @@ impl<S: Store> Harness<S> {
 
     async fn build(store: S, policy: Policy, tenant: String, pool: String, clock: Option<ManualClock>) -> Self {
         let protocol = Protocol::new(store).await.expect("scripts load");
+        let admission = match &clock {
+            Some(c) => Admission::with_clock(Arc::new(policy), protocol, Arc::new(c.clone())),
+            None => Admission::new(Arc::new(policy), protocol),
+        };
         Harness {
-            admission: Arc::new(Admission::new(Arc::new(policy), protocol)),
+            admission: Arc::new(admission),
             tenant,
             pool,
             clock,

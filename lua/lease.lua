@@ -1,0 +1,159 @@
+-- lease.lua: a replica's lease on one tenant's scopes (leasing; see src/admission/lease.rs). A
+-- replica draws slices of a scope's token bucket, request bucket and concurrency slots here, then
+-- decides from them in its own memory. What it draws is charged to the scope at once, exactly as
+-- holds are, so the scope's counters always include every slice: leasing can refuse a request
+-- that a single store would have admitted (while another replica sits on a slice), never admit
+-- one it would have refused.
+--
+-- One call, atomically: settle the tenant's expired holds and dead leases (the sweep); take back
+-- what the replica returns; set the slots it holds; then draw, all or nothing against what the
+-- request that asked needs. The returns apply whatever the call decides: the replica stopped
+-- using them when it sent the call. Slots are stated absolutely, so a lost reply corrects itself
+-- on the next call; a lost reply's tokens and permits stay charged (never spent twice).
+--
+-- KEYS[1]   the tenant's lease index        KEYS[2] the tenant's holds hash
+-- KEYS[3]   this replica's lease record     KEYS[4] operations forwarded to this replica
+-- KEYS[5..] the scope hashes
+--
+-- ARGV[1] the replica's member in the lease index ('@' .. replica)
+-- ARGV[2] record key prefix (for the sweep)       ARGV[3] lease (ms): how long the record lives unrenewed
+-- ARGV[4] idle TTL of scope hashes and index (ms) ARGV[5] sweep batch
+-- ARGV[6] cap on the concurrency Retry-After (ms)
+-- ARGV[7] end | keep: end drops the record when the replica holds no slot (it is leaving the tenant)
+-- then seventeen numbers per scope, in KEYS order:
+--   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
+--   (0 meaning no such limit);
+--   tokens returned (negative: debt charged), the day they were drawn on, tokens returned to the
+--   bucket only (refunds of holds drawn on an earlier day), requests returned, slots held after
+--   the return (absolute);
+--   tokens, requests and slots needed; tokens, requests and slots wanted.
+--
+-- Reply: {granted (1|0), reason, scope index (1-based), retry after ms, day,
+--         remaining tokens, token limit, token reset ms, remaining requests, request limit,
+--         request reset ms, {tokens, requests, slots granted per scope}, {id, op, ...}, swept}
+--   (reason '' when granted; a refusal grants nothing and writes nothing but the returns and the
+--    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over)
+
+local leases = KEYS[1]
+local holds = KEYS[2]
+local record = KEYS[3]
+local forwarded = KEYS[4]
+local member = ARGV[1]
+local prefix = ARGV[2]
+local lease = tonumber(ARGV[3])
+local idle = tonumber(ARGV[4])
+local batch = tonumber(ARGV[5])
+local wait_cap = tonumber(ARGV[6])
+local ending = ARGV[7] == 'end'
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 5, 8, 17
+
+local now = now_ms()
+local today = math.floor(now / DAY_MS)
+
+local swept = sweep(leases, holds, prefix, batch, now)
+local ops = redis.call('HGETALL', forwarded)
+if #ops > 0 then
+  redis.call('DEL', forwarded)
+end
+
+-- 1. Returns.
+local n = #KEYS - FIRST_SCOPE + 1
+local args = {}
+for i = 1, n do
+  local key = KEYS[FIRST_SCOPE + i - 1]
+  local b = FIRST_ARG + (i - 1) * PER_SCOPE
+  local a = {}
+  for j = 0, PER_SCOPE - 1 do
+    a[j] = tonumber(ARGV[b + j])
+  end
+  args[i] = a
+  local back_tokens, back_day, back_bucket, back_requests, held = a[6], a[7], a[8], a[9], a[10]
+  if back_tokens > 0 then
+    refund({ key }, back_tokens, back_day, now)
+  elseif back_tokens < 0 then
+    charge({ key }, -back_tokens, now)
+  end
+  refund({ key }, back_bucket, -1, now)
+  if back_requests > 0 and a[2] > 0 then
+    local v = redis.call('HMGET', key, 'r', 'rt')
+    local level = refilled(v[1], v[2], a[2], a[3], now)
+    redis.call('HSET', key, 'r', math.min(a[2], level + back_requests), 'rt', now)
+  end
+  local had = tonumber(redis.call('HGET', record, key)) or 0
+  if had ~= held then
+    local c = tonumber(redis.call('HGET', key, 'c')) or 0
+    redis.call('HSET', key, 'c', math.max(0, c - had + held))
+  end
+end
+
+-- 2. Read every scope as the returns left it, and check what the asking request needs.
+local scopes = {}
+local reason, where, wait = '', 0, -1
+for i = 1, n do
+  local s = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, today)
+  scopes[i] = s
+  local a = args[i]
+  check_scope(s, a[11], a[12], a[13], leases, wait_cap, now, today, function(why, ms)
+    ms = math.max(1, math.ceil(ms))
+    if ms > wait then
+      reason, where, wait = why, i, ms
+    end
+  end)
+end
+
+-- 3. Draw: each scope gives what is wanted, as far as it has it, and never less than is needed.
+local granted = {}
+local slots = {}
+for i, s in ipairs(scopes) do
+  local a = args[i]
+  local tokens, requests, taken = 0, 0, 0
+  if reason == '' then
+    if s.tcap > 0 or s.budget > 0 then
+      local have = math.huge
+      if s.tcap > 0 then
+        have = math.floor(s.t)
+      end
+      if s.budget > 0 then
+        have = math.min(have, s.budget - s.du)
+      end
+      tokens = math.max(a[11], math.min(a[14], have))
+    end
+    if s.rcap > 0 then
+      requests = math.max(a[12], math.min(a[15], math.floor(s.r)))
+    end
+    if s.cmax > 0 then
+      taken = math.max(a[13], math.min(a[16], s.cmax - s.c))
+    end
+    take(s, tokens, requests, taken, today, now, idle)
+  end
+  granted[#granted + 1] = { tokens, requests, taken }
+  slots[i] = a[10] + taken
+end
+
+-- 4. The record: the slots this replica holds, renewed for another lease.
+local holding = false
+for i = 1, n do
+  local key = KEYS[FIRST_SCOPE + i - 1]
+  if slots[i] > 0 then
+    redis.call('HSET', record, key, slots[i])
+    holding = true
+  else
+    redis.call('HDEL', record, key)
+  end
+end
+if ending and not holding and redis.call('HLEN', record) <= 1 then
+  redis.call('DEL', record)
+  redis.call('ZREM', leases, member)
+else
+  redis.call('HSET', record, '@', 1)
+  redis.call('PEXPIRE', record, idle)
+  redis.call('ZADD', leases, now + lease, member)
+  redis.call('PEXPIRE', leases, idle)
+end
+
+local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
+local ok = 1
+if reason ~= '' then
+  ok = 0
+end
+return { ok, reason, where, wait, today, rem, lim, reset, rrem, rlim, rreset, granted, ops, swept }

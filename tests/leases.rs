@@ -1,0 +1,217 @@
+//! Leasing (`leasing:` in the policy): replicas decide from slices drawn from the store. Every
+//! scenario runs on the embedded store (manual clock), a single Redis and the Cluster, with two
+//! replicas (two `Admission`s, each its own replica id) on one keyspace.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use support::{Harness, TOP_SEPARATOR, admitted, denied};
+use tollgate::admission::Reason;
+use tollgate::store::{CommitOutcome, Counted, Reply, ReleaseOutcome, Script, Store, StoreError, keys};
+
+/// Counts the calls of each script that reach the store.
+#[derive(Clone)]
+struct Counting<S> {
+    inner: S,
+    leases: Arc<AtomicU32>,
+    others: Arc<AtomicU32>,
+}
+
+impl<S: Store> Store for Counting<S> {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.inner.load(script).await
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        let counter = if script.name == "lease" { &self.leases } else { &self.others };
+        counter.fetch_add(1, Ordering::SeqCst);
+        self.inner.eval(script, keys, args).await
+    }
+}
+
+fn counted<S: Store>(inner: S) -> (Counting<S>, Arc<AtomicU32>, Arc<AtomicU32>) {
+    let (leases, others) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    (Counting { inner, leases: Arc::clone(&leases), others: Arc::clone(&others) }, leases, others)
+}
+
+fn policy(limits: &str) -> String {
+    format!("leasing:\n  window_ms: 250\n  max_share: 0.5\n{TOP_SEPARATOR}limits:\n{limits}")
+}
+
+/// 1 token per second: refill cannot move a number while a test runs.
+const SLOW: &str = "  tokens_per_minute: 60\n  burst_tokens: 10000\n";
+
+mod scenarios {
+    use super::*;
+
+    /// After the first call, decisions and commits are made in memory: no store call at all.
+    pub async fn a_lease_hit_never_leaves_the_process<S: Store + Clone>(h: Harness<S>) {
+        let (store, leases, others) = counted(h.admission.protocol().store().clone());
+        let r = h.wrapped(|_| store).await;
+        let first = r.reserve(10, 90).await;
+        let id = admitted(&first).reservation_id.clone();
+        assert!(id.ends_with(&format!("@{}", r.admission.replica().unwrap())), "{id}");
+        assert_eq!(leases.load(Ordering::SeqCst), 1, "the first reserve draws a slice");
+        for _ in 0..3 {
+            let d = r.reserve(10, 90).await;
+            let id = admitted(&d).reservation_id.clone();
+            r.admission.commit(&id, 10, 20).await.unwrap();
+        }
+        assert_eq!(leases.load(Ordering::SeqCst), 1, "hits and commits make no lease call");
+        assert_eq!(others.load(Ordering::SeqCst), 0, "and no other store call");
+        // What the slice holds is charged in the store: 4 holds' worth drawn ahead (400 tokens).
+        let drawn = 10_000.0 - r.tenant_scope().await.num("t");
+        assert!((399.0..=400.0).contains(&drawn), "{drawn} tokens drawn");
+    }
+
+    /// Giving everything back leaves the store as one replica deciding alone would have: usage
+    /// charged, holds refunded, slots free.
+    pub async fn the_books_balance_when_the_slices_come_back<S: Store + Clone>(h: Harness<S>) {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(admitted(&h.reserve(10, 90).await).reservation_id.clone());
+        }
+        for id in &ids[..2] {
+            let c = h.admission.commit(id, 10, 20).await.unwrap();
+            assert_eq!(c.usage().map(|u| (u.used, u.refunded)), Some((30, 70)));
+        }
+        assert_eq!(
+            h.admission.release(&ids[2]).await.unwrap(),
+            ReleaseOutcome::Released { refunded: 100, repeated: false }
+        );
+        h.admission.lease_tick(true).await;
+        let scope = h.tenant_scope().await;
+        let charged = 10_000.0 - scope.num("t");
+        assert!((59.0..=60.0).contains(&charged), "two commits of 30 charged, not {charged}");
+        assert_eq!(scope.fields.get("c").map(String::as_str), Some("0"), "every slot back: {scope:?}");
+        assert_eq!(scope.num("du"), 60.0, "the day's usage is what was used");
+    }
+
+    /// Slots are leased exclusively: two replicas together never hold more than the scope allows.
+    pub async fn concurrency_is_exact_across_replicas<S: Store + Clone>(h: Harness<S>) {
+        let other = h.wrapped(|s| s).await;
+        let mut admitted_ids = Vec::new();
+        for i in 0..6 {
+            let r = if i % 2 == 0 { &h } else { &other };
+            match r.reserve(1, 1).await {
+                tollgate::admission::Decision::Admitted(a) => admitted_ids.push(a.reservation_id),
+                d => assert_eq!(denied(&d).reason, Reason::Concurrency),
+            }
+        }
+        assert!(admitted_ids.len() <= 4, "{} admitted with 4 slots", admitted_ids.len());
+        assert_eq!(h.in_flight().await, 4.0, "the store counts every slot leased");
+        // Slots a replica does not use come back with its window, and the other can take them.
+        for id in &admitted_ids {
+            h.admission.commit(id, 1, 1).await.unwrap();
+        }
+        h.admission.lease_tick(true).await;
+        other.admission.lease_tick(true).await;
+        assert_eq!(h.in_flight().await, 0.0);
+        for _ in 0..4 {
+            admitted(&other.reserve(1, 1).await);
+        }
+        assert_eq!(denied(&other.reserve(1, 1).await).reason, Reason::Concurrency);
+    }
+
+    /// A commit or release that reaches another replica is forwarded through the store, and the
+    /// owner applies it with its next window: charged once.
+    pub async fn a_commit_at_another_replica_reaches_the_owner<S: Store + Clone>(h: Harness<S>) {
+        let other = h.wrapped(|s| s).await;
+        let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        let released = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        assert_eq!(other.admission.commit(&id, 10, 20).await.unwrap(), CommitOutcome::Forwarded);
+        assert_eq!(other.admission.release(&released).await.unwrap(), ReleaseOutcome::Forwarded);
+        h.admission.lease_tick(false).await;
+        let again = h.admission.commit(&id, 10, 20).await.unwrap();
+        assert!(again.usage().is_some_and(|u| u.duplicate && u.used == 30), "{again:?}");
+        assert!(matches!(h.admission.release(&released).await.unwrap(), ReleaseOutcome::Released { repeated: true, .. }));
+        h.admission.lease_tick(true).await;
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((29.0..=30.0).contains(&charged), "one commit of 30 charged, not {charged}");
+        assert_eq!(h.in_flight().await, 0.0);
+    }
+
+    /// A replica that stops without giving back: its slots return when its lease record runs out
+    /// (the tenant's lease), found by the next sweep; its tokens stay charged.
+    pub async fn a_dead_replicas_slots_come_back_after_its_lease<S: Store + Clone>(h: Harness<S>) {
+        let dead = h.wrapped(|s| s).await;
+        for _ in 0..4 {
+            admitted(&dead.reserve(1, 1).await);
+        }
+        drop(dead);
+        assert_eq!(denied(&h.reserve(1, 1).await).reason, Reason::Concurrency);
+        h.advance(1_001).await;
+        admitted(&h.reserve(1, 1).await);
+    }
+
+    /// The store's refusal is answered from memory until its wait (at most a window) has passed.
+    pub async fn a_refusal_is_remembered_for_its_wait<S: Store + Clone>(h: Harness<S>) {
+        let (store, leases, _) = counted(h.admission.protocol().store().clone());
+        let r = h.wrapped(|_| store).await;
+        admitted(&r.reserve(0, 8_000).await);
+        let calls = leases.load(Ordering::SeqCst);
+        for _ in 0..5 {
+            let no = r.reserve(0, 8_000).await;
+            assert_eq!(denied(&no).reason, Reason::TokenRate);
+            // 6,000 tokens short at 1 token/s: the store's wait, not the window's.
+            assert!(denied(&no).retry_after_ms.is_some_and(|ms| ms > 5_000_000), "{no:?}");
+        }
+        assert_eq!(leases.load(Ordering::SeqCst), calls.saturating_add(1), "one call refused; the rest from memory");
+    }
+
+    /// Usage beyond a leased hold is debt the store carries, as for a store hold.
+    pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
+        let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        let c = h.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 290 }).await.unwrap();
+        assert_eq!(c.usage().map(|u| u.overrun), Some(200));
+        h.admission.lease_tick(true).await;
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((299.0..=300.0).contains(&charged), "300 used, {charged} charged");
+    }
+}
+
+const CONCURRENCY: &str = "  max_concurrency: 4\n";
+
+macro_rules! leasing {
+    ($backend:ident, $make:path) => {
+        mod $backend {
+            use super::*;
+
+            macro_rules! scenario {
+                ($name:ident, $limits:expr) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        scenarios::$name($make(&policy($limits)).await).await;
+                    }
+                };
+            }
+
+            scenario!(a_lease_hit_never_leaves_the_process, SLOW);
+            scenario!(the_books_balance_when_the_slices_come_back, SLOW);
+            scenario!(concurrency_is_exact_across_replicas, CONCURRENCY);
+            scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);
+            scenario!(a_refusal_is_remembered_for_its_wait, SLOW);
+            scenario!(an_overrun_of_a_leased_hold_is_debt_in_the_store, SLOW);
+        }
+    };
+}
+
+leasing!(embedded, support::embedded);
+leasing!(redis, support::redis);
+leasing!(cluster, support::cluster);
+
+/// Needs the manual clock: the lease runs out in a moment, not two minutes.
+#[tokio::test]
+async fn a_dead_replicas_slots_come_back_after_its_lease_embedded() {
+    let h = support::embedded(&policy(&format!("{CONCURRENCY}lease_ttl_ms: 1000\n"))).await;
+    scenarios::a_dead_replicas_slots_come_back_after_its_lease(h).await;
+}
+
+#[test]
+fn lease_keys_share_the_tenant_slot() {
+    for key in [keys::lease_record("acme", "0a1b2c3d4e5f"), keys::forwarded("acme", "0a1b2c3d4e5f")] {
+        assert!(key.starts_with("tg:{acme}:"), "{key}");
+    }
+}
