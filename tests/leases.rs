@@ -81,7 +81,7 @@ mod scenarios {
             h.admission.release(&ids[2]).await.unwrap(),
             ReleaseOutcome::Released { refunded: 100, repeated: false }
         );
-        h.admission.lease_tick(true).await;
+        h.admission.lease_tick(true).await.unwrap();
         let scope = h.tenant_scope().await;
         let charged = 10_000.0 - scope.num("t");
         assert!((59.0..=60.0).contains(&charged), "two commits of 30 charged, not {charged}");
@@ -106,8 +106,8 @@ mod scenarios {
         for id in &admitted_ids {
             h.admission.commit(id, 1, 1).await.unwrap();
         }
-        h.admission.lease_tick(true).await;
-        other.admission.lease_tick(true).await;
+        h.admission.lease_tick(true).await.unwrap();
+        other.admission.lease_tick(true).await.unwrap();
         assert_eq!(h.in_flight().await, 0.0);
         for _ in 0..4 {
             admitted(&other.reserve(1, 1).await);
@@ -123,11 +123,11 @@ mod scenarios {
         let released = admitted(&h.reserve(10, 90).await).reservation_id.clone();
         assert_eq!(other.admission.commit(&id, 10, 20).await.unwrap(), CommitOutcome::Forwarded);
         assert_eq!(other.admission.release(&released).await.unwrap(), ReleaseOutcome::Forwarded);
-        h.admission.lease_tick(false).await;
+        h.admission.lease_tick(false).await.unwrap();
         let again = h.admission.commit(&id, 10, 20).await.unwrap();
         assert!(again.usage().is_some_and(|u| u.duplicate && u.used == 30), "{again:?}");
         assert!(matches!(h.admission.release(&released).await.unwrap(), ReleaseOutcome::Released { repeated: true, .. }));
-        h.admission.lease_tick(true).await;
+        h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
         assert!((29.0..=30.0).contains(&charged), "one commit of 30 charged, not {charged}");
         assert_eq!(h.in_flight().await, 0.0);
@@ -166,7 +166,7 @@ mod scenarios {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
         let c = h.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 290 }).await.unwrap();
         assert_eq!(c.usage().map(|u| u.overrun), Some(200));
-        h.admission.lease_tick(true).await;
+        h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
         assert!((299.0..=300.0).contains(&charged), "300 used, {charged} charged");
     }

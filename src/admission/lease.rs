@@ -49,7 +49,8 @@ const DAY_MS: u64 = 86_400_000;
 /// retained records do; past this many, the oldest are forgotten (a repeat then finds nothing and
 /// charges nothing).
 const MAX_CLOSED: usize = 100_000;
-/// Windows a tenant may stay idle (nothing held, nothing asked) before the replica leaves it.
+/// Windows a tenant may stay idle (nothing held, nothing settled to remember, nothing asked)
+/// before the replica leaves it.
 const IDLE_WINDOWS: u32 = 4;
 
 /// One scope of a request, as leasing needs it.
@@ -124,6 +125,8 @@ struct State {
     idle_windows: u32,
     /// The replica left the tenant: this state is no longer the tenant's, and decides nothing.
     left: bool,
+    /// When this replica last sent a lease call for the tenant (its clock).
+    last_call: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -134,6 +137,11 @@ struct Slice {
     day: u64,
     /// Refunds of holds drawn on an earlier day than `day`: they go back to the bucket only.
     stale_refund: u64,
+    /// Refunds beyond what the slice may hold free (`cap`): given back with the next call, never
+    /// spent here, so that what a replica can spend unseen stays within its share.
+    surplus: u64,
+    /// The most this slice may hold free: `max_share` of each capacity.
+    cap: Amounts,
     requests: u64,
     slots_free: u64,
     slots_used: u64,
@@ -170,19 +178,23 @@ enum Closed {
 }
 
 impl Slice {
-    fn new(limits: ScopeLimits, day: u64) -> Self {
-        Slice {
+    fn new(limits: ScopeLimits, day: u64, share: f64) -> Self {
+        let mut slice = Slice {
             limits,
             tokens: 0,
             day,
             stale_refund: 0,
+            surplus: 0,
+            cap: Amounts::default(),
             requests: 0,
             slots_free: 0,
             slots_used: 0,
             taken: Amounts::default(),
             taken_before: Amounts::default(),
             blocked: None,
-        }
+        };
+        slice.cap = slice.share_cap(share);
+        slice
     }
 
     fn limits_tokens(&self) -> bool {
@@ -225,7 +237,10 @@ impl Slice {
             return;
         }
         if day == self.day {
-            self.tokens = self.tokens.saturating_add(signed(amount));
+            let room = u64::try_from(signed(self.cap.tokens).saturating_sub(self.tokens)).unwrap_or(0);
+            let kept = amount.min(room);
+            self.tokens = self.tokens.saturating_add(signed(kept));
+            self.surplus = self.surplus.saturating_add(amount.saturating_sub(kept));
         } else {
             self.stale_refund = self.stale_refund.saturating_add(amount);
         }
@@ -376,6 +391,7 @@ impl Leases {
                     active: true,
                     idle_windows: 0,
                     left: false,
+                    last_call: 0,
                 }),
                 calls: tokio::sync::Mutex::new(()),
             })
@@ -427,7 +443,8 @@ impl Leases {
             held: ask.hold,
             prompt: ask.prompt,
             day: s.day,
-            lease_until: now.saturating_add(s.tp.lease_ttl_ms),
+            // Never past the replica's own lease record: the store frees its slots then.
+            lease_until: now.saturating_add(s.tp.lease_ttl_ms).min(s.valid_until),
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.
@@ -446,11 +463,12 @@ impl Leases {
         let today = now / DAY_MS;
         let share = self.settings.max_share;
         let mut s = t.lock();
+        s.last_call = now;
         let lapsed = now >= s.valid_until;
         let day = s.day;
         if let Some(ask) = ask {
             for a in &ask.scopes {
-                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day));
+                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day, share));
             }
         }
         let keys: Vec<String> = match ask {
@@ -480,7 +498,8 @@ impl Leases {
                 slice.tokens = slice.tokens.min(0);
             }
             let keep_tokens = slice.tokens.clamp(0, signed(target.tokens));
-            let back_tokens = slice.tokens.saturating_sub(keep_tokens);
+            let back_tokens =
+                slice.tokens.saturating_sub(keep_tokens).saturating_add(signed(std::mem::take(&mut slice.surplus)));
             let keep_requests = slice.requests.min(target.requests);
             let back_requests = slice.requests.saturating_sub(keep_requests);
             let keep_slots = slice.slots_free.min(target.slots);
@@ -601,8 +620,16 @@ impl Leases {
             s.idle_windows = 0;
             return (due, Some(false));
         }
+        let holding = s.slices.values().any(|sl| {
+            sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0 || sl.surplus > 0
+        });
+        if !s.closed.is_empty() {
+            // Settled holds can still be committed late, from another replica too: keep the lease
+            // record, and look for forwarded operations, a few times a lease.
+            let poll = now.saturating_sub(s.last_call) >= s.tp.lease_ttl_ms / 4;
+            return (due, (holding || poll).then_some(false));
+        }
         s.idle_windows = s.idle_windows.saturating_add(1);
-        let holding = s.slices.values().any(|sl| sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0);
         if s.idle_windows >= IDLE_WINDOWS {
             return (due, Some(true));
         }
@@ -697,11 +724,12 @@ impl Leases {
         let retention = self.retention_ms;
         let mut s = t.lock();
         s.active = true;
+        let valid_until = s.valid_until;
         if s.live(id, now, retention).is_some() {
             if let Some(hold) = s.holds.get_mut(id) {
-                hold.lease_until = now.saturating_add(lease_ms);
+                hold.lease_until = now.saturating_add(lease_ms).min(valid_until);
+                return RenewOutcome::Renewed { lease_remaining_ms: hold.lease_until.saturating_sub(now) };
             }
-            return RenewOutcome::Renewed { lease_remaining_ms: lease_ms };
         }
         match s.closed.get(id) {
             Some(Closed::Released { .. }) => RenewOutcome::Settled(Settled::Released),

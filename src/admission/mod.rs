@@ -471,9 +471,11 @@ impl<S: Store> Admission<S> {
     /// One window of leasing: for every tenant this replica serves, settle leased holds whose
     /// lease passed, give back what it will not use, draw for the next window, and apply forwarded
     /// operations. `ending` gives everything back (shutdown). Run by [`Admission::run_leases`];
-    /// public so tests can drive it on a manual clock.
-    pub async fn lease_tick(&self, ending: bool) {
-        let Some(leases) = &self.leases else { return };
+    /// public so tests can drive it on a manual clock. Returns the first failed call's error (the
+    /// others were still made): the slices it concerned stay as they were until their lease lapses.
+    pub async fn lease_tick(&self, ending: bool) -> Result<(), StoreError> {
+        let Some(leases) = &self.leases else { return Ok(()) };
+        let mut failed = None;
         for tenant in leases.tenant_names() {
             let Some(tp) = self.policy.tenant(&tenant) else { continue };
             let t = leases.tenant(&tenant, tp);
@@ -495,6 +497,7 @@ impl<S: Store> Admission<S> {
                         }
                         Err(e) => {
                             tracing::warn!(tenant = %tenant, error = %e, "lease call failed; slices kept until the lease lapses");
+                            failed.get_or_insert(e);
                             break;
                         }
                     }
@@ -506,6 +509,7 @@ impl<S: Store> Admission<S> {
             drop(one_call);
             self.release_swept_pool_legs(&released).await;
         }
+        failed.map_or(Ok(()), Err)
     }
 
     /// Runs the lease windows until `shutdown`, then gives back every slice.
@@ -515,11 +519,16 @@ impl<S: Store> Admission<S> {
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = ticks.tick() => self.lease_tick(false).await,
+                _ = ticks.tick() => {
+                    // Failures are logged per tenant; the next window tries again.
+                    let _ = self.lease_tick(false).await;
+                }
                 () = shutdown.cancelled() => break,
             }
         }
-        self.lease_tick(true).await;
+        if self.lease_tick(true).await.is_err() {
+            tracing::warn!("some slices could not be given back at shutdown: they stay charged until their lease");
+        }
     }
 
     /// Quota: every scope of the tenant must pass.

@@ -1,7 +1,7 @@
 //! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
-//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, ZADD,
+//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
 //! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT). Anything else is an error, so a script that
 //! starts using a new command fails its conformance test on the embedded store at once.
 
@@ -226,6 +226,11 @@ impl Keyspace {
                     }
                 }
                 Ok(Resp::Array(out))
+            }
+            "HLEN" => {
+                arity(a, 1)?;
+                let n = self.hash(now, &a[0])?.map_or(0, HashMap::len);
+                Ok(Resp::Int(i64::try_from(n).unwrap_or(i64::MAX)))
             }
             "HSET" => {
                 if a.len() < 3 || a.len().is_multiple_of(2) {

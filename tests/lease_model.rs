@@ -1,0 +1,481 @@
+//! Leasing's bound, on random sequences: three replicas (three `Admission`s, each its own replica
+//! id) lease one tenant's scopes from one embedded store on a manual clock. Reserves of random
+//! sizes on random replicas and users; commits (never beyond the hold) and releases at the owner or
+//! at another replica (forwarded); renewals; lease windows; clock jumps past refills and leases.
+//!
+//! Beside them runs a reference: one bucket per scope as a single store would keep it, driven by
+//! what the replicas actually admitted and settled. After every step:
+//!
+//! - **concurrency is exact**: the holds alive (admitted, not settled, lease not passed) in each
+//!   scope never exceed its `max_concurrency`;
+//! - **tokens and requests overshoot by at most one slice per replica**: the reference bucket never
+//!   falls below minus `replicas × max_share × capacity`;
+//! - **the day's budget is exact**: what the replicas admitted and did not refund never exceeds it.
+//!
+//! At the end every replica gives its slices back and every live hold is released; then no slot
+//! is held and the store's day usage equals the reference's to the token: the books balance.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use proptest::prelude::*;
+use support::Harness;
+use tollgate::admission::{Attributes, Decision};
+use tollgate::config::Policy;
+use tollgate::estimate::PromptSize;
+use tollgate::store::clock::ManualClock;
+use tollgate::store::embedded::EmbeddedStore;
+use tollgate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, keys};
+
+const REPLICAS: usize = 3;
+const LEASE_MS: u64 = 5_000;
+
+/// (tokens per minute, burst, requests per minute, max concurrency) of the tenant, then of user u0.
+const TENANT: (u64, u64, u64, u64) = (6_000, 2_000, 600, 6);
+const USER: (u64, u64, u64, u64) = (3_000, 1_000, 300, 3);
+const BUDGET: u64 = 40_000;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve { replica: usize, user: bool, prompt: u64, max_tokens: u64 },
+    /// Commits the `hold`-th admitted hold (modulo) at `replica`, with `per_mille` of its hold used.
+    Commit { hold: usize, replica: usize, per_mille: u64 },
+    Release { hold: usize, replica: usize },
+    Renew { hold: usize },
+    Tick { replica: usize },
+    Advance { ms: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..REPLICAS, any::<bool>(), 0..300u64, 1..500u64)
+            .prop_map(|(replica, user, prompt, max_tokens)| Op::Reserve { replica, user, prompt, max_tokens }),
+        3 => (any::<usize>(), 0..REPLICAS, 0..=1000u64)
+            .prop_map(|(hold, replica, per_mille)| Op::Commit { hold, replica, per_mille }),
+        1 => (any::<usize>(), 0..REPLICAS).prop_map(|(hold, replica)| Op::Release { hold, replica }),
+        1 => any::<usize>().prop_map(|hold| Op::Renew { hold }),
+        2 => (0..REPLICAS).prop_map(|replica| Op::Tick { replica }),
+        2 => prop_oneof![1..300u64, 300..3_000u64, 3_000..8_000u64].prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+fn policy(tenant: &str, share: f64) -> String {
+    let limits = |(tpm, burst, rpm, c): (u64, u64, u64, u64), budget: Option<u64>| {
+        let budget = budget.map_or(String::new(), |b| format!(", tokens_per_day: {b}"));
+        format!(
+            "{{ tokens_per_minute: {tpm}, burst_tokens: {burst}, requests_per_minute: {rpm}, max_concurrency: {c}{budget} }}"
+        )
+    };
+    format!(
+        "leasing: {{ window_ms: 250, max_share: {share} }}\n\
+         models:\n  m: {{ max_output_tokens: 1000, bytes_per_token: 4 }}\n\
+         tenants:\n  {tenant}:\n    lease_ttl_ms: {LEASE_MS}\n    limits: {}\n    users:\n      u0: {}\n",
+        limits(TENANT, Some(BUDGET)),
+        limits(USER, None),
+    )
+}
+
+/// A scope as a single store would keep it.
+#[derive(Debug, Clone)]
+struct Bucket {
+    capacity: f64,
+    per_ms: f64,
+    tokens: f64,
+    requests: f64,
+    request_capacity: f64,
+    requests_per_ms: f64,
+    max_concurrency: usize,
+}
+
+impl Bucket {
+    fn new((tpm, burst, rpm, c): (u64, u64, u64, u64)) -> Self {
+        Bucket {
+            capacity: burst as f64,
+            per_ms: tpm as f64 / 60_000.0,
+            tokens: burst as f64,
+            requests: rpm as f64,
+            request_capacity: rpm as f64,
+            requests_per_ms: rpm as f64 / 60_000.0,
+            max_concurrency: c as usize,
+        }
+    }
+
+    fn refill(&mut self, ms: u64) {
+        self.tokens = (self.tokens + self.per_ms * ms as f64).min(self.capacity);
+        self.requests = (self.requests + self.requests_per_ms * ms as f64).min(self.request_capacity);
+    }
+
+    fn refund(&mut self, tokens: u64) {
+        self.tokens = (self.tokens + tokens as f64).min(self.capacity);
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Admitted; expired once the clock passes its lease.
+    Live,
+    /// Its lease passed and a release found it so: charged as held, a late commit may still come.
+    Expired,
+    /// Committed, late-committed or released.
+    Done,
+}
+
+#[derive(Debug, Clone)]
+struct Hold {
+    id: String,
+    owner: usize,
+    user: bool,
+    held: u64,
+    lease_until: u64,
+    state: State,
+}
+
+/// An operation left for the owner replica, applied at its next window.
+#[derive(Debug, Clone)]
+enum Pending {
+    Commit { hold: usize, used: u64 },
+    Release { hold: usize },
+}
+
+struct World {
+    replicas: Vec<Harness<EmbeddedStore>>,
+    clock: ManualClock,
+    share: f64,
+    tenant: Bucket,
+    user: Bucket,
+    /// Tokens admitted and not refunded today.
+    day_usage: u64,
+    holds: Vec<Hold>,
+    pending: BTreeMap<usize, Vec<Pending>>,
+    now: u64,
+    /// Time since each replica last took a window.
+    since_windows: [u64; REPLICAS],
+}
+
+impl World {
+    async fn new(share: f64) -> World {
+        let tenant = support::unique_tenant("l");
+        let clock = ManualClock::new(support::CLOCK_START_MS);
+        let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
+        let policy = Policy::parse("lease-model.yaml", &policy(&tenant, share)).expect("policy");
+        let first = Harness::from_parts(store, policy, tenant, String::new(), Some(clock.clone())).await;
+        let mut replicas = vec![];
+        for _ in 1..REPLICAS {
+            replicas.push(first.wrapped(|s| s).await);
+        }
+        replicas.insert(0, first);
+        World {
+            replicas,
+            clock,
+            share,
+            tenant: Bucket::new(TENANT),
+            user: Bucket::new(USER),
+            day_usage: 0,
+            holds: Vec::new(),
+            pending: BTreeMap::new(),
+            now: 0,
+            since_windows: [0; REPLICAS],
+        }
+    }
+
+    fn tenant_name(&self) -> &str {
+        &self.replicas[0].tenant
+    }
+
+    fn alive(&self, h: &Hold) -> bool {
+        h.state == State::Live && self.now < h.lease_until
+    }
+
+    fn live(&self, user_only: bool) -> usize {
+        self.holds.iter().filter(|h| self.alive(h) && (!user_only || h.user)).count()
+    }
+
+    fn refund(&mut self, hold: usize, tokens: u64) {
+        self.tenant.refund(tokens);
+        if self.holds[hold].user {
+            self.user.refund(tokens);
+        }
+        self.day_usage -= tokens;
+    }
+
+    /// A commit (`Some(used)`) or release (`None`) reaching the owner, as a single store settles
+    /// it. Returns whether it changed anything (a first commit or release; a late commit).
+    fn apply(&mut self, i: usize, used: Option<u64>) -> bool {
+        let h = self.holds[i].clone();
+        let alive = self.alive(&h);
+        match (h.state, used) {
+            (State::Done, _) => false,
+            // A live hold, or a late commit of an expired one (charged as held): the rest back.
+            (_, Some(used)) => {
+                self.refund(i, h.held - used);
+                self.holds[i].state = State::Done;
+                true
+            }
+            (State::Live, None) if alive => {
+                self.refund(i, h.held);
+                self.holds[i].state = State::Done;
+                true
+            }
+            (_, None) => {
+                self.holds[i].state = State::Expired;
+                false
+            }
+        }
+    }
+
+    async fn step(&mut self, op: &Op) {
+        match *op {
+            Op::Reserve { replica, user, prompt, max_tokens } => {
+                let r = &self.replicas[replica];
+                let a = Attributes {
+                    tenant: Some(r.tenant.clone()),
+                    user: user.then(|| "u0".to_string()),
+                    model: Some("m".into()),
+                    priority: None,
+                    deadline_ms: None,
+                    idempotency: None,
+                    prompt: PromptSize::Tokens(prompt),
+                    max_tokens: Some(max_tokens),
+                    stream: false,
+                };
+                if let Decision::Admitted(ad) = r.admission.reserve(&a).await {
+                    let held = prompt + max_tokens;
+                    assert_eq!(ad.reserved_tokens, held);
+                    self.tenant.tokens -= held as f64;
+                    self.tenant.requests -= 1.0;
+                    if user {
+                        self.user.tokens -= held as f64;
+                        self.user.requests -= 1.0;
+                    }
+                    self.day_usage += held;
+                    // The hold's lease ends with its replica's lease record, if that is sooner: a
+                    // renewal at once, changing nothing, says when.
+                    let lease = match r.admission.renew(&ad.reservation_id, LEASE_MS).await.unwrap() {
+                        RenewOutcome::Renewed { lease_remaining_ms } => lease_remaining_ms,
+                        other => panic!("a hold just admitted renews: {other:?}"),
+                    };
+                    assert!(lease <= LEASE_MS);
+                    let id = ad.reservation_id;
+                    self.holds.push(Hold { id, owner: replica, user, held, lease_until: self.now + lease, state: State::Live });
+                }
+            }
+            Op::Commit { hold, replica, per_mille } => {
+                let Some(i) = self.pick(hold) else { return };
+                let used = self.holds[i].held * per_mille / 1000;
+                let prompt = used / 2;
+                let o = self.replicas[replica].admission.commit(&self.holds[i].id, prompt, used - prompt).await.unwrap();
+                if replica == self.holds[i].owner {
+                    let fresh = o.usage().is_some_and(|u| !u.duplicate);
+                    let expected = self.apply(i, Some(used));
+                    assert_eq!(fresh, expected, "commit of {:?}: {o:?}", self.holds[i]);
+                } else {
+                    assert_eq!(o, CommitOutcome::Forwarded);
+                    self.forward(self.holds[i].owner, Pending::Commit { hold: i, used });
+                }
+            }
+            Op::Release { hold, replica } => {
+                let Some(i) = self.pick(hold) else { return };
+                let o = self.replicas[replica].admission.release(&self.holds[i].id).await.unwrap();
+                if replica == self.holds[i].owner {
+                    let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
+                    let expected = self.apply(i, None);
+                    assert_eq!(fresh, expected, "release of {:?}: {o:?}", self.holds[i]);
+                } else {
+                    assert_eq!(o, ReleaseOutcome::Forwarded);
+                    self.forward(self.holds[i].owner, Pending::Release { hold: i });
+                }
+            }
+            Op::Renew { hold } => {
+                let Some(i) = self.pick(hold) else { return };
+                let owner = self.holds[i].owner;
+                let o = self.replicas[owner].admission.renew(&self.holds[i].id, 0).await.unwrap();
+                let alive = self.alive(&self.holds[i]);
+                match o {
+                    RenewOutcome::Renewed { lease_remaining_ms } => {
+                        assert!(alive, "renewed a hold that is not alive: {:?}", self.holds[i]);
+                        self.holds[i].lease_until = self.now + lease_remaining_ms;
+                    }
+                    other => assert!(!alive, "an alive hold did not renew: {other:?}"),
+                }
+            }
+            Op::Tick { replica } => self.tick(replica).await,
+            Op::Advance { ms } => {
+                // Live replicas keep their lease records: every replica takes a window at least
+                // every 2 s (a replica that stops is another scenario, tests/leases.rs).
+                let mut left = ms;
+                while left > 0 {
+                    let longest = self.since_windows.iter().copied().max().unwrap_or(0);
+                    let step = left.min(2_000 - longest);
+                    left -= step;
+                    self.clock.advance_ms(step);
+                    self.now += step;
+                    for since in &mut self.since_windows {
+                        *since += step;
+                    }
+                    self.tenant.refill(step);
+                    self.user.refill(step);
+                    if longest + step == 2_000 {
+                        for r in 0..REPLICAS {
+                            if self.since_windows[r] == 2_000 {
+                                self.tick(r).await;
+                            }
+                        }
+                        self.collect_forwarded().await;
+                        self.check();
+                    }
+                }
+            }
+        }
+        self.collect_forwarded().await;
+        self.check();
+    }
+
+    async fn tick(&mut self, replica: usize) {
+        self.replicas[replica].admission.lease_tick(false).await.unwrap();
+        self.since_windows[replica] = 0;
+    }
+
+    /// Operations forwarded to a replica are taken by its next lease call (a window, or a miss):
+    /// those no longer waiting in the store were applied by this step, in the order they came.
+    async fn collect_forwarded(&mut self) {
+        let tenant = self.tenant_name().to_string();
+        for r in 0..REPLICAS {
+            let Some(pending) = self.pending.remove(&r) else { continue };
+            let replica = self.replicas[r].admission.replica().unwrap().to_string();
+            let waiting = self.replicas[0].scope(&keys::forwarded(&tenant, &replica)).await;
+            let waiting = waiting.map(|v| v.fields).unwrap_or_default();
+            let mut still = Vec::new();
+            for p in pending {
+                let (Pending::Commit { hold, .. } | Pending::Release { hold }) = p;
+                if waiting.contains_key(&self.holds[hold].id) {
+                    still.push(p);
+                    continue;
+                }
+                match p {
+                    Pending::Commit { hold, used } => self.apply(hold, Some(used)),
+                    Pending::Release { hold } => self.apply(hold, None),
+                };
+            }
+            if !still.is_empty() {
+                self.pending.insert(r, still);
+            }
+        }
+    }
+
+    /// Leaves an operation for the owner, as the store does: the first commit or release forwarded
+    /// for a hold stands until the owner takes it; a later one is dropped.
+    fn forward(&mut self, owner: usize, p: Pending) {
+        let (Pending::Commit { hold, .. } | Pending::Release { hold }) = p;
+        let queue = self.pending.entry(owner).or_default();
+        if !queue.iter().any(|q| matches!(q, Pending::Commit { hold: h, .. } | Pending::Release { hold: h } if *h == hold)) {
+            queue.push(p);
+        }
+    }
+
+    fn pick(&self, hold: usize) -> Option<usize> {
+        (!self.holds.is_empty()).then(|| hold % self.holds.len())
+    }
+
+    fn check(&self) {
+        let slack = |capacity: f64| REPLICAS as f64 * (capacity * self.share).floor().max(1.0);
+        for (name, b, live) in [("tenant", &self.tenant, self.live(false)), ("user u0", &self.user, self.live(true))] {
+            assert!(live <= b.max_concurrency, "{name}: {live} holds alive, {} slots", b.max_concurrency);
+            assert!(
+                b.tokens >= -slack(b.capacity) - 1e-6,
+                "{name}: a single store would be at {} tokens; leasing may overshoot by {} at most",
+                b.tokens,
+                slack(b.capacity)
+            );
+            assert!(
+                b.requests >= -slack(b.request_capacity) - 1e-6,
+                "{name}: {} requests; bound {}",
+                b.requests,
+                slack(b.request_capacity)
+            );
+        }
+        assert!(self.day_usage <= BUDGET, "day usage {} over the budget {BUDGET}", self.day_usage);
+    }
+
+    /// Every replica gives back; every live hold is released at its owner. Then no slot is held and
+    /// the store's day usage is the reference's.
+    async fn finish(mut self) {
+        // A window that gives everything back also takes every forwarded operation.
+        for r in &self.replicas {
+            r.admission.lease_tick(true).await.unwrap();
+        }
+        self.collect_forwarded().await;
+        assert!(self.pending.is_empty(), "forwarded operations left untaken: {:?}", self.pending);
+        for i in 0..self.holds.len() {
+            let h = self.holds[i].clone();
+            let o = self.replicas[h.owner].admission.release(&h.id).await.unwrap();
+            let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
+            assert_eq!(fresh, self.apply(i, None), "final release of {h:?}: {o:?}");
+        }
+        for r in &self.replicas {
+            r.admission.lease_tick(true).await.unwrap();
+        }
+        let tenant = self.tenant_name().to_string();
+        match self.replicas[0].scope(&keys::tenant_scope(&tenant)).await {
+            Some(scope) => {
+                assert_eq!(scope.num("c"), 0.0, "slots still held: {scope:?}");
+                assert_eq!(scope.num("du"), self.day_usage as f64, "the store's day usage against the reference");
+            }
+            None => assert_eq!(self.day_usage, 0, "nothing in the store, yet the reference charged"),
+        }
+        if let Some(user) = self.replicas[0].scope(&keys::user_scope(&tenant, "u0")).await {
+            assert_eq!(user.num("c"), 0.0, "user slots still held: {user:?}");
+        }
+    }
+}
+
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap())
+}
+
+async fn run(share: f64, ops: Vec<Op>) {
+    let mut w = World::new(share).await;
+    for op in &ops {
+        w.step(op).await;
+    }
+    w.finish().await;
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 600, max_shrink_iters: 2048, ..ProptestConfig::default() })]
+    #[test]
+    fn replicas_with_leases_stay_within_the_bound(
+        share in prop_oneof![Just(0.1), Just(0.5), Just(1.0)],
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        runtime().block_on(run(share, ops));
+    }
+}
+
+/// A commit forwarded to a replica whose hold expired while it waited is a late commit there.
+#[test]
+fn a_forwarded_commit_of_an_expired_hold_is_late() {
+    let ops = vec![
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 6_001 },
+        Op::Commit { hold: 0, replica: 0, per_mille: 0 },
+        Op::Tick { replica: 0 },
+    ];
+    runtime().block_on(run(0.1, ops));
+}
+
+#[test]
+fn regression_forwarded_commit_across_a_lease() {
+    let ops = vec![
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Commit { hold: 0, replica: 1, per_mille: 0 },
+        Op::Advance { ms: 1_370 },
+        Op::Advance { ms: 1_630 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 2_000 },
+    ];
+    runtime().block_on(run(0.5, ops));
+}
