@@ -15,6 +15,9 @@
 //! At the end every replica gives its slices back and every live hold is released; then no slot
 //! is held and the store's day usage equals the reference's to the token: the books balance.
 
+// Small test numbers: the casts cannot truncate.
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss)]
+
 mod support;
 
 use std::collections::BTreeMap;
@@ -39,13 +42,31 @@ const BUDGET: u64 = 40_000;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Reserve { replica: usize, user: bool, prompt: u64, max_tokens: u64 },
+    Reserve {
+        replica: usize,
+        user: bool,
+        prompt: u64,
+        max_tokens: u64,
+    },
     /// Commits the `hold`-th admitted hold (modulo) at `replica`, with `per_mille` of its hold used.
-    Commit { hold: usize, replica: usize, per_mille: u64 },
-    Release { hold: usize, replica: usize },
-    Renew { hold: usize },
-    Tick { replica: usize },
-    Advance { ms: u64 },
+    Commit {
+        hold: usize,
+        replica: usize,
+        per_mille: u64,
+    },
+    Release {
+        hold: usize,
+        replica: usize,
+    },
+    Renew {
+        hold: usize,
+    },
+    Tick {
+        replica: usize,
+    },
+    Advance {
+        ms: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -258,14 +279,22 @@ impl World {
                     };
                     assert!(lease <= LEASE_MS);
                     let id = ad.reservation_id;
-                    self.holds.push(Hold { id, owner: replica, user, held, lease_until: self.now + lease, state: State::Live });
+                    self.holds.push(Hold {
+                        id,
+                        owner: replica,
+                        user,
+                        held,
+                        lease_until: self.now + lease,
+                        state: State::Live,
+                    });
                 }
             }
             Op::Commit { hold, replica, per_mille } => {
                 let Some(i) = self.pick(hold) else { return };
                 let used = self.holds[i].held * per_mille / 1000;
                 let prompt = used / 2;
-                let o = self.replicas[replica].admission.commit(&self.holds[i].id, prompt, used - prompt).await.unwrap();
+                let o =
+                    self.replicas[replica].admission.commit(&self.holds[i].id, prompt, used - prompt).await.unwrap();
                 if replica == self.holds[i].owner {
                     let fresh = o.usage().is_some_and(|u| !u.duplicate);
                     let expected = self.apply(i, Some(used));
@@ -369,7 +398,10 @@ impl World {
     fn forward(&mut self, owner: usize, p: Pending) {
         let (Pending::Commit { hold, .. } | Pending::Release { hold }) = p;
         let queue = self.pending.entry(owner).or_default();
-        if !queue.iter().any(|q| matches!(q, Pending::Commit { hold: h, .. } | Pending::Release { hold: h } if *h == hold)) {
+        if !queue
+            .iter()
+            .any(|q| matches!(q, Pending::Commit { hold: h, .. } | Pending::Release { hold: h } if *h == hold))
+        {
             queue.push(p);
         }
     }

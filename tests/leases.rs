@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use support::{Harness, TOP_SEPARATOR, admitted, denied};
 use tollgate::admission::Reason;
-use tollgate::store::{CommitOutcome, Counted, Reply, ReleaseOutcome, Script, Store, StoreError, keys};
+use tollgate::store::{CommitOutcome, Counted, ReleaseOutcome, Reply, Script, Store, StoreError, keys};
 
 /// Counts the calls of each script that reach the store.
 #[derive(Clone)]
@@ -126,7 +126,10 @@ mod scenarios {
         h.admission.lease_tick(false).await.unwrap();
         let again = h.admission.commit(&id, 10, 20).await.unwrap();
         assert!(again.usage().is_some_and(|u| u.duplicate && u.used == 30), "{again:?}");
-        assert!(matches!(h.admission.release(&released).await.unwrap(), ReleaseOutcome::Released { repeated: true, .. }));
+        assert!(matches!(
+            h.admission.release(&released).await.unwrap(),
+            ReleaseOutcome::Released { repeated: true, .. }
+        ));
         h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
         assert!((29.0..=30.0).contains(&charged), "one commit of 30 charged, not {charged}");

@@ -72,9 +72,15 @@ pub(super) struct Ask<'a> {
 /// A decision from memory.
 #[derive(Debug)]
 pub(super) enum Local {
-    Admitted { headroom: Headroom },
+    Admitted {
+        headroom: Headroom,
+    },
     /// The store refused this scope (index into the ask's scopes) a moment ago.
-    Refused { scope: usize, reason: Refusal, retry_after_ms: u64 },
+    Refused {
+        scope: usize,
+        reason: Refusal,
+        retry_after_ms: u64,
+    },
     /// The slices cannot cover it: a lease call must.
     Miss,
 }
@@ -98,7 +104,10 @@ pub(super) struct Leases {
 
 impl std::fmt::Debug for Leases {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Leases").field("replica", &self.replica).field("settings", &self.settings).finish_non_exhaustive()
+        f.debug_struct("Leases")
+            .field("replica", &self.replica)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
     }
 }
 
@@ -172,9 +181,14 @@ struct LocalHold {
 #[derive(Debug, Clone)]
 enum Closed {
     Committed(Usage),
-    Released { refunded: u64 },
+    Released {
+        refunded: u64,
+    },
     /// Expired; a late commit reconciles against `charged`.
-    Expired { hold: LocalHold, charged: u64 },
+    Expired {
+        hold: LocalHold,
+        charged: u64,
+    },
 }
 
 impl Slice {
@@ -421,11 +435,9 @@ impl Leases {
                 continue;
             }
             return match slice.blocked {
-                Some(b) if b.until > now => Local::Refused {
-                    scope: i,
-                    reason: b.reason,
-                    retry_after_ms: b.retry_at.saturating_sub(now).max(1),
-                },
+                Some(b) if b.until > now => {
+                    Local::Refused { scope: i, reason: b.reason, retry_after_ms: b.retry_at.saturating_sub(now).max(1) }
+                }
                 _ => Local::Miss,
             };
         }
@@ -536,7 +548,13 @@ impl Leases {
     }
 
     /// Applies a lease call's reply. Returns the refusal, if the store refused the asking request.
-    fn apply(&self, t: &TenantLease, scopes: &[LeaseScope], sent_at: u64, reply: &LeaseReply) -> Option<(usize, Refusal, u64)> {
+    fn apply(
+        &self,
+        t: &TenantLease,
+        scopes: &[LeaseScope],
+        sent_at: u64,
+        reply: &LeaseReply,
+    ) -> Option<(usize, Refusal, u64)> {
         let now = self.clock.now_ms();
         let mut s = t.lock();
         s.valid_until = sent_at.saturating_add(s.tp.lease_ttl_ms);
@@ -620,9 +638,10 @@ impl Leases {
             s.idle_windows = 0;
             return (due, Some(false));
         }
-        let holding = s.slices.values().any(|sl| {
-            sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0 || sl.surplus > 0
-        });
+        let holding = s
+            .slices
+            .values()
+            .any(|sl| sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0 || sl.surplus > 0);
         if !s.closed.is_empty() {
             // Settled holds can still be committed late, from another replica too: keep the lease
             // record, and look for forwarded operations, a few times a lease.
@@ -725,11 +744,11 @@ impl Leases {
         let mut s = t.lock();
         s.active = true;
         let valid_until = s.valid_until;
-        if s.live(id, now, retention).is_some() {
-            if let Some(hold) = s.holds.get_mut(id) {
-                hold.lease_until = now.saturating_add(lease_ms).min(valid_until);
-                return RenewOutcome::Renewed { lease_remaining_ms: hold.lease_until.saturating_sub(now) };
-            }
+        if s.live(id, now, retention).is_some()
+            && let Some(hold) = s.holds.get_mut(id)
+        {
+            hold.lease_until = now.saturating_add(lease_ms).min(valid_until);
+            return RenewOutcome::Renewed { lease_remaining_ms: hold.lease_until.saturating_sub(now) };
         }
         match s.closed.get(id) {
             Some(Closed::Released { .. }) => RenewOutcome::Settled(Settled::Released),
@@ -748,7 +767,6 @@ impl Leases {
             (s.holds.len(), s.closed.len())
         })
     }
-
 }
 
 impl TenantLease {

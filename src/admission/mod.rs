@@ -437,9 +437,7 @@ impl<S: Store> Admission<S> {
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
             }
-            Local::Miss => {
-                Decision::Denied(Denial::now(Reason::StoreUnavailable, "no lease could decide the request"))
-            }
+            Local::Miss => Decision::Denied(Denial::now(Reason::StoreUnavailable, "no lease could decide the request")),
         }
     }
 
@@ -904,11 +902,7 @@ impl Plan {
     fn ask(&self) -> Ask<'_> {
         Ask {
             id: &self.id,
-            scopes: self
-                .scopes
-                .iter()
-                .map(|s| AskScope { key: &s.key, limits: s.limits })
-                .collect(),
+            scopes: self.scopes.iter().map(|s| AskScope { key: &s.key, limits: s.limits }).collect(),
             hold: self.prompt.saturating_add(self.ceiling),
             prompt: self.prompt,
         }

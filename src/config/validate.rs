@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant};
 use super::{
-    AdaptiveOutput, Leasing, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
+    AdaptiveOutput, Leasing, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings,
+    TenantPolicy,
 };
 
 type Problem = (String, String);

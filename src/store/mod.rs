@@ -19,9 +19,10 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    Amounts, CommitOutcome, Forwarded, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope, Counted, EstimateView, Headroom, KeyCall, KeyRepeat, Learning, PoolCall, PoolOutcome, PoolRefusal,
-    PoolView, Protocol, Refusal, ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits,
-    Settled, ThrottleCall, Usage, Window,
+    Amounts, CommitOutcome, Counted, EstimateView, Forwarded, Headroom, KeyCall, KeyRepeat, Learning, LeaseCall,
+    LeaseOutcome, LeaseReply, LeaseScope, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol, Refusal,
+    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled, ThrottleCall, Usage,
+    Window,
 };
 pub use scripts::Script;
 

@@ -171,14 +171,12 @@ impl Forwarded {
         Some(match words.as_slice() {
             ["release"] => Forwarded::Release,
             ["renew", ms] => Forwarded::Renew { lease_ms: ms.parse().ok()? },
-            ["commit", prompt, output, measure] => {
-                match (count(prompt).ok()?, count(output).ok()?, *measure) {
-                    (Some(prompt), Some(output), "exact") => Forwarded::Commit(Counted::Exact { prompt, output }),
-                    (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
-                    (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
-                    _ => return None,
-                }
-            }
+            ["commit", prompt, output, measure] => match (count(prompt).ok()?, count(output).ok()?, *measure) {
+                (Some(prompt), Some(output), "exact") => Forwarded::Commit(Counted::Exact { prompt, output }),
+                (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
+                (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
+                _ => return None,
+            },
             _ => return None,
         })
     }
