@@ -78,8 +78,9 @@ pub struct BenchArgs {
 /// The open-loop cycle benchmark's settings.
 #[derive(Debug, clap::Args)]
 pub struct CycleArgs {
-    /// tollgate's gRPC endpoint; with --http, Envoy's HTTP address.
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    /// tollgate's gRPC endpoint; with --http, Envoy's HTTP address. Several, comma separated, are
+    /// replicas: each cycle goes to one of them, round robin.
+    #[arg(long, alias = "targets", default_value = "http://127.0.0.1:50051")]
     pub target: String,
     /// Drive chat completions through Envoy to the simulated backend instead of gRPC cycles.
     #[arg(long)]
@@ -121,6 +122,20 @@ pub struct CycleArgs {
     /// Also write the sweep as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Count the script calls this Redis serves in each run (`redis://host:port`), and report the
+    /// share of decisions that made none (lease hits).
+    #[arg(long)]
+    pub store_stats: Option<String>,
+    /// The tenants' token quota as `TOKENS_PER_MINUTE,BURST`: report tokens admitted over each run
+    /// against what it allows.
+    #[arg(long, value_parser = parse_quota)]
+    pub quota: Option<(u64, u64)>,
+}
+
+fn parse_quota(s: &str) -> Result<(u64, u64), String> {
+    let (rate, burst) = s.split_once(',').ok_or("give TOKENS_PER_MINUTE,BURST")?;
+    let n = |v: &str| v.trim().parse::<u64>().map_err(|_| format!("{v:?} is not a whole number"));
+    Ok((n(rate)?, n(burst)?))
 }
 
 #[derive(Debug, Subcommand)]
@@ -344,6 +359,8 @@ impl CycleArgs {
                 tenants: self.tenants,
                 model: self.model,
                 connections: self.connections,
+                store_stats: self.store_stats,
+                quota: self.quota,
             },
             rates: self.rates,
             runs: self.runs,

@@ -29,10 +29,53 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
         tenants: vec!["a".into(), "b".into()],
         model: "m".into(),
         connections: 2,
+        store_stats: None,
+        quota: None,
     };
     let report = bench::run(&options).await.unwrap();
     assert_eq!((report.cycles, report.admitted, report.errors), (200, 200, 0), "{report}");
     assert!(report.p50 <= report.p99 && report.p99 <= report.max);
+}
+
+/// Two leasing replicas on one Redis: `--targets` spreads the cycles over both, `--store-stats`
+/// counts every script call Redis served against the decisions, and `--quota` measures what was
+/// admitted against what the tenant's quota allows. Offered at many times the quota, leasing
+/// admits no more than it allows; unlimited, most decisions make no store call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cycle_benchmark_drives_replicas_and_measures_hits_and_quota() {
+    let url = support::redis_url();
+    let tenant = support::unique_tenant("q");
+    let policy = format!(
+        "store: {{ redis_url: {url} }}\nleasing: {{ window_ms: 250, max_share: 0.1 }}\n\
+         models:\n  m: {{ max_output_tokens: 4096, bytes_per_token: 4 }}\n\
+         tenants:\n  {tenant}:\n    limits: {{ tokens_per_minute: 600000, burst_tokens: 20000 }}\n\
+         default_tenant: {{}}\n"
+    );
+    let (a, b) = (Tollgate::start(&policy), Tollgate::start(&policy));
+    let options = |tenant: &str, quota| BenchOptions {
+        target: format!("{},{}", a.endpoint(), b.endpoint()),
+        http: false,
+        stream: false,
+        last_byte: false,
+        rate: 200,
+        duration: Duration::from_secs(2),
+        warmup: Duration::from_millis(200),
+        tenants: vec![tenant.to_string()],
+        model: "m".into(),
+        connections: 1,
+        store_stats: Some(url.clone()),
+        quota,
+    };
+    // About 450 tokens a cycle at 200/s: 90,000 tokens/s against a quota of 10,000/s.
+    let limited = bench::run(&options(&tenant, Some((600_000, 20_000)))).await.unwrap();
+    assert!(limited.admitted > 0 && limited.denied > 0, "{limited}");
+    let overshoot = limited.overshoot.unwrap();
+    assert!(overshoot <= 0.02, "admitted {:.1}% over the quota: {limited}", overshoot * 100.0);
+    assert!(overshoot >= -0.5, "the quota is offered 9x over; at least half of it is used: {limited}");
+    let open = bench::run(&options(&support::unique_tenant("open"), None)).await.unwrap();
+    assert_eq!((open.admitted, open.errors), (400, 0), "{open}");
+    let hits = open.hit_rate.unwrap();
+    assert!(hits >= 0.8, "{:.1}% of decisions made no store call: {open}", hits * 100.0);
 }
 
 /// tollgate, the simulated backend (built from `config`, told tollgate's endpoint) and Envoy in
@@ -61,6 +104,8 @@ async fn through_envoy(
         tenants: vec!["a".into()],
         model: "m".into(),
         connections: 1,
+        store_stats: None,
+        quota: None,
     };
     let report = bench::run(&options).await.unwrap();
     shutdown.cancel();

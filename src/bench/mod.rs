@@ -35,7 +35,9 @@ use crate::proto::admission_client::AdmissionClient;
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct BenchOptions {
-    /// tollgate's gRPC endpoint, e.g. `http://127.0.0.1:50051`; in HTTP mode, Envoy's.
+    /// tollgate's gRPC endpoint, e.g. `http://127.0.0.1:50051`; in HTTP mode, Envoy's. Several,
+    /// comma separated, are replicas: cycle `i` goes to replica `i mod n`, its Check and its Commit
+    /// both (as a sidecar's would).
     pub target: String,
     /// Drive HTTP chat completions through Envoy instead of gRPC cycles.
     pub http: bool,
@@ -52,8 +54,14 @@ pub struct BenchOptions {
     /// Tenants the load is spread over, round robin.
     pub tenants: Vec<String>,
     pub model: String,
-    /// gRPC connections, used round robin.
+    /// gRPC connections per target, used round robin.
     pub connections: usize,
+    /// A Redis (`redis://host:port`) whose script calls are counted over each run (`INFO
+    /// commandstats`): every call a decision made to the store, against the decisions sent.
+    pub store_stats: Option<String>,
+    /// The tenants' token quota, (tokens per minute, burst), each: what is admitted over a run is
+    /// measured against `burst + rate × time` per tenant.
+    pub quota: Option<(u64, u64)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +81,8 @@ struct Sample {
     latency: Duration,
     admitted: bool,
     error: bool,
+    /// Tokens the commit charged (its usage), when admitted.
+    tokens: u64,
 }
 
 /// Shared with a running benchmark: how far it got, and a way to stop it early.
@@ -100,16 +110,29 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     if options.tenants.is_empty() {
         return Err(BenchError::Options("name at least one tenant".into()));
     }
-    let endpoint = Endpoint::from_shared(options.target.clone())
-        .map_err(|e| BenchError::Target(options.target.clone(), e.to_string()))?
-        .tcp_nodelay(true);
     let mut channels = Vec::new();
     let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    let targets: Vec<&str> = options.target.split(',').map(str::trim).filter(|t| !t.is_empty()).collect();
+    if targets.is_empty() {
+        return Err(BenchError::Options("name at least one target".into()));
+    }
     if !options.http {
-        for _ in 0..options.connections.max(1) {
-            channels.push(endpoint.connect().await.map_err(|e| BenchError::Connect(options.target.clone(), e))?);
+        for target in &targets {
+            let endpoint = Endpoint::from_shared(target.to_string())
+                .map_err(|e| BenchError::Target(target.to_string(), e.to_string()))?
+                .tcp_nodelay(true);
+            let mut of_target = Vec::new();
+            for _ in 0..options.connections.max(1) {
+                of_target.push(endpoint.connect().await.map_err(|e| BenchError::Connect(target.to_string(), e))?);
+            }
+            channels.push(of_target);
         }
     }
+    let store_calls_before = match &options.store_stats {
+        Some(url) => Some(store_calls(url).await?),
+        None => None,
+    };
+    let admitted_tokens = Arc::new(AtomicU64::new(0));
 
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.rate));
     let warm = (options.warmup.as_secs_f64() * f64::from(options.rate)) as u64;
@@ -125,8 +148,10 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let runtime = tokio::runtime::Handle::current();
     let tenants = options.tenants.clone();
     let dispatch_samples = samples.clone();
-    let target = Arc::new(options.target.clone());
+    let target = Arc::new(targets[0].to_string());
     let timing = (options.stream, options.last_byte);
+    let tokens_total = admitted_tokens.clone();
+    let sent_count = control.clone();
     control.sent.store(0, Ordering::Relaxed);
     let dispatcher = tokio::task::spawn_blocking(move || {
         let mut tasks = Vec::with_capacity(total as usize);
@@ -142,19 +167,23 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
             let mix = mix.clone();
             let samples = dispatch_samples.clone();
             let record = i >= warm;
+            let tokens_total = tokens_total.clone();
             let task = if channels.is_empty() {
                 let (client, target) = (http.clone(), target.clone());
                 runtime.spawn(async move {
                     let request = mix.get(i);
                     let sample = http_cycle(&client, &target, tenant, &request.body, timing, scheduled).await;
+                    tokens_total.fetch_add(sample.tokens, Ordering::Relaxed);
                     if record {
                         samples.lock().await.push(sample);
                     }
                 })
             } else {
-                let channel = channels[i as usize % channels.len()].clone();
+                let replica = &channels[i as usize % channels.len()];
+                let channel = replica[(i as usize / channels.len()) % replica.len()].clone();
                 runtime.spawn(async move {
                     let sample = cycle(channel, tenant, mix.get(i), scheduled).await;
+                    tokens_total.fetch_add(sample.tokens, Ordering::Relaxed);
                     if record {
                         samples.lock().await.push(sample);
                     }
@@ -171,7 +200,54 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     }
     let elapsed = Instant::now().duration_since(start + interval.mul_f64(warm as f64));
     let samples = std::mem::take(&mut *samples.lock().await);
-    Ok(Report::new(options.rate, elapsed, samples.iter().map(|s| (s.latency, s.admitted, s.error))))
+    let mut report = Report::new(options.rate, elapsed, samples.iter().map(|s| (s.latency, s.admitted, s.error)));
+    let sent = sent_count.sent.load(Ordering::Relaxed);
+    if let (Some(url), Some(before)) = (&options.store_stats, store_calls_before) {
+        let calls = store_calls(url).await?.saturating_sub(before);
+        report.hit_rate = Some(1.0 - calls as f64 / sent.max(1) as f64);
+    }
+    if let Some((per_minute, burst)) = options.quota {
+        // Every cycle's send time was fixed; the run lasted from the first to the last of them.
+        let seconds = sent as f64 / f64::from(options.rate);
+        let allowed = options.tenants.len() as f64 * (burst as f64 + per_minute as f64 * seconds / 60.0);
+        report.overshoot = Some(admitted_tokens.load(Ordering::Relaxed) as f64 / allowed - 1.0);
+    }
+    Ok(report)
+}
+
+/// Script calls (`EVAL`, `EVALSHA`) a Redis has served, from `INFO commandstats`.
+async fn store_calls(url: &str) -> Result<u64, BenchError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let bad = |why: String| BenchError::Options(format!("--store-stats {url}: {why}"));
+    let address = url.strip_prefix("redis://").ok_or_else(|| bad("not a redis:// URL".into()))?;
+    let mut conn = tokio::net::TcpStream::connect(address).await.map_err(|e| bad(e.to_string()))?;
+    conn.write_all(b"INFO commandstats\r\n").await.map_err(|e| bad(e.to_string()))?;
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    // A bulk string: `$<length>\r\n<body>\r\n`; read until the whole body is in.
+    loop {
+        let n = conn.read(&mut buf).await.map_err(|e| bad(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some((head, body)) = text.split_once("\r\n")
+            && let Ok(len) = head.trim_start_matches('$').parse::<usize>()
+            && body.len() >= len
+        {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&reply);
+    let calls = |command: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Ok(calls("evalsha") + calls("eval"))
 }
 
 /// `max_request_bytes` of the ext_authz filter in envoy/envoy.yaml.
@@ -239,7 +315,9 @@ async fn http_cycle(
         .header("content-type", "application/json")
         .header("x-tenant-id", tenant)
         .body(http_body_util::Full::new(bytes::Bytes::from(body)));
-    let Ok(request) = request else { return Sample { latency: scheduled.elapsed(), admitted: false, error: true } };
+    let Ok(request) = request else {
+        return Sample { latency: scheduled.elapsed(), admitted: false, error: true, tokens: 0 };
+    };
     let mut first_byte = None;
     let outcome = async {
         let res = client.request(request).await.ok()?;
@@ -258,9 +336,9 @@ async fn http_cycle(
         _ => scheduled.elapsed(),
     };
     match outcome {
-        Some((200, _)) => Sample { latency, admitted: true, error: false },
-        Some((_, true)) => Sample { latency, admitted: false, error: false },
-        _ => Sample { latency, admitted: false, error: true },
+        Some((200, _)) => Sample { latency, admitted: true, error: false, tokens: 0 },
+        Some((_, true)) => Sample { latency, admitted: false, error: false, tokens: 0 },
+        _ => Sample { latency, admitted: false, error: true, tokens: 0 },
     }
 }
 
@@ -290,7 +368,7 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
             ..Default::default()
         }),
     };
-    let failed = |admitted| Sample { latency: scheduled.elapsed(), admitted, error: true };
+    let failed = |admitted| Sample { latency: scheduled.elapsed(), admitted, error: true, tokens: 0 };
     let response = match authz.check(request).await {
         Ok(r) => r.into_inner(),
         Err(_) => return failed(false),
@@ -306,7 +384,7 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
         _ => None,
     };
     let Some(id) = id else {
-        return Sample { latency: scheduled.elapsed(), admitted: false, error: false };
+        return Sample { latency: scheduled.elapsed(), admitted: false, error: false, tokens: 0 };
     };
     let mut admission = AdmissionClient::new(channel);
     let commit = CommitRequest {
@@ -315,7 +393,12 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
         completion_tokens: mixed.output_tokens,
     };
     match admission.commit(commit).await {
-        Ok(_) => Sample { latency: scheduled.elapsed(), admitted: true, error: false },
+        Ok(_) => Sample {
+            latency: scheduled.elapsed(),
+            admitted: true,
+            error: false,
+            tokens: mixed.prompt_tokens + mixed.output_tokens,
+        },
         Err(_) => failed(true),
     }
 }

@@ -17,6 +17,12 @@ pub struct Report {
     pub p99: Duration,
     pub p999: Duration,
     pub max: Duration,
+    /// With `--store-stats`: the share of decisions (warm-up included) that made no store call,
+    /// counting every script call the store served in the run against them.
+    pub hit_rate: Option<f64>,
+    /// With `--quota`: tokens admitted (and committed) over the whole run against what the quota
+    /// allows in that time, less one (0.01 = 1% over).
+    pub overshoot: Option<f64>,
 }
 
 impl Report {
@@ -52,6 +58,8 @@ impl Report {
             p99: pct(990),
             p999: pct(999),
             max: latencies.last().copied().unwrap_or_default(),
+            hit_rate: None,
+            overshoot: None,
         }
     }
 }
@@ -73,7 +81,14 @@ impl fmt::Display for Report {
             ms(self.p99),
             ms(self.p999),
             ms(self.max)
-        )
+        )?;
+        if let Some(h) = self.hit_rate {
+            write!(f, " | hits {:.1}%", h * 100.0)?;
+        }
+        if let Some(o) = self.overshoot {
+            write!(f, " | admitted vs quota {:+.2}%", o * 100.0)?;
+        }
+        Ok(())
     }
 }
 

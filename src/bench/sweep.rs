@@ -37,6 +37,8 @@ pub struct RunFigures {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub max_ms: f64,
+    pub hit_rate: Option<f64>,
+    pub overshoot: Option<f64>,
 }
 
 impl From<&Report> for RunFigures {
@@ -50,6 +52,8 @@ impl From<&Report> for RunFigures {
             p99_ms: ms(r.p99),
             p999_ms: ms(r.p999),
             max_ms: ms(r.max),
+            hit_rate: r.hit_rate,
+            overshoot: r.overshoot,
         }
     }
 }
@@ -69,6 +73,10 @@ pub struct RateSummary {
     pub spread: f64,
     /// Meets the target and the bound (on its own; see [`SweepReport::defended_capacity`]).
     pub within: bool,
+    /// Lowest hit rate of the runs, with `--store-stats`.
+    pub hit_rate_min: Option<f64>,
+    /// Largest overshoot of the runs, with `--quota`.
+    pub overshoot_max: Option<f64>,
     pub runs: Vec<RunFigures>,
 }
 
@@ -113,6 +121,8 @@ fn summarize(offered: u32, runs: Vec<RunFigures>, o: &SweepOptions) -> RateSumma
         p99_max_ms: hi,
         spread,
         within,
+        hit_rate_min: runs.iter().filter_map(|r| r.hit_rate).reduce(f64::min),
+        overshoot_max: runs.iter().filter_map(|r| r.overshoot).reduce(f64::max),
         runs,
     }
 }
@@ -186,9 +196,11 @@ impl SweepReport {
             "{} cycles against {}; p99 target {} ms, spread bound {}x\n\n| offered /s | achieved /s | errors | p50 ms | p99 ms | p99.9 ms | p99 range ms | spread | within |\n|---|---|---|---|---|---|---|---|---|\n",
             self.mode, self.target, self.p99_target_ms, self.spread_bound
         );
+        let hits = self.rates.iter().any(|r| r.hit_rate_min.is_some());
+        let quota = self.rates.iter().any(|r| r.overshoot_max.is_some());
         for r in &self.rates {
             out.push_str(&format!(
-                "| {} | {:.0} | {} | {:.3} | {:.3} | {:.3} | {:.3} – {:.3} | {:.2}x | {} |\n",
+                "| {} | {:.0} | {} | {:.3} | {:.3} | {:.3} | {:.3} – {:.3} | {:.2}x | {} |",
                 r.offered,
                 r.achieved,
                 r.errors,
@@ -200,6 +212,13 @@ impl SweepReport {
                 r.spread,
                 if r.within { "yes" } else { "no" }
             ));
+            if hits {
+                out.push_str(&format!(" hits ≥ {:.1}% |", r.hit_rate_min.unwrap_or(0.0) * 100.0));
+            }
+            if quota {
+                out.push_str(&format!(" vs quota ≤ {:+.2}% |", r.overshoot_max.unwrap_or(0.0) * 100.0));
+            }
+            out.push('\n');
         }
         out.push_str(&match self.defended_capacity {
             Some(rate) => format!("\ndefended capacity: {rate} cycles/s\n"),
@@ -217,7 +236,17 @@ mod tests {
     use super::*;
 
     fn figures(p99: f64) -> RunFigures {
-        RunFigures { achieved: 1000.0, cycles: 1000, errors: 0, p50_ms: 0.5, p99_ms: p99, p999_ms: 2.0, max_ms: 3.0 }
+        RunFigures {
+            achieved: 1000.0,
+            cycles: 1000,
+            errors: 0,
+            p50_ms: 0.5,
+            p99_ms: p99,
+            p999_ms: 2.0,
+            max_ms: 3.0,
+            hit_rate: None,
+            overshoot: None,
+        }
     }
 
     fn options() -> SweepOptions {
@@ -233,6 +262,8 @@ mod tests {
                 tenants: vec![],
                 model: String::new(),
                 connections: 1,
+                store_stats: None,
+                quota: None,
             },
             rates: vec![],
             runs: 3,
