@@ -57,7 +57,7 @@ pub enum Command {
     /// Open-loop load: full Check + Commit cycles at a fixed rate against a running tollgate;
     /// latency counted from each cycle's scheduled send time. `bench burst` runs seed 000's
     /// worst-case versus adaptive reservation experiment instead.
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// A simulated OpenAI-compatible inference backend: slots, a FIFO queue, prefill and decode
     /// speeds, log-normal output lengths; commits its usage to tollgate.
     SimBackend(SimBackendArgs),

@@ -60,7 +60,7 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            Command::Bench(args) => cli::bench(args).await,
+            Command::Bench(args) => cli::bench(*args).await,
             Command::SimBackend(args) => {
                 let _telemetry = tollgate::telemetry::init("info", None);
                 cli::sim_backend(args).await
