@@ -69,7 +69,7 @@ async fn the_cycle_benchmark_drives_replicas_and_measures_hits_and_quota() {
     // About 450 tokens a cycle at 200/s: 90,000 tokens/s against a quota of 10,000/s.
     let limited = bench::run(&options(&tenant, Some((600_000, 20_000)))).await.unwrap();
     assert!(limited.admitted > 0 && limited.denied > 0, "{limited}");
-    let overshoot = limited.overshoot.unwrap();
+    let overshoot = limited.quota.unwrap().overshoot();
     assert!(overshoot <= 0.02, "admitted {:.1}% over the quota: {limited}", overshoot * 100.0);
     assert!(overshoot >= -0.5, "the quota is offered 9x over; at least half of it is used: {limited}");
     let open = bench::run(&options(&support::unique_tenant("open"), None)).await.unwrap();

@@ -25,7 +25,7 @@ use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, 
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
-pub use report::Report;
+pub use report::{QuotaFigures, Report};
 
 use crate::sim::lengths::{OutputLengths, Sampler};
 
@@ -133,6 +133,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
         None => None,
     };
     let admitted_tokens = Arc::new(AtomicU64::new(0));
+    let offered_tokens = Arc::new(AtomicU64::new(0));
 
     let interval = Duration::from_secs_f64(1.0 / f64::from(options.rate));
     let warm = (options.warmup.as_secs_f64() * f64::from(options.rate)) as u64;
@@ -151,6 +152,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let target = Arc::new(targets[0].to_string());
     let timing = (options.stream, options.last_byte);
     let tokens_total = admitted_tokens.clone();
+    let offered_total = offered_tokens.clone();
     let sent_count = control.clone();
     control.sent.store(0, Ordering::Relaxed);
     let dispatcher = tokio::task::spawn_blocking(move || {
@@ -165,6 +167,8 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
             }
             let tenant = tenants[i as usize % tenants.len()].clone();
             let mix = mix.clone();
+            let offered = mix.get(i);
+            offered_total.fetch_add(offered.prompt_tokens + offered.output_tokens, Ordering::Relaxed);
             let samples = dispatch_samples.clone();
             let record = i >= warm;
             let tokens_total = tokens_total.clone();
@@ -210,7 +214,11 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
         // Every cycle's send time was fixed; the run lasted from the first to the last of them.
         let seconds = sent as f64 / f64::from(options.rate);
         let allowed = options.tenants.len() as f64 * (burst as f64 + per_minute as f64 * seconds / 60.0);
-        report.overshoot = Some(admitted_tokens.load(Ordering::Relaxed) as f64 / allowed - 1.0);
+        report.quota = Some(report::QuotaFigures {
+            admitted: admitted_tokens.load(Ordering::Relaxed),
+            allowed: allowed as u64,
+            offered: offered_tokens.load(Ordering::Relaxed),
+        });
     }
     Ok(report)
 }

@@ -20,9 +20,27 @@ pub struct Report {
     /// With `--store-stats`: the share of decisions (warm-up included) that made no store call,
     /// counting every script call the store served in the run against them.
     pub hit_rate: Option<f64>,
-    /// With `--quota`: tokens admitted (and committed) over the whole run against what the quota
-    /// allows in that time, less one (0.01 = 1% over).
-    pub overshoot: Option<f64>,
+    /// With `--quota`: tokens admitted over the whole run against what the quota allows.
+    pub quota: Option<QuotaFigures>,
+}
+
+/// Tokens over a whole run (warm-up included), against a quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuotaFigures {
+    /// Committed usage of the admitted cycles.
+    pub admitted: u64,
+    /// The quota's burst and its refill over the run's schedule, for every tenant.
+    pub allowed: u64,
+    /// The usage of every cycle sent, admitted or not.
+    pub offered: u64,
+}
+
+impl QuotaFigures {
+    /// Admitted over allowed, less one: 0.01 is 1% over what the quota allows.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn overshoot(&self) -> f64 {
+        self.admitted as f64 / self.allowed.max(1) as f64 - 1.0
+    }
 }
 
 impl Report {
@@ -59,7 +77,7 @@ impl Report {
             p999: pct(999),
             max: latencies.last().copied().unwrap_or_default(),
             hit_rate: None,
-            overshoot: None,
+            quota: None,
         }
     }
 }
@@ -85,8 +103,15 @@ impl fmt::Display for Report {
         if let Some(h) = self.hit_rate {
             write!(f, " | hits {:.1}%", h * 100.0)?;
         }
-        if let Some(o) = self.overshoot {
-            write!(f, " | admitted vs quota {:+.2}%", o * 100.0)?;
+        if let Some(q) = self.quota {
+            write!(
+                f,
+                " | tokens admitted {} of {} allowed ({:+.2}%), {} offered",
+                q.admitted,
+                q.allowed,
+                q.overshoot() * 100.0,
+                q.offered
+            )?;
         }
         Ok(())
     }

@@ -39,6 +39,8 @@ pub struct RunFigures {
     pub max_ms: f64,
     pub hit_rate: Option<f64>,
     pub overshoot: Option<f64>,
+    /// Tokens offered over tokens the quota allows (2.0: twice the quota).
+    pub offered_over_allowed: Option<f64>,
 }
 
 impl From<&Report> for RunFigures {
@@ -53,7 +55,8 @@ impl From<&Report> for RunFigures {
             p999_ms: ms(r.p999),
             max_ms: ms(r.max),
             hit_rate: r.hit_rate,
-            overshoot: r.overshoot,
+            overshoot: r.quota.map(|q| q.overshoot()),
+            offered_over_allowed: r.quota.map(|q| q.offered as f64 / q.allowed.max(1) as f64),
         }
     }
 }
@@ -192,12 +195,19 @@ async fn progress(control: Arc<Control>, rate: u32, run: u32, runs: u32, total: 
 impl SweepReport {
     /// The sweep as a Markdown table, with the defended capacity under it.
     pub fn markdown(&self) -> String {
-        let mut out = format!(
-            "{} cycles against {}; p99 target {} ms, spread bound {}x\n\n| offered /s | achieved /s | errors | p50 ms | p99 ms | p99.9 ms | p99 range ms | spread | within |\n|---|---|---|---|---|---|---|---|---|\n",
-            self.mode, self.target, self.p99_target_ms, self.spread_bound
-        );
         let hits = self.rates.iter().any(|r| r.hit_rate_min.is_some());
         let quota = self.rates.iter().any(|r| r.overshoot_max.is_some());
+        let mut out = format!(
+            "{} cycles against {}; p99 target {} ms, spread bound {}x\n\n| offered /s | achieved /s | errors | p50 ms | p99 ms | p99.9 ms | p99 range ms | spread | within |{}{}\n|---|---|---|---|---|---|---|---|---|{}{}\n",
+            self.mode,
+            self.target,
+            self.p99_target_ms,
+            self.spread_bound,
+            if hits { " lease hits (lowest run) |" } else { "" },
+            if quota { " tokens admitted vs quota (highest run) |" } else { "" },
+            if hits { "---|" } else { "" },
+            if quota { "---|" } else { "" },
+        );
         for r in &self.rates {
             out.push_str(&format!(
                 "| {} | {:.0} | {} | {:.3} | {:.3} | {:.3} | {:.3} – {:.3} | {:.2}x | {} |",
@@ -213,10 +223,14 @@ impl SweepReport {
                 if r.within { "yes" } else { "no" }
             ));
             if hits {
-                out.push_str(&format!(" hits ≥ {:.1}% |", r.hit_rate_min.unwrap_or(0.0) * 100.0));
+                out.push_str(&format!(" {:.1}% |", r.hit_rate_min.unwrap_or(0.0) * 100.0));
             }
             if quota {
-                out.push_str(&format!(" vs quota ≤ {:+.2}% |", r.overshoot_max.unwrap_or(0.0) * 100.0));
+                let offered = r.runs.iter().filter_map(|f| f.offered_over_allowed).reduce(f64::max).unwrap_or(0.0);
+                out.push_str(&format!(
+                    " {:+.2}% (offered {offered:.2}x) |",
+                    r.overshoot_max.unwrap_or(0.0) * 100.0
+                ));
             }
             out.push('\n');
         }
@@ -246,6 +260,7 @@ mod tests {
             max_ms: 3.0,
             hit_rate: None,
             overshoot: None,
+            offered_over_allowed: None,
         }
     }
 
