@@ -208,7 +208,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let sent = sent_count.sent.load(Ordering::Relaxed);
     if let (Some(url), Some(before)) = (&options.store_stats, store_calls_before) {
         let calls = store_calls(url).await?.saturating_sub(before);
-        report.hit_rate = Some(1.0 - calls as f64 / sent.max(1) as f64);
+        report.store_calls_per_cycle = Some(calls as f64 / sent.max(1) as f64);
     }
     if let Some((per_minute, burst)) = options.quota {
         // Every cycle's send time was fixed; the run lasted from the first to the last of them.

@@ -17,9 +17,9 @@ pub struct Report {
     pub p99: Duration,
     pub p999: Duration,
     pub max: Duration,
-    /// With `--store-stats`: the share of decisions (warm-up included) that made no store call,
-    /// counting every script call the store served in the run against them.
-    pub hit_rate: Option<f64>,
+    /// With `--store-stats`: every script call the store served in the run, per cycle sent (warm-up
+    /// included). Strict, a cycle makes two (reserve, commit); a lease hit none.
+    pub store_calls_per_cycle: Option<f64>,
     /// With `--quota`: tokens admitted over the whole run against what the quota allows.
     pub quota: Option<QuotaFigures>,
 }
@@ -76,9 +76,17 @@ impl Report {
             p99: pct(990),
             p999: pct(999),
             max: latencies.last().copied().unwrap_or_default(),
-            hit_rate: None,
+            store_calls_per_cycle: None,
             quota: None,
         }
+    }
+}
+
+impl Report {
+    /// The share of cycles that made no store call, from the calls per cycle (each call counted
+    /// as one cycle's miss: an upper bound on the misses).
+    pub fn hits(store_calls_per_cycle: f64) -> f64 {
+        (1.0 - store_calls_per_cycle).max(0.0)
     }
 }
 
@@ -100,8 +108,8 @@ impl fmt::Display for Report {
             ms(self.p999),
             ms(self.max)
         )?;
-        if let Some(h) = self.hit_rate {
-            write!(f, " | hits {:.1}%", h * 100.0)?;
+        if let Some(c) = self.store_calls_per_cycle {
+            write!(f, " | store calls per cycle {c:.3} (lease hits {:.1}%)", Report::hits(c) * 100.0)?;
         }
         if let Some(q) = self.quota {
             write!(

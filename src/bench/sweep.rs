@@ -37,7 +37,7 @@ pub struct RunFigures {
     pub p99_ms: f64,
     pub p999_ms: f64,
     pub max_ms: f64,
-    pub hit_rate: Option<f64>,
+    pub store_calls_per_cycle: Option<f64>,
     pub overshoot: Option<f64>,
     /// Tokens offered over tokens the quota allows (2.0: twice the quota).
     pub offered_over_allowed: Option<f64>,
@@ -54,7 +54,7 @@ impl From<&Report> for RunFigures {
             p99_ms: ms(r.p99),
             p999_ms: ms(r.p999),
             max_ms: ms(r.max),
-            hit_rate: r.hit_rate,
+            store_calls_per_cycle: r.store_calls_per_cycle,
             overshoot: r.quota.map(|q| q.overshoot()),
             offered_over_allowed: r.quota.map(|q| q.offered as f64 / q.allowed.max(1) as f64),
         }
@@ -76,8 +76,8 @@ pub struct RateSummary {
     pub spread: f64,
     /// Meets the target and the bound (on its own; see [`SweepReport::defended_capacity`]).
     pub within: bool,
-    /// Lowest hit rate of the runs, with `--store-stats`.
-    pub hit_rate_min: Option<f64>,
+    /// Most store calls per cycle of the runs, with `--store-stats`.
+    pub store_calls_max: Option<f64>,
     /// Largest overshoot of the runs, with `--quota`.
     pub overshoot_max: Option<f64>,
     pub runs: Vec<RunFigures>,
@@ -124,7 +124,7 @@ fn summarize(offered: u32, runs: Vec<RunFigures>, o: &SweepOptions) -> RateSumma
         p99_max_ms: hi,
         spread,
         within,
-        hit_rate_min: runs.iter().filter_map(|r| r.hit_rate).reduce(f64::min),
+        store_calls_max: runs.iter().filter_map(|r| r.store_calls_per_cycle).reduce(f64::max),
         overshoot_max: runs.iter().filter_map(|r| r.overshoot).reduce(f64::max),
         runs,
     }
@@ -195,7 +195,7 @@ async fn progress(control: Arc<Control>, rate: u32, run: u32, runs: u32, total: 
 impl SweepReport {
     /// The sweep as a Markdown table, with the defended capacity under it.
     pub fn markdown(&self) -> String {
-        let hits = self.rates.iter().any(|r| r.hit_rate_min.is_some());
+        let hits = self.rates.iter().any(|r| r.store_calls_max.is_some());
         let quota = self.rates.iter().any(|r| r.overshoot_max.is_some());
         let mut out = format!(
             "{} cycles against {}; p99 target {} ms, spread bound {}x\n\n| offered /s | achieved /s | errors | p50 ms | p99 ms | p99.9 ms | p99 range ms | spread | within |{}{}\n|---|---|---|---|---|---|---|---|---|{}{}\n",
@@ -203,7 +203,7 @@ impl SweepReport {
             self.target,
             self.p99_target_ms,
             self.spread_bound,
-            if hits { " lease hits (lowest run) |" } else { "" },
+            if hits { " store calls per cycle (lease hits), worst run |" } else { "" },
             if quota { " tokens admitted vs quota (highest run) |" } else { "" },
             if hits { "---|" } else { "" },
             if quota { "---|" } else { "" },
@@ -222,8 +222,8 @@ impl SweepReport {
                 r.spread,
                 if r.within { "yes" } else { "no" }
             ));
-            if hits {
-                out.push_str(&format!(" {:.1}% |", r.hit_rate_min.unwrap_or(0.0) * 100.0));
+            if let Some(calls) = r.store_calls_max {
+                out.push_str(&format!(" {calls:.3} ({:.1}%) |", Report::hits(calls) * 100.0));
             }
             if quota {
                 let offered = r.runs.iter().filter_map(|f| f.offered_over_allowed).reduce(f64::max).unwrap_or(0.0);
@@ -258,7 +258,7 @@ mod tests {
             p99_ms: p99,
             p999_ms: 2.0,
             max_ms: 3.0,
-            hit_rate: None,
+            store_calls_per_cycle: None,
             overshoot: None,
             offered_over_allowed: None,
         }
