@@ -64,6 +64,12 @@ pub enum Command {
     /// Open-loop HTTP load of interactive, standard and batch requests through Envoy; prints
     /// admitted, denied by reason, and p50/p99 per class.
     SimLoad(SimLoadArgs),
+    /// The floor of this machine for `bench`: a gRPC server on tollgate's stack that answers every
+    /// Check and Commit with OK and does no work.
+    BenchFloor {
+        #[arg(long, default_value = "127.0.0.1:50052")]
+        listen: SocketAddr,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -438,6 +444,26 @@ pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: sim-backend: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `tollgate bench-floor`: serves until a signal.
+pub async fn bench_floor(listen: SocketAddr) -> ExitCode {
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    let listener = match TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("tollgate: bench-floor cannot listen on {listen}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match crate::bench::floor::serve(listener, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: bench-floor: {e}");
             ExitCode::FAILURE
         }
     }

@@ -66,6 +66,7 @@ fn main() -> ExitCode {
                 cli::sim_backend(args).await
             }
             Command::SimLoad(args) => cli::sim_load(args).await,
+            Command::BenchFloor { listen } => cli::bench_floor(listen).await,
             // Answered above, without a runtime.
             Command::CheckConfig { .. } => ExitCode::SUCCESS,
         }

@@ -13,6 +13,7 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod burst;
+pub mod floor;
 mod report;
 pub mod sweep;
 

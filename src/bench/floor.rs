@@ -1,0 +1,86 @@
+//! `tollgate bench-floor`: the floor of this machine. A gRPC server on the same stack as tollgate's
+//! (tonic, the same server settings, TCP_NODELAY) that answers every Check with OK and a
+//! reservation id, and every Commit with OK, doing no work at all. `tollgate bench` against it
+//! measures what the load generator, the kernel and the gRPC stack cost here, so that tollgate's own
+//! share of a figure is measured, not guessed.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::auth::v3::authorization_server::{Authorization, AuthorizationServer};
+use envoy_types::pb::envoy::service::auth::v3::{CheckRequest, CheckResponse};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Server;
+use tonic::{Request, Response, Status};
+
+use crate::admission::{Admitted, Decision};
+use crate::grpc::response::check_response;
+use crate::proto::admission_server::{Admission, AdmissionServer};
+use crate::proto::{
+    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
+    PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
+};
+use crate::store::Headroom;
+
+/// Answers without work.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Floor;
+
+#[tonic::async_trait]
+impl Authorization for Floor {
+    async fn check(&self, _: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
+        let admitted = Decision::Admitted(Admitted {
+            reservation_id: "floor:00000000000000000000000000000000".into(),
+            model: "m".into(),
+            reserved_tokens: 0,
+            attempts: 1,
+            replayed: false,
+            headroom: Headroom::default(),
+        });
+        Ok(Response::new(check_response(&admitted, &[])))
+    }
+}
+
+#[tonic::async_trait]
+impl Admission for Floor {
+    async fn reserve(&self, _: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+        Ok(Response::new(ReserveResponse::default()))
+    }
+
+    async fn commit(&self, _: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
+        Ok(Response::new(CommitResponse { state: "committed".into(), ..Default::default() }))
+    }
+
+    async fn renew(&self, _: Request<RenewRequest>) -> Result<Response<RenewResponse>, Status> {
+        Ok(Response::new(RenewResponse::default()))
+    }
+
+    async fn release(&self, _: Request<ReleaseRequest>) -> Result<Response<ReleaseResponse>, Status> {
+        Ok(Response::new(ReleaseResponse::default()))
+    }
+
+    async fn output_estimate(
+        &self,
+        _: Request<OutputEstimateRequest>,
+    ) -> Result<Response<OutputEstimateResponse>, Status> {
+        Ok(Response::new(OutputEstimateResponse::default()))
+    }
+
+    async fn pool_status(&self, _: Request<PoolStatusRequest>) -> Result<Response<PoolStatusResponse>, Status> {
+        Ok(Response::new(PoolStatusResponse::default()))
+    }
+}
+
+/// Serves the floor until `shutdown`, with tollgate's server settings.
+pub async fn serve(listener: TcpListener, shutdown: CancellationToken) -> Result<(), tonic::transport::Error> {
+    Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .timeout(Duration::from_secs(5))
+        .concurrency_limit_per_connection(4096)
+        .load_shed(true)
+        .add_service(AuthorizationServer::new(Floor))
+        .add_service(AdmissionServer::new(Floor))
+        .serve_with_incoming_shutdown(crate::grpc::server::incoming(listener), shutdown.cancelled_owned())
+        .await
+}
