@@ -58,6 +58,15 @@ fn check_config_summarises_a_good_policy() {
 }
 
 #[test]
+fn check_config_says_when_the_policy_leases() {
+    let text = "leasing: { window_ms: 500, max_share: 0.25 }\nmodels:\n  m: { max_output_tokens: 100 }\n\
+                tenants:\n  acme: { strict: true }\n";
+    let policy = Policy::parse("leasing.yaml", text).unwrap();
+    assert!(policy.summary().contains("leasing: window 500 ms, slices up to 25% of a scope"), "{}", policy.summary());
+    assert!(policy.tenants["acme"].strict);
+}
+
+#[test]
 fn serve_refuses_a_broken_policy_naming_the_field() {
     let (path, expected) = fixtures().into_iter().find(|(p, _)| p.ends_with("zero_limit.yaml")).unwrap();
     let out = tollgate_cmd(&["serve", "--config", path.to_str().unwrap()], Duration::from_secs(10));
