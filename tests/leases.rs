@@ -164,6 +164,29 @@ mod scenarios {
         assert_eq!(leases.load(Ordering::SeqCst), calls.saturating_add(1), "one call refused; the rest from memory");
     }
 
+    /// A strict tenant's decisions, and any request with an idempotency key, go to the store: their
+    /// holds are store holds (no replica in the id), charged there at once.
+    pub async fn strict_tenants_and_keyed_requests_bypass_leasing<S: Store + Clone>(h: Harness<S>) {
+        let d = h.reserve(10, 90).await;
+        let id = admitted(&d).reservation_id.clone();
+        assert!(!id.contains('@'), "{id}");
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((99.0..=100.0).contains(&charged), "the hold itself, no slice: {charged}");
+        assert_eq!(h.admission.leased_holds(&h.tenant), (0, 0));
+    }
+
+    pub async fn a_request_with_an_idempotency_key_is_decided_by_the_store<S: Store + Clone>(h: Harness<S>) {
+        let mut a = h.attributes(10, 90);
+        a.idempotency = Some(tollgate::admission::IdempotencyKey {
+            key: "k1".into(),
+            repeat: tollgate::admission::KeyRepeat::ReturnHold,
+        });
+        let d = h.admission.reserve(&a).await;
+        assert!(!admitted(&d).reservation_id.contains('@'), "{d:?}");
+        let leased = h.reserve(10, 90).await;
+        assert!(admitted(&leased).reservation_id.contains('@'), "{leased:?}");
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
@@ -197,6 +220,13 @@ macro_rules! leasing {
             scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);
             scenario!(a_refusal_is_remembered_for_its_wait, SLOW);
             scenario!(an_overrun_of_a_leased_hold_is_debt_in_the_store, SLOW);
+            scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn strict_tenants_and_keyed_requests_bypass_leasing() {
+                let body = format!("leasing:\n  window_ms: 250\n{TOP_SEPARATOR}strict: true\nlimits:\n{SLOW}");
+                scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
+            }
         }
     };
 }
@@ -217,4 +247,43 @@ fn lease_keys_share_the_tenant_slot() {
     for key in [keys::lease_record("acme", "0a1b2c3d4e5f"), keys::forwarded("acme", "0a1b2c3d4e5f")] {
         assert!(key.starts_with("tg:{acme}:"), "{key}");
     }
+}
+
+/// A replica that is told to stop gives its slices back before it exits: what it drew and did not
+/// use returns to Redis; the hold still live stays charged, as a hold in the store would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_replica_gives_its_slices_back() {
+    use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
+    use tollgate::proto::CommitRequest;
+    use tollgate::proto::admission_client::AdmissionClient;
+
+    let url = support::redis_url();
+    let tenant = support::unique_tenant("stop");
+    let policy = format!(
+        "store: {{ redis_url: {url} }}\nleasing: {{ window_ms: 250, max_share: 0.5 }}\n\
+         models:\n  m: {{ max_output_tokens: 4096, bytes_per_token: 4 }}\n\
+         tenants:\n  {tenant}:\n    limits: {{ tokens_per_minute: 60, burst_tokens: 10000 }}\n"
+    );
+    let mut t = support::procs::Tollgate::start(&policy);
+    let mut authz = AuthorizationClient::connect(t.endpoint()).await.unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let body = br#"{"model":"m","max_tokens":90,"messages":[{"role":"user","content":"0123456789012345678901234567890123456789"}]}"#;
+        let r = authz.check(support::checks::check(&[("x-tenant-id", &tenant)], body)).await.unwrap().into_inner();
+        ids.push(support::checks::reservation(&r).expect("admitted"));
+    }
+    let mut admission = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    for (id, _) in &ids[..2] {
+        let c = CommitRequest { reservation_id: id.clone(), prompt_tokens: 10, completion_tokens: 20 };
+        admission.commit(c).await.unwrap();
+    }
+    let scope = keys::tenant_scope(&tenant);
+    let h = support::redis("limits: {}\n").await;
+    let drawn = 10_000.0 - h.scope(&scope).await.unwrap().num("t");
+    assert!(drawn >= 400.0, "slices are drawn ahead: {drawn}");
+    assert!(t.terminate(std::time::Duration::from_secs(10)).is_some_and(|s| s.success()), "{}", t.log());
+    let charged = 10_000.0 - h.scope(&scope).await.unwrap().num("t");
+    // Two commits of 30, and the hold still live.
+    let expected = 60.0 + ids[2].1 as f64;
+    assert!((expected - 1.0..=expected + 0.5).contains(&charged), "after the stop {charged} charged, not {expected}");
 }

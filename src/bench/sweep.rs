@@ -227,10 +227,7 @@ impl SweepReport {
             }
             if quota {
                 let offered = r.runs.iter().filter_map(|f| f.offered_over_allowed).reduce(f64::max).unwrap_or(0.0);
-                out.push_str(&format!(
-                    " {:+.2}% (offered {offered:.2}x) |",
-                    r.overshoot_max.unwrap_or(0.0) * 100.0
-                ));
+                out.push_str(&format!(" {:+.2}% (offered {offered:.2}x) |", r.overshoot_max.unwrap_or(0.0) * 100.0));
             }
             out.push('\n');
         }

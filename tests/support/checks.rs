@@ -40,3 +40,12 @@ pub fn reason(r: &CheckResponse) -> String {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+/// The reservation id and reserved tokens of an admission, or `None` for a denial.
+pub fn reservation(r: &CheckResponse) -> Option<(String, u64)> {
+    let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { return None };
+    let get = |name: &str| ok.headers.iter().filter_map(|h| h.header.as_ref()).find(|h| h.key == name);
+    let id = get("x-tollgate-reservation")?.value.clone();
+    let reserved = get("x-tollgate-reserved-tokens")?.value.parse().ok()?;
+    Some((id, reserved))
+}
