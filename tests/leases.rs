@@ -242,6 +242,24 @@ async fn a_dead_replicas_slots_come_back_after_its_lease_embedded() {
     scenarios::a_dead_replicas_slots_come_back_after_its_lease(h).await;
 }
 
+/// A miss whose caller stops waiting (Envoy's ext_authz timeout) still finishes its lease call, and
+/// the hold nobody received is released at once, in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_hold_nobody_waits_for_is_released() {
+    use support::faults::{Fault, Faulty};
+    let h = support::embedded(&policy(SLOW)).await;
+    let slow = h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(200)))).await;
+    let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), slow.reserve(10, 90)).await;
+    assert!(gave_up.is_err(), "the caller stopped waiting");
+    let released = slow
+        .eventually(std::time::Duration::from_secs(5), || async { slow.admission.leased_holds(&slow.tenant) == (0, 1) })
+        .await;
+    assert!(released, "held in memory: {:?}", slow.admission.leased_holds(&slow.tenant));
+    slow.admission.lease_tick(true).await.unwrap();
+    let charged = 10_000.0 - slow.tenant_scope().await.num("t");
+    assert!(charged.abs() < 0.5, "{charged} tokens still charged");
+}
+
 #[test]
 fn lease_keys_share_the_tenant_slot() {
     for key in [keys::lease_record("acme", "0a1b2c3d4e5f"), keys::forwarded("acme", "0a1b2c3d4e5f")] {

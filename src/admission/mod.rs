@@ -603,7 +603,9 @@ impl<S: Store> Admission<S> {
 
     /// Releases a hold this call made but nobody received: both legs.
     async fn give_back(&self, plan: &Plan, id: &str) {
-        if let Err(e) = self.protocol.release(&plan.tenant, id).await {
+        if let (Some(leases), true) = (&self.leases, plan.leased) {
+            leases.release(&plan.tenant, id);
+        } else if let Err(e) = self.protocol.release(&plan.tenant, id).await {
             tracing::warn!(error = %e, reservation = id, "release of an undelivered hold failed; its lease will reclaim it");
         }
         if let Some(leg) = &plan.pool {
