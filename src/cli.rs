@@ -148,6 +148,27 @@ fn parse_quota(s: &str) -> Result<(u64, u64), String> {
 pub enum BenchKind {
     /// A burst of requests against one budget: worst-case reservation versus adaptive.
     Burst(BurstArgs),
+    /// The decision itself, in process: Check requests handed straight to tollgate's
+    /// Authorization service on a policy's store, timed one by one (no network, no load
+    /// generator); each admitted hold is committed at once, untimed.
+    Decision(DecisionArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DecisionArgs {
+    /// The policy file (YAML): its store, and `leasing:` for lease hits.
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Timed decisions.
+    #[arg(long, default_value_t = 100_000)]
+    pub calls: usize,
+    /// Untimed decisions first (slices drawn, caches warm).
+    #[arg(long, default_value_t = 10_000)]
+    pub warmup: usize,
+    #[arg(long, default_value = "bench-0,bench-1,bench-2,bench-3", value_delimiter = ',')]
+    pub tenants: Vec<String>,
+    #[arg(long, default_value = "m")]
+    pub model: String,
 }
 
 /// What the simulated backend's tokens read as.
@@ -287,6 +308,35 @@ pub async fn serve(policy: Arc<Policy>, listener: TcpListener, shutdown: Cancell
     }
 }
 
+async fn bench_decision(args: DecisionArgs) -> Result<crate::bench::decision::DecisionTimes, RunError> {
+    let policy = Arc::new(Policy::load(&args.config)?);
+    let options =
+        RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
+    match policy.store.choice.clone() {
+        StoreChoice::Embedded => decide_on(EmbeddedStore::new()?, policy, args).await,
+        StoreChoice::Redis { url } => {
+            decide_on(RedisStore::connect(&RedisTarget::Single(url), options).await?, policy, args).await
+        }
+        StoreChoice::Cluster { nodes } => {
+            decide_on(RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?, policy, args).await
+        }
+    }
+}
+
+async fn decide_on<S: Store>(
+    store: S,
+    policy: Arc<Policy>,
+    args: DecisionArgs,
+) -> Result<crate::bench::decision::DecisionTimes, RunError> {
+    let admission = Arc::new(Admission::new(policy, Protocol::new(store).await?));
+    let done = CancellationToken::new();
+    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(done.clone()));
+    let times = crate::bench::decision::run(admission, &args.tenants, &args.model, args.warmup, args.calls).await;
+    done.cancel();
+    let _ = leasing.await;
+    Ok(times)
+}
+
 async fn run_on<S: Store>(
     store: S,
     policy: Arc<Policy>,
@@ -378,6 +428,18 @@ impl CycleArgs {
 
 /// `tollgate bench` and `tollgate bench burst`.
 pub async fn bench(args: BenchArgs) -> ExitCode {
+    if let Some(BenchKind::Decision(d)) = args.kind {
+        return match bench_decision(d).await {
+            Ok(times) => {
+                println!("{times}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tollgate: bench decision: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(BenchKind::Burst(burst)) = args.kind {
         let options = BurstOptions::from(burst);
         return match burst::run(&options).await {

@@ -200,3 +200,27 @@ fn ctrl_c_stops_the_sweep_and_reports_what_ran() {
     assert!(!stdout.contains("| 200 |"), "no rate after the stop:\n{stdout}");
     assert!(stdout.contains("stopped early"), "{stdout}");
 }
+
+/// `bench decision` hands Checks straight to the Authorization service and times each; on a
+/// leasing policy the holds are leased (committed at once), so the slices keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decision_benchmark_times_every_call_in_process() {
+    use tollgate::admission::Admission;
+    use tollgate::config::Policy;
+    use tollgate::store::Protocol;
+    use tollgate::store::embedded::EmbeddedStore;
+    let policy = Policy::parse(
+        "decision.yaml",
+        "leasing: { window_ms: 250 }\nmodels:\n  m: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+         default_tenant:\n  limits: { tokens_per_minute: 1000000000, burst_tokens: 1000000000 }\n",
+    )
+    .unwrap();
+    let admission =
+        Arc::new(Admission::new(Arc::new(policy), Protocol::new(EmbeddedStore::new().unwrap()).await.unwrap()));
+    let tenants = vec!["a".to_string(), "b".to_string()];
+    let t = tollgate::bench::decision::run(admission.clone(), &tenants, "m", 100, 1_000).await;
+    assert_eq!((t.calls, t.admitted), (1_000, 1_000), "{t}");
+    assert!(t.p50 <= t.p99 && t.p99 <= t.p999 && t.p999 <= t.max, "{t}");
+    assert_eq!(admission.leased_holds("a").0, 0, "every hold was committed");
+    assert!(admission.leased_holds("a").1 > 0, "and they were leased holds");
+}

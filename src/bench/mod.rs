@@ -13,6 +13,7 @@
 #![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod burst;
+pub mod decision;
 pub mod floor;
 mod report;
 pub mod sweep;
@@ -22,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::auth::v3::authorization_client::AuthorizationClient;
-use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, attribute_context};
+use envoy_types::pb::envoy::service::auth::v3::{AttributeContext, CheckRequest, CheckResponse, attribute_context};
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
@@ -351,13 +352,12 @@ async fn http_cycle(
     }
 }
 
-/// One full admission: Check (reserve), then Commit of a usage below the hold.
-async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled: Instant) -> Sample {
+/// The Check Envoy's bootstrap would send for a request of the mix: at most the first 8 KiB of its
+/// body, the rest announced by `content-length`.
+fn check_request(tenant: String, mixed: &MixedRequest) -> CheckRequest {
     let body = mixed.body.as_bytes();
-    let mut authz = AuthorizationClient::new(channel.clone());
     let mut headers: std::collections::HashMap<String, String> =
         [("x-tenant-id".to_string(), tenant), ("content-type".into(), "application/json".into())].into();
-    // As Envoy's bootstrap sends it: at most the first 8 KiB, the rest announced by content-length.
     let sent = &body[..body.len().min(ENVOY_BODY_BYTES)];
     if sent.len() < body.len() {
         headers.insert("x-envoy-auth-partial-body".into(), "true".into());
@@ -371,19 +371,18 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
         size: body.len() as i64,
         ..Default::default()
     };
-    let request = CheckRequest {
+    CheckRequest {
         attributes: Some(AttributeContext {
             request: Some(attribute_context::Request { http: Some(http), ..Default::default() }),
             ..Default::default()
         }),
-    };
-    let failed = |admitted| Sample { latency: scheduled.elapsed(), admitted, error: true, tokens: 0 };
-    let response = match authz.check(request).await {
-        Ok(r) => r.into_inner(),
-        Err(_) => return failed(false),
-    };
+    }
+}
+
+/// The reservation id an OK `CheckResponse` carries.
+fn reservation_of(response: &CheckResponse) -> Option<String> {
     use envoy_types::pb::envoy::service::auth::v3::check_response::HttpResponse;
-    let id = match &response.http_response {
+    match &response.http_response {
         Some(HttpResponse::OkResponse(ok)) => ok
             .headers
             .iter()
@@ -391,7 +390,19 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
             .find(|h| h.key == crate::grpc::response::RESERVATION_HEADER)
             .map(|h| h.value.clone()),
         _ => None,
+    }
+}
+
+/// One full admission: Check (reserve), then Commit of a usage below the hold.
+async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled: Instant) -> Sample {
+    let mut authz = AuthorizationClient::new(channel.clone());
+    let request = check_request(tenant, mixed);
+    let failed = |admitted| Sample { latency: scheduled.elapsed(), admitted, error: true, tokens: 0 };
+    let response = match authz.check(request).await {
+        Ok(r) => r.into_inner(),
+        Err(_) => return failed(false),
     };
+    let id = reservation_of(&response);
     let Some(id) = id else {
         return Sample { latency: scheduled.elapsed(), admitted: false, error: false, tokens: 0 };
     };
