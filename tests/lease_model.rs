@@ -27,7 +27,6 @@ use proptest::prelude::*;
 use support::Harness;
 use tollgate::admission::{Attributes, Decision};
 use tollgate::config::Policy;
-use tollgate::estimate::PromptSize;
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, keys};
@@ -250,17 +249,7 @@ impl World {
         match *op {
             Op::Reserve { replica, user, prompt, max_tokens } => {
                 let r = &self.replicas[replica];
-                let a = Attributes {
-                    tenant: Some(r.tenant.clone()),
-                    user: user.then(|| "u0".to_string()),
-                    model: Some("m".into()),
-                    priority: None,
-                    deadline_ms: None,
-                    idempotency: None,
-                    prompt: PromptSize::Tokens(prompt),
-                    max_tokens: Some(max_tokens),
-                    stream: false,
-                };
+                let a = Attributes { user: user.then(|| "u0".to_string()), ..r.attributes(prompt, max_tokens) };
                 if let Decision::Admitted(ad) = r.admission.reserve(&a).await {
                     let held = prompt + max_tokens;
                     assert_eq!(ad.reserved_tokens, held);

@@ -93,6 +93,14 @@ pub(super) struct Followups {
     pub released: Vec<String>,
 }
 
+/// A lease call made ready: its scopes, when it is sent, and the tenant's lease and idle TTL.
+struct Prepared {
+    scopes: Vec<LeaseScope>,
+    sent_at: u64,
+    lease_ms: u64,
+    idle_ttl_ms: u64,
+}
+
 /// This replica's slices and leased holds, per tenant.
 pub(super) struct Leases {
     pub replica: String,
@@ -189,6 +197,17 @@ enum Closed {
         hold: LocalHold,
         charged: u64,
     },
+}
+
+impl Closed {
+    fn settled(&self) -> Settled {
+        match self {
+            Closed::Committed(u) if u.late => Settled::LateCommitted,
+            Closed::Committed(_) => Settled::Committed,
+            Closed::Released { .. } => Settled::Released,
+            Closed::Expired { .. } => Settled::Expired,
+        }
+    }
 }
 
 impl Slice {
@@ -367,16 +386,15 @@ impl State {
         }
     }
 
-    /// The hold `id`, settled as expired first when its lease has passed.
-    fn live(&mut self, id: &str, now: u64, retention_ms: u64) -> Option<LocalHold> {
-        let hold = self.holds.get(id)?;
-        if now < hold.lease_until {
-            return Some(hold.clone());
+    /// Settles the hold `id` as expired if its lease has passed, so that what is left in `holds`
+    /// is live.
+    fn expire_if_due(&mut self, id: &str, now: u64, retention_ms: u64) {
+        if self.holds.get(id).is_some_and(|h| now >= h.lease_until)
+            && let Some(hold) = self.holds.remove(id)
+        {
+            let charged = self.expire(&hold);
+            self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
         }
-        let hold = self.holds.remove(id)?;
-        let charged = self.expire(&hold);
-        self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
-        None
     }
 }
 
@@ -469,8 +487,8 @@ impl Leases {
 
     /// Builds a lease call for the tenant: every slice it has (or, for a miss, the asking
     /// request's scopes), giving back what is free beyond each slice's target, and asking for the
-    /// target again (at least what `ask` needs). Returns the call's scopes and the time it is sent.
-    fn prepare(&self, t: &TenantLease, ask: Option<&Ask<'_>>, ending: bool) -> (Vec<LeaseScope>, u64) {
+    /// target again (at least what `ask` needs).
+    fn prepare(&self, t: &TenantLease, ask: Option<&Ask<'_>>, ending: bool) -> Prepared {
         let now = self.clock.now_ms();
         let today = now / DAY_MS;
         let share = self.settings.max_share;
@@ -544,7 +562,7 @@ impl Leases {
             slice.requests = keep_requests;
             slice.slots_free = keep_slots;
         }
-        (scopes, now)
+        Prepared { scopes, sent_at: now, lease_ms: s.tp.lease_ttl_ms, idle_ttl_ms: s.tp.idle_ttl_ms }
     }
 
     /// Applies a lease call's reply. Returns the refusal, if the store refused the asking request.
@@ -595,11 +613,7 @@ impl Leases {
         ending: bool,
         policy: (u32, u64),
     ) -> Result<(Option<(usize, Refusal, u64)>, Followups), crate::store::StoreError> {
-        let (scopes, sent_at) = self.prepare(t, ask, ending);
-        let (lease_ms, idle_ttl_ms) = {
-            let s = t.lock();
-            (s.tp.lease_ttl_ms, s.tp.idle_ttl_ms)
-        };
+        let Prepared { scopes, sent_at, lease_ms, idle_ttl_ms } = self.prepare(t, ask, ending);
         let call = LeaseCall {
             tenant,
             replica: &self.replica,
@@ -681,8 +695,8 @@ impl Leases {
             Counted::Metered { output } => hold.prompt.saturating_add(output),
             Counted::AsHeld => hold.held,
         };
-        if let Some(hold) = s.live(id, now, retention) {
-            s.holds.remove(id);
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.remove(id) {
             let used = used(&hold);
             for key in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
@@ -715,8 +729,8 @@ impl Leases {
         let retention = self.retention_ms;
         let mut s = t.lock();
         s.active = true;
-        if let Some(hold) = s.live(id, now, retention) {
-            s.holds.remove(id);
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.remove(id) {
             for key in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
@@ -728,10 +742,7 @@ impl Leases {
         }
         match s.closed.get(id) {
             Some(Closed::Released { refunded }) => ReleaseOutcome::Released { refunded: *refunded, repeated: true },
-            Some(Closed::Committed(u)) => {
-                ReleaseOutcome::Settled(if u.late { Settled::LateCommitted } else { Settled::Committed })
-            }
-            Some(Closed::Expired { .. }) => ReleaseOutcome::Settled(Settled::Expired),
+            Some(closed) => ReleaseOutcome::Settled(closed.settled()),
             None => ReleaseOutcome::NotFound,
         }
     }
@@ -744,20 +755,12 @@ impl Leases {
         let mut s = t.lock();
         s.active = true;
         let valid_until = s.valid_until;
-        if s.live(id, now, retention).is_some()
-            && let Some(hold) = s.holds.get_mut(id)
-        {
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.get_mut(id) {
             hold.lease_until = now.saturating_add(lease_ms).min(valid_until);
             return RenewOutcome::Renewed { lease_remaining_ms: hold.lease_until.saturating_sub(now) };
         }
-        match s.closed.get(id) {
-            Some(Closed::Released { .. }) => RenewOutcome::Settled(Settled::Released),
-            Some(Closed::Committed(u)) => {
-                RenewOutcome::Settled(if u.late { Settled::LateCommitted } else { Settled::Committed })
-            }
-            Some(Closed::Expired { .. }) => RenewOutcome::Settled(Settled::Expired),
-            None => RenewOutcome::NotFound,
-        }
+        s.closed.get(id).map_or(RenewOutcome::NotFound, |closed| RenewOutcome::Settled(closed.settled()))
     }
 
     /// How many holds this replica keeps in memory for the tenant, live and settled.
@@ -784,5 +787,85 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
         held: hold.held,
         refunded: hold.held.saturating_sub(used),
         overrun: used.saturating_sub(hold.held),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::store::clock::ManualClock;
+
+    const START: u64 = 1_795_953_600_000;
+
+    fn leases(clock: &ManualClock) -> (Leases, Arc<TenantPolicy>) {
+        let policy = Policy::parse(
+            "t.yaml",
+            "leasing: { window_ms: 250, max_share: 0.1 }\nmodels:\n  m: { max_output_tokens: 100 }\n\
+             tenants:\n  acme: { lease_ttl_ms: 4000, limits: { tokens_per_minute: 60000, burst_tokens: 10000, max_concurrency: 10 } }\n",
+        )
+        .unwrap();
+        let tp = Arc::clone(&policy.tenants["acme"]);
+        (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000), tp)
+    }
+
+    fn limits(tp: &TenantPolicy) -> ScopeLimits {
+        ScopeLimits::from(&tp.limits)
+    }
+
+    /// A slice that holds `tokens` and `slots` free, as a lease call would have left it.
+    fn stock(t: &TenantLease, tp: &TenantPolicy, tokens: i64, slots: u64, valid_until: u64) {
+        let mut s = t.lock();
+        let mut slice = Slice::new(limits(tp), START / DAY_MS, 0.1);
+        slice.tokens = tokens;
+        slice.slots_free = slots;
+        s.slices.insert("scope".into(), slice);
+        s.valid_until = valid_until;
+    }
+
+    fn ask<'a>(id: &'a str, tp: &TenantPolicy, hold: u64) -> Ask<'a> {
+        Ask { id, scopes: vec![AskScope { key: "scope", limits: limits(tp) }], hold, prompt: 0 }
+    }
+
+    #[test]
+    fn a_refund_beyond_the_share_is_given_back_not_spent() {
+        let clock = ManualClock::new(START);
+        let (_, tp) = leases(&clock);
+        let mut slice = Slice::new(limits(&tp), 7, 0.1);
+        assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
+        slice.tokens = 900;
+        slice.refund(300, 7);
+        assert_eq!((slice.tokens, slice.surplus), (1_000, 200));
+        slice.refund(50, 6);
+        assert_eq!(slice.stale_refund, 50, "a hold of another day refunds the bucket only");
+    }
+
+    #[test]
+    fn a_leased_hold_never_outlives_its_replicas_lease_record() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 1_000, 5, START + 1_500);
+        assert!(matches!(leases.try_admit(&t, &ask("h1", &tp, 100)), Local::Admitted { .. }));
+        assert_eq!(t.lock().holds["h1"].lease_until, START + 1_500, "not START + 4,000");
+        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Renewed { lease_remaining_ms: 1_500 });
+        clock.advance_ms(1_500);
+        assert!(matches!(leases.try_admit(&t, &ask("h2", &tp, 100)), Local::Miss), "the lease lapsed");
+        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
+    }
+
+    #[test]
+    fn a_replica_with_only_settled_holds_polls_four_times_a_lease() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 0, 0, START + 4_000);
+        t.lock().closed.insert("done".into(), Closed::Released { refunded: 1 });
+        t.lock().last_call = START;
+        leases.upkeep(&t); // the window the tenant was created in: active
+        clock.advance_ms(999);
+        assert_eq!(leases.upkeep(&t).1, None, "nothing to give back, polled a moment ago");
+        clock.advance_ms(1);
+        assert_eq!(leases.upkeep(&t).1, Some(false), "a quarter of the 4,000 ms lease since the last call");
     }
 }

@@ -651,7 +651,10 @@ impl<S: Store> Admission<S> {
         if let Some(replica) = r.replica {
             let outcome = match self.leases.as_ref().filter(|l| l.replica == replica) {
                 Some(leases) => leases.commit(r.tenant, reservation_id, counted),
-                None => self.forward(&r, reservation_id, Forwarded::Commit(counted)).await?,
+                None => match self.forward(&r, reservation_id, Forwarded::Commit(counted)).await? {
+                    true => CommitOutcome::Forwarded,
+                    false => CommitOutcome::NotFound,
+                },
             };
             if let Some(pool) = r.pool
                 && outcome != CommitOutcome::NotFound
@@ -684,7 +687,10 @@ impl<S: Store> Admission<S> {
             None => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
             Some(replica) => match self.leases.as_ref().filter(|l| l.replica == replica) {
                 Some(leases) => leases.renew(r.tenant, reservation_id, lease),
-                None => self.forward(&r, reservation_id, Forwarded::Renew { lease_ms: lease }).await?,
+                None => match self.forward(&r, reservation_id, Forwarded::Renew { lease_ms: lease }).await? {
+                    true => RenewOutcome::Forwarded,
+                    false => RenewOutcome::NotFound,
+                },
             },
         };
         if let Some(pool) = r.pool {
@@ -755,7 +761,10 @@ impl<S: Store> Admission<S> {
             None => self.protocol.release(r.tenant, reservation_id).await?,
             Some(replica) => match self.leases.as_ref().filter(|l| l.replica == replica) {
                 Some(leases) => leases.release(r.tenant, reservation_id),
-                None => self.forward(&r, reservation_id, Forwarded::Release).await?,
+                None => match self.forward(&r, reservation_id, Forwarded::Release).await? {
+                    true => ReleaseOutcome::Forwarded,
+                    false => ReleaseOutcome::NotFound,
+                },
             },
         };
         if let Some(pool) = r.pool
@@ -767,52 +776,12 @@ impl<S: Store> Admission<S> {
     }
 }
 
-/// An outcome that a forwarded operation answers with.
-trait ForwardedOutcome: Sized {
-    /// Left for the owner replica, which applies it within a window.
-    fn forwarded() -> Self;
-    fn not_found() -> Self;
-}
-
-impl ForwardedOutcome for CommitOutcome {
-    fn forwarded() -> Self {
-        CommitOutcome::Forwarded
-    }
-    fn not_found() -> Self {
-        CommitOutcome::NotFound
-    }
-}
-
-impl ForwardedOutcome for ReleaseOutcome {
-    fn forwarded() -> Self {
-        ReleaseOutcome::Forwarded
-    }
-    fn not_found() -> Self {
-        ReleaseOutcome::NotFound
-    }
-}
-
-impl ForwardedOutcome for RenewOutcome {
-    fn forwarded() -> Self {
-        RenewOutcome::Forwarded
-    }
-    fn not_found() -> Self {
-        RenewOutcome::NotFound
-    }
-}
-
 impl<S: Store> Admission<S> {
-    /// Leaves an operation on another replica's leased hold for that replica. Not found when the
+    /// Leaves an operation on another replica's leased hold for that replica. False when the
     /// replica no longer holds a lease on the tenant: it stopped, and its holds settle as expired.
-    async fn forward<O: ForwardedOutcome>(
-        &self,
-        r: &ids::ReservationRef<'_>,
-        id: &str,
-        op: Forwarded,
-    ) -> Result<O, AdmissionError> {
-        let (Some(replica), Some(tp)) = (r.replica, self.policy.tenant(r.tenant)) else { return Ok(O::not_found()) };
-        let forwarded = self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?;
-        Ok(if forwarded { O::forwarded() } else { O::not_found() })
+    async fn forward(&self, r: &ids::ReservationRef<'_>, id: &str, op: Forwarded) -> Result<bool, AdmissionError> {
+        let (Some(replica), Some(tp)) = (r.replica, self.policy.tenant(r.tenant)) else { return Ok(false) };
+        Ok(self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?)
     }
 }
 

@@ -227,29 +227,15 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
 
 /// Script calls (`EVAL`, `EVALSHA`) a Redis has served, from `INFO commandstats`.
 async fn store_calls(url: &str) -> Result<u64, BenchError> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
+    use fred::interfaces::ClientLike;
     let bad = |why: String| BenchError::Options(format!("--store-stats {url}: {why}"));
-    let address = url.strip_prefix("redis://").ok_or_else(|| bad("not a redis:// URL".into()))?;
-    let mut conn = tokio::net::TcpStream::connect(address).await.map_err(|e| bad(e.to_string()))?;
-    conn.write_all(b"INFO commandstats\r\n").await.map_err(|e| bad(e.to_string()))?;
-    let mut reply = Vec::new();
-    let mut buf = [0u8; 4096];
-    // A bulk string: `$<length>\r\n<body>\r\n`; read until the whole body is in.
-    loop {
-        let n = conn.read(&mut buf).await.map_err(|e| bad(e.to_string()))?;
-        if n == 0 {
-            break;
-        }
-        reply.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&reply);
-        if let Some((head, body)) = text.split_once("\r\n")
-            && let Ok(len) = head.trim_start_matches('$').parse::<usize>()
-            && body.len() >= len
-        {
-            break;
-        }
-    }
-    let text = String::from_utf8_lossy(&reply);
+    let store = RedisStore::connect(&RedisTarget::Single(url.to_string()), RedisOptions::default())
+        .await
+        .map_err(|e| bad(e.to_string()))?;
+    let text: Result<String, _> = store.client().custom(fred::cmd!("INFO"), vec!["commandstats"]).await;
+    store.close().await;
+    let text = text.map_err(|e| bad(e.to_string()))?;
     let calls = |command: &str| {
         text.lines()
             .find_map(|l| l.strip_prefix(&format!("cmdstat_{command}:calls=")))
