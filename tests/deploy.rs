@@ -83,6 +83,33 @@ fn the_configmap_envoy_bootstrap_validates() {
     assert!(authz < ext_proc, "ext_proc runs after ext_authz, so it sees the reservation");
 }
 
+/// The connection manager of an Envoy bootstrap's first listener.
+fn connection_manager(bootstrap: &Value) -> &Value {
+    &bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+}
+
+fn http_filter<'a>(manager: &'a Value, name: &str) -> &'a Value {
+    let filters = manager["http_filters"].as_sequence().expect("http_filters");
+    &filters.iter().find(|f| f["name"] == name).unwrap_or_else(|| panic!("no {name}"))["typed_config"]
+}
+
+/// The Kubernetes Envoy closes the loop exactly as envoy/envoy.yaml does (the tests run the latter):
+/// the same ext_authz, ext_proc and access log settings, so the two copies cannot drift apart.
+#[test]
+fn the_configmap_envoy_closes_the_loop_as_the_shipped_one() {
+    let docs = manifests();
+    let k8s: Value =
+        serde_yaml::from_str(find(&docs, "ConfigMap", "envoy-config")["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/envoy.yaml");
+    let shipped: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let (k8s, shipped) = (connection_manager(&k8s), connection_manager(&shipped));
+    assert_eq!(k8s["access_log"], shipped["access_log"], "the access log of unanswered requests");
+    assert!(!shipped["access_log"].is_null());
+    for filter in ["envoy.filters.http.ext_authz", "envoy.filters.http.ext_proc"] {
+        assert_eq!(http_filter(k8s, filter), http_filter(shipped, filter), "{filter}");
+    }
+}
+
 #[test]
 fn the_demo_policy_is_valid_and_pools_its_model() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/demo-policy.yaml");

@@ -284,6 +284,25 @@ async fn responses_api_json_and_streams_are_committed_exactly() {
     other_format("/v1/responses", responses(true)).await;
 }
 
+/// The shipped filter learns the reservation from the dynamic metadata `Check` set; a configuration
+/// that sends the request headers instead (and forwards no metadata) reads it from the headers
+/// `Check` added, and commits the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filter_sent_the_request_headers_instead_of_metadata_commits_the_same() {
+    const FORWARDING: &str = "                      metadata_options:\n\
+                              \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
+    let stack = Stack::start_edited(10_000.0, |config| {
+        assert!(config.contains(FORWARDING) && config.contains("request_header_mode: SKIP"), "envoy.yaml changed");
+        config.replacen(FORWARDING, "", 1).replacen("request_header_mode: SKIP", "request_header_mode: SEND", 1)
+    })
+    .await;
+    let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let (prompt, completion) = stream_usage(&r.body).expect("a usage chunk");
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered), (prompt + completion, false), "{c:?}");
+}
+
 /// A route whose backends commit themselves turns the filter off; other routes keep it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_can_turn_the_commit_from_the_response_off() {

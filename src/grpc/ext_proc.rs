@@ -1,9 +1,10 @@
 //! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
 //! in front of a backend that knows nothing of tollgate.
 //!
-//! One gRPC stream per HTTP request. Envoy sends the request headers (with the reservation and its
-//! model, which `Check` added), the response headers and the response body as it streams, in
-//! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! One gRPC stream per HTTP request. Envoy sends the response headers and the response body as it
+//! streams, each with the reservation and its model that `Check` left in the request's dynamic
+//! metadata (a configuration that sends the request headers instead is read from the headers
+//! `Check` added), in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
 //! ends settles the hold:
@@ -15,7 +16,7 @@
 //! | 429 or 5xx after output | committed: what was generated |
 //! | other 4xx | committed with the usage it reports, else released |
 //! | cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far |
-//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) |
+//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt); no stream opens for such a request, so Envoy's access log tells tollgate ([`super::access_log`]) |
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
 //! tollgate leaves the hold to it; a route whose backends all commit turns the filter off
@@ -28,7 +29,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
@@ -40,7 +41,9 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::response::{MODEL_HEADER, RESERVATION_HEADER};
+use envoy_types::pb::google::protobuf::{Struct, value::Kind};
+
+use super::response::{AUTHZ_NAMESPACE, MODEL_FIELD, MODEL_HEADER, RESERVATION_FIELD, RESERVATION_HEADER};
 use crate::admission::usage::{Measured, Meter};
 use crate::admission::{Admission, ids};
 use crate::store::Store;
@@ -132,17 +135,18 @@ impl Exchange {
         admission: &Admission<S>,
     ) -> Option<ProcessingResponse> {
         let observing = message.observability_mode;
+        if self.reservation.is_none()
+            && let Some(metadata) = &message.metadata_context
+        {
+            let (reservation, model) = forwarded(metadata);
+            self.learn(reservation, model, admission);
+        }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
-                self.reservation = header(&headers, RESERVATION_HEADER).map(str::to_string);
-                self.model = header(&headers, MODEL_HEADER).map(str::to_string);
-                self.renew_every = self
-                    .reservation
-                    .as_deref()
-                    .and_then(ids::parse_reservation_id)
-                    .and_then(|r| admission.policy().tenant(r.tenant))
-                    .map(|t| Duration::from_millis(t.lease_ttl_ms) / 3);
+                if self.reservation.is_none() {
+                    self.learn(header(&headers, RESERVATION_HEADER), header(&headers, MODEL_HEADER), admission);
+                }
                 Reply::RequestHeaders(HeadersResponse::default())
             }
             Phase::ResponseHeaders(h) => {
@@ -190,6 +194,17 @@ impl Exchange {
         (!observing).then(|| ProcessingResponse { response: Some(reply), ..Default::default() })
     }
 
+    /// The reservation `Check` made for this request, and its model: from the metadata Envoy forwards
+    /// with each message (as shipped), or from the request headers (if a configuration sends them).
+    fn learn<S: Store>(&mut self, reservation: Option<&str>, model: Option<&str>, admission: &Admission<S>) {
+        let Some(id) = reservation else { return };
+        self.renew_every = ids::parse_reservation_id(id)
+            .and_then(|r| admission.policy().tenant(r.tenant))
+            .map(|t| Duration::from_millis(t.lease_ttl_ms) / 3);
+        self.reservation = Some(id.to_string());
+        self.model = model.map(str::to_string);
+    }
+
     /// Renews the lease of a long stream while its bytes keep flowing: every third of a lease.
     async fn keep_alive<S: Store>(&mut self, admission: &Admission<S>) {
         let (Some(id), Some(every)) = (self.reservation.as_deref(), self.renew_every) else { return };
@@ -213,9 +228,7 @@ impl Exchange {
         }
         let status = self.status.unwrap_or(0);
         let Some(meter) = &mut self.meter else {
-            // Cut short before any response: the request reached the backend, which read its
-            // prompt and generated nothing the client saw; the prompt held is charged.
-            commit(admission, id, Measured::Metered { output: 0 }, ending).await;
+            charge_unanswered(admission, id).await;
             return;
         };
         let saw_output = meter.saw_output();
@@ -247,6 +260,20 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
     }
 }
 
+/// A request that ended before any response: it reached the backend, which read its prompt and
+/// generated nothing the client saw; the prompt held is charged, no output.
+pub(super) async fn charge_unanswered<S: Store>(admission: &Admission<S>, id: &str) {
+    commit(admission, id, Measured::Metered { output: 0 }, Ending::CutShort).await;
+}
+
+/// The reservation and model `Check` left in the request's dynamic metadata, as Envoy forwards it.
+pub(super) fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
+    match metadata.filter_metadata.get(AUTHZ_NAMESPACE) {
+        Some(check) => (text(check, RESERVATION_FIELD), text(check, MODEL_FIELD)),
+        None => (None, None),
+    }
+}
+
 /// Bytes per token when the model is not known.
 const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
 
@@ -266,6 +293,14 @@ fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
         return Some(ms);
     }
     header(headers, "retry-after").and_then(|v| v.trim().parse::<u64>().ok()).map(|s| s.saturating_mul(1000))
+}
+
+/// A string field of forwarded metadata.
+fn text<'a>(metadata: &'a Struct, field: &str) -> Option<&'a str> {
+    match metadata.fields.get(field)?.kind.as_ref()? {
+        Kind::StringValue(s) => Some(s),
+        _ => None,
+    }
 }
 
 /// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes).

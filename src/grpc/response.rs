@@ -10,6 +10,7 @@ use envoy_types::pb::envoy::service::auth::v3::{
     CheckResponse, DeniedHttpResponse, OkHttpResponse, check_response::HttpResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use crate::admission::{Decision, Denial};
@@ -25,6 +26,13 @@ pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
 /// Upstream: the model the hold was made for, which the commit from the response meters by.
 pub const MODEL_HEADER: &str = "x-tollgate-model";
 
+/// The dynamic metadata namespace Envoy files a Check's `dynamic_metadata` under, and from which
+/// its ext_proc filter forwards them to tollgate (`metadata_options` in envoy/envoy.yaml).
+pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
+/// Fields of that metadata: the reservation and the model, as in the upstream headers.
+pub const RESERVATION_FIELD: &str = "reservation";
+pub const MODEL_FIELD: &str = "model";
+
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
 const RPC_OK: i32 = 0;
 const RPC_PERMISSION_DENIED: i32 = 7;
@@ -34,15 +42,26 @@ const RPC_PERMISSION_DENIED: i32 = 7;
 /// answer does not overwrite is removed.
 pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckResponse {
     match decision {
-        Decision::Admitted(a) => admitted(
-            vec![
-                header(RESERVATION_HEADER, a.reservation_id.clone()),
-                header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-                header(MODEL_HEADER, a.model.clone()),
-            ],
-            rate_limit_headers(&a.headroom),
-            client_own,
-        ),
+        Decision::Admitted(a) => {
+            let mut response = admitted(
+                vec![
+                    header(RESERVATION_HEADER, a.reservation_id.clone()),
+                    header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+                    header(MODEL_HEADER, a.model.clone()),
+                ],
+                rate_limit_headers(&a.headroom),
+                client_own,
+            );
+            // For the commit from the response: Envoy hands these to ext_proc with the response,
+            // so it need not be sent the request headers.
+            response.dynamic_metadata = Some(Struct {
+                fields: [(RESERVATION_FIELD, &a.reservation_id), (MODEL_FIELD, &a.model)]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+                    .collect(),
+            });
+            response
+        }
         Decision::Unmetered => {
             admitted(vec![header(UNMETERED_HEADER, "store_unavailable".to_string())], Vec::new(), client_own)
         }
@@ -193,6 +212,26 @@ mod tests {
         assert_eq!(headers(&r), vec![(UNMETERED_HEADER.to_string(), "store_unavailable".to_string())]);
         let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { panic!() };
         assert_eq!(ok.headers_to_remove, vec![RESERVATION_HEADER.to_string(), "x-tollgate-model".to_string()]);
+    }
+
+    #[test]
+    fn an_admission_leaves_its_reservation_and_model_in_the_dynamic_metadata() {
+        let ok = crate::admission::Admitted {
+            reservation_id: "acme:r1".into(),
+            model: "m".into(),
+            reserved_tokens: 10,
+            attempts: 1,
+            replayed: false,
+            headroom: Headroom::default(),
+        };
+        let r = check_response(&Decision::Admitted(ok), &[]);
+        let fields = &r.dynamic_metadata.expect("dynamic metadata").fields;
+        let text = |k: &str| match fields.get(k).and_then(|v| v.kind.as_ref()) {
+            Some(Kind::StringValue(s)) => s.clone(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!((text(RESERVATION_FIELD), text(MODEL_FIELD)), ("acme:r1".to_string(), "m".to_string()));
+        assert!(check_response(&Decision::Unmetered, &[]).dynamic_metadata.is_none(), "no hold, nothing to commit");
     }
 
     #[test]
