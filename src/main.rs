@@ -10,6 +10,11 @@ use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
 use tollgate::cli::{self, Cli, Command};
+
+/// mimalloc: a decision allocates (gRPC frames, headers, protobuf messages, Lua values) and glibc's
+/// malloc was a sixth of tollgate's CPU behind Envoy (docs/BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use tollgate::config::Policy;
 
 fn main() -> ExitCode {
