@@ -394,6 +394,7 @@ end
 --   n     samples (halved whenever it passes the window, so the estimate follows drift)
 --   b<i>  samples whose output fell in bucket i: (1.05^(i-1), 1.05^i] tokens; b0 holds 0 and 1
 --   q     the tracked quantile, as the upper edge of its bucket (rounding up: a hold errs large)
+--   qb qc the bucket q is the edge of, and the samples at or below it
 --   us ov all tokens used, and all tokens used beyond their hold, since the estimate began
 
 local GROWTH = 1.05
@@ -405,12 +406,9 @@ local function bucket_of(tokens)
   return math.ceil(math.log(tokens) / math.log(GROWTH) - 1e-9)
 end
 
--- Teaches the estimate one output length, and recomputes its quantile.
-local function learn(key, output, used, overrun, quantile, window, ttl)
-  redis.call('HINCRBY', key, 'b' .. bucket_of(output), 1)
-  local n = redis.call('HINCRBY', key, 'n', 1)
-  redis.call('HINCRBY', key, 'us', used)
-  redis.call('HINCRBY', key, 'ov', overrun)
+-- The quantile from every bucket: the first bucket, in order, at which the samples so far reach
+-- quantile x n. Halves every bucket first when n has passed the window. Returns n.
+local function recompute(key, n, quantile, window)
   local flat = redis.call('HGETALL', key)
   local buckets = {}
   for i = 1, #flat, 2 do
@@ -434,14 +432,43 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
   table.sort(buckets, function(x, y)
     return x[1] < y[1]
   end)
-  local need, seen, q = quantile * n, 0, 1
+  local need, seen, q, qb = quantile * n, 0, 1, 0
   for _, b in ipairs(buckets) do
     seen = seen + b[2]
-    q = math.ceil(GROWTH ^ b[1] - 1e-9)
+    q, qb = math.ceil(GROWTH ^ b[1] - 1e-9), b[1]
     if seen >= need then
       break
     end
   end
-  redis.call('HSET', key, 'q', q)
+  redis.call('HSET', key, 'q', q, 'qb', qb, 'qc', seen)
+end
+
+-- Teaches the estimate one output length. A sample moves the quantile only when the samples
+-- below q's bucket now reach quantile x n, or those at or below it no longer do: only then is it
+-- recomputed from every bucket (and when the window halves them); otherwise it stands, with the
+-- very value a recomputation would give.
+local function learn(key, output, used, overrun, quantile, window, ttl)
+  local b = bucket_of(output)
+  local in_b = redis.call('HINCRBY', key, 'b' .. b, 1)
+  local n = redis.call('HINCRBY', key, 'n', 1)
+  redis.call('HINCRBY', key, 'us', used)
+  redis.call('HINCRBY', key, 'ov', overrun)
   redis.call('PEXPIRE', key, ttl)
+  local at = redis.call('HMGET', key, 'qb', 'qc')
+  local qb, qc = tonumber(at[1]), tonumber(at[2])
+  if n <= window and qb and qc then
+    if b <= qb then
+      qc = qc + 1
+    end
+    local in_qb = in_b
+    if b ~= qb then
+      in_qb = tonumber(redis.call('HGET', key, 'b' .. qb)) or 0
+    end
+    local need = quantile * n
+    if in_qb > 0 and qc >= need and qc - in_qb < need then
+      redis.call('HSET', key, 'qc', qc)
+      return
+    end
+  end
+  recompute(key, n, quantile, window)
 end

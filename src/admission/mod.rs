@@ -114,8 +114,9 @@ pub struct Admission<S> {
     protocol: Protocol<S>,
     /// The latest output estimate each (tenant, model) reserve returned, for the pool leg: it runs
     /// before the tenant leg and on another slot, so it cannot read the estimate itself. The store
-    /// keeps the truth; this is this replica's most recent look at it.
-    seen_estimates: RwLock<HashMap<(String, String), u64>>,
+    /// keeps the truth; this is this replica's most recent look at it. By tenant, then model, so
+    /// a lookup borrows the names instead of building a key.
+    seen_estimates: RwLock<HashMap<String, HashMap<String, u64>>>,
     /// This replica's slices and leased holds, when the policy leases.
     leases: Option<Leases>,
 }
@@ -788,12 +789,25 @@ impl<S: Store> Admission<S> {
 impl<S> Admission<S> {
     fn seen_estimate(&self, tenant: &str, model: &str) -> Option<u64> {
         let seen = self.seen_estimates.read().unwrap_or_else(|p| p.into_inner());
-        seen.get(&(tenant.to_string(), model.to_string())).copied()
+        seen.get(tenant)?.get(model).copied()
     }
 
+    /// Takes the write lock, and allocates the names, only when the estimate moved.
     fn remember_estimate(&self, tenant: &str, model: &str, output: u64) {
+        if self.seen_estimate(tenant, model) == Some(output) {
+            return;
+        }
         let mut seen = self.seen_estimates.write().unwrap_or_else(|p| p.into_inner());
-        seen.insert((tenant.to_string(), model.to_string()), output);
+        let models = match seen.get_mut(tenant) {
+            Some(models) => models,
+            None => seen.entry(tenant.to_string()).or_default(),
+        };
+        match models.get_mut(model) {
+            Some(known) => *known = output,
+            None => {
+                models.insert(model.to_string(), output);
+            }
+        }
     }
 }
 
