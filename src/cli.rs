@@ -21,6 +21,7 @@ use crate::grpc::server::{ServeError, serve as serve_grpc};
 use crate::sim::backend::{self, SimConfig};
 use crate::sim::lengths::OutputLengths;
 use crate::sim::load;
+use crate::store::breaker::{Breaker, BreakerSettings};
 use crate::store::embedded::EmbeddedStore;
 use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 use crate::store::{Protocol, Store, StoreError};
@@ -292,18 +293,21 @@ pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<TcpList
 }
 
 /// Connects the policy's store, loads the scripts, and serves on `listener` until `shutdown`.
+/// Redis is called through a circuit breaker: a Redis that keeps failing is not waited on.
 pub async fn serve(policy: Arc<Policy>, listener: TcpListener, shutdown: CancellationToken) -> Result<(), RunError> {
     let options =
         RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
+    let b = policy.store.breaker;
+    let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
     match policy.store.choice.clone() {
         StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listener, shutdown).await,
         StoreChoice::Redis { url } => {
             let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
-            run_on(store, policy, listener, shutdown).await
+            run_on(Breaker::new(store, breaker), policy, listener, shutdown).await
         }
         StoreChoice::Cluster { nodes } => {
             let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
-            run_on(store, policy, listener, shutdown).await
+            run_on(Breaker::new(store, breaker), policy, listener, shutdown).await
         }
     }
 }

@@ -1,5 +1,6 @@
 //! When Redis goes away under a running tollgate, admission fails closed with 503
-//! `store_unavailable` and a Retry-After, and comes back when Redis does.
+//! `store_unavailable` and a Retry-After (or admits unmetered, for a fail_open tenant), stops
+//! waiting on it once it keeps failing, and comes back when Redis does.
 
 mod support;
 
@@ -86,6 +87,64 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
         assert!(start.elapsed() < Duration::from_secs(15), "no recovery after Redis came back: {r:?}\n{}", t.log());
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A dead Redis is not waited on: once a few calls have failed (each within the command timeout),
+/// the circuit breaker answers every decision at once, by the tenant's mode, without calling Redis;
+/// when Redis is back, a probe finds it and decisions resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_is_not_waited_on_and_is_found_again() {
+    let port = free_port();
+    let redis = OwnRedis::start(port);
+    // A long command timeout, so a call that waited on Redis cannot pass for one that did not.
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 3000\n  breaker: {{ failures: 2, open_ms: 1500, max_open_ms: 1500 }}\n\
+         models:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
+
+    drop(redis);
+    for _ in 0..2 {
+        let started = Instant::now();
+        let r = client.reserve(reserve()).await.unwrap().into_inner();
+        assert_eq!(r.reason, "store_unavailable", "{r:?}");
+        assert!(started.elapsed() < Duration::from_secs(5), "bounded by the command timeout: {:?}", started.elapsed());
+    }
+    // The breaker is open for 1.5 s: 20 decisions of both modes, none of which waits on Redis (one
+    // that did would take the 3 s command timeout).
+    let started = Instant::now();
+    for i in 0..20 {
+        let tenant = if i % 2 == 0 { "acme" } else { "open" };
+        let r = client.reserve(ReserveRequest { tenant: tenant.into(), ..reserve() }).await.unwrap().into_inner();
+        match tenant {
+            "acme" => assert_eq!((r.admitted, r.reason.as_str(), r.http_status), (false, "store_unavailable", 503)),
+            _ => assert!(r.admitted && r.unmetered, "fail_open admits unmetered: {r:?}"),
+        }
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "20 decisions took {:?}: one of them waited on the dead Redis\n{}",
+        started.elapsed(),
+        t.log()
+    );
+    assert!(t.log().contains("circuit open"), "the breaker says it opened:\n{}", t.log());
+
+    let _back = OwnRedis::start(port);
+    let back = Instant::now();
+    loop {
+        let r = client.reserve(reserve()).await.unwrap().into_inner();
+        if r.admitted {
+            break;
+        }
+        // The next probe (at most max_open_ms, 1.5 s, away) after a reconnect (at most 0.5 s
+        // apart), with room for a slow machine.
+        assert!(back.elapsed() < Duration::from_secs(4), "no recovery after Redis came back: {r:?}\n{}", t.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("decisions resumed {:?} after Redis accepted connections", back.elapsed());
 }
 
 /// SIGTERM while a call is in flight: the call finishes (within drain_timeout_ms), then the

@@ -179,8 +179,13 @@ impl<S: Store> Admission<S> {
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
         tokio::spawn(async move {
-            let decided = this.hold(&plan).await;
-            if let Err(Decision::Admitted(undelivered)) = answer.send(decided)
+            let mut tidy = Tidy::default();
+            let decided = this.hold(&plan, &mut tidy).await;
+            let sent = answer.send(decided);
+            // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
+            // second timeout to it).
+            this.tidy(&plan, tidy).await;
+            if let Err(Decision::Admitted(undelivered)) = sent
                 && !undelivered.replayed
             {
                 tracing::debug!(reservation = %undelivered.reservation_id, "nobody received the hold; releasing it");
@@ -301,27 +306,47 @@ impl<S: Store> Admission<S> {
         })
     }
 
-    async fn hold(&self, plan: &Plan) -> Decision {
+    async fn hold(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
         if let Some(leg) = &plan.pool
             && let Err(denial) = self.pool_leg(plan, leg).await
         {
             return match denial.reason {
                 Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
-                    self.release_pool_leg(&leg.name, &plan.id).await;
+                    tidy.pool_leg = true;
                     self.on_store_error(plan, denial)
                 }
                 _ => Decision::Denied(denial),
             };
         }
-        let decision = if plan.leased { self.leased_leg(plan).await } else { self.tenant_leg(plan).await };
+        let decision = if plan.leased { self.leased_leg(plan, tidy).await } else { self.tenant_leg(plan, tidy).await };
         let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == plan.id);
         if let Some(leg) = &plan.pool
             && !holds_this_id
         {
-            self.release_pool_leg(&leg.name, &plan.id).await;
+            // The pool gives the work back before a refusal is answered, as the refusal says; after
+            // a store failure it is tidied up later, so the answer does not wait on the store twice.
+            if tidy.store_failed {
+                tidy.pool_leg = true;
+            } else {
+                self.release_pool_leg(&leg.name, &plan.id).await;
+            }
         }
         decision
+    }
+
+    /// What a decision left to tidy up, once it has been answered.
+    async fn tidy(&self, plan: &Plan, tidy: Tidy) {
+        if tidy.hold
+            && let Err(e) = self.protocol.release(&plan.tenant, &plan.id).await
+        {
+            tracing::warn!(error = %e, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
+        }
+        if let Some(leg) = &plan.pool
+            && tidy.pool_leg
+        {
+            self.release_pool_leg(&leg.name, &plan.id).await;
+        }
     }
 
     /// Capacity: can the pool start and finish this request in time? Holds its work if so.
@@ -388,8 +413,8 @@ impl<S: Store> Admission<S> {
 
     /// Quota from this replica's slices: a hit decides from memory; a miss makes one lease call
     /// (one at a time per tenant: a miss that waited for another's call looks again first).
-    async fn leased_leg(&self, plan: &Plan) -> Decision {
-        let Some(leases) = &self.leases else { return self.tenant_leg(plan).await };
+    async fn leased_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+        let Some(leases) = &self.leases else { return self.tenant_leg(plan, tidy).await };
         let ask = plan.ask();
         let t = leases.tenant(&plan.tenant, &plan.tp);
         match leases.try_admit(&t, &ask) {
@@ -412,12 +437,15 @@ impl<S: Store> Admission<S> {
                     }
                     None => match leases.try_admit(&t, &ask) {
                         // Granted but not covered: only if the policy changed under it; the store decides.
-                        Local::Miss => self.tenant_leg(plan).await,
+                        Local::Miss => self.tenant_leg(plan, tidy).await,
                         local => self.leased_decision(plan, local),
                     },
                 }
             }
-            Err(e) => self.on_store_error(plan, store_unavailable(&e, &plan.tenant)),
+            Err(e) => {
+                tidy.store_failed = true;
+                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+            }
         }
     }
 
@@ -531,7 +559,7 @@ impl<S: Store> Admission<S> {
     }
 
     /// Quota: every scope of the tenant must pass.
-    async fn tenant_leg(&self, plan: &Plan) -> Decision {
+    async fn tenant_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
         let call = ReserveCall {
             tenant: &plan.tenant,
             model: &plan.model,
@@ -584,9 +612,8 @@ impl<S: Store> Admission<S> {
             }
             Err(e) => {
                 // The script may have run and only its reply been lost: give back what it may hold.
-                if let Err(release) = self.protocol.release(&plan.tenant, &plan.id).await {
-                    tracing::warn!(error = %release, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
-                }
+                tidy.hold = true;
+                tidy.store_failed = true;
                 self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
             }
         }
@@ -892,6 +919,18 @@ impl Plan {
             prompt: self.prompt,
         }
     }
+}
+
+/// Store calls a decision leaves behind after a store failure, made once it is answered: a
+/// decision waits on a failing store once, never twice.
+#[derive(Debug, Default)]
+struct Tidy {
+    /// A store call of the tenant leg failed.
+    store_failed: bool,
+    /// Release the tenant leg's hold: its reserve failed, and may have run all the same.
+    hold: bool,
+    /// Release the pool leg's hold: its call failed, or the tenant leg's did.
+    pool_leg: bool,
 }
 
 /// One scope a request charges.

@@ -89,12 +89,24 @@ pub enum StoreChoice {
     },
 }
 
-/// Store selection and connection timeouts.
+/// Store selection, connection timeouts, and the circuit breaker in front of Redis.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreSettings {
     pub choice: StoreChoice,
     pub connect_timeout: Duration,
+    /// Every Redis call's limit; well under Envoy's ext_authz timeout (0.5 s), so a decision
+    /// against a dead or stalled Redis answers before Envoy gives up on it.
     pub command_timeout: Duration,
+    pub breaker: BreakerPolicy,
+}
+
+/// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,
+/// for `open` and then doubling up to `max_open` while probes fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerPolicy {
+    pub failures: u32,
+    pub open: Duration,
+    pub max_open: Duration,
 }
 
 /// The serving side of the policy.
@@ -308,10 +320,18 @@ impl Policy {
 
     /// A few lines saying what the policy enforces, for `check-config`.
     pub fn summary(&self) -> String {
+        let b = &self.store.breaker;
+        let guarded = format!(
+            "; calls time out after {} ms; {} failures in a row stop them for {}-{} ms",
+            self.store.command_timeout.as_millis(),
+            b.failures,
+            b.open.as_millis(),
+            b.max_open.as_millis()
+        );
         let store = match &self.store.choice {
             StoreChoice::Embedded => "embedded (single replica)".to_string(),
-            StoreChoice::Redis { url } => format!("redis {url}"),
-            StoreChoice::Cluster { nodes } => format!("redis cluster {}", nodes.join(",")),
+            StoreChoice::Redis { url } => format!("redis {url}{guarded}"),
+            StoreChoice::Cluster { nodes } => format!("redis cluster {}{guarded}", nodes.join(",")),
         };
         let mut names: Vec<_> = self.tenants.keys().cloned().collect();
         names.sort();

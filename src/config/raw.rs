@@ -48,6 +48,15 @@ pub(super) struct RawStore {
     pub redis_cluster: Option<Vec<String>>,
     pub connect_timeout_ms: Option<u64>,
     pub command_timeout_ms: Option<u64>,
+    pub breaker: Option<RawBreaker>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBreaker {
+    pub failures: Option<u32>,
+    pub open_ms: Option<u64>,
+    pub max_open_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

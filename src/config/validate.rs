@@ -77,8 +77,9 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         command_timeout: Duration::from_millis(positive(
             "store.command_timeout_ms",
             raw.store.command_timeout_ms,
-            500,
+            150,
         )?),
+        breaker: breaker(raw.store.breaker.unwrap_or_default())?,
     };
 
     let d = raw.defaults;
@@ -283,6 +284,22 @@ struct TenantDefaults {
     retention_ms: u64,
     adaptive_output: Option<AdaptiveOutput>,
     on_store_error: super::OnStoreError,
+}
+
+fn breaker(b: super::raw::RawBreaker) -> Result<super::BreakerPolicy, Problem> {
+    let failures = positive_u32("store.breaker.failures", b.failures, 3)?;
+    let open_ms = positive("store.breaker.open_ms", b.open_ms, 250)?;
+    let max_open_ms = positive("store.breaker.max_open_ms", b.max_open_ms, 500)?;
+    // Unset, it follows a longer open_ms; set below it, it is a mistake.
+    let max_open_ms = if b.max_open_ms.is_none() { max_open_ms.max(open_ms) } else { max_open_ms };
+    if max_open_ms < open_ms {
+        return Err(problem("store.breaker.max_open_ms", format!("{max_open_ms} is below open_ms {open_ms}")));
+    }
+    Ok(super::BreakerPolicy {
+        failures,
+        open: Duration::from_millis(open_ms),
+        max_open: Duration::from_millis(max_open_ms),
+    })
 }
 
 fn adaptive(field: &str, a: RawAdaptive) -> Result<AdaptiveOutput, Problem> {

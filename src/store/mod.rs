@@ -9,6 +9,7 @@
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+pub mod breaker;
 pub mod clock;
 pub mod embedded;
 pub mod keys;

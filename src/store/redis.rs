@@ -70,7 +70,9 @@ impl RedisStore {
             max_command_attempts: 2,
             ..Default::default()
         };
-        let policy = ReconnectPolicy::new_exponential(0, 50, 2_000, 2);
+        // Reconnect at most half a second apart: a Redis that comes back is in use within about a
+        // second (this, then the circuit breaker's next probe).
+        let policy = ReconnectPolicy::new_exponential(0, 50, 500, 2);
         let client = fred::prelude::Client::new(config, Some(perf), Some(connection), Some(policy));
         let connected = tokio::time::timeout(options.connect_timeout, client.init()).await;
         match connected {
