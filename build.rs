@@ -1,6 +1,6 @@
 //! Compiles tollgate's own proto into Rust, and builds the descriptor set that server reflection
-//! serves: tollgate's Admission service plus the vendored closure of Envoy's `external_auth.proto`,
-//! `external_processor.proto` and `als.proto`.
+//! serves: tollgate's Admission service plus the vendored closure of Envoy's `external_auth.proto`
+//! and `external_processor.proto`.
 //! Envoy's Rust types come from `envoy-types`; its protos are compiled here only for reflection.
 //! protox does the parsing, so no system `protoc` is needed.
 
@@ -16,11 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(own.clone())?;
 
     let mut reflection = protox::compile(
-        [
-            "envoy/service/auth/v3/external_auth.proto",
-            "envoy/service/ext_proc/v3/external_processor.proto",
-            "envoy/service/accesslog/v3/als.proto",
-        ],
+        ["envoy/service/auth/v3/external_auth.proto", "envoy/service/ext_proc/v3/external_processor.proto"],
         ["proto/vendor"],
     )?;
     for file in own.file {

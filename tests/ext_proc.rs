@@ -284,16 +284,18 @@ async fn responses_api_json_and_streams_are_committed_exactly() {
     other_format("/v1/responses", responses(true)).await;
 }
 
-/// The shipped filter learns the reservation from the dynamic metadata `Check` set; a configuration
-/// that sends the request headers instead (and forwards no metadata) reads it from the headers
-/// `Check` added, and commits the same.
+/// A filter that skips the request headers and forwards `Check`'s dynamic metadata instead reads the
+/// reservation from the metadata, and commits the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_filter_sent_the_request_headers_instead_of_metadata_commits_the_same() {
-    const FORWARDING: &str = "                      metadata_options:\n\
-                              \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
+async fn a_filter_forwarded_the_metadata_instead_of_the_request_headers_commits_the_same() {
+    const DEFERRED: &str = "                      deferred_close_timeout: 1s\n";
     let stack = Stack::start_edited(10_000.0, |config| {
-        assert!(config.contains(FORWARDING) && config.contains("request_header_mode: SKIP"), "envoy.yaml changed");
-        config.replacen(FORWARDING, "", 1).replacen("request_header_mode: SKIP", "request_header_mode: SEND", 1)
+        assert!(config.contains(DEFERRED) && config.contains("request_header_mode: SEND"), "envoy.yaml changed");
+        let forwarding = "                      metadata_options:\n\
+                          \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
+        config
+            .replacen(DEFERRED, &format!("{DEFERRED}{forwarding}"), 1)
+            .replacen("request_header_mode: SEND", "request_header_mode: SKIP", 1)
     })
     .await;
     let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;

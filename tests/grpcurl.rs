@@ -22,7 +22,6 @@ fn grpcurl_lists_every_service_by_reflection() {
     for service in [
         "envoy.service.auth.v3.Authorization",
         "envoy.service.ext_proc.v3.ExternalProcessor",
-        "envoy.service.accesslog.v3.AccessLogService",
         "tollgate.v1.Admission",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",

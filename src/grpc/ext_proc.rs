@@ -1,10 +1,9 @@
 //! Envoy's `ExternalProcessor` = the commit phase, from the response itself, so the loop closes
 //! in front of a backend that knows nothing of tollgate.
 //!
-//! One gRPC stream per HTTP request. Envoy sends the response headers and the response body as it
-//! streams, each with the reservation and its model that `Check` left in the request's dynamic
-//! metadata (a configuration that sends the request headers instead is read from the headers
-//! `Check` added), in observability mode: it does not wait for tollgate, so the response is never held up. tollgate
+//! One gRPC stream per HTTP request. Envoy sends the request headers (with the reservation and its
+//! model, which `Check` added), the response headers and the response body as it streams, in
+//! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
 //! ends settles the hold:
@@ -16,7 +15,7 @@
 //! | 429 or 5xx after output | committed: what was generated |
 //! | other 4xx | committed with the usage it reports, else released |
 //! | cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far |
-//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt); no stream opens for such a request, so Envoy's access log tells tollgate ([`super::access_log`]) |
+//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) |
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
 //! tollgate leaves the hold to it; a route whose backends all commit turns the filter off
@@ -24,6 +23,12 @@
 //! could claim it commits and so run for free (and `Check` strips every `x-tollgate-*` a client
 //! sends anyway). Both committing is harmless, since commit is idempotent. A tollgate restart
 //! mid-stream leaves the hold to expiry.
+//!
+//! A configuration may skip the request headers and forward `Check`'s dynamic metadata instead
+//! (`metadata_options`): the reservation is read from whichever comes first. It saves one message
+//! a request but opens the stream on the response's path, and a client that leaves before the
+//! response then opens no stream at all, so its hold waits out its lease; docs/BENCHMARKS.md has
+//! the measurements that kept the request headers in `envoy/envoy.yaml`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -194,8 +199,8 @@ impl Exchange {
         (!observing).then(|| ProcessingResponse { response: Some(reply), ..Default::default() })
     }
 
-    /// The reservation `Check` made for this request, and its model: from the metadata Envoy forwards
-    /// with each message (as shipped), or from the request headers (if a configuration sends them).
+    /// The reservation `Check` made for this request, and its model: from the request headers (as
+    /// shipped), or from the metadata Envoy forwards with each message (if a configuration does).
     fn learn<S: Store>(&mut self, reservation: Option<&str>, model: Option<&str>, admission: &Admission<S>) {
         let Some(id) = reservation else { return };
         self.renew_every = ids::parse_reservation_id(id)
@@ -228,7 +233,9 @@ impl Exchange {
         }
         let status = self.status.unwrap_or(0);
         let Some(meter) = &mut self.meter else {
-            charge_unanswered(admission, id).await;
+            // Cut short before any response: the request reached the backend, which read its
+            // prompt and generated nothing the client saw; the prompt held is charged.
+            commit(admission, id, Measured::Metered { output: 0 }, ending).await;
             return;
         };
         let saw_output = meter.saw_output();
@@ -260,14 +267,8 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
     }
 }
 
-/// A request that ended before any response: it reached the backend, which read its prompt and
-/// generated nothing the client saw; the prompt held is charged, no output.
-pub(super) async fn charge_unanswered<S: Store>(admission: &Admission<S>, id: &str) {
-    commit(admission, id, Measured::Metered { output: 0 }, Ending::CutShort).await;
-}
-
 /// The reservation and model `Check` left in the request's dynamic metadata, as Envoy forwards it.
-pub(super) fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
+fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
     match metadata.filter_metadata.get(AUTHZ_NAMESPACE) {
         Some(check) => (text(check, RESERVATION_FIELD), text(check, MODEL_FIELD)),
         None => (None, None),

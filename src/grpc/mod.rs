@@ -1,7 +1,6 @@
 //! The gRPC edge. Protobuf types stop here: each service converts to the plain types of
 //! [`crate::admission`] and back.
 
-pub mod access_log;
 pub mod admission;
 pub mod authz;
 pub mod ext_proc;

@@ -26,8 +26,8 @@ pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
 /// Upstream: the model the hold was made for, which the commit from the response meters by.
 pub const MODEL_HEADER: &str = "x-tollgate-model";
 
-/// The dynamic metadata namespace Envoy files a Check's `dynamic_metadata` under, and from which
-/// its ext_proc filter forwards them to tollgate (`metadata_options` in envoy/envoy.yaml).
+/// The dynamic metadata namespace Envoy files a Check's `dynamic_metadata` under (an ext_proc
+/// filter can forward it to tollgate with `metadata_options`).
 pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 /// Fields of that metadata: the reservation and the model, as in the upstream headers.
 pub const RESERVATION_FIELD: &str = "reservation";
@@ -52,8 +52,9 @@ pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckRespon
                 rate_limit_headers(&a.headroom),
                 client_own,
             );
-            // For the commit from the response: Envoy hands these to ext_proc with the response,
-            // so it need not be sent the request headers.
+            // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
+            // ext_authz:reservation)%`), and for an ext_proc filter that forwards it instead of
+            // sending the request headers.
             response.dynamic_metadata = Some(Struct {
                 fields: [(RESERVATION_FIELD, &a.reservation_id), (MODEL_FIELD, &a.model)]
                     .into_iter()

@@ -1,5 +1,4 @@
-//! One port, every service: Envoy's `Authorization`, `ExternalProcessor` and `AccessLogService`,
-//! tollgate's `Admission`, `grpc.health.v1`, and
+//! One port, every service: Envoy's `Authorization` and `ExternalProcessor`, tollgate's `Admission`, `grpc.health.v1`, and
 //! server reflection v1 and v1alpha (grpcurl 1.8 speaks only v1alpha). The stack is built here and
 //! nowhere else.
 
@@ -12,14 +11,12 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 use tonic::transport::server::TcpIncoming;
 
-use super::access_log::AccessLogSink;
 use super::admission::AdmissionService;
 use super::authz::AuthzService;
 use super::ext_proc::ExtProcService;
 use crate::admission::Admission;
 use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
 use crate::store::Store;
-use envoy_types::pb::envoy::service::accesslog::v3::access_log_service_server::AccessLogServiceServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
 #[derive(Debug, thiserror::Error)]
@@ -50,7 +47,6 @@ pub async fn serve<S: Store>(
     health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
     health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
     health.set_serving::<ExternalProcessorServer<ExtProcService<S>>>().await;
-    health.set_serving::<AccessLogServiceServer<AccessLogSink<S>>>().await;
 
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -66,9 +62,9 @@ pub async fn serve<S: Store>(
         // Envoy keeps HTTP/2 connections open; pings find dead peers.
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        // No server-wide timeout: Envoy's access log is one call that lasts as long as its
-        // connection. A caller's own deadline (`grpc-timeout`, which Envoy sets from each filter's
-        // timeout) is honoured, and every store call has its own command timeout.
+        // A call stuck behind a dead store gives up instead of holding a stream forever; the
+        // store's own command timeout is far shorter, so this is a backstop.
+        .timeout(Duration::from_secs(5))
         // Past this many in-flight calls on one connection, refuse at once (RESOURCE_EXHAUSTED,
         // Envoy then answers status_on_error) rather than queue: a queue only adds latency.
         .concurrency_limit_per_connection(4096)
@@ -78,7 +74,6 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
         .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
-        .add_service(AccessLogServiceServer::new(AccessLogSink::new(admission.clone())))
         .add_service(AdmissionServer::new(AdmissionService::new(admission)))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
 
