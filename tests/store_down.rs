@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use support::procs::{TempDir, Tollgate, free_port};
-use tollgate::proto::ReserveRequest;
 use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::proto::{CommitRequest, ReserveRequest};
 
 /// A redis-server of this test's own, so stopping it disturbs no other test.
 struct OwnRedis {
@@ -145,6 +145,109 @@ async fn a_dead_redis_is_not_waited_on_and_is_found_again() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     eprintln!("decisions resumed {:?} after Redis accepted connections", back.elapsed());
+}
+
+/// One decision of the load below: when it was asked (since the start), how long it took, its answer.
+#[derive(Debug)]
+struct Seen {
+    at: Duration,
+    took: Duration,
+    tenant: &'static str,
+    answer: Result<tollgate::proto::ReserveResponse, tonic::Code>,
+}
+
+/// Reserve-and-commit cycles of one tenant, about 150 a second, for `length` (at most 2,000).
+async fn load(endpoint: String, tenant: &'static str, start: Instant, length: Duration) -> Vec<Seen> {
+    let mut client = AdmissionClient::connect(endpoint).await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..2_000 {
+        if start.elapsed() >= length {
+            break;
+        }
+        let asked = Instant::now();
+        let answer = client
+            .reserve(ReserveRequest { tenant: tenant.into(), ..reserve() })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|s| s.code());
+        let took = asked.elapsed();
+        if let Ok(r) = &answer
+            && r.admitted
+            && !r.unmetered
+        {
+            // Committed at once; UNAVAILABLE when Redis is gone in between, which a caller retries.
+            let commit =
+                CommitRequest { reservation_id: r.reservation_id.clone(), prompt_tokens: 1, completion_tokens: 1 };
+            if let Err(status) = client.commit(commit).await {
+                assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+            }
+        }
+        seen.push(Seen { at: asked.duration_since(start), took, tenant, answer });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    seen
+}
+
+/// Redis killed and restarted under load, with the shipped timeout and breaker: every decision is
+/// answered well within Envoy's 0.5 s, by its tenant's mode while Redis is gone, and decisions are
+/// back to normal within a second of Redis answering again (its script cache empty: the first call
+/// reloads on NOSCRIPT, and no decision fails for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_under_load() {
+    let port = free_port();
+    let redis = OwnRedis::start(port);
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let start = Instant::now();
+    let length = Duration::from_secs(6);
+    let closed = tokio::spawn(load(t.endpoint(), "acme", start, length));
+    let open = tokio::spawn(load(t.endpoint(), "open", start, length));
+
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    drop(redis);
+    let killed = start.elapsed();
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    let _back = OwnRedis::start(port);
+    let back = start.elapsed();
+
+    let mut seen = closed.await.unwrap();
+    seen.extend(open.await.unwrap());
+    seen.sort_by_key(|s| s.at);
+    let slowest = seen.iter().map(|s| s.took).max().unwrap();
+    eprintln!("{} decisions; the slowest took {slowest:?}", seen.len());
+    for s in &seen {
+        assert!(s.took < Duration::from_millis(450), "answered after Envoy would have given up: {s:?}\n{}", t.log());
+        let r = s.answer.as_ref().unwrap_or_else(|code| panic!("a gRPC error, not a decision: {code:?} {s:?}"));
+        assert!(r.admitted || (s.tenant == "acme" && r.reason == "store_unavailable"), "{s:?}");
+        if s.tenant == "open" {
+            assert!(r.admitted, "fail_open admits, metered or not: {s:?}");
+        }
+        if s.at + s.took < killed {
+            assert!(r.admitted && !r.unmetered, "Redis was up: {s:?}");
+        }
+    }
+    // Back to normal: the first metered admission after the restart, and none refused after it.
+    let first = seen
+        .iter()
+        .find(|s| s.at > back && s.answer.as_ref().is_ok_and(|r| r.admitted && !r.unmetered))
+        .unwrap_or_else(|| panic!("never back to normal\n{}", t.log()));
+    let resumed = first.at + first.took - back;
+    eprintln!("decisions back to normal {resumed:?} after Redis accepted connections");
+    assert!(resumed < Duration::from_millis(1500), "resumed {resumed:?} after Redis came back\n{}", t.log());
+    // Asked after that answer (a call made while the probe was out is still refused at once).
+    for s in seen.iter().filter(|s| s.at > first.at + first.took) {
+        assert!(s.answer.as_ref().is_ok_and(|r| r.admitted && !r.unmetered), "failed after recovery: {s:?}");
+    }
+    let down = seen.iter().filter(|s| s.at > killed && s.at + s.took < back);
+    assert!(down.clone().any(|s| s.tenant == "acme"), "the load ran while Redis was gone");
+    assert!(
+        down.filter(|s| s.tenant == "open").all(|s| s.answer.as_ref().is_ok_and(|r| r.unmetered)),
+        "while Redis was gone, fail_open admits unmetered"
+    );
 }
 
 /// SIGTERM while a call is in flight: the call finishes (within drain_timeout_ms), then the
