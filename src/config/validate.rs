@@ -77,7 +77,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         command_timeout: Duration::from_millis(positive(
             "store.command_timeout_ms",
             raw.store.command_timeout_ms,
-            150,
+            250,
         )?),
         breaker: breaker(raw.store.breaker.unwrap_or_default())?,
     };
