@@ -216,36 +216,84 @@ async fn redis_killed_and_restarted_under_load() {
 
     let mut seen = closed.await.unwrap();
     seen.extend(open.await.unwrap());
+    judge(seen, killed, back, &t.log());
+}
+
+/// Redis stalled (a `DEBUG SLEEP` of 1.5 s, as a blocked script would) under the same load: its
+/// calls time out, the breaker opens and every decision is answered by its tenant's mode without
+/// waiting; once Redis answers again, a probe closes the breaker and decisions are back to normal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stalled_under_load() {
+    let redis = OwnRedis::start_with(free_port(), &["--enable-debug-command", "yes"]);
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let start = Instant::now();
+    let length = Duration::from_secs(5);
+    let closed = tokio::spawn(load(t.endpoint(), "acme", start, length));
+    let open = tokio::spawn(load(t.endpoint(), "open", start, length));
+
+    // On a connection opened beforehand: Redis stalls the moment the command arrives, so every
+    // call asked after it is written waits behind it.
+    let mut stall = std::net::TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let stalled = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        stall.write_all(b"DEBUG SLEEP 1.5\r\n").unwrap();
+        let stalled = start.elapsed();
+        let mut reply = [0u8; 5];
+        stall.read_exact(&mut reply).unwrap();
+        assert_eq!(&reply, b"+OK\r\n");
+        stalled
+    })
+    .await
+    .unwrap();
+    let back = start.elapsed();
+
+    let mut seen = closed.await.unwrap();
+    seen.extend(open.await.unwrap());
+    assert!(t.log().contains("circuit open"), "the breaker opened:\n{}", t.log());
+    judge(seen, stalled, back, &t.log());
+}
+
+/// The load's decisions around an outage from `down` to `back` (since the load's start): each
+/// answered before Envoy would give up, by its tenant's mode; metered before the outage; back to
+/// normal within 1.5 s of Redis answering, and none failing after that.
+fn judge(mut seen: Vec<Seen>, down: Duration, back: Duration, log: &str) {
     seen.sort_by_key(|s| s.at);
     let slowest = seen.iter().map(|s| s.took).max().unwrap();
     eprintln!("{} decisions; the slowest took {slowest:?}", seen.len());
     for s in &seen {
-        assert!(s.took < Duration::from_millis(450), "answered after Envoy would have given up: {s:?}\n{}", t.log());
+        assert!(s.took < Duration::from_millis(450), "answered after Envoy would have given up: {s:?}\n{log}");
         let r = s.answer.as_ref().unwrap_or_else(|code| panic!("a gRPC error, not a decision: {code:?} {s:?}"));
         assert!(r.admitted || (s.tenant == "acme" && r.reason == "store_unavailable"), "{s:?}");
         if s.tenant == "open" {
             assert!(r.admitted, "fail_open admits, metered or not: {s:?}");
         }
-        if s.at + s.took < killed {
+        if s.at + s.took < down {
             assert!(r.admitted && !r.unmetered, "Redis was up: {s:?}");
         }
     }
-    // Back to normal: the first metered admission after the restart, and none refused after it.
+    // Back to normal: the first metered admission after Redis answers again, and none refused after.
     let first = seen
         .iter()
         .find(|s| s.at > back && s.answer.as_ref().is_ok_and(|r| r.admitted && !r.unmetered))
-        .unwrap_or_else(|| panic!("never back to normal\n{}", t.log()));
+        .unwrap_or_else(|| panic!("never back to normal\n{log}"));
     let resumed = first.at + first.took - back;
-    eprintln!("decisions back to normal {resumed:?} after Redis accepted connections");
-    assert!(resumed < Duration::from_millis(1500), "resumed {resumed:?} after Redis came back\n{}", t.log());
+    eprintln!("decisions back to normal {resumed:?} after Redis answered again");
+    assert!(resumed < Duration::from_millis(1500), "resumed {resumed:?} after Redis came back\n{log}");
     // Asked after that answer (a call made while the probe was out is still refused at once).
     for s in seen.iter().filter(|s| s.at > first.at + first.took) {
         assert!(s.answer.as_ref().is_ok_and(|r| r.admitted && !r.unmetered), "failed after recovery: {s:?}");
     }
-    let down = seen.iter().filter(|s| s.at > killed && s.at + s.took < back);
-    assert!(down.clone().any(|s| s.tenant == "acme"), "the load ran while Redis was gone");
+    // Answered while Redis was surely gone (its return and this test's noticing it may be 100 ms apart).
+    let during = seen.iter().filter(|s| s.at > down && s.at + s.took + Duration::from_millis(100) < back);
+    assert!(during.clone().any(|s| s.tenant == "acme"), "the load ran while Redis was gone");
     assert!(
-        down.filter(|s| s.tenant == "open").all(|s| s.answer.as_ref().is_ok_and(|r| r.unmetered)),
+        during.filter(|s| s.tenant == "open").all(|s| s.answer.as_ref().is_ok_and(|r| r.unmetered)),
         "while Redis was gone, fail_open admits unmetered"
     );
 }
