@@ -11,7 +11,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::procs::{Envoy, Tollgate};
+use support::procs::{Envoy, OwnRedis, Tollgate, free_port};
 use support::upstream::{Upstream, post};
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
@@ -447,5 +447,62 @@ async fn a_client_that_leaves_before_the_response_is_charged_the_prompt() {
         assert!(start.elapsed() < Duration::from_secs(10), "never settled: {r:?}\n{}", tollgate.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    shutdown.cancel();
+}
+
+/// Redis stops answering (SIGSTOP) while a stream is generated, and is still stopped when it ends:
+/// the commit from the response cannot reach it, is kept, and lands once Redis answers again (SIGCONT),
+/// with the stream's exact usage, instead of leaving the hold to expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_could_not_reach_redis_lands_when_it_answers_again() {
+    let redis = OwnRedis::start(free_port());
+    let tollgate = Tollgate::start(&format!("store:\n  redis_url: redis://127.0.0.1:{}\n{POLICY}", redis.port));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // 40 tokens at 20 a second: the stream takes two seconds.
+    let config = SimConfig {
+        slots: 4,
+        prefill_tokens_per_second: 1_000_000.0,
+        decode_tokens_per_second: 20.0,
+        lengths: OutputLengths::Fixed(40),
+        tollgate: None,
+        ..SimConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let envoy = Envoy::start(tollgate.addr, port);
+    let response = tokio::spawn(post(envoy.port, CHAT, &[TENANT], chat(true, true)));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let signal = |which: &str| {
+        let ok = std::process::Command::new("kill").args([which, &redis.child.id().to_string()]).status().unwrap();
+        assert!(ok.success(), "kill {which}");
+    };
+    signal("-STOP");
+    let r = response.await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}\n{}", tollgate.log());
+    let (prompt, completion) = stream_usage(&r.body).expect("a usage chunk");
+    let id = r.header("x-sim-reservation").unwrap().to_string();
+    // The commit times out against the stopped Redis and waits for it.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(tollgate.log().contains("could not reach the store; retrying"), "{}", tollgate.log());
+    signal("-CONT");
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let state =
+            client.renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 }).await.map(|r| r.into_inner().state);
+        if state.as_deref().is_ok_and(|s| s == "committed") {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "never committed: {state:?}\n{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let c = client
+        .commit(CommitRequest { reservation_id: id, prompt_tokens: 999, completion_tokens: 999 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((c.duplicate, c.used_tokens, c.metered), (true, prompt + completion, false), "{c:?}");
+    assert!(tollgate.log().contains("settled on retry"), "{}", tollgate.log());
     shutdown.cancel();
 }

@@ -4,50 +4,12 @@
 
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::procs::{TempDir, Tollgate, free_port};
+use support::procs::{OwnRedis, Tollgate, free_port};
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, ReserveRequest};
-
-/// A redis-server of this test's own, so stopping it disturbs no other test.
-struct OwnRedis {
-    child: Child,
-    port: u16,
-    _dir: TempDir,
-}
-
-impl OwnRedis {
-    fn start(port: u16) -> OwnRedis {
-        OwnRedis::start_with(port, &[])
-    }
-
-    fn start_with(port: u16, extra: &[&str]) -> OwnRedis {
-        let dir = TempDir::new("own-redis");
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&dir.0)
-            .args(extra)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server on PATH (scripts/test installs it)");
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        OwnRedis { child, port, _dir: dir }
-    }
-}
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn reserve() -> ReserveRequest {
     ReserveRequest { tenant: "acme".into(), model: "m".into(), prompt_tokens: 1, max_tokens: 1, ..Default::default() }

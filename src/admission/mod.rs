@@ -39,6 +39,7 @@ pub mod body;
 mod decision;
 pub mod ids;
 mod lease;
+pub mod retry;
 pub mod usage;
 
 use std::collections::HashMap;

@@ -49,8 +49,9 @@ use tonic::{Request, Response, Status, Streaming};
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
 use super::response::{AUTHZ_NAMESPACE, MODEL_FIELD, MODEL_HEADER, RESERVATION_FIELD, RESERVATION_HEADER};
+use crate::admission::retry::{Retries, Settlement};
 use crate::admission::usage::{Measured, Meter};
-use crate::admission::{Admission, ids};
+use crate::admission::{Admission, AdmissionError, ids};
 use crate::store::Store;
 
 /// Response header by which a backend says it commits itself.
@@ -60,11 +61,13 @@ pub const COMMIT_HEADER: &str = "x-tollgate-commit";
 #[derive(Debug)]
 pub struct ExtProcService<S> {
     admission: Arc<Admission<S>>,
+    /// Where a settlement that could not reach the store waits to be retried.
+    retries: Arc<Retries>,
 }
 
 impl<S> ExtProcService<S> {
-    pub fn new(admission: Arc<Admission<S>>) -> Self {
-        ExtProcService { admission }
+    pub fn new(admission: Arc<Admission<S>>, retries: Arc<Retries>) -> Self {
+        ExtProcService { admission, retries }
     }
 }
 
@@ -78,10 +81,11 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
         let mut inbound = request.into_inner();
         let (replies, out) = mpsc::channel(16);
         let admission = Arc::clone(&self.admission);
+        let retries = Arc::clone(&self.retries);
         // The exchange outlives this call: it settles the hold when the response ends, or when the
         // stream is cut short.
         tokio::spawn(async move {
-            let mut exchange = Exchange::new();
+            let mut exchange = Exchange::new(retries);
             // The stream ends cleanly, or with an error when Envoy resets it (the client left).
             while let Ok(Some(message)) = inbound.message().await {
                 // In observability mode Envoy expects no reply; otherwise, continue.
@@ -107,6 +111,7 @@ enum Ending {
 
 /// One request's response, as tollgate follows it.
 struct Exchange {
+    retries: Arc<Retries>,
     reservation: Option<String>,
     model: Option<String>,
     /// How often a long stream renews its lease: a third of its tenant's lease.
@@ -120,8 +125,9 @@ struct Exchange {
 }
 
 impl Exchange {
-    fn new() -> Self {
+    fn new(retries: Arc<Retries>) -> Self {
         Exchange {
+            retries,
             reservation: None,
             model: None,
             renew_every: None,
@@ -235,7 +241,7 @@ impl Exchange {
         let Some(meter) = &mut self.meter else {
             // Cut short before any response: the request reached the backend, which read its
             // prompt and generated nothing the client saw; the prompt held is charged.
-            commit(admission, id, Measured::Metered { output: 0 }, ending).await;
+            commit(admission, &self.retries, id, Measured::Metered { output: 0 }, ending).await;
             return;
         };
         let saw_output = meter.saw_output();
@@ -247,14 +253,14 @@ impl Exchange {
             _ => false,
         };
         if !charge {
-            release(admission, id).await;
+            release(admission, &self.retries, id).await;
             return;
         }
-        commit(admission, id, measured, ending).await;
+        commit(admission, &self.retries, id, measured, ending).await;
     }
 }
 
-async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured, ending: Ending) {
+async fn commit<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str, measured: Measured, ending: Ending) {
     match admission.commit_counted(id, measured).await {
         Ok(outcome) => tracing::debug!(
             reservation = id,
@@ -263,6 +269,10 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
             cut_short = ending == Ending::CutShort,
             "committed from the response"
         ),
+        Err(AdmissionError::Store(e)) if e.is_transient() => {
+            tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
+            retries.push(Settlement::Commit { id: id.to_string(), measured });
+        }
         Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
     }
 }
@@ -278,10 +288,14 @@ fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
 /// Bytes per token when the model is not known.
 const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
 
-async fn release<S: Store>(admission: &Admission<S>, id: &str) {
+async fn release<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str) {
     match admission.release(id).await {
         Ok(outcome) => {
             tracing::debug!(reservation = id, state = outcome.state(), "released: the response generated nothing")
+        }
+        Err(AdmissionError::Store(e)) if e.is_transient() => {
+            tracing::warn!(error = %e, reservation = id, "release from the response could not reach the store; retrying");
+            retries.push(Settlement::Release { id: id.to_string() });
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "release from the response failed"),
     }

@@ -15,6 +15,7 @@ use super::admission::AdmissionService;
 use super::authz::AuthzService;
 use super::ext_proc::ExtProcService;
 use crate::admission::Admission;
+use crate::admission::retry::Retries;
 use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
 use crate::store::Store;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -55,6 +56,9 @@ pub async fn serve<S: Store>(
             .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
     };
+    // Settlements the commit from the response could not make, retried until the store takes them.
+    let stop_retrying = CancellationToken::new();
+    let (retries, retrying) = Retries::start(Arc::clone(&admission), stop_retrying.clone());
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
@@ -73,7 +77,7 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
-        .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
+        .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone(), retries)))
         .add_service(AdmissionServer::new(AdmissionService::new(admission)))
         .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
 
@@ -83,6 +87,9 @@ pub async fn serve<S: Store>(
             tracing::warn!(?drain, "drain period over with calls still in flight; stopping anyway");
         }
     }
+    // Once no call is left to settle anything: its last try, and its count of what is lost.
+    stop_retrying.cancel();
+    let _ = retrying.await;
     Ok(())
 }
 

@@ -1,0 +1,160 @@
+//! Settlements tollgate makes itself (the commit from the response) that could not reach the store:
+//! kept and retried with backoff until they land, so a store outage at the end of a response does
+//! not turn its exact usage into an expired hold.
+//!
+//! A caller of `Admission/Commit` is told `UNAVAILABLE` and retries itself (commit is idempotent);
+//! Envoy's ext_proc has nobody to tell, so its commits and releases come here. The queue is
+//! bounded ([`CAPACITY`]): past it, a settlement is dropped and its hold expires by its lease, as
+//! it would have without the queue. A retry that reaches the store after the hold expired still
+//! counts (a late commit, within the record's retention). What the queue holds when the process
+//! stops is tried once more, then lost: those holds expire by their leases, and the log says how
+//! many.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::usage::Measured;
+use super::{Admission, AdmissionError};
+use crate::store::Store;
+
+/// Settlements the queue keeps at most, waiting and being retried (each at most this many).
+pub const CAPACITY: usize = 10_000;
+/// How long a stopping worker waits for settlements still on their way, before its last try.
+const LAST_CALL: Duration = Duration::from_millis(500);
+/// The first wait before a retry, doubled while the store keeps failing, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+
+/// A settlement to retry.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Settlement {
+    Commit { id: String, measured: Measured },
+    Release { id: String },
+}
+
+impl Settlement {
+    fn id(&self) -> &str {
+        match self {
+            Settlement::Commit { id, .. } | Settlement::Release { id } => id,
+        }
+    }
+
+    async fn settle<S: Store>(&self, admission: &Admission<S>) -> Result<(), AdmissionError> {
+        match self {
+            Settlement::Commit { id, measured } => admission.commit_counted(id, *measured).await.map(|_| ()),
+            Settlement::Release { id } => admission.release(id).await.map(|_| ()),
+        }
+    }
+}
+
+/// The queue's sending side; [`Retries::start`] runs its worker.
+#[derive(Debug)]
+pub struct Retries {
+    queue: mpsc::Sender<Settlement>,
+    dropped: AtomicU64,
+}
+
+impl Retries {
+    /// Starts the worker. When `shutdown` is cancelled it takes what is still on its way (for at
+    /// most half a second), tries it all once more, logs what it lost, and ends; await the handle
+    /// for that.
+    pub fn start<S: Store>(
+        admission: Arc<Admission<S>>,
+        shutdown: CancellationToken,
+    ) -> (Arc<Retries>, JoinHandle<()>) {
+        let (queue, inbox) = mpsc::channel(CAPACITY);
+        let worker = tokio::spawn(work(admission, inbox, shutdown));
+        (Arc::new(Retries { queue, dropped: AtomicU64::new(0) }), worker)
+    }
+
+    /// Keeps a settlement whose store call failed for retrying; a full queue drops it (its hold
+    /// expires by its lease).
+    pub fn push(&self, settlement: Settlement) {
+        if let Err(e) = self.queue.try_send(settlement) {
+            let dropped = self.dropped.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+            let settlement = e.into_inner();
+            tracing::warn!(
+                reservation = settlement.id(),
+                dropped,
+                "retry queue full (or stopped): a settlement is dropped, its hold expires by its lease"
+            );
+        }
+    }
+
+    /// Settlements dropped for a full queue since the start.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+}
+
+/// Tries the oldest settlement first; one that fails for the store waits, and so do those behind
+/// it, so a store that is down is asked once per backoff, not once per settlement.
+async fn work<S: Store>(admission: Arc<Admission<S>>, mut inbox: mpsc::Receiver<Settlement>, stop: CancellationToken) {
+    let mut pending: VecDeque<Settlement> = VecDeque::new();
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        if pending.is_empty() {
+            tokio::select! {
+                next = inbox.recv() => match next {
+                    Some(s) => pending.push_back(s),
+                    None => break,
+                },
+                () = stop.cancelled() => break,
+            }
+        }
+        while pending.len() < CAPACITY
+            && let Ok(s) = inbox.try_recv()
+        {
+            pending.push_back(s);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            () = stop.cancelled() => break,
+        }
+        backoff = match drain(&admission, &mut pending).await {
+            Drained::All => FIRST_BACKOFF,
+            Drained::StoreDown => backoff.saturating_mul(2).min(MAX_BACKOFF),
+        };
+    }
+    // Stopping: what is still on its way (until the senders are gone, or for LAST_CALL), then one
+    // last try.
+    let _ = tokio::time::timeout(LAST_CALL, async {
+        while let Some(s) = inbox.recv().await {
+            pending.push_back(s);
+        }
+    })
+    .await;
+    while let Ok(s) = inbox.try_recv() {
+        pending.push_back(s);
+    }
+    let _ = drain(&admission, &mut pending).await;
+    if !pending.is_empty() {
+        tracing::warn!(
+            lost = pending.len(),
+            "stopping with settlements the store never took: their holds expire by their leases"
+        );
+    }
+}
+
+enum Drained {
+    All,
+    StoreDown,
+}
+
+async fn drain<S: Store>(admission: &Admission<S>, pending: &mut VecDeque<Settlement>) -> Drained {
+    while let Some(s) = pending.front() {
+        match s.settle(admission).await {
+            Ok(()) => tracing::info!(reservation = s.id(), "settled on retry"),
+            Err(AdmissionError::Store(e)) if e.is_transient() => return Drained::StoreDown,
+            Err(e) => tracing::warn!(error = %e, reservation = s.id(), "a retried settlement was refused; dropped"),
+        }
+        pending.pop_front();
+    }
+    Drained::All
+}
