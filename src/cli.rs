@@ -355,8 +355,15 @@ async fn run_on<S: Store>(
     // Lease windows run until the server has drained, then give every slice back.
     let leases_done = CancellationToken::new();
     let leasing = tokio::spawn(Arc::clone(&admission).run_leases(leases_done.clone()));
+    // The replica count that on_store_error: local shares limits by.
+    let heartbeat = {
+        let admission = Arc::clone(&admission);
+        let done = leases_done.clone();
+        tokio::spawn(async move { admission.run_heartbeat(done).await })
+    };
     let served = serve_grpc(listener, admission, shutdown, drain).await;
     leases_done.cancel();
+    let _ = heartbeat.await;
     if leasing.await.is_err() {
         tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
     }

@@ -20,7 +20,7 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
     let port = free_port();
     let redis = OwnRedis::start(port);
     let policy = format!(
-        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
     let t = Tollgate::start(&policy);
@@ -61,7 +61,7 @@ async fn a_dead_redis_is_not_waited_on_and_is_found_again() {
     // A long command timeout, so a call that waited on Redis cannot pass for one that did not.
     let policy = format!(
         "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 3000\n  breaker: {{ failures: 2, open_ms: 1500, max_open_ms: 1500 }}\n\
-         models:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+         models:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
     let t = Tollgate::start(&policy);
@@ -160,7 +160,7 @@ async fn redis_killed_and_restarted_under_load() {
     let redis = OwnRedis::start(port);
     let policy = format!(
         "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+         tenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
     let t = Tollgate::start(&policy);
@@ -189,7 +189,7 @@ async fn redis_stalled_under_load() {
     let redis = OwnRedis::start_with(free_port(), &["--enable-debug-command", "yes"]);
     let policy = format!(
         "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  acme: {{}}\n  open: {{ on_store_error: fail_open }}\n",
+         tenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
     let t = Tollgate::start(&policy);
@@ -258,6 +258,46 @@ fn judge(mut seen: Vec<Seen>, down: Duration, back: Duration, log: &str) {
         during.filter(|s| s.tenant == "open").all(|s| s.answer.as_ref().is_ok_and(|r| r.unmetered)),
         "while Redis was gone, fail_open admits unmetered"
     );
+}
+
+/// `on_store_error: local` (the default): two replicas count themselves through Redis; with Redis
+/// gone, each admits its share of the tenant's burst (1,000 tokens × 0.8 ÷ 2 = 400: four holds of
+/// 100), then refuses with `token_rate` and a Retry-After from its share of the refill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_gone_each_replica_admits_its_local_share() {
+    let redis = OwnRedis::start(free_port());
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  acme:\n    limits: {{ tokens_per_minute: 600, burst_tokens: 1000 }}\n",
+        redis.port
+    );
+    let replicas = [Tollgate::start(&policy), Tollgate::start(&policy)];
+    let hold = ReserveRequest { prompt_tokens: 90, max_tokens: 10, ..reserve() };
+    // Both heartbeats are in (one a second): a reserve and release each, while Redis is up.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut clients = Vec::new();
+    for t in &replicas {
+        let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+        let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+        assert!(r.admitted && !r.unmetered, "{r:?}");
+        client.release(tollgate::proto::ReleaseRequest { reservation_id: r.reservation_id }).await.unwrap();
+        clients.push(client);
+    }
+    drop(redis);
+    for (client, t) in clients.iter_mut().zip(&replicas) {
+        let mut admitted = 0;
+        for _ in 0..4 {
+            let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+            assert!(r.admitted && r.unmetered, "within the local share: {r:?}\n{}", t.log());
+            admitted += 1;
+        }
+        let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+        assert_eq!((r.admitted, r.reason.as_str(), r.http_status), (false, "token_rate", 429), "{r:?}");
+        // The share refills at 600 × 0.8 ÷ 2 = 240 tokens a minute: 100 tokens in 25 s at most.
+        assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 25_000, "{r:?}");
+        assert!(r.message.contains("while the store is unreachable"), "{r:?}");
+        assert_eq!(admitted, 4);
+    }
 }
 
 /// SIGTERM while a call is in flight: the call finishes (within drain_timeout_ms), then the

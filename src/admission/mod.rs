@@ -39,6 +39,7 @@ pub mod body;
 mod decision;
 pub mod ids;
 mod lease;
+mod local;
 pub mod retry;
 pub mod usage;
 
@@ -60,6 +61,7 @@ use crate::store::{
     Store, StoreError, ThrottleCall, keys,
 };
 use lease::{Ask, AskScope, Leases, Local};
+use local::LocalLimits;
 
 /// The largest token count tollgate accepts anywhere: a prompt, an output, a commit's counts. Far
 /// above any model's context, and small enough that no sum of them nears 2^53, the largest integer
@@ -120,7 +122,15 @@ pub struct Admission<S> {
     seen_estimates: RwLock<HashMap<String, HashMap<String, u64>>>,
     /// This replica's slices and leased holds, when the policy leases.
     leases: Option<Leases>,
+    /// This replica's name: in leased reservation ids, and in its heartbeat.
+    replica: String,
+    /// Admission from memory while the store is unreachable (`on_store_error: local`).
+    local: LocalLimits,
 }
+
+/// How often a replica says it is alive, and how long it counts after its last heartbeat.
+pub const HEARTBEAT_MS: u64 = 1_000;
+pub const HEARTBEAT_TTL_MS: u64 = 3 * HEARTBEAT_MS;
 
 /// How long an output estimate outlives its last commit: a week, or the tenant's idle TTL if longer.
 const ESTIMATE_TTL_MS: u64 = 7 * 86_400_000;
@@ -132,16 +142,17 @@ impl<S: Store> Admission<S> {
 
     /// With the clock leased holds keep their leases by (the embedded store's, in tests).
     pub fn with_clock(policy: Arc<Policy>, protocol: Protocol<S>, clock: Arc<dyn Clock>) -> Self {
-        let leases = policy.leasing.map(|settings| {
-            let replica = ids::new_replica_id().unwrap_or_else(|e| {
-                // Without the OS's randomness, the process id and start time still name a replica
-                // apart from its peers (ids themselves are refused without it).
-                tracing::warn!(error = %e, "no randomness for the replica id; using the process id");
-                format!("{:06x}{:06x}", std::process::id() & 0xff_ffff, clock.now_ms() & 0xff_ffff)
-            });
-            Leases::new(replica, settings, Arc::clone(&clock), policy.record_retention_ms)
+        let replica = ids::new_replica_id().unwrap_or_else(|e| {
+            // Without the OS's randomness, the process id and start time still name a replica
+            // apart from its peers (ids themselves are refused without it).
+            tracing::warn!(error = %e, "no randomness for the replica id; using the process id");
+            format!("{:06x}{:06x}", std::process::id() & 0xff_ffff, clock.now_ms() & 0xff_ffff)
         });
-        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()), leases }
+        let leases = policy
+            .leasing
+            .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
+        let local = LocalLimits::new(policy.store.local_factor);
+        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()), leases, replica, local }
     }
 
     /// Leased holds this replica keeps in memory for a tenant: (live, settled and remembered).
@@ -152,6 +163,35 @@ impl<S: Store> Admission<S> {
     /// This replica's name in leased reservation ids, when the policy leases.
     pub fn replica(&self) -> Option<&str> {
         self.leases.as_ref().map(|l| l.replica.as_str())
+    }
+
+    /// Says this replica is alive, and counts the replicas on the store, for `on_store_error:
+    /// local`; returns the count. A store that does not answer keeps the last count.
+    pub async fn heartbeat(&self) -> Result<u64, AdmissionError> {
+        let replicas = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS).await?;
+        self.local.counted(replicas);
+        Ok(replicas)
+    }
+
+    /// The replicas this one last counted.
+    pub fn replicas(&self) -> u64 {
+        self.local.replicas()
+    }
+
+    /// Heartbeats every [`HEARTBEAT_MS`] until `shutdown`.
+    pub async fn run_heartbeat(&self, shutdown: tokio_util::sync::CancellationToken) {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_millis(HEARTBEAT_MS));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {
+                    if let Err(e) = self.heartbeat().await {
+                        tracing::debug!(error = %e, replicas = self.replicas(), "heartbeat failed; keeping the last count");
+                    }
+                }
+                () = shutdown.cancelled() => break,
+            }
+        }
     }
 
     pub fn policy(&self) -> &Policy {
@@ -408,6 +448,26 @@ impl<S: Store> Admission<S> {
             OnStoreError::FailOpen => {
                 tracing::warn!(tenant = %plan.tenant, "store unavailable; admitting unmetered (fail_open)");
                 Decision::Unmetered
+            }
+            OnStoreError::Local => {
+                let scopes = plan.scopes.iter().map(|s| (s.key.as_str(), &s.limits));
+                match self.local.admit(scopes, plan.prompt.saturating_add(plan.ceiling), std::time::Instant::now()) {
+                    Ok(()) => {
+                        tracing::debug!(tenant = %plan.tenant, "store unavailable; admitted within the local share");
+                        Decision::Unmetered
+                    }
+                    Err(refusal) => {
+                        let scope = plan.scopes.get(refusal.scope).map_or("?", |s| s.label.as_str());
+                        let (reason, message) = refusal_reason(refusal.reason, scope, self.policy.max_attempts);
+                        Decision::Denied(Denial {
+                            retry_after_ms: Some(refusal.retry_after_ms),
+                            ..Denial::now(
+                                reason,
+                                format!("{message}: this replica's share while the store is unreachable"),
+                            )
+                        })
+                    }
+                }
             }
         }
     }

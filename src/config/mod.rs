@@ -90,7 +90,7 @@ pub enum StoreChoice {
 }
 
 /// Store selection, connection timeouts, and the circuit breaker in front of Redis.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
     pub choice: StoreChoice,
     pub connect_timeout: Duration,
@@ -98,6 +98,9 @@ pub struct StoreSettings {
     /// against a dead or stalled Redis answers before Envoy gives up on it.
     pub command_timeout: Duration,
     pub breaker: BreakerPolicy,
+    /// The share of each limit the replicas admit, together, while the store cannot be reached
+    /// (`on_store_error: local`): each admits `limit × local_factor ÷ replicas`.
+    pub local_factor: f64,
 }
 
 /// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,
@@ -205,8 +208,11 @@ impl PoolPolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnStoreError {
-    /// Refuse with 503 `store_unavailable` (cost wins).
+    /// Admit within this replica's share of each rate limit (`store.local_factor` of the limit,
+    /// divided among the replicas last counted), unmetered (seed 004's default).
     #[default]
+    Local,
+    /// Refuse with 503 `store_unavailable` (cost wins).
     FailClosed,
     /// Admit without a hold, unmetered (availability wins); the request goes upstream with
     /// `x-tollgate-unmetered: store_unavailable` and no reservation to commit.

@@ -49,6 +49,7 @@ pub(super) struct RawStore {
     pub connect_timeout_ms: Option<u64>,
     pub command_timeout_ms: Option<u64>,
     pub breaker: Option<RawBreaker>,
+    pub local_factor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -80,6 +80,11 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             250,
         )?),
         breaker: breaker(raw.store.breaker.unwrap_or_default())?,
+        local_factor: match raw.store.local_factor {
+            None => 0.8,
+            Some(f) if f > 0.0 && f <= 1.0 => f,
+            Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
+        },
     };
 
     let d = raw.defaults;

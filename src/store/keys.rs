@@ -29,8 +29,20 @@
 //! tg:pool:{gpu-a}:leases     sorted set: reservation id by lease expiry
 //! ```
 //!
+//! The replicas that share one store count themselves (for `on_store_error: local`) in a key of its
+//! own, outside every tenant's and pool's:
+//!
+//! ```text
+//! tg:replicas:{replicas}     sorted set: replica id by when it was last heard
+//! ```
+//!
 //! The sweep in `reserve.lua` finds expired ids in the lease index and builds their record keys as
 //! `record_prefix(tenant) .. id`; that prefix is passed in from here, so Lua formats no key itself.
+
+/// The replicas sharing this store, by last heartbeat.
+pub fn replicas() -> String {
+    "tg:replicas:{replicas}".to_string()
+}
 
 /// The scope hash of the tenant as a whole.
 pub fn tenant_scope(tenant: &str) -> String {

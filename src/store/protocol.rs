@@ -770,6 +770,17 @@ impl<S: Store> Protocol<S> {
         })
     }
 
+    /// Says this replica is alive (for `ttl_ms`), and returns how many replicas are.
+    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64) -> Result<u64, StoreError> {
+        let script = &self.scripts.heartbeat;
+        let reply =
+            self.store.eval(script, vec![keys::replicas()], vec![replica.to_string(), ttl_ms.to_string()]).await?;
+        match reply {
+            Reply::Int(n) => u64::try_from(n).map_err(|_| StoreError::BadReply { script: script.name, reply }),
+            reply => Err(StoreError::BadReply { script: script.name, reply }),
+        }
+    }
+
     pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
         let script = &self.scripts.pool_reserve;
         let args = vec![

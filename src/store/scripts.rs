@@ -41,6 +41,7 @@ pub struct Scripts {
     pub estimate: Script,
     pub lease: Script,
     pub lease_forward: Script,
+    pub heartbeat: Script,
 }
 
 impl Scripts {
@@ -58,10 +59,11 @@ impl Scripts {
             estimate: Script::phase("estimate", include_str!("../../lua/estimate.lua")),
             lease: Script::phase("lease", include_str!("../../lua/lease.lua")),
             lease_forward: Script::phase("lease_forward", include_str!("../../lua/lease_forward.lua")),
+            heartbeat: Script::phase("heartbeat", include_str!("../../lua/heartbeat.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 12] {
+    pub fn all(&self) -> [&Script; 13] {
         [
             &self.reserve,
             &self.commit,
@@ -75,6 +77,7 @@ impl Scripts {
             &self.estimate,
             &self.lease,
             &self.lease_forward,
+            &self.heartbeat,
         ]
     }
 }
