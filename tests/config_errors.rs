@@ -67,6 +67,21 @@ fn check_config_says_when_the_policy_leases() {
 }
 
 #[test]
+fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it() {
+    let text = "store:\n  redis_url: redis://127.0.0.1:6379\n  breaker: { failures: 5, open_ms: 100 }\n\
+                models:\n  m: { max_output_tokens: 100 }\n\
+                tenants:\n  acme: {}\n  paid: { on_store_error: fail_open }\n  free: { on_store_error: fail_closed }\n";
+    let summary = Policy::parse("guarded.yaml", text).unwrap().summary();
+    let says = |s: &str| assert!(summary.contains(s), "{s:?} missing from:\n{summary}");
+    says("calls time out after 250 ms; 5 failures in a row stop them for 100-500 ms");
+    says("tenant acme:");
+    for (tenant, mode) in [("acme", "local"), ("paid", "fail_open"), ("free", "fail_closed")] {
+        let line = summary.lines().find(|l| l.contains(&format!("tenant {tenant}:"))).unwrap();
+        assert!(line.contains(&format!("store down: {mode}")), "{line}");
+    }
+}
+
+#[test]
 fn serve_refuses_a_broken_policy_naming_the_field() {
     let (path, expected) = fixtures().into_iter().find(|(p, _)| p.ends_with("zero_limit.yaml")).unwrap();
     let out = tollgate_cmd(&["serve", "--config", path.to_str().unwrap()], Duration::from_secs(10));

@@ -219,6 +219,17 @@ pub enum OnStoreError {
     FailOpen,
 }
 
+impl OnStoreError {
+    /// As the policy spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnStoreError::Local => "local",
+            OnStoreError::FailClosed => "fail_closed",
+            OnStoreError::FailOpen => "fail_open",
+        }
+    }
+}
+
 /// Reserve a learned quantile of the output instead of the ceiling. The estimate is per tenant and
 /// model, lives in the store (every replica shares it) and is taught by commits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -362,10 +373,11 @@ impl Policy {
         for name in &names {
             let t = &self.tenants[name];
             out.push_str(&format!(
-                "  tenant {name}: {}; lease {} ms; expired usage {:?}; {} user(s), {} model override(s)\n",
+                "  tenant {name}: {}; lease {} ms; expired usage {:?}; store down: {}; {} user(s), {} model override(s)\n",
                 t.limits.describe(),
                 t.lease_ttl_ms,
                 t.expired_usage,
+                t.on_store_error.as_str(),
                 t.users.len(),
                 t.models.len()
             ));
