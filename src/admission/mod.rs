@@ -128,6 +128,9 @@ pub struct Admission<S> {
     local: LocalLimits,
 }
 
+/// Tenants whose last output estimate this replica remembers, at most.
+const MAX_SEEN_ESTIMATES: usize = 100_000;
+
 /// How often a replica says it is alive, and how long it counts after its last heartbeat.
 pub const HEARTBEAT_MS: u64 = 1_000;
 pub const HEARTBEAT_TTL_MS: u64 = 3 * HEARTBEAT_MS;
@@ -886,6 +889,11 @@ impl<S> Admission<S> {
             return;
         }
         let mut seen = self.seen_estimates.write().unwrap_or_else(|p| p.into_inner());
+        // Bounded under many tenants: past the bound all are forgotten, and a pool leg holds the
+        // ceiling until its tenant's next reserve brings the estimate back.
+        if seen.len() >= MAX_SEEN_ESTIMATES && !seen.contains_key(tenant) {
+            seen.clear();
+        }
         let models = match seen.get_mut(tenant) {
             Some(models) => models,
             None => seen.entry(tenant.to_string()).or_default(),
