@@ -350,7 +350,12 @@ async fn run_on<S: Store>(
     let protocol = Protocol::new(store).await?;
     let drain = policy.server.drain_timeout;
     let addr = listener.local_addr().ok();
-    tracing::info!(?addr, store = ?policy.store.choice, "tollgate serving");
+    let health_listener = match policy.server.health_listen {
+        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })?),
+        None => None,
+    };
+    let health = health_listener.as_ref().and_then(|l| l.local_addr().ok());
+    tracing::info!(?addr, ?health, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol));
     // Lease windows run until the server has drained, then give every slice back.
     let leases_done = CancellationToken::new();
@@ -361,7 +366,7 @@ async fn run_on<S: Store>(
         let done = leases_done.clone();
         tokio::spawn(async move { admission.run_heartbeat(done).await })
     };
-    let served = serve_grpc(listener, admission, shutdown, drain).await;
+    let served = serve_grpc(listener, health_listener, admission, shutdown, drain).await;
     leases_done.cancel();
     let _ = heartbeat.await;
     if leasing.await.is_err() {

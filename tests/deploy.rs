@@ -54,7 +54,7 @@ fn tollgate_runs_as_a_native_sidecar_with_grpc_probes() {
     let tollgate = init.iter().find(|c| c["name"] == "tollgate").expect("tollgate init container");
     assert_eq!(tollgate["restartPolicy"], "Always", "a native sidecar");
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
-        assert_eq!(tollgate[probe]["grpc"]["port"], 50051, "{probe} uses the gRPC health service");
+        assert_eq!(tollgate[probe]["grpc"]["port"], 50052, "{probe} uses the gRPC health service on its port");
     }
     let first = init[0]["name"].as_str().unwrap();
     assert_eq!(first, "tollgate", "tollgate starts before Envoy sends it Checks");
@@ -69,7 +69,8 @@ fn the_configmap_policy_is_valid_and_uses_redis() {
     let text = find(&docs, "ConfigMap", "tollgate-policy")["data"]["policy.yaml"].as_str().unwrap();
     let policy = Policy::parse("deploy/kubernetes.yaml#tollgate-policy", text).unwrap();
     assert_eq!(policy.store.choice, StoreChoice::Redis { url: "redis://redis:6379".into() });
-    assert_eq!(policy.server.listen.port(), 50051);
+    assert_eq!(policy.server.listen.to_string(), "127.0.0.1:50051", "decisions and Admission on loopback only");
+    assert_eq!(policy.server.health_listen.map(|h| h.to_string()).as_deref(), Some("0.0.0.0:50052"));
 }
 
 #[test]

@@ -97,3 +97,33 @@ fn grpcurl_shows_a_pools_load_and_throttle() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// With `server.health_listen`, probes have a port of their own that answers grpc.health.v1 and
+/// nothing else, so the main port can stay on loopback (reachable by the Envoy beside tollgate).
+#[test]
+fn the_health_port_answers_probes_and_nothing_else() {
+    let health_port = support::procs::free_port();
+    let t = Tollgate::start(&format!("server:\n  health_listen: 127.0.0.1:{health_port}\n{POLICY}"));
+    let health: std::net::SocketAddr = format!("127.0.0.1:{health_port}").parse().unwrap();
+    // No reflection there either: grpcurl is given the descriptors (a probe needs none).
+    let protoset = |name: &str, bytes: &[u8]| {
+        let path = t.dir.write(name, "");
+        std::fs::write(&path, bytes).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let health_set = protoset("health.protoset", tonic_health::pb::FILE_DESCRIPTOR_SET);
+    let own_set = protoset("tollgate.protoset", tollgate::proto::REFLECTION_DESCRIPTOR_SET);
+    let check =
+        ["-protoset", &health_set, "-d", r#"{"service":"tollgate.v1.Admission"}"#, "grpc.health.v1.Health/Check"];
+    let out = grpcurl(health, &check);
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), t.log());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("SERVING"));
+    // Admission is not served there.
+    let body = r#"{"tenant":"acme","model":"m","max_tokens":1}"#;
+    let reserve = grpcurl(health, &["-protoset", &own_set, "-d", body, "tollgate.v1.Admission/Reserve"]);
+    let refused = String::from_utf8_lossy(&reserve.stderr);
+    assert!(!reserve.status.success() && refused.contains("Unimplemented"), "Admission on the health port: {refused}");
+    // The main port serves everything, as before.
+    let admitted = run(&t, &["-d", body, "tollgate.v1.Admission/Reserve"]);
+    assert!(admitted.contains("\"admitted\": true"), "{admitted}");
+}

@@ -116,6 +116,9 @@ pub struct BreakerPolicy {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerSettings {
     pub listen: SocketAddr,
+    /// A second address that serves only `grpc.health.v1`: for probes from outside the pod while
+    /// `listen` stays on loopback, reachable by the Envoy beside tollgate alone.
+    pub health_listen: Option<SocketAddr>,
     /// The header that carries the verified tenant id (Envoy sets it from identity, e.g. a JWT).
     pub tenant_header: String,
     /// How long in-flight calls may take to finish after SIGTERM.

@@ -37,6 +37,7 @@ pub(super) struct RawLeasing {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
     pub listen: Option<String>,
+    pub health_listen: Option<String>,
     pub tenant_header: Option<String>,
     pub drain_timeout_ms: Option<u64>,
 }

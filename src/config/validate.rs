@@ -37,8 +37,19 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     if tenant_header.is_empty() || !tenant_header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return Err(problem("server.tenant_header", format!("{tenant_header:?} is not a header name")));
     }
+    let health_listen =
+        match raw.server.health_listen.as_deref() {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|_| {
+                problem("server.health_listen", format!("{addr:?} is not an address like 0.0.0.0:50052"))
+            })?),
+        };
+    if health_listen.is_some_and(|h| h.port() == listen.port() && h.port() != 0) {
+        return Err(problem("server.health_listen", "must be another port than server.listen"));
+    }
     let server = ServerSettings {
         listen,
+        health_listen,
         tenant_header,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
     };

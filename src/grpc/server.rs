@@ -40,11 +40,19 @@ pub fn incoming(listener: TcpListener) -> TcpIncoming {
 /// most `drain`, and returns. Tests call this with a listener on port 0.
 pub async fn serve<S: Store>(
     listener: TcpListener,
+    health_listener: Option<TcpListener>,
     admission: Arc<Admission<S>>,
     shutdown: CancellationToken,
     drain: Duration,
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
+    // Health alone, on its own address: probes reach it, nothing else does.
+    let health_only = health_listener.map(|listener| {
+        let server = Server::builder()
+            .add_service(health_service.clone())
+            .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
+        tokio::spawn(server)
+    });
     health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
     health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
     health.set_serving::<ExternalProcessorServer<ExtProcService<S>>>().await;
@@ -86,6 +94,11 @@ pub async fn serve<S: Store>(
         () = async { shutdown.cancelled().await; tokio::time::sleep(drain).await } => {
             tracing::warn!(?drain, "drain period over with calls still in flight; stopping anyway");
         }
+    }
+    if let Some(health) = health_only
+        && let Ok(Err(e)) = health.await
+    {
+        tracing::warn!(error = %e, "the health listener failed");
     }
     // Once no call is left to settle anything: its last try, and its count of what is lost.
     stop_retrying.cancel();
