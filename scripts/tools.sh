@@ -66,10 +66,21 @@ start_redis_node() {
   return 1
 }
 
+# Stops every redis-server started in $RUN_DIR, and waits (at most 10 s) until they have exited, so
+# that nothing is still writing into $RUN_DIR when it is removed.
 stop_redis_nodes() {
-  local pidfile
+  local pidfile pids=()
   for pidfile in "$RUN_DIR"/redis-*/redis.pid; do
-    [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
+    [ -f "$pidfile" ] || continue
+    pids+=("$(cat "$pidfile")")
+    kill "${pids[-1]}" 2>/dev/null || true
+  done
+  local pid
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 1 200); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.05
+    done
   done
 }
 

@@ -8,9 +8,10 @@
 //! as the count is right; a replica that started during the outage counts itself alone, and admits
 //! as if it were. What local admission does not enforce: concurrency slots, daily budgets and
 //! pools (they need the store's shared state), and output beyond the hold (an unmetered request is
-//! never committed, so its hold, prompt plus ceiling, is what it is charged here). The buckets start
-//! full when an outage starts, and are dropped when the store answers again: nothing learned
-//! locally is written back (seed 004: counters are never repaired by hand).
+//! never committed, so its hold, prompt plus ceiling, is what it is charged here). A scope's buckets
+//! start full at its first local admission and refill at the share's rate between outages, so a
+//! store that flaps never hands out a fresh burst each time it answers; nothing learned locally is
+//! written back (seed 004: counters are never repaired by hand).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -78,14 +79,9 @@ impl LocalLimits {
         self.replicas.load(Ordering::Relaxed)
     }
 
-    /// A count of the replicas, from a heartbeat; a store that answers also ends any outage, so
-    /// the local buckets are dropped.
+    /// A count of the replicas, from a heartbeat.
     pub fn counted(&self, replicas: u64) {
         self.replicas.store(replicas.max(1), Ordering::Relaxed);
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        if !buckets.is_empty() {
-            buckets.clear();
-        }
     }
 
     /// Admits `tokens` against every scope's local share, all or nothing. Limits of 0 are unset.
@@ -200,13 +196,16 @@ mod tests {
     }
 
     #[test]
-    fn a_store_that_answers_again_ends_the_outage() {
+    fn a_store_that_flaps_hands_out_no_fresh_burst() {
         let local = LocalLimits::new(0.5);
         let l = limits(600, 200, 0);
         let t0 = Instant::now();
         assert_eq!(local.admit([("tenant", &l)].into_iter(), 100, t0), Ok(()));
         assert!(local.admit([("tenant", &l)].into_iter(), 100, t0).is_err());
+        // The store answered a heartbeat, then failed again: the bucket is where it was.
         local.counted(1);
-        assert_eq!(local.admit([("tenant", &l)].into_iter(), 100, t0), Ok(()), "full again");
+        assert!(local.admit([("tenant", &l)].into_iter(), 100, t0).is_err(), "no burst handed out anew");
+        // It refills at the share's rate (600/min x 0.5 = 5 tokens a second): 100 in 20 s.
+        assert_eq!(local.admit([("tenant", &l)].into_iter(), 100, t0 + Duration::from_secs(20)), Ok(()));
     }
 }
