@@ -157,8 +157,10 @@ async fn a_learned_reservation_admits_more_of_a_burst_than_the_worst_case() {
         seed: 7,
     };
     let r = burst::run(&options).await.unwrap();
-    // 320,000 tokens of budget hold floor(320000 / (200 + 4096)) = 74 worst-case requests.
-    assert_eq!(r.worst.admitted, 74, "{r}");
+    // 320,000 tokens of budget hold floor(320000 / (200 + 4096)) = 74 worst-case requests; the
+    // bucket refills 5,333 tokens a second, so a burst slower than 0.41 s (a busy machine) fits a
+    // 75th, and one slower than 1.2 s a 76th.
+    assert!((74..=75).contains(&r.worst.admitted), "{r}");
     assert_eq!(r.worst.overrun_tokens, 0, "a worst-case hold never overruns");
     assert!(r.adaptive.admitted > 2 * r.worst.admitted, "{r}");
     assert!(r.adaptive.overrun_share() < 0.10, "{r}");

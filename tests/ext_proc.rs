@@ -503,6 +503,11 @@ async fn a_commit_that_could_not_reach_redis_lands_when_it_answers_again() {
         .unwrap()
         .into_inner();
     assert_eq!((c.duplicate, c.used_tokens, c.metered), (true, prompt + completion, false), "{c:?}");
-    assert!(tollgate.log().contains("settled on retry"), "{}", tollgate.log());
+    // The retry logs once its commit has landed, a moment after the hold reads committed.
+    let logged = Instant::now();
+    while !tollgate.log().contains("settled on retry") {
+        assert!(logged.elapsed() < Duration::from_secs(5), "{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     shutdown.cancel();
 }
