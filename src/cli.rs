@@ -357,17 +357,17 @@ async fn run_on<S: Store>(
     let health = health_listener.as_ref().and_then(|l| l.local_addr().ok());
     tracing::info!(?addr, ?health, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol));
-    // Lease windows run until the server has drained, then give every slice back.
-    let leases_done = CancellationToken::new();
-    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(leases_done.clone()));
+    // Lease windows and heartbeats run until the server has drained; then slices go back.
+    let drained = CancellationToken::new();
+    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(drained.clone()));
     // The replica count that on_store_error: local shares limits by.
     let heartbeat = {
         let admission = Arc::clone(&admission);
-        let done = leases_done.clone();
+        let done = drained.clone();
         tokio::spawn(async move { admission.run_heartbeat(done).await })
     };
     let served = serve_grpc(listener, health_listener, admission, shutdown, drain).await;
-    leases_done.cancel();
+    drained.cancel();
     let _ = heartbeat.await;
     if leasing.await.is_err() {
         tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");

@@ -40,14 +40,24 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
     assert_eq!(open.reservation_id, "", "with nothing to commit");
 
     let _back = OwnRedis::start(port);
+    admitted_again(&mut client, &t, Duration::from_secs(15), Duration::from_millis(100)).await;
+}
+
+/// Reserves until one is admitted (within `limit`, every `every`), and says how long it took.
+async fn admitted_again(
+    client: &mut AdmissionClient<tonic::transport::Channel>,
+    t: &Tollgate,
+    limit: Duration,
+    every: Duration,
+) -> Duration {
     let start = Instant::now();
     loop {
         let r = client.reserve(reserve()).await.unwrap().into_inner();
         if r.admitted {
-            break;
+            return start.elapsed();
         }
-        assert!(start.elapsed() < Duration::from_secs(15), "no recovery after Redis came back: {r:?}\n{}", t.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(start.elapsed() < limit, "no recovery after Redis came back: {r:?}\n{}", t.log());
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -95,18 +105,10 @@ async fn a_dead_redis_is_not_waited_on_and_is_found_again() {
     assert!(t.log().contains("circuit open"), "the breaker says it opened:\n{}", t.log());
 
     let _back = OwnRedis::start(port);
-    let back = Instant::now();
-    loop {
-        let r = client.reserve(reserve()).await.unwrap().into_inner();
-        if r.admitted {
-            break;
-        }
-        // The next probe (at most max_open_ms, 1.5 s, away) after a reconnect (at most 0.5 s
-        // apart), with room for a slow machine.
-        assert!(back.elapsed() < Duration::from_secs(4), "no recovery after Redis came back: {r:?}\n{}", t.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    eprintln!("decisions resumed {:?} after Redis accepted connections", back.elapsed());
+    // The next probe (at most max_open_ms, 1.5 s, away) after a reconnect (at most 0.5 s apart),
+    // with room for a slow machine.
+    let resumed = admitted_again(&mut client, &t, Duration::from_secs(4), Duration::from_millis(20)).await;
+    eprintln!("decisions resumed {resumed:?} after Redis accepted connections");
 }
 
 /// One decision of the load below: when it was asked (since the start), how long it took, its answer.

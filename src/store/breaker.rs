@@ -206,6 +206,14 @@ mod tests {
         b.eval(&Script::new("probe", "return 1".into()), vec![], vec![]).await
     }
 
+    /// Takes the store down and fails `n` calls against it.
+    async fn fail(b: &Breaker<Switch>, n: usize) {
+        b.inner.down.store(true, Ordering::SeqCst);
+        for _ in 0..n {
+            assert!(call(b).await.is_err());
+        }
+    }
+
     fn reached(b: &Breaker<Switch>) -> u32 {
         b.inner.calls.load(Ordering::SeqCst)
     }
@@ -213,10 +221,7 @@ mod tests {
     #[tokio::test]
     async fn it_opens_after_failures_in_a_row_and_then_spares_the_store() {
         let (b, _clock) = breaker();
-        b.inner.down.store(true, Ordering::SeqCst);
-        for _ in 0..3 {
-            assert!(call(&b).await.is_err());
-        }
+        fail(&b, 3).await;
         assert!(b.is_open());
         for _ in 0..10 {
             let e = call(&b).await.unwrap_err();
@@ -228,10 +233,7 @@ mod tests {
     #[tokio::test]
     async fn a_probe_after_the_open_time_closes_it_when_the_store_is_back() {
         let (b, clock) = breaker();
-        b.inner.down.store(true, Ordering::SeqCst);
-        for _ in 0..3 {
-            let _ = call(&b).await;
-        }
+        fail(&b, 3).await;
         b.inner.down.store(false, Ordering::SeqCst);
         clock.advance_ms(39);
         assert!(call(&b).await.is_err(), "still open: no probe before open_for");
@@ -244,10 +246,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_probe_opens_it_for_longer_up_to_the_maximum() {
         let (b, clock) = breaker();
-        b.inner.down.store(true, Ordering::SeqCst);
-        for _ in 0..3 {
-            let _ = call(&b).await;
-        }
+        fail(&b, 3).await;
         clock.advance_ms(40);
         assert!(call(&b).await.is_err(), "the probe fails");
         assert_eq!(reached(&b), 4);
