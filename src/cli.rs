@@ -286,28 +286,41 @@ pub enum RunError {
     Serve(#[from] ServeError),
 }
 
-/// Binds the policy's (or the override's) address.
-pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<TcpListener, RunError> {
-    let addr = listen.unwrap_or(policy.server.listen);
-    TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })
+/// The ports `serve` answers on: the main one and, with `server.health_listen`, probes alone.
+pub struct Listeners {
+    pub main: TcpListener,
+    pub health: Option<TcpListener>,
 }
 
-/// Connects the policy's store, loads the scripts, and serves on `listener` until `shutdown`.
+/// Binds the policy's (or the override's) address, and the health address if there is one. Both
+/// are bound before anything is served, so a client that finds the main port open finds both.
+pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
+    let bind = |addr: SocketAddr| async move {
+        TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })
+    };
+    let health = match policy.server.health_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    Ok(Listeners { main: bind(listen.unwrap_or(policy.server.listen)).await?, health })
+}
+
+/// Connects the policy's store, loads the scripts, and serves on `listeners` until `shutdown`.
 /// Redis is called through a circuit breaker: a Redis that keeps failing is not waited on.
-pub async fn serve(policy: Arc<Policy>, listener: TcpListener, shutdown: CancellationToken) -> Result<(), RunError> {
+pub async fn serve(policy: Arc<Policy>, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
     let options =
         RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
     let b = policy.store.breaker;
     let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
     match policy.store.choice.clone() {
-        StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listener, shutdown).await,
+        StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listeners, shutdown).await,
         StoreChoice::Redis { url } => {
             let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
-            run_on(Breaker::new(store, breaker), policy, listener, shutdown).await
+            run_on(Breaker::new(store, breaker), policy, listeners, shutdown).await
         }
         StoreChoice::Cluster { nodes } => {
             let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
-            run_on(Breaker::new(store, breaker), policy, listener, shutdown).await
+            run_on(Breaker::new(store, breaker), policy, listeners, shutdown).await
         }
     }
 }
@@ -344,17 +357,13 @@ async fn decide_on<S: Store>(
 async fn run_on<S: Store>(
     store: S,
     policy: Arc<Policy>,
-    listener: TcpListener,
+    listeners: Listeners,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
     let protocol = Protocol::new(store).await?;
     let drain = policy.server.drain_timeout;
-    let addr = listener.local_addr().ok();
-    let health_listener = match policy.server.health_listen {
-        Some(addr) => Some(TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })?),
-        None => None,
-    };
-    let health = health_listener.as_ref().and_then(|l| l.local_addr().ok());
+    let addr = listeners.main.local_addr().ok();
+    let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
     tracing::info!(?addr, ?health, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol));
     // Lease windows and heartbeats run until the server has drained; then slices go back.
@@ -366,7 +375,7 @@ async fn run_on<S: Store>(
         let done = drained.clone();
         tokio::spawn(async move { admission.run_heartbeat(done).await })
     };
-    let served = serve_grpc(listener, health_listener, admission, shutdown, drain).await;
+    let served = serve_grpc(listeners.main, listeners.health, admission, shutdown, drain).await;
     drained.cancel();
     let _ = heartbeat.await;
     if leasing.await.is_err() {

@@ -52,8 +52,8 @@ fn main() -> ExitCode {
                     let policy = Arc::new(Policy::load(&config)?);
                     let shutdown = CancellationToken::new();
                     cli::cancel_on_signal(shutdown.clone());
-                    let listener = cli::bind(&policy, listen).await?;
-                    cli::serve(policy, listener, shutdown).await
+                    let listeners = cli::bind(&policy, listen).await?;
+                    cli::serve(policy, listeners, shutdown).await
                 }
                 .await;
                 match result {
