@@ -280,3 +280,152 @@ impl Drop for OwnRedis {
         let _ = self.child.wait();
     }
 }
+
+/// A Redis Cluster of the test's own on loopback, each primary with one replica, for tests that
+/// kill a node (the suite's shared Cluster has no replicas, and other tests use it).
+pub struct OwnCluster {
+    pub nodes: Vec<OwnRedis>,
+}
+
+/// One line of `CLUSTER NODES`.
+#[derive(Debug, Clone)]
+pub struct ClusterNode {
+    pub id: String,
+    pub port: u16,
+    pub primary: bool,
+    pub failed: bool,
+    /// The primary it replicates, for a replica.
+    pub of: Option<String>,
+    pub slots: Vec<(u16, u16)>,
+}
+
+impl OwnCluster {
+    /// `primaries` primaries and as many replicas; a node is judged failed after `node_timeout_ms`.
+    pub fn start(primaries: usize, node_timeout_ms: u64) -> OwnCluster {
+        let nodes: Vec<OwnRedis> = (0..primaries * 2)
+            .map(|_| {
+                let bus = free_port().to_string();
+                let timeout = node_timeout_ms.to_string();
+                // Each node has a directory of its own, where its nodes.conf goes.
+                OwnRedis::start_with(
+                    free_port(),
+                    &["--cluster-enabled", "yes", "--cluster-port", &bus, "--cluster-node-timeout", &timeout],
+                )
+            })
+            .collect();
+        let addresses: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let created = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli on PATH (scripts/test installs it)");
+        assert!(created.status.success(), "cluster create: {}", String::from_utf8_lossy(&created.stdout));
+        let cluster = OwnCluster { nodes };
+        // Ready when every node sees every slot served and every replica has synced.
+        let start = Instant::now();
+        loop {
+            let ok =
+                cluster.nodes.iter().all(|n| cluster.cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let view = cluster.view();
+            let synced = view.iter().filter(|n| !n.primary).count() == primaries
+                && view
+                    .iter()
+                    .filter(|n| !n.primary)
+                    .all(|n| cluster.cli(n.port, &["INFO", "replication"]).contains("master_link_status:up"));
+            if ok && synced {
+                return cluster;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "the cluster did not form: {view:?}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Every node's address, for `store.redis_cluster`.
+    pub fn addresses(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect()
+    }
+
+    /// A command's reply as redis-cli prints it (empty when the node does not answer).
+    pub fn cli(&self, port: u16, args: &[&str]) -> String {
+        let out = Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The cluster as the first live node sees it.
+    pub fn view(&self) -> Vec<ClusterNode> {
+        let text = self
+            .nodes
+            .iter()
+            .map(|n| self.cli(n.port, &["CLUSTER", "NODES"]))
+            .find(|t| !t.trim().is_empty())
+            .expect("a live node");
+        text.lines()
+            .filter_map(|line| {
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let port = f.get(1)?.split(['@', ':']).nth(1)?.parse().ok()?;
+                let slots = f[8..]
+                    .iter()
+                    .filter(|s| !s.starts_with('['))
+                    .filter_map(|s| {
+                        let (a, b) = s.split_once('-').unwrap_or((s, s));
+                        Some((a.parse().ok()?, b.parse().ok()?))
+                    })
+                    .collect();
+                Some(ClusterNode {
+                    id: f[0].to_string(),
+                    port,
+                    primary: f[2].contains("master"),
+                    failed: f[2].contains("fail"),
+                    of: (f[3] != "-").then(|| f[3].to_string()),
+                    slots,
+                })
+            })
+            .collect()
+    }
+
+    /// The hash slot of a key.
+    pub fn slot(&self, key: &str) -> u16 {
+        self.cli(self.nodes[0].port, &["CLUSTER", "KEYSLOT", key]).trim().parse().unwrap()
+    }
+
+    /// The live primary serving `slot`, if any.
+    fn serving(view: &[ClusterNode], slot: u16) -> Option<&ClusterNode> {
+        view.iter().find(|n| n.primary && !n.failed && n.slots.iter().any(|&(a, b)| (a..=b).contains(&slot)))
+    }
+
+    /// The primary serving `slot`, and its replica.
+    pub fn owners(&self, slot: u16) -> (ClusterNode, ClusterNode) {
+        let view = self.view();
+        let primary = OwnCluster::serving(&view, slot).expect("a primary serves every slot").clone();
+        let replica = view.iter().find(|n| n.of.as_ref() == Some(&primary.id)).expect("a replica").clone();
+        (primary, replica)
+    }
+
+    /// Kills the node on `port` (SIGKILL: no goodbye to the cluster or to clients).
+    pub fn kill(&mut self, port: u16) {
+        let node = self.nodes.iter_mut().find(|n| n.port == port).unwrap();
+        let _ = node.child.kill();
+        let _ = node.child.wait();
+    }
+
+    /// Waits (at most `limit`) until the node on `port` serves `slot` as a primary, every live node
+    /// agrees and the cluster is ok again.
+    pub fn wait_serving(&self, port: u16, slot: u16, limit: Duration) {
+        let start = Instant::now();
+        loop {
+            let primary = OwnCluster::serving(&self.view(), slot).map(|n| n.port);
+            let ok = self
+                .nodes
+                .iter()
+                .map(|n| self.cli(n.port, &["CLUSTER", "INFO"]))
+                .filter(|t| !t.is_empty())
+                .all(|t| t.contains("cluster_state:ok"));
+            if primary == Some(port) && ok {
+                return;
+            }
+            assert!(start.elapsed() < limit, "no failover within {limit:?}: {:?}", self.view());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
