@@ -16,7 +16,7 @@ use crate::admission::Admission;
 use crate::bench::burst::{self, BurstOptions};
 use crate::bench::sweep::{self, SweepOptions};
 use crate::bench::{BenchOptions, Control};
-use crate::config::{ConfigError, Policy, StoreChoice};
+use crate::config::{ConfigError, Policy, StoreChoice, TlsSettings};
 use crate::grpc::server::{ServeError, serve as serve_grpc};
 use crate::sim::backend::{self, SimConfig};
 use crate::sim::lengths::OutputLengths;
@@ -43,6 +43,8 @@ pub enum Command {
         /// Overrides server.listen from the policy.
         #[arg(long)]
         listen: Option<SocketAddr>,
+        #[command(flatten)]
+        tls: TlsFlags,
         /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
         #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
         otlp_endpoint: Option<String>,
@@ -269,6 +271,39 @@ pub struct BurstArgs {
     pub seed: u64,
 }
 
+/// `serve`'s TLS flags. Given, they replace `server.tls` from the policy as a whole.
+#[derive(Debug, clap::Args)]
+pub struct TlsFlags {
+    /// TLS on the main port: tollgate's certificate chain (PEM). Replaces server.tls.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: the CA (PEM) that client certificates must chain to.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// An identity a client certificate may carry (a DNS or URI SAN; * for any); repeatable.
+    #[arg(long = "tls-allow-client", requires = "tls_client_ca")]
+    tls_allow_clients: Vec<String>,
+}
+
+impl TlsFlags {
+    /// Puts the flags' TLS, if any, in place of the policy's.
+    pub fn apply(&self, policy: &mut Policy) -> Result<(), ConfigError> {
+        let flags = TlsSettings::from_flags(
+            self.tls_cert.as_deref(),
+            self.tls_key.as_deref(),
+            self.tls_client_ca.as_deref(),
+            &self.tls_allow_clients,
+        )?;
+        if flags.is_some() {
+            policy.server.tls = flags;
+        }
+        Ok(())
+    }
+}
+
 /// Why `serve` stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -283,18 +318,31 @@ pub enum RunError {
     #[error("store: {0}")]
     Store(#[from] StoreError),
     #[error(transparent)]
+    Tls(#[from] crate::grpc::tls::TlsError),
+    #[error(transparent)]
     Serve(#[from] ServeError),
 }
 
-/// The ports `serve` answers on: the main one and, with `server.health_listen`, probes alone.
+/// The ports `serve` answers on, and the TLS the main one speaks.
 pub struct Listeners {
     pub main: TcpListener,
+    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     pub health: Option<TcpListener>,
 }
 
-/// Binds the policy's (or the override's) address, and the health address if there is one. Both
-/// are bound before anything is served, so a client that finds the main port open finds both.
+/// Reads the TLS files, then binds the policy's (or the override's) address and the health
+/// address if there is one. Both are bound before anything is served, so a client that finds the
+/// main port open finds both.
 pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
+    let tls = policy.server.tls.as_ref().map(crate::grpc::tls::server_config).transpose()?;
+    let addr = listen.unwrap_or(policy.server.listen);
+    if !addr.ip().is_loopback() && policy.server.tls.as_ref().is_none_or(|t| t.client_ca.is_none()) {
+        tracing::warn!(
+            %addr,
+            "Admission (Commit, Release, Renew, Reserve) is open to every client that reaches this address: \
+             bind to loopback beside Envoy, or set server.tls with client_ca and allowed_clients"
+        );
+    }
     let bind = |addr: SocketAddr| async move {
         TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })
     };
@@ -302,7 +350,7 @@ pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listene
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
-    Ok(Listeners { main: bind(listen.unwrap_or(policy.server.listen)).await?, health })
+    Ok(Listeners { main: bind(addr).await?, tls, health })
 }
 
 /// Connects the policy's store, loads the scripts, and serves on `listeners` until `shutdown`.
@@ -364,7 +412,8 @@ async fn run_on<S: Store>(
     let drain = policy.server.drain_timeout;
     let addr = listeners.main.local_addr().ok();
     let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
-    tracing::info!(?addr, ?health, store = ?policy.store.choice, "tollgate serving");
+    let tls = policy.server.tls.as_ref().map_or_else(|| "plaintext".to_string(), |t| t.describe());
+    tracing::info!(?addr, ?health, %tls, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol));
     // Lease windows and heartbeats run until the server has drained; then slices go back.
     let drained = CancellationToken::new();
@@ -375,7 +424,7 @@ async fn run_on<S: Store>(
         let done = drained.clone();
         tokio::spawn(async move { admission.run_heartbeat(done).await })
     };
-    let served = serve_grpc(listeners.main, listeners.health, admission, shutdown, drain).await;
+    let served = serve_grpc(listeners.main, listeners.tls, listeners.health, admission, shutdown, drain).await;
     drained.cancel();
     let _ = heartbeat.await;
     if leasing.await.is_err() {

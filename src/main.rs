@@ -20,7 +20,14 @@ use tollgate::config::Policy;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::CheckConfig { file } = &cli.command {
-        return match Policy::load(file) {
+        // The TLS files are read too: what would stop `serve` stops the check.
+        let checked = Policy::load(file).map_err(|e| e.to_string()).and_then(|policy| {
+            match policy.server.tls.as_ref().map(tollgate::grpc::tls::server_config).transpose() {
+                Ok(_) => Ok(policy),
+                Err(e) => Err(format!("{}: {e}", file.display())),
+            }
+        });
+        return match checked {
             Ok(policy) => {
                 print!("{}", policy.summary());
                 ExitCode::SUCCESS
@@ -40,7 +47,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async move {
         match cli.command {
-            Command::Serve { config, listen, otlp_endpoint, log } => {
+            Command::Serve { config, listen, tls, otlp_endpoint, log } => {
                 let _telemetry = match tollgate::telemetry::init(&log, otlp_endpoint.as_deref()) {
                     Ok(t) => t,
                     Err(e) => {
@@ -49,7 +56,9 @@ fn main() -> ExitCode {
                     }
                 };
                 let result = async {
-                    let policy = Arc::new(Policy::load(&config)?);
+                    let mut policy = Policy::load(&config)?;
+                    tls.apply(&mut policy)?;
+                    let policy = Arc::new(policy);
                     let shutdown = CancellationToken::new();
                     cli::cancel_on_signal(shutdown.clone());
                     let listeners = cli::bind(&policy, listen).await?;

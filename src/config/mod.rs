@@ -8,7 +8,7 @@ mod validate;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -123,6 +123,64 @@ pub struct ServerSettings {
     pub tenant_header: String,
     /// How long in-flight calls may take to finish after SIGTERM.
     pub drain_timeout: Duration,
+    /// TLS on `listen` (not on `health_listen`, which probes reach in plaintext).
+    pub tls: Option<TlsSettings>,
+}
+
+/// TLS on the main port, and with `client_ca`, mutual TLS: only a client whose certificate that
+/// CA signed, naming an allowed identity, completes the handshake. The files are read at start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    /// tollgate's certificate chain (PEM), leaf first.
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// The CA(s) client certificates must chain to (PEM); none means clients are not asked for one.
+    pub client_ca: Option<PathBuf>,
+    /// The identities a client certificate must carry one of, as a subject alternative name: a DNS
+    /// name (`envoy.llm.svc`) or a URI (`spiffe://cluster.local/ns/llm/sa/envoy`); `*` is any
+    /// certificate the CA signed.
+    pub allowed_clients: Vec<String>,
+}
+
+impl TlsSettings {
+    /// TLS from the `serve` flags, which replace `server.tls` as a whole; checked as the policy's
+    /// would be, with each problem named by its flag.
+    pub fn from_flags(
+        cert: Option<&Path>,
+        key: Option<&Path>,
+        client_ca: Option<&Path>,
+        allowed_clients: &[String],
+    ) -> Result<Option<TlsSettings>, ConfigError> {
+        let text = |p: Option<&Path>| p.map(|p| p.display().to_string());
+        let raw = raw::RawTls {
+            cert: text(cert),
+            key: text(key),
+            client_ca: text(client_ca),
+            allowed_clients: allowed_clients.to_vec(),
+        };
+        if raw.cert.is_none() && raw.key.is_none() && raw.client_ca.is_none() && raw.allowed_clients.is_empty() {
+            return Ok(None);
+        }
+        validate::tls(raw).map(Some).map_err(|(field, why)| ConfigError::Invalid {
+            file: "command line".into(),
+            field: validate::tls_flag(&field).to_string(),
+            why,
+        })
+    }
+
+    /// One line for `check-config`.
+    pub fn describe(&self) -> String {
+        match &self.client_ca {
+            None => format!("TLS ({}), clients not authenticated", self.cert.display()),
+            Some(ca) => format!(
+                "mutual TLS ({}), clients signed by {} naming {}",
+                self.cert.display(),
+                ca.display(),
+                self.allowed_clients.join(", ")
+            ),
+        }
+    }
 }
 
 /// What a model costs to admit.
@@ -358,8 +416,9 @@ impl Policy {
         let mut models: Vec<_> = self.models.keys().cloned().collect();
         models.sort();
         let mut out = format!(
-            "policy OK\n  listen: {}\n  store: {store}\n  models: {} ({})\n  tenants: {} ({})\n  default tenant: {}\n",
+            "policy OK\n  listen: {}{}\n  store: {store}\n  models: {} ({})\n  tenants: {} ({})\n  default tenant: {}\n",
             self.server.listen,
+            self.server.tls.as_ref().map_or_else(|| " (plaintext)".to_string(), |t| format!(", {}", t.describe())),
             models.len(),
             models.join(", "),
             names.len(),

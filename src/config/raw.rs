@@ -40,6 +40,17 @@ pub(super) struct RawServer {
     pub health_listen: Option<String>,
     pub tenant_header: Option<String>,
     pub drain_timeout_ms: Option<u64>,
+    pub tls: Option<RawTls>,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub cert: Option<String>,
+    pub key: Option<String>,
+    pub client_ca: Option<String>,
+    #[serde(default)]
+    pub allowed_clients: Vec<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -2,14 +2,15 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::names as ids;
-use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant};
+use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
     AdaptiveOutput, Leasing, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings,
-    TenantPolicy,
+    TenantPolicy, TlsSettings,
 };
 
 type Problem = (String, String);
@@ -26,6 +27,44 @@ pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
 fn problem(field: impl Into<String>, why: impl Into<String>) -> Problem {
     (field.into(), why.into())
+}
+
+/// `server.tls`: a certificate and its key, and for mutual TLS a client CA with the identities it
+/// may vouch for. The files are read when tollgate starts (their contents are checked there).
+pub(super) fn tls(raw: RawTls) -> Result<TlsSettings, Problem> {
+    let path = |field: &str, value: Option<String>| match value {
+        Some(p) if !p.trim().is_empty() => Ok(PathBuf::from(p)),
+        Some(_) => Err(problem(field, "is empty")),
+        None => Err(problem(field, "is required with server.tls (a PEM file)")),
+    };
+    let cert = path("server.tls.cert", raw.cert)?;
+    let key = path("server.tls.key", raw.key)?;
+    let client_ca = raw.client_ca.map(|ca| path("server.tls.client_ca", Some(ca))).transpose()?;
+    for (i, id) in raw.allowed_clients.iter().enumerate() {
+        let field = format!("server.tls.allowed_clients[{i}]");
+        if id.is_empty() || id.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(problem(field, format!("{id:?} is not a DNS name, a URI or *")));
+        }
+    }
+    match (&client_ca, raw.allowed_clients.is_empty()) {
+        (Some(_), true) => Err(problem(
+            "server.tls.allowed_clients",
+            "name the client identities (DNS or URI SANs) the CA may vouch for, or * for any it signed",
+        )),
+        (None, false) => Err(problem("server.tls.allowed_clients", "needs server.tls.client_ca to check them against")),
+        _ => Ok(TlsSettings { cert, key, client_ca, allowed_clients: raw.allowed_clients }),
+    }
+}
+
+/// The `serve` flag that sets a `server.tls` field.
+pub(super) fn tls_flag(field: &str) -> &str {
+    match field.split('[').next().unwrap_or(field) {
+        "server.tls.cert" => "--tls-cert",
+        "server.tls.key" => "--tls-key",
+        "server.tls.client_ca" => "--tls-client-ca",
+        "server.tls.allowed_clients" => "--tls-allow-client",
+        other => other,
+    }
 }
 
 pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
@@ -52,6 +91,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         health_listen,
         tenant_header,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
+        tls: raw.server.tls.map(tls).transpose()?,
     };
 
     let choice = match (raw.store.redis_url, raw.store.redis_cluster) {

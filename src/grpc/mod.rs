@@ -6,3 +6,4 @@ pub mod authz;
 pub mod ext_proc;
 pub mod response;
 pub mod server;
+pub mod tls;

@@ -37,9 +37,11 @@ pub fn incoming(listener: TcpListener) -> TcpIncoming {
 }
 
 /// Serves until `shutdown` is cancelled, then stops accepting, lets in-flight calls finish for at
-/// most `drain`, and returns. Tests call this with a listener on port 0.
+/// most `drain`, and returns. With `tls`, the main port speaks TLS only (the health port stays
+/// plaintext, for probes). Tests call this with a listener on port 0.
 pub async fn serve<S: Store>(
     listener: TcpListener,
+    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     health_listener: Option<TcpListener>,
     admission: Arc<Admission<S>>,
     shutdown: CancellationToken,
@@ -70,7 +72,7 @@ pub async fn serve<S: Store>(
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
-    let server = Server::builder()
+    let router = Server::builder()
         // Envoy keeps HTTP/2 connections open; pings find dead peers.
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
@@ -86,8 +88,15 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
         .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone(), retries)))
-        .add_service(AdmissionServer::new(AdmissionService::new(admission)))
-        .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
+        .add_service(AdmissionServer::new(AdmissionService::new(admission)));
+    let stopped = shutdown.clone().cancelled_owned();
+    let server: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match tls {
+        None => Box::pin(router.serve_with_incoming_shutdown(incoming(listener), stopped)),
+        Some(config) => {
+            let accepted = super::tls::incoming(listener, config, shutdown.clone());
+            Box::pin(router.serve_with_incoming_shutdown(accepted, stopped))
+        }
+    };
 
     tokio::select! {
         result = server => result?,

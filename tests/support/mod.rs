@@ -8,6 +8,7 @@
 // A harness: an unwrap that fails is a test that fails, and its casts are of small test numbers.
 #![allow(dead_code, clippy::unwrap_used, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
+pub mod certs;
 pub mod checks;
 pub mod faults;
 pub mod model;

@@ -231,7 +231,7 @@ fn split_grpcurl_args<'a>(args: &[&'a str]) -> (Vec<&'a str>, Vec<&'a str>) {
     while i < args.len() {
         if args[i].starts_with('-') {
             flags.push(args[i]);
-            if matches!(args[i], "-d" | "-H" | "-max-time" | "-protoset") && i + 1 < args.len() {
+            if matches!(args[i], "-d" | "-H" | "-max-time" | "-protoset" | "-connect-timeout") && i + 1 < args.len() {
                 flags.push(args[i + 1]);
                 i += 1;
             }
