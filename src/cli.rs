@@ -336,7 +336,7 @@ pub struct Listeners {
 pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
     let tls = policy.server.tls.as_ref().map(crate::grpc::tls::server_config).transpose()?;
     let addr = listen.unwrap_or(policy.server.listen);
-    if !addr.ip().is_loopback() && policy.server.tls.as_ref().is_none_or(|t| t.client_ca.is_none()) {
+    if policy.server.unauthenticated_beyond_loopback(addr) {
         tracing::warn!(
             %addr,
             "Admission (Commit, Release, Renew, Reserve) is open to every client that reaches this address: \

@@ -127,6 +127,15 @@ pub struct ServerSettings {
     pub tls: Option<TlsSettings>,
 }
 
+impl ServerSettings {
+    /// True when clients beyond this host could reach `listen` without proving who they are: a
+    /// non-loopback address without mutual TLS. Admission moves budget, so serving that way is
+    /// warned about at start.
+    pub fn unauthenticated_beyond_loopback(&self, listen: SocketAddr) -> bool {
+        !listen.ip().is_loopback() && self.tls.as_ref().is_none_or(|t| t.client_ca.is_none())
+    }
+}
+
 /// TLS on the main port, and with `client_ca`, mutual TLS: only a client whose certificate that
 /// CA signed, naming an allowed identity, completes the handshake. The files are read at start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -492,4 +501,31 @@ impl Limits {
 #[allow(clippy::cast_precision_loss)]
 fn per_ms(per_minute: Option<u64>) -> f64 {
     per_minute.unwrap_or(0) as f64 / 60_000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_mutual_tls_makes_a_network_address_safe_to_serve() {
+        let policy = Policy::parse("t", "models:\n  m: { max_output_tokens: 1 }\n").unwrap();
+        let mut server = policy.server.clone();
+        let loopback: SocketAddr = "127.0.0.1:50051".parse().unwrap();
+        let v6_loopback: SocketAddr = "[::1]:50051".parse().unwrap();
+        let anywhere: SocketAddr = "0.0.0.0:50051".parse().unwrap();
+        assert!(!server.unauthenticated_beyond_loopback(loopback));
+        assert!(!server.unauthenticated_beyond_loopback(v6_loopback));
+        assert!(server.unauthenticated_beyond_loopback(anywhere));
+        let tls = |client_ca: Option<&str>| TlsSettings {
+            cert: "c".into(),
+            key: "k".into(),
+            client_ca: client_ca.map(PathBuf::from),
+            allowed_clients: client_ca.map(|_| vec!["*".to_string()]).unwrap_or_default(),
+        };
+        server.tls = Some(tls(None));
+        assert!(server.unauthenticated_beyond_loopback(anywhere), "TLS without client certificates");
+        server.tls = Some(tls(Some("ca")));
+        assert!(!server.unauthenticated_beyond_loopback(anywhere));
+    }
 }
