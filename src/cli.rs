@@ -18,6 +18,9 @@ use crate::bench::sweep::{self, SweepOptions};
 use crate::bench::{BenchOptions, Control};
 use crate::config::{ConfigError, Policy, StoreChoice, TlsSettings};
 use crate::grpc::server::{ServeError, serve as serve_grpc};
+use crate::metrics::Metrics;
+use crate::metrics::exposition::Registry;
+use crate::metrics::store::Measured;
 use crate::sim::backend::{self, SimConfig};
 use crate::sim::lengths::OutputLengths;
 use crate::sim::load;
@@ -320,6 +323,8 @@ pub enum RunError {
     #[error(transparent)]
     Tls(#[from] crate::grpc::tls::TlsError),
     #[error(transparent)]
+    Metrics(#[from] crate::metrics::exposition::ExporterError),
+    #[error(transparent)]
     Serve(#[from] ServeError),
 }
 
@@ -328,6 +333,8 @@ pub struct Listeners {
     pub main: TcpListener,
     pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
     pub health: Option<TcpListener>,
+    /// `/metrics`, with `server.admin_listen`.
+    pub admin: Option<TcpListener>,
 }
 
 /// Reads the TLS files, then binds the policy's (or the override's) address and the health
@@ -350,27 +357,50 @@ pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listene
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
-    Ok(Listeners { main: bind(addr).await?, tls, health })
+    let admin = match policy.server.admin_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    Ok(Listeners { main: bind(addr).await?, tls, health, admin })
 }
 
-/// Connects the policy's store, loads the scripts, and serves on `listeners` until `shutdown`.
-/// Redis is called through a circuit breaker: a Redis that keeps failing is not waited on.
-pub async fn serve(policy: Arc<Policy>, listeners: Listeners, shutdown: CancellationToken) -> Result<(), RunError> {
+/// Connects the policy's store, loads the scripts, and serves on `listeners` until `shutdown`,
+/// recording into `registry`. Redis is called through a circuit breaker: a Redis that keeps
+/// failing is not waited on. Every store call is timed.
+pub async fn serve(
+    policy: Arc<Policy>,
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    registry: Arc<Registry>,
+) -> Result<(), RunError> {
     let options =
         RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
     let b = policy.store.breaker;
     let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
+    let metrics = registry.metrics(&policy);
+    let meter = registry.meter();
+    let served = Served { listeners, shutdown, registry, metrics: metrics.clone() };
     match policy.store.choice.clone() {
-        StoreChoice::Embedded => run_on(EmbeddedStore::new()?, policy, listeners, shutdown).await,
+        StoreChoice::Embedded => {
+            run_on(Measured::new(EmbeddedStore::new()?, metrics, Some(&meter)), policy, served).await
+        }
         StoreChoice::Redis { url } => {
             let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
-            run_on(Breaker::new(store, breaker), policy, listeners, shutdown).await
+            run_on(Measured::new(Breaker::new(store, breaker), metrics, Some(&meter)), policy, served).await
         }
         StoreChoice::Cluster { nodes } => {
             let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
-            run_on(Breaker::new(store, breaker), policy, listeners, shutdown).await
+            run_on(Measured::new(Breaker::new(store, breaker), metrics, Some(&meter)), policy, served).await
         }
     }
+}
+
+/// What `serve` serves on, and records into.
+struct Served {
+    listeners: Listeners,
+    shutdown: CancellationToken,
+    registry: Arc<Registry>,
+    metrics: Metrics,
 }
 
 async fn bench_decision(args: DecisionArgs) -> Result<crate::bench::decision::DecisionTimes, RunError> {
@@ -402,21 +432,18 @@ async fn decide_on<S: Store>(
     Ok(times)
 }
 
-async fn run_on<S: Store>(
-    store: S,
-    policy: Arc<Policy>,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-) -> Result<(), RunError> {
+async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Result<(), RunError> {
+    let Served { listeners, shutdown, registry, metrics } = served;
     let protocol = Protocol::new(store).await?;
     let drain = policy.server.drain_timeout;
     let addr = listeners.main.local_addr().ok();
     let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
     let tls = policy.server.tls.as_ref().map_or_else(|| "plaintext".to_string(), |t| t.describe());
     tracing::info!(?addr, ?health, %tls, store = ?policy.store.choice, "tollgate serving");
-    let admission = Arc::new(Admission::new(policy, protocol));
-    // Lease windows and heartbeats run until the server has drained; then slices go back.
+    let admission = Arc::new(Admission::new(policy, protocol).with_metrics(metrics));
+    // Lease windows, heartbeats and the admin port run until the server has drained.
     let drained = CancellationToken::new();
+    let admin = listeners.admin.map(|l| tokio::spawn(crate::admin::serve(l, registry, drained.clone())));
     let leasing = tokio::spawn(Arc::clone(&admission).run_leases(drained.clone()));
     // The replica count that on_store_error: local shares limits by.
     let heartbeat = {
@@ -427,6 +454,9 @@ async fn run_on<S: Store>(
     let served = serve_grpc(listeners.main, listeners.tls, listeners.health, admission, shutdown, drain).await;
     drained.cancel();
     let _ = heartbeat.await;
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
     if leasing.await.is_err() {
         tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
     }

@@ -7,6 +7,7 @@
 //!
 //! # Layout
 //!
+//! - [`admin`]: the admin HTTP port (`/metrics`).
 //! - [`cli`]: the command line (`serve`, `check-config`, `bench`).
 //! - [`bench`]: the open-loop load generator for full Check + Commit cycles.
 //! - [`config`]: YAML policy → validated, typed policy; strict, with errors that name the field.
@@ -17,6 +18,8 @@
 //! - [`grpc`]: the edge. `authz` (Envoy `Check` → attributes), `admission` (the Admission
 //!   service), `response` (decision → `CheckResponse`: the one place for status, headers, body),
 //!   `server` (the tower stack, health, reflection, graceful shutdown).
+//! - [`metrics`]: the instruments (decisions, latency, the books, the store), their Prometheus
+//!   exposition for the admin port, and the store wrapper that times every script call.
 //! - [`sim`]: a simulated inference backend (`sim-backend`) and an HTTP load of request classes
 //!   (`sim-load`), for tests, the demo and the benchmark.
 //! - [`telemetry`]: tracing, and OpenTelemetry export when an endpoint is configured.
@@ -26,12 +29,14 @@
 #![forbid(unsafe_code)]
 #![warn(clippy::unwrap_used)]
 
+pub mod admin;
 pub mod admission;
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod estimate;
 pub mod grpc;
+pub mod metrics;
 pub mod sim;
 pub mod store;
 pub mod telemetry;

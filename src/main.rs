@@ -16,6 +16,7 @@ use tollgate::cli::{self, Cli, Command};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use tollgate::config::Policy;
+use tollgate::metrics::exposition::Registry;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -61,8 +62,9 @@ fn main() -> ExitCode {
                     let policy = Arc::new(policy);
                     let shutdown = CancellationToken::new();
                     cli::cancel_on_signal(shutdown.clone());
+                    let registry = Arc::new(Registry::new(otlp_endpoint.as_deref())?);
                     let listeners = cli::bind(&policy, listen).await?;
-                    cli::serve(policy, listeners, shutdown).await
+                    cli::serve(policy, listeners, shutdown, registry).await
                 }
                 .await;
                 match result {

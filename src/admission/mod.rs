@@ -53,6 +53,7 @@ pub use crate::config::Priority;
 use crate::config::names;
 use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
+use crate::metrics::{Decided, Metrics, Outcome};
 pub use crate::store::KeyRepeat;
 use crate::store::clock::{Clock, SystemClock};
 use crate::store::{
@@ -126,6 +127,7 @@ pub struct Admission<S> {
     replica: String,
     /// Admission from memory while the store is unreachable (`on_store_error: local`).
     local: LocalLimits,
+    metrics: Metrics,
 }
 
 /// Tenants whose last output estimate this replica remembers, at most.
@@ -155,7 +157,22 @@ impl<S: Store> Admission<S> {
             .leasing
             .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
         let local = LocalLimits::new(policy.store.local_factor);
-        Admission { policy, protocol, seen_estimates: RwLock::new(HashMap::new()), leases, replica, local }
+        Admission {
+            policy,
+            protocol,
+            seen_estimates: RwLock::new(HashMap::new()),
+            leases,
+            replica,
+            local,
+            metrics: Metrics::disabled(),
+        }
+    }
+
+    /// Records decisions and settlements into `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Leased holds this replica keeps in memory for a tenant: (live, settled and remembered).
@@ -208,6 +225,36 @@ impl<S: Store> Admission<S> {
     /// The reserve phase. The legs run to completion even if the caller stops waiting, and a hold
     /// whose decision nobody received is released (see the module's "Nobody waiting").
     pub async fn reserve(self: &Arc<Self>, a: &Attributes) -> Decision {
+        let start = std::time::Instant::now();
+        let decision = self.decide(a).await;
+        self.record(a, &decision, start.elapsed());
+        decision
+    }
+
+    /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
+    /// policy serves (any other name a client sent is `other`), the tier, the reason.
+    fn record(&self, a: &Attributes, decision: &Decision, took: std::time::Duration) {
+        let tenant = a.tenant.as_deref().or(self.policy.anonymous_tenant.as_deref()).unwrap_or("");
+        let tp = self.policy.tenant(tenant);
+        let tier = match tp {
+            Some(tp) => a.priority.unwrap_or(tp.default_priority).min(tp.max_priority),
+            None => a.priority.unwrap_or(Priority::Standard),
+        };
+        let model = a.model.as_deref().map(|m| if self.policy.models.contains_key(m) { m } else { "other" });
+        let (outcome, reason) = match decision {
+            Decision::Admitted(admitted) => {
+                if !admitted.replayed {
+                    self.metrics.reserved(tenant, admitted.reserved_tokens);
+                }
+                (Outcome::Admitted, "ok")
+            }
+            Decision::Unmetered => (Outcome::Unmetered, "ok"),
+            Decision::Denied(d) => (Outcome::Denied, d.reason.code()),
+        };
+        self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took });
+    }
+
+    async fn decide(self: &Arc<Self>, a: &Attributes) -> Decision {
         let plan = match self.plan(a) {
             Ok(plan) => plan,
             Err(denial) => return Decision::Denied(denial),
@@ -446,6 +493,17 @@ impl<S: Store> Admission<S> {
 
     /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.
     fn on_store_error(&self, plan: &Plan, denial: Denial) -> Decision {
+        let decision = self.by_store_down_mode(plan, denial);
+        let outcome = match &decision {
+            Decision::Admitted(_) => Outcome::Admitted,
+            Decision::Unmetered => Outcome::Unmetered,
+            Decision::Denied(_) => Outcome::Denied,
+        };
+        self.metrics.degraded(&plan.tenant, plan.tp.on_store_error.as_str(), outcome);
+        decision
+    }
+
+    fn by_store_down_mode(&self, plan: &Plan, denial: Denial) -> Decision {
         match plan.tp.on_store_error {
             OnStoreError::FailClosed => Decision::Denied(denial),
             OnStoreError::FailOpen => {
@@ -687,7 +745,9 @@ impl<S: Store> Admission<S> {
     /// are taken off here, so pool work leaves with its hold rather than with the pool's own sweep.
     async fn release_swept_pool_legs(&self, swept: &[String]) {
         for id in swept {
-            if let Some(pool) = ids::parse_reservation_id(id).and_then(|r| r.pool) {
+            let Some(r) = ids::parse_reservation_id(id) else { continue };
+            self.metrics.expired(r.tenant);
+            if let Some(pool) = r.pool {
                 self.release_pool_leg(pool, id).await;
             }
         }
@@ -742,7 +802,11 @@ impl<S: Store> Admission<S> {
         let r = parse_id(reservation_id)?;
         if let Some(replica) = r.replica {
             let outcome = match self.leases.as_ref().filter(|l| l.replica == replica) {
-                Some(leases) => leases.commit(r.tenant, reservation_id, counted),
+                Some(leases) => {
+                    let outcome = leases.commit(r.tenant, reservation_id, counted);
+                    self.record_commit(r.tenant, &outcome);
+                    outcome
+                }
                 None => match self.forward(&r, reservation_id, Forwarded::Commit(counted)).await? {
                     true => CommitOutcome::Forwarded,
                     false => CommitOutcome::NotFound,
@@ -760,6 +824,7 @@ impl<S: Store> Admission<S> {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
         });
         let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
+        self.record_commit(r.tenant, &outcome);
         // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
         // call may have settled the tenant leg and failed to reach the pool. Idempotent.
         if let Some(pool) = r.pool
@@ -768,6 +833,15 @@ impl<S: Store> Admission<S> {
             self.release_pool_leg(pool, reservation_id).await;
         }
         Ok(outcome)
+    }
+
+    /// Counts a commit that settled a hold now (not a repeat of an earlier one).
+    fn record_commit(&self, tenant: &str, outcome: &CommitOutcome) {
+        if let CommitOutcome::Committed(u) = outcome
+            && !u.duplicate
+        {
+            self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun);
+        }
     }
 
     /// Extends a live hold's lease by `lease_ms` (0 = the tenant's lease TTL; never more than it).
@@ -859,6 +933,9 @@ impl<S: Store> Admission<S> {
                 },
             },
         };
+        if let ReleaseOutcome::Released { refunded, repeated: false } = outcome {
+            self.metrics.released(r.tenant, refunded);
+        }
         if let Some(pool) = r.pool
             && outcome != ReleaseOutcome::NotFound
         {

@@ -119,6 +119,9 @@ pub struct ServerSettings {
     /// A second address that serves only `grpc.health.v1`: for probes from outside the pod while
     /// `listen` stays on loopback, reachable by the Envoy beside tollgate alone.
     pub health_listen: Option<SocketAddr>,
+    /// The admin HTTP port: `/metrics` for Prometheus. Off unless set; keep it off the network
+    /// Envoy's clients reach.
+    pub admin_listen: Option<SocketAddr>,
     /// The header that carries the verified tenant id (Envoy sets it from identity, e.g. a JWT).
     pub tenant_header: String,
     /// How long in-flight calls may take to finish after SIGTERM.
@@ -367,6 +370,15 @@ pub struct Policy {
     /// Decide from slices of the store's buckets leased to this replica; `None`: every decision
     /// goes to the store.
     pub leasing: Option<Leasing>,
+    pub metrics: MetricsSettings,
+}
+
+/// What the metrics label.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MetricsSettings {
+    /// The tenants with series of their own; `None`: every tenant the policy names. Any other
+    /// tenant is counted as `other`, so series stay bounded however many tenants arrive.
+    pub tenants: Option<Vec<String>>,
 }
 
 /// Leasing: each replica draws slices of a scope's tokens, request permits and concurrency slots

@@ -24,6 +24,8 @@ pub(super) struct RawPolicy {
     pub default_tenant: Option<RawTenant>,
     pub anonymous_tenant: Option<String>,
     pub leasing: Option<RawLeasing>,
+    #[serde(default)]
+    pub metrics: RawMetrics,
 }
 
 #[derive(Debug, Deserialize)]
@@ -35,9 +37,16 @@ pub(super) struct RawLeasing {
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub(super) struct RawMetrics {
+    pub tenants: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(super) struct RawServer {
     pub listen: Option<String>,
     pub health_listen: Option<String>,
+    pub admin_listen: Option<String>,
     pub tenant_header: Option<String>,
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,

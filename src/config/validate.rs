@@ -9,8 +9,8 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, Limits, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice, StoreSettings,
-    TenantPolicy, TlsSettings,
+    AdaptiveOutput, Leasing, Limits, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
+    StoreSettings, TenantPolicy, TlsSettings,
 };
 
 type Problem = (String, String);
@@ -18,6 +18,8 @@ type Problem = (String, String);
 const MIN_LEASE_MS: u64 = 50;
 const MAX_LEASE_MS: u64 = 86_400_000;
 const DAY_MS: u64 = 86_400_000;
+/// Tenants `metrics.tenants` may list: each adds a few dozen series.
+const MAX_LABELLED_TENANTS: usize = 1_000;
 /// The largest output ceiling a model may declare: far above any model today, low enough that
 /// token arithmetic never nears overflow.
 const MAX_OUTPUT_CEILING: u64 = 10_000_000;
@@ -86,9 +88,23 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     if health_listen.is_some_and(|h| h.port() == listen.port() && h.port() != 0) {
         return Err(problem("server.health_listen", "must be another port than server.listen"));
     }
+    let admin_listen =
+        match raw.server.admin_listen.as_deref() {
+            None => None,
+            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|_| {
+                problem("server.admin_listen", format!("{addr:?} is not an address like 127.0.0.1:9090"))
+            })?),
+        };
+    if let Some(admin) = admin_listen
+        && admin.port() != 0
+        && (admin.port() == listen.port() || health_listen.is_some_and(|h| h.port() == admin.port()))
+    {
+        return Err(problem("server.admin_listen", "must be another port than server.listen and server.health_listen"));
+    }
     let server = ServerSettings {
         listen,
         health_listen,
+        admin_listen,
         tenant_header,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
@@ -251,7 +267,25 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         max_attempts,
         concurrency_retry_ms,
         leasing: raw.leasing.map(leasing).transpose()?,
+        metrics: metrics(raw.metrics)?,
     })
+}
+
+/// `metrics.tenants`: the tenants with series of their own (any valid tenant id, so one under
+/// `default_tenant` can be watched too).
+fn metrics(m: super::raw::RawMetrics) -> Result<MetricsSettings, Problem> {
+    if let Some(tenants) = &m.tenants {
+        if tenants.len() > MAX_LABELLED_TENANTS {
+            return Err(problem(
+                "metrics.tenants",
+                format!("{} tenants; at most {MAX_LABELLED_TENANTS} may have series of their own", tenants.len()),
+            ));
+        }
+        for (i, t) in tenants.iter().enumerate() {
+            ids::check_tenant(t).map_err(|e| problem(format!("metrics.tenants[{i}]"), format!("tenant id {e}")))?;
+        }
+    }
+    Ok(MetricsSettings { tenants: m.tenants })
 }
 
 fn leasing(l: super::raw::RawLeasing) -> Result<Leasing, Problem> {

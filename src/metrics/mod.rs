@@ -1,0 +1,227 @@
+//! What an operator graphs: decisions, their latency, the store's latency and errors, the tokens
+//! and holds that move through the books, and the degraded mode in force. One set of
+//! OpenTelemetry instruments feeds both the Prometheus endpoint ([`exposition`], on the admin
+//! port) and OTLP, when an endpoint is configured.
+//!
+//! Tenant-labelled series are bounded: a tenant has series of its own when the policy names it
+//! (or `metrics.tenants` lists it); every other tenant (those under `default_tenant`, however many)
+//! is counted as `other`. Model labels are the policy's models, reasons and tiers are fixed sets.
+
+pub mod exposition;
+pub mod store;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+
+use crate::config::Policy;
+
+/// The label a tenant outside the bounded set is counted under.
+pub const OTHER_TENANT: &str = "other";
+
+/// Decision latency buckets, in seconds: a decision takes tens of microseconds to a few
+/// milliseconds, and the store's timeout bounds it at a quarter second.
+const LATENCY_BUCKETS: [f64; 14] =
+    [0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+/// How far a hold's usage came from what it held (used ÷ held): 1 is a perfect estimate, below 1
+/// budget held and not used, above 1 an overrun.
+const RATIO_BUCKETS: [f64; 12] = [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0];
+
+/// How a decision went, as the `outcome` label says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted,
+    Denied,
+    /// Admitted without a hold: the store was unreachable and the tenant's mode let it through.
+    Unmetered,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Admitted => "admitted",
+            Outcome::Denied => "denied",
+            Outcome::Unmetered => "unmetered",
+        }
+    }
+}
+
+/// One decision, as the metrics record it.
+#[derive(Debug, Clone, Copy)]
+pub struct Decided<'a> {
+    pub tenant: &'a str,
+    pub model: Option<&'a str>,
+    pub tier: &'static str,
+    pub outcome: Outcome,
+    /// `ok` for an admission, else the denial's reason code.
+    pub reason: &'static str,
+    pub took: Duration,
+}
+
+/// The instruments. Cheap to clone (each is a handle); a [`Metrics::disabled`] set records nothing.
+#[derive(Clone)]
+pub struct Metrics {
+    decisions: Counter<u64>,
+    decision_duration: Histogram<f64>,
+    degraded: Counter<u64>,
+    tokens: Counter<u64>,
+    holds: Counter<u64>,
+    usage_ratio: Histogram<f64>,
+    pub(crate) store_duration: Histogram<f64>,
+    pub(crate) store_errors: Counter<u64>,
+    labels: Arc<TenantLabels>,
+    /// Keeps a provider of its own alive (the disabled set's).
+    _provider: Option<SdkMeterProvider>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// Which tenants have series of their own.
+#[derive(Debug, Default)]
+pub struct TenantLabels {
+    named: std::collections::HashSet<String>,
+}
+
+impl TenantLabels {
+    /// `metrics.tenants` if the policy lists them, else every tenant it names.
+    pub fn of(policy: &Policy) -> TenantLabels {
+        let named = match &policy.metrics.tenants {
+            Some(listed) => listed.iter().cloned().collect(),
+            None => policy.tenants.keys().cloned().collect(),
+        };
+        TenantLabels { named }
+    }
+
+    pub fn label<'a>(&self, tenant: &'a str) -> &'a str {
+        if self.named.contains(tenant) { tenant } else { OTHER_TENANT }
+    }
+}
+
+impl Metrics {
+    /// Instruments on `meter`, labelling tenants as `labels` says.
+    pub fn new(meter: &Meter, labels: TenantLabels) -> Metrics {
+        Metrics {
+            decisions: meter
+                .u64_counter("tollgate.decisions")
+                .with_description("Admission decisions, by tenant, model, tier, outcome and reason")
+                .with_unit("{decision}")
+                .build(),
+            decision_duration: meter
+                .f64_histogram("tollgate.decision.duration")
+                .with_description("Time to decide, from the request's arrival to its answer")
+                .with_unit("s")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            degraded: meter
+                .u64_counter("tollgate.degraded.decisions")
+                .with_description("Decisions made while the store was unreachable, by the tenant's on_store_error mode")
+                .with_unit("{decision}")
+                .build(),
+            tokens: meter
+                .u64_counter("tollgate.tokens")
+                .with_description("Tokens through the books: reserved at admission; committed, refunded or overrun at settlement")
+                .with_unit("{token}")
+                .build(),
+            holds: meter
+                .u64_counter("tollgate.holds")
+                .with_description("Holds settled: committed, late_committed, released, expired")
+                .with_unit("{hold}")
+                .build(),
+            usage_ratio: meter
+                .f64_histogram("tollgate.hold.usage")
+                .with_description("Tokens a committed hold used over tokens it held (the estimator's error)")
+                .with_unit("1")
+                .with_boundaries(RATIO_BUCKETS.to_vec())
+                .build(),
+            store_duration: meter
+                .f64_histogram("tollgate.store.duration")
+                .with_description("Store script calls, by script and result")
+                .with_unit("s")
+                .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            store_errors: meter
+                .u64_counter("tollgate.store.errors")
+                .with_description("Store calls that failed, by script and error (unavailable: unreachable, timed out or circuit open)")
+                .with_unit("{error}")
+                .build(),
+            labels: Arc::new(labels),
+            _provider: None,
+        }
+    }
+
+    /// Instruments that record nothing: for benches and tests that do not look.
+    pub fn disabled() -> Metrics {
+        let provider = SdkMeterProvider::builder().build();
+        let mut metrics = Metrics::new(&provider.meter("tollgate"), TenantLabels::default());
+        metrics._provider = Some(provider);
+        metrics
+    }
+
+    fn tenant(&self, tenant: &str) -> KeyValue {
+        KeyValue::new("tenant", self.labels.label(tenant).to_string())
+    }
+
+    /// One decision: counted, and its latency.
+    pub fn decided(&self, d: &Decided<'_>) {
+        let mut attributes = vec![
+            self.tenant(d.tenant),
+            KeyValue::new("outcome", d.outcome.as_str()),
+            KeyValue::new("reason", d.reason),
+            KeyValue::new("tier", d.tier),
+        ];
+        if let Some(model) = d.model {
+            attributes.push(KeyValue::new("gen_ai.request.model", model.to_string()));
+        }
+        self.decisions.add(1, &attributes);
+        self.decision_duration.record(d.took.as_secs_f64(), &[KeyValue::new("outcome", d.outcome.as_str())]);
+    }
+
+    /// A decision the tenant's store-down mode made.
+    pub fn degraded(&self, tenant: &str, mode: &'static str, outcome: Outcome) {
+        self.degraded
+            .add(1, &[self.tenant(tenant), KeyValue::new("mode", mode), KeyValue::new("outcome", outcome.as_str())]);
+    }
+
+    /// Tokens held by an admission.
+    pub fn reserved(&self, tenant: &str, tokens: u64) {
+        self.tokens.add(tokens, &[self.tenant(tenant), KeyValue::new("event", "reserved")]);
+    }
+
+    /// A hold settled by a commit: its state, and where its tokens went.
+    pub fn committed(&self, tenant: &str, late: bool, used: u64, held: u64, refunded: u64, overrun: u64) {
+        let tenant = self.tenant(tenant);
+        let state = if late { "late_committed" } else { "committed" };
+        self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state)]);
+        for (event, n) in [("committed", used), ("refunded", refunded), ("overrun", overrun)] {
+            if n > 0 {
+                self.tokens.add(n, &[tenant.clone(), KeyValue::new("event", event)]);
+            }
+        }
+        if held > 0 && !late {
+            #[allow(clippy::cast_precision_loss)]
+            self.usage_ratio.record(used as f64 / held as f64, &[tenant]);
+        }
+    }
+
+    /// A hold given back unused.
+    pub fn released(&self, tenant: &str, refunded: u64) {
+        let tenant = self.tenant(tenant);
+        self.holds.add(1, &[tenant.clone(), KeyValue::new("state", "released")]);
+        if refunded > 0 {
+            self.tokens.add(refunded, &[tenant, KeyValue::new("event", "refunded")]);
+        }
+    }
+
+    /// A hold whose owner never came back, settled by its lease.
+    pub fn expired(&self, tenant: &str) {
+        self.holds.add(1, &[self.tenant(tenant), KeyValue::new("state", "expired")]);
+    }
+}

@@ -1,0 +1,172 @@
+//! The Prometheus endpoint on the admin port, scraped from a running tollgate: every decision is
+//! counted by tenant, model, tier, outcome and reason, and timed; the books' tokens and holds move
+//! as the replies say (reserved, committed, refunded, released, expired); the store's calls are
+//! timed and its failures counted, with the degraded mode in force; tenants the policy does not
+//! name are one `other` series however many there are.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use support::procs::{OwnRedis, Tollgate, free_port};
+use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::proto::{CommitRequest, ReleaseRequest, ReserveRequest};
+
+/// An HTTP/1.1 GET on the admin port: the status line and the body.
+fn get(addr: SocketAddr, path: &str) -> (String, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// Every sample of a scrape, by its series (name and labels as printed).
+fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let (status, body) = get(addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').unwrap();
+            (series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("{l}")))
+        })
+        .collect()
+}
+
+fn value(samples: &BTreeMap<String, f64>, series: &str) -> f64 {
+    *samples.get(series).unwrap_or_else(|| panic!("no {series} in\n{}", dump(samples)))
+}
+
+fn dump(samples: &BTreeMap<String, f64>) -> String {
+    samples.iter().map(|(k, v)| format!("{k} {v}\n")).collect()
+}
+
+fn reserve(tenant: &str, prompt: u64, max: u64) -> ReserveRequest {
+    ReserveRequest {
+        tenant: tenant.into(),
+        model: "m".into(),
+        prompt_tokens: prompt,
+        max_tokens: max,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_counts_what_happened() {
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let policy = format!(
+        "server:\n  admin_listen: {admin}\nmodels:\n  m: {{ max_output_tokens: 100 }}\n\
+         tenants:\n  acme:\n    lease_ttl_ms: 50\n    limits: {{ tokens_per_minute: 60, burst_tokens: 500 }}\n\
+         default_tenant:\n  limits: {{ tokens_per_minute: 60000 }}\n"
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+
+    // acme: one hold committed under its hold, one released, one left to expire, one refused.
+    let committed = client.reserve(reserve("acme", 20, 80)).await.unwrap().into_inner();
+    let released = client.reserve(reserve("acme", 10, 90)).await.unwrap().into_inner();
+    let expiring = client.reserve(reserve("acme", 10, 90)).await.unwrap().into_inner();
+    assert!(committed.admitted && released.admitted && expiring.admitted);
+    let refused = client.reserve(reserve("acme", 150, 100)).await.unwrap().into_inner();
+    assert_eq!(refused.reason, "token_rate", "{refused:?}");
+    let c =
+        CommitRequest { reservation_id: committed.reservation_id.clone(), prompt_tokens: 20, completion_tokens: 30 };
+    client.commit(c.clone()).await.unwrap();
+    client.commit(c).await.unwrap(); // a repeat settles nothing new
+    client.release(ReleaseRequest { reservation_id: released.reservation_id }).await.unwrap();
+    // The lease (50 ms) passes; the next reserve sweeps the hold, which stays charged (the
+    // default expired_usage), so 400 tokens do not fit in the 350 left.
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let swept = client.reserve(reserve("acme", 310, 90)).await.unwrap().into_inner();
+    assert_eq!(swept.reason, "token_rate", "{swept:?}");
+    // Three tenants the policy does not name, and a model it does not serve.
+    for tenant in ["t1", "t2", "t3"] {
+        assert!(client.reserve(reserve(tenant, 1, 1)).await.unwrap().into_inner().admitted);
+    }
+    let unknown_model = ReserveRequest { model: "gpt-x".into(), ..reserve("acme", 1, 1) };
+    assert_eq!(client.reserve(unknown_model).await.unwrap().into_inner().reason, "invalid_request");
+
+    let s = scrape(admin);
+    let decisions = |tenant: &str, model: &str, outcome: &str, reason: &str| {
+        value(
+            &s,
+            &format!(
+                "tollgate_decisions_total{{gen_ai_request_model=\"{model}\",outcome=\"{outcome}\",reason=\"{reason}\",tenant=\"{tenant}\",tier=\"standard\"}}"
+            ),
+        )
+    };
+    assert_eq!(decisions("acme", "m", "admitted", "ok"), 3.0);
+    assert_eq!(decisions("acme", "m", "denied", "token_rate"), 2.0);
+    assert_eq!(decisions("acme", "other", "denied", "invalid_request"), 1.0);
+    assert_eq!(decisions("other", "m", "admitted", "ok"), 3.0, "t1..t3 are one series");
+    assert!(!s.keys().any(|k| k.contains("t1")), "an unnamed tenant got a series of its own");
+    assert_eq!(value(&s, "tollgate_decision_duration_seconds_count{outcome=\"admitted\"}"), 6.0);
+    assert_eq!(value(&s, "tollgate_decision_duration_seconds_count{outcome=\"denied\"}"), 3.0);
+
+    // The books: what the replies said, no more.
+    let reserved = committed.reserved_tokens + released.reserved_tokens + expiring.reserved_tokens;
+    assert_eq!(value(&s, "tollgate_tokens_total{event=\"reserved\",tenant=\"acme\"}"), reserved as f64);
+    assert_eq!(value(&s, "tollgate_tokens_total{event=\"committed\",tenant=\"acme\"}"), 50.0);
+    // Refunded: the commit's 100 - 50, and the release's whole hold.
+    assert_eq!(
+        value(&s, "tollgate_tokens_total{event=\"refunded\",tenant=\"acme\"}"),
+        (50 + released.reserved_tokens) as f64
+    );
+    for (state, n) in [("committed", 1.0), ("released", 1.0), ("expired", 1.0)] {
+        assert_eq!(value(&s, &format!("tollgate_holds_total{{state=\"{state}\",tenant=\"acme\"}}")), n, "{state}");
+    }
+    assert_eq!(value(&s, "tollgate_hold_usage_ratio_count{tenant=\"acme\"}"), 1.0);
+    assert_eq!(value(&s, "tollgate_hold_usage_ratio_sum{tenant=\"acme\"}"), 0.5);
+    // Every store call is timed; the store answers.
+    assert!(value(&s, "tollgate_store_duration_seconds_count{result=\"ok\",script=\"reserve\"}") >= 8.0);
+    assert_eq!(value(&s, "tollgate_store_available"), 1.0);
+
+    let (status, _) = get(admin, "/nope");
+    assert!(status.contains("404"), "{status}");
+}
+
+/// With Redis gone, each decision the tenants' modes make is counted as degraded, the store's
+/// failures by kind, and the store reads unavailable; when Redis is back, available again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
+    let port = free_port();
+    let redis = OwnRedis::start(port);
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let policy = format!(
+        "server:\n  admin_listen: {admin}\nstore:\n  redis_url: redis://127.0.0.1:{port}\n  breaker: {{ failures: 100 }}\n\
+         models:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  closed: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n  near: {{}}\n"
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve("closed", 1, 1)).await.unwrap().into_inner().admitted);
+    drop(redis);
+    for tenant in ["closed", "open", "near"] {
+        let r = client.reserve(reserve(tenant, 1, 1)).await.unwrap().into_inner();
+        assert_eq!(r.admitted, tenant != "closed", "{tenant}: {r:?}");
+    }
+    let s = scrape(admin);
+    for (tenant, mode, outcome) in
+        [("closed", "fail_closed", "denied"), ("open", "fail_open", "unmetered"), ("near", "local", "unmetered")]
+    {
+        let series =
+            format!("tollgate_degraded_decisions_total{{mode=\"{mode}\",outcome=\"{outcome}\",tenant=\"{tenant}\"}}");
+        assert_eq!(value(&s, &series), 1.0, "{series}");
+    }
+    assert!(value(&s, "tollgate_store_errors_total{error=\"unavailable\",script=\"reserve\"}") >= 3.0);
+    assert_eq!(value(&s, "tollgate_store_available"), 0.0);
+
+    let _back = OwnRedis::start(port);
+    let start = Instant::now();
+    while !client.reserve(reserve("closed", 1, 1)).await.unwrap().into_inner().admitted {
+        assert!(start.elapsed() < Duration::from_secs(10), "Redis never came back\n{}", t.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(value(&scrape(admin), "tollgate_store_available"), 1.0);
+}
