@@ -438,12 +438,14 @@ async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Resu
     let drain = policy.server.drain_timeout;
     let addr = listeners.main.local_addr().ok();
     let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
+    let admin_addr = listeners.admin.as_ref().and_then(|l| l.local_addr().ok());
     let tls = policy.server.tls.as_ref().map_or_else(|| "plaintext".to_string(), |t| t.describe());
-    tracing::info!(?addr, ?health, %tls, store = ?policy.store.choice, "tollgate serving");
+    tracing::info!(?addr, ?health, admin = ?admin_addr, %tls, store = ?policy.store.choice, "tollgate serving");
     let admission = Arc::new(Admission::new(policy, protocol).with_metrics(metrics));
     // Lease windows, heartbeats and the admin port run until the server has drained.
     let drained = CancellationToken::new();
-    let admin = listeners.admin.map(|l| tokio::spawn(crate::admin::serve(l, registry, drained.clone())));
+    // The registry lives as long as the server: its last reference going flushes OTLP.
+    let admin = listeners.admin.map(|l| tokio::spawn(crate::admin::serve(l, Arc::clone(&registry), drained.clone())));
     let leasing = tokio::spawn(Arc::clone(&admission).run_leases(drained.clone()));
     // The replica count that on_store_error: local shares limits by.
     let heartbeat = {
@@ -460,6 +462,7 @@ async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Resu
     if leasing.await.is_err() {
         tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
     }
+    drop(registry);
     served?;
     tracing::info!("tollgate stopped");
     Ok(())

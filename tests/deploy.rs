@@ -71,6 +71,15 @@ fn the_configmap_policy_is_valid_and_uses_redis() {
     assert_eq!(policy.store.choice, StoreChoice::Redis { url: "redis://redis:6379".into() });
     assert_eq!(policy.server.listen.to_string(), "127.0.0.1:50051", "decisions and Admission on loopback only");
     assert_eq!(policy.server.health_listen.map(|h| h.to_string()).as_deref(), Some("0.0.0.0:50052"));
+    // Metrics on the pod's network for Prometheus, on the port the pod declares and annotates.
+    let admin = policy.server.admin_listen.expect("the example serves /metrics");
+    let pod = &find(&docs, "Deployment", "inference")["spec"]["template"];
+    assert_eq!(pod["metadata"]["annotations"]["prometheus.io/port"].as_str(), Some(admin.port().to_string().as_str()));
+    let tollgate = &pod["spec"]["initContainers"][0];
+    let ports = tollgate["ports"].as_sequence().unwrap();
+    assert!(
+        ports.iter().any(|p| p["name"] == "metrics" && p["containerPort"].as_u64() == Some(u64::from(admin.port())))
+    );
 }
 
 #[test]

@@ -132,7 +132,9 @@ async fn a_scrape_counts_what_happened() {
 }
 
 /// With Redis gone, each decision the tenants' modes make is counted as degraded, the store's
-/// failures by kind, and the store reads unavailable; when Redis is back, available again.
+/// failures by kind, and the store reads unavailable; when Redis is back, available again. The
+/// scrape, with every instrument recorded by then, also holds what the shipped dashboard and
+/// alerting rules query.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
     let port = free_port();
@@ -141,16 +143,31 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
     let policy = format!(
         "server:\n  admin_listen: {admin}\nstore:\n  redis_url: redis://127.0.0.1:{port}\n  breaker: {{ failures: 100 }}\n\
          models:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  closed: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n  near: {{}}\n"
+         tenants:\n  closed: {{ on_store_error: fail_closed, lease_ttl_ms: 50 }}\n  open: {{ on_store_error: fail_open }}\n  near: {{}}\n"
     );
     let t = Tollgate::start(&policy);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    // While Redis is up: a hold committed, one released, one left to expire and swept.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let r = client.reserve(reserve("closed", 1, 1)).await.unwrap().into_inner();
+        assert!(r.admitted, "{r:?}");
+        held.push(r.reservation_id);
+    }
+    client
+        .commit(CommitRequest { reservation_id: held[0].clone(), prompt_tokens: 1, completion_tokens: 1 })
+        .await
+        .unwrap();
+    client.release(ReleaseRequest { reservation_id: held[1].clone() }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(120)).await;
     assert!(client.reserve(reserve("closed", 1, 1)).await.unwrap().into_inner().admitted);
+
     drop(redis);
     for tenant in ["closed", "open", "near"] {
         let r = client.reserve(reserve(tenant, 1, 1)).await.unwrap().into_inner();
         assert_eq!(r.admitted, tenant != "closed", "{tenant}: {r:?}");
     }
+    let (_, text) = get(admin, "/metrics");
     let s = scrape(admin);
     for (tenant, mode, outcome) in
         [("closed", "fail_closed", "denied"), ("open", "fail_open", "unmetered"), ("near", "local", "unmetered")]
@@ -161,6 +178,8 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
     }
     assert!(value(&s, "tollgate_store_errors_total{error=\"unavailable\",script=\"reserve\"}") >= 3.0);
     assert_eq!(value(&s, "tollgate_store_available"), 0.0);
+    assert_eq!(value(&s, "tollgate_holds_total{state=\"expired\",tenant=\"closed\"}"), 1.0);
+    queries_name_only_exported_series(&text);
 
     let _back = OwnRedis::start(port);
     let start = Instant::now();
@@ -169,4 +188,53 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(value(&scrape(admin), "tollgate_store_available"), 1.0);
+}
+
+/// Every `tollgate_*` series that deploy/grafana-dashboard.json and deploy/prometheus-rules.yaml
+/// query is one of the families in `exposition` (a histogram's `_bucket`, `_sum` and `_count`
+/// included), and each file queries at least one.
+fn queries_name_only_exported_series(exposition: &str) {
+    let mut exported = std::collections::BTreeSet::new();
+    for line in exposition.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let (name, kind) = line.split_once(' ').unwrap();
+        exported.insert(name.to_string());
+        if kind == "histogram" {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                exported.insert(format!("{name}{suffix}"));
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("deploy/grafana-dashboard.json")).unwrap()).unwrap();
+    let mut dashboard_queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            dashboard_queries.push(target["expr"].as_str().unwrap().to_string());
+        }
+    }
+    let rules: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(root.join("deploy/prometheus-rules.yaml")).unwrap()).unwrap();
+    let rule_queries: Vec<String> = rules["groups"][0]["rules"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|r| r["expr"].as_str().unwrap().to_string())
+        .collect();
+    for (file, queries) in [("dashboard", dashboard_queries), ("rules", rule_queries)] {
+        assert!(!queries.is_empty(), "{file} has no queries");
+        for query in &queries {
+            let mut rest = query.as_str();
+            let mut named = 0;
+            while let Some(at) = rest.find("tollgate_") {
+                let tail = &rest[at..];
+                let end = tail.find(|c: char| !(c.is_ascii_lowercase() || c == '_')).unwrap_or(tail.len());
+                let name = &tail[..end];
+                assert!(exported.contains(name), "{file} queries {name}, which tollgate does not export: {query}");
+                named += 1;
+                rest = &tail[end..];
+            }
+            assert!(named > 0, "{file}: a query of nothing tollgate exports: {query}");
+        }
+    }
 }

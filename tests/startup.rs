@@ -67,16 +67,42 @@ async fn an_otlp_endpoint_with_no_collector_does_not_stop_admission() {
     assert!(status.success(), "{status}\n{}", t.log());
 }
 
-/// A stand-in OTLP collector (tollgate does not own the collector): it records span names.
+/// A stand-in OTLP collector (tollgate does not own the collector): it records span names, and
+/// the names of the metrics it is sent.
 mod collector {
     use std::sync::{Arc, Mutex};
 
+    use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+        MetricsService, MetricsServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::metrics::v1::{
+        ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+    };
     use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
     use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
     use tokio_stream::wrappers::TcpListenerStream;
 
     #[derive(Clone, Default)]
     pub struct Spans(pub Arc<Mutex<Vec<String>>>);
+
+    #[derive(Clone, Default)]
+    pub struct Metrics(pub Arc<Mutex<Vec<String>>>);
+
+    #[tonic::async_trait]
+    impl MetricsService for Metrics {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportMetricsServiceRequest>,
+        ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+            let mut names = self.0.lock().unwrap();
+            for resource in request.into_inner().resource_metrics {
+                for scope in resource.scope_metrics {
+                    names.extend(scope.metrics.into_iter().map(|m| m.name));
+                }
+            }
+            Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+        }
+    }
 
     #[tonic::async_trait]
     impl TraceService for Spans {
@@ -94,23 +120,23 @@ mod collector {
         }
     }
 
-    pub async fn start() -> (Spans, u16) {
+    pub async fn start() -> (Spans, Metrics, u16) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
-        let spans = Spans::default();
-        let service = TraceServiceServer::new(spans.clone());
+        let (spans, metrics) = (Spans::default(), Metrics::default());
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(service)
+                .add_service(TraceServiceServer::new(spans.clone()))
+                .add_service(MetricsServiceServer::new(metrics.clone()))
                 .serve_with_incoming(TcpListenerStream::new(listener)),
         );
-        (spans, port)
+        (spans, metrics, port)
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_an_otlp_collector_when_one_is_configured() {
-    let (spans, port) = collector::start().await;
+    let (spans, _, port) = collector::start().await;
     let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &format!("http://127.0.0.1:{port}")]);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
     reserve_one(&mut client).await;
@@ -119,4 +145,20 @@ async fn spans_reach_an_otlp_collector_when_one_is_configured() {
     assert!(status.success(), "{status}\n{}", t.log());
     let names = spans.0.lock().unwrap().clone();
     assert!(names.iter().any(|n| n == "reserve"), "spans received: {names:?}\n{}", t.log());
+}
+
+/// The instruments the Prometheus endpoint shows go over OTLP too (flushed at shutdown at the
+/// latest), under their OpenTelemetry names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_reach_an_otlp_collector_when_one_is_configured() {
+    let (_, metrics, port) = collector::start().await;
+    let mut t = Tollgate::start_with(MODELS, &["--otlp-endpoint", &format!("http://127.0.0.1:{port}")]);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    reserve_one(&mut client).await;
+    let status = t.terminate(Duration::from_secs(20)).expect("no exit within 20 s of SIGTERM");
+    assert!(status.success(), "{status}\n{}", t.log());
+    let names = metrics.0.lock().unwrap().clone();
+    for name in ["tollgate.decisions", "tollgate.decision.duration", "tollgate.tokens", "tollgate.store.duration"] {
+        assert!(names.iter().any(|n| n == name), "{name} missing from {names:?}\n{}", t.log());
+    }
 }

@@ -446,6 +446,15 @@ impl Policy {
             names.join(", "),
             if self.default_tenant.is_some() { "yes" } else { "no (unknown tenants are refused)" },
         );
+        if let Some(admin) = self.server.admin_listen {
+            let labelled = match &self.metrics.tenants {
+                Some(t) => format!("{} listed tenant(s)", t.len()),
+                None => "every tenant named here".to_string(),
+            };
+            out.push_str(&format!(
+                "  metrics: http://{admin}/metrics; series of their own for {labelled}, the rest as other\n"
+            ));
+        }
         if let Some(l) = &self.leasing {
             out.push_str(&format!(
                 "  leasing: window {} ms, slices up to {:.0}% of a scope\n",

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _};
-use opentelemetry_sdk::metrics::SdkMeterProvider;
 
 use crate::config::Policy;
 
@@ -74,8 +73,6 @@ pub struct Metrics {
     pub(crate) store_duration: Histogram<f64>,
     pub(crate) store_errors: Counter<u64>,
     labels: Arc<TenantLabels>,
-    /// Keeps a provider of its own alive (the disabled set's).
-    _provider: Option<SdkMeterProvider>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -153,16 +150,13 @@ impl Metrics {
                 .with_unit("{error}")
                 .build(),
             labels: Arc::new(labels),
-            _provider: None,
         }
     }
 
     /// Instruments that record nothing: for benches and tests that do not look.
     pub fn disabled() -> Metrics {
-        let provider = SdkMeterProvider::builder().build();
-        let mut metrics = Metrics::new(&provider.meter("tollgate"), TenantLabels::default());
-        metrics._provider = Some(provider);
-        metrics
+        let meter = opentelemetry::metrics::noop::NoopMeterProvider::new().meter("tollgate");
+        Metrics::new(&meter, TenantLabels::default())
     }
 
     fn tenant(&self, tenant: &str) -> KeyValue {
