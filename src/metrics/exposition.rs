@@ -27,6 +27,8 @@ use crate::config::Policy;
 pub struct Registry {
     provider: SdkMeterProvider,
     reader: Arc<ManualReader>,
+    /// Whether anything pushes what is recorded (OTLP).
+    pushed: bool,
 }
 
 impl std::fmt::Debug for Registry {
@@ -85,7 +87,7 @@ impl Registry {
                 .map_err(|source| ExporterError { endpoint: endpoint.to_string(), source })?;
             builder = builder.with_reader(PeriodicReader::builder(exporter).build());
         }
-        Ok(Registry { provider: builder.build(), reader })
+        Ok(Registry { provider: builder.build(), reader, pushed: otlp_endpoint.is_some() })
     }
 
     /// The meter tollgate's instruments come from.
@@ -93,8 +95,12 @@ impl Registry {
         self.provider.meter("tollgate")
     }
 
-    /// The instruments, labelling tenants as the policy says.
+    /// The instruments, labelling tenants as the policy says; ones that record nothing when
+    /// nothing would read them (no admin port to scrape, no OTLP endpoint).
     pub fn metrics(&self, policy: &Policy) -> Metrics {
+        if policy.server.admin_listen.is_none() && !self.pushed {
+            return Metrics::disabled();
+        }
         Metrics::new(&self.meter(), TenantLabels::of(policy))
     }
 
