@@ -275,7 +275,7 @@ pub struct BurstArgs {
 }
 
 /// `serve`'s TLS flags. Given, they replace `server.tls` from the policy as a whole.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct TlsFlags {
     /// TLS on the main port: tollgate's certificate chain (PEM). Replaces server.tls.
     #[arg(long, requires = "tls_key")]
@@ -372,6 +372,7 @@ pub async fn serve(
     listeners: Listeners,
     shutdown: CancellationToken,
     registry: Arc<Registry>,
+    watched: Option<Watched>,
 ) -> Result<(), RunError> {
     let options =
         RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
@@ -379,7 +380,7 @@ pub async fn serve(
     let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
     let metrics = registry.metrics(&policy);
     let meter = registry.meter();
-    let served = Served { listeners, shutdown, registry, metrics: metrics.clone() };
+    let served = Served { listeners, shutdown, registry, metrics: metrics.clone(), watched };
     match policy.store.choice.clone() {
         StoreChoice::Embedded => {
             run_on(Measured::new(EmbeddedStore::new()?, metrics, Some(&meter)), policy, served).await
@@ -395,12 +396,19 @@ pub async fn serve(
     }
 }
 
-/// What `serve` serves on, and records into.
+/// The policy file `serve` reloads, and what it does to each policy it loads.
+pub struct Watched {
+    pub path: PathBuf,
+    pub adjust: crate::reload::Adjust,
+}
+
+/// What `serve` serves on, records into, and reloads.
 struct Served {
     listeners: Listeners,
     shutdown: CancellationToken,
     registry: Arc<Registry>,
     metrics: Metrics,
+    watched: Option<Watched>,
 }
 
 async fn bench_decision(args: DecisionArgs) -> Result<crate::bench::decision::DecisionTimes, RunError> {
@@ -433,7 +441,8 @@ async fn decide_on<S: Store>(
 }
 
 async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Result<(), RunError> {
-    let Served { listeners, shutdown, registry, metrics } = served;
+    let Served { listeners, shutdown, registry, metrics, watched } = served;
+    let poll = policy.server.policy_poll;
     let protocol = Protocol::new(store).await?;
     let drain = policy.server.drain_timeout;
     let addr = listeners.main.local_addr().ok();
@@ -446,6 +455,9 @@ async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Resu
     let drained = CancellationToken::new();
     // The registry lives as long as the server: its last reference going flushes OTLP.
     let admin = listeners.admin.map(|l| tokio::spawn(crate::admin::serve(l, Arc::clone(&registry), drained.clone())));
+    // The policy file is watched until shutdown: no reload while draining.
+    let watching = watched
+        .map(|w| tokio::spawn(crate::reload::watch(w.path, poll, Arc::clone(&admission), w.adjust, shutdown.clone())));
     let leasing = tokio::spawn(Arc::clone(&admission).run_leases(drained.clone()));
     // The replica count that on_store_error: local shares limits by.
     let heartbeat = {
@@ -458,6 +470,9 @@ async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Resu
     let _ = heartbeat.await;
     if let Some(admin) = admin {
         let _ = admin.await;
+    }
+    if let Some(watching) = watching {
+        let _ = watching.await;
     }
     if leasing.await.is_err() {
         tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
@@ -665,6 +680,9 @@ pub fn cancel_on_signal(shutdown: CancellationToken) {
     };
     let (mut interrupt, mut terminate) =
         (listen(SignalKind::interrupt(), "SIGINT"), listen(SignalKind::terminate(), "SIGTERM"));
+    // SIGHUP reloads the policy (crate::reload). Its default action ends the process, so it is
+    // taken over from the start: one that arrives before the watcher listens is only missed.
+    let _ = listen(SignalKind::hangup(), "SIGHUP");
     tokio::spawn(async move {
         // A signal that cannot be listened for (or whose stream ends) never fires.
         let received = |s: Option<tokio::signal::unix::Signal>| async move {

@@ -20,6 +20,7 @@
 //!   `server` (the tower stack, health, reflection, graceful shutdown).
 //! - [`metrics`]: the instruments (decisions, latency, the books, the store), their Prometheus
 //!   exposition for the admin port, and the store wrapper that times every script call.
+//! - [`reload`]: live policy: the file watched (and SIGHUP), validated, swapped whole.
 //! - [`sim`]: a simulated inference backend (`sim-backend`) and an HTTP load of request classes
 //!   (`sim-load`), for tests, the demo and the benchmark.
 //! - [`telemetry`]: tracing, and OpenTelemetry export when an endpoint is configured.
@@ -37,6 +38,7 @@ pub mod config;
 pub mod estimate;
 pub mod grpc;
 pub mod metrics;
+pub mod reload;
 pub mod sim;
 pub mod store;
 pub mod telemetry;

@@ -57,14 +57,16 @@ fn main() -> ExitCode {
                     }
                 };
                 let result = async {
+                    let adjust: tollgate::reload::Adjust = Arc::new(move |p: &mut Policy| tls.apply(p));
                     let mut policy = Policy::load(&config)?;
-                    tls.apply(&mut policy)?;
+                    adjust(&mut policy)?;
                     let policy = Arc::new(policy);
                     let shutdown = CancellationToken::new();
                     cli::cancel_on_signal(shutdown.clone());
                     let registry = Arc::new(Registry::new(otlp_endpoint.as_deref())?);
                     let listeners = cli::bind(&policy, listen).await?;
-                    cli::serve(policy, listeners, shutdown, registry).await
+                    let watched = cli::Watched { path: config, adjust };
+                    cli::serve(policy, listeners, shutdown, registry, Some(watched)).await
                 }
                 .await;
                 match result {

@@ -144,6 +144,9 @@ struct State {
     left: bool,
     /// When this replica last sent a lease call for the tenant (its clock).
     last_call: u64,
+    /// The policy changed since the last call: decide nothing from the slices until a call has
+    /// drawn them again under the new limits.
+    stale: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -183,7 +186,9 @@ struct LocalHold {
     held: u64,
     prompt: u64,
     day: u64,
+    /// The hold's own terms, fixed when it was taken (a policy reload does not change them).
     lease_until: u64,
+    refund_on_expiry: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -360,7 +365,7 @@ impl State {
     /// Settles a hold whose lease ran out: the slot comes back; the tokens stay charged, or come
     /// back, by the tenant's expired-usage policy. Returns what stays charged.
     fn expire(&mut self, hold: &LocalHold) -> u64 {
-        let refund = self.tp.expired_usage == ExpiredUsage::Refund;
+        let refund = hold.refund_on_expiry;
         for key in &hold.scopes {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.free_slot();
@@ -424,10 +429,24 @@ impl Leases {
                     idle_windows: 0,
                     left: false,
                     last_call: 0,
+                    stale: false,
                 }),
                 calls: tokio::sync::Mutex::new(()),
             })
         }))
+    }
+
+    /// A reloaded policy: each tenant's slices are drawn again under its new terms at the next
+    /// decision (which misses, and calls), and its new lease terms apply to holds taken from now
+    /// on. A tenant the policy no longer names keeps its terms until its holds are settled.
+    pub fn policy_changed(&self, policy: &crate::config::Policy) {
+        for (name, t) in self.tenants.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            let mut s = t.lock();
+            if let Some(tp) = policy.tenant(name) {
+                s.tp = Arc::clone(tp);
+            }
+            s.stale = true;
+        }
     }
 
     fn existing(&self, tenant: &str) -> Option<Arc<TenantLease>> {
@@ -444,7 +463,7 @@ impl Leases {
         let now = self.clock.now_ms();
         let mut s = t.lock();
         s.active = true;
-        if now >= s.valid_until || s.left {
+        if now >= s.valid_until || s.left || s.stale {
             return Local::Miss;
         }
         for (i, scope) in ask.scopes.iter().enumerate() {
@@ -475,6 +494,7 @@ impl Leases {
             day: s.day,
             // Never past the replica's own lease record: the store frees its slots then.
             lease_until: now.saturating_add(s.tp.lease_ttl_ms).min(s.valid_until),
+            refund_on_expiry: s.tp.expired_usage == ExpiredUsage::Refund,
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.
@@ -498,7 +518,8 @@ impl Leases {
         let day = s.day;
         if let Some(ask) = ask {
             for a in &ask.scopes {
-                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day, share));
+                // The limits of this decision's policy (a reload may have changed them).
+                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day, share)).limits = a.limits;
             }
         }
         let keys: Vec<String> = match ask {
@@ -576,6 +597,7 @@ impl Leases {
         let now = self.clock.now_ms();
         let mut s = t.lock();
         s.valid_until = sent_at.saturating_add(s.tp.lease_ttl_ms);
+        s.stale = false;
         s.day = reply.day;
         s.headroom = reply.headroom;
         match &reply.outcome {

@@ -114,7 +114,9 @@ pub enum AdmissionError {
 /// runs its legs on a task of its own.
 #[derive(Debug)]
 pub struct Admission<S> {
-    policy: Arc<Policy>,
+    /// The policy in force: swapped whole by [`Admission::reload`]; each decision plans from one
+    /// snapshot of it.
+    policy: RwLock<Arc<Policy>>,
     protocol: Protocol<S>,
     /// The latest output estimate each (tenant, model) reserve returned, for the pool leg: it runs
     /// before the tenant leg and on another slot, so it cannot read the estimate itself. The store
@@ -158,7 +160,7 @@ impl<S: Store> Admission<S> {
             .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
         let local = LocalLimits::new(policy.store.local_factor);
         Admission {
-            policy,
+            policy: RwLock::new(policy),
             protocol,
             seen_estimates: RwLock::new(HashMap::new()),
             leases,
@@ -214,8 +216,34 @@ impl<S: Store> Admission<S> {
         }
     }
 
-    pub fn policy(&self) -> &Policy {
-        &self.policy
+    /// Puts `new` in force for every decision from now on, and returns the names of the
+    /// settings it could not apply: a running tollgate keeps its ports, TLS, store and leasing
+    /// until a restart. Holds already taken keep their own terms (their lease, and what their
+    /// expiry charges, were fixed when they were taken); leased slices are drawn again under the
+    /// new limits before the next decision from them.
+    pub fn reload(&self, mut new: Policy) -> Vec<&'static str> {
+        let old = self.policy();
+        let kept = old.restart_only_changes(&new);
+        new.server = old.server.clone();
+        new.store = old.store.clone();
+        new.leasing = old.leasing;
+        let new = Arc::new(new);
+        *self.policy.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&new);
+        if let Some(leases) = &self.leases {
+            leases.policy_changed(&new);
+        }
+        self.metrics.policy_loaded(&new);
+        kept
+    }
+
+    /// The metrics this admission records into.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The policy in force now.
+    pub fn policy(&self) -> Arc<Policy> {
+        Arc::clone(&self.policy.read().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     pub fn protocol(&self) -> &Protocol<S> {
@@ -234,13 +262,14 @@ impl<S: Store> Admission<S> {
     /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
     /// policy serves (any other name a client sent is `other`), the tier, the reason.
     fn record(&self, a: &Attributes, decision: &Decision, took: std::time::Duration) {
-        let tenant = a.tenant.as_deref().or(self.policy.anonymous_tenant.as_deref()).unwrap_or("");
-        let tp = self.policy.tenant(tenant);
+        let policy = self.policy();
+        let tenant = a.tenant.as_deref().or(policy.anonymous_tenant.as_deref()).unwrap_or("");
+        let tp = policy.tenant(tenant);
         let tier = match tp {
             Some(tp) => a.priority.unwrap_or(tp.default_priority).min(tp.max_priority),
             None => a.priority.unwrap_or(Priority::Standard),
         };
-        let model = a.model.as_deref().map(|m| if self.policy.models.contains_key(m) { m } else { "other" });
+        let model = a.model.as_deref().map(|m| if policy.models.contains_key(m) { m } else { "other" });
         let (outcome, reason) = match decision {
             Decision::Admitted(admitted) => {
                 if !admitted.replayed {
@@ -291,15 +320,15 @@ impl<S: Store> Admission<S> {
     /// Checks everything that needs no store and works out what to hold where.
     fn plan(&self, a: &Attributes) -> Result<Plan, Denial> {
         use Reason::{InvalidRequest, Unauthenticated, Unsatisfiable};
-        let header = &self.policy.server.tenant_header;
+        let policy = self.policy();
+        let header = &policy.server.tenant_header;
         let tenant = a
             .tenant
             .as_deref()
-            .or(self.policy.anonymous_tenant.as_deref())
+            .or(policy.anonymous_tenant.as_deref())
             .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
         names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
-        let tp = self
-            .policy
+        let tp = policy
             .tenant(tenant)
             .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?;
         if let Some(user) = &a.user {
@@ -310,8 +339,7 @@ impl<S: Store> Admission<S> {
                 .map_err(|e| Denial::now(InvalidRequest, format!("idempotency-key {e}")))?;
         }
         let model_name = a.model.as_deref().ok_or_else(|| Denial::now(InvalidRequest, "the request names no model"))?;
-        let model = self
-            .policy
+        let model = policy
             .models
             .get(model_name)
             .ok_or_else(|| Denial::now(InvalidRequest, format!("model {model_name:?} is not served here")))?;
@@ -341,7 +369,7 @@ impl<S: Store> Admission<S> {
                 ));
             }
         }
-        let pool = match self.policy.pool_of(model) {
+        let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
                 let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
                 let output = match tp.adaptive_output {
@@ -450,7 +478,7 @@ impl<S: Store> Admission<S> {
             kv_tokens: leg.kv_tokens,
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: pool.idle_ttl_ms,
-            sweep_batch: self.policy.sweep_batch,
+            sweep_batch: self.policy().sweep_batch,
             slots: pool.max_sequences,
             tier_slots: pool.slots_for(leg.tier),
             max_queue_delay_ms: pool.max_queue_delay_ms,
@@ -519,7 +547,7 @@ impl<S: Store> Admission<S> {
                     }
                     Err(refusal) => {
                         let scope = plan.scopes.get(refusal.scope).map_or("?", |s| s.label.as_str());
-                        let (reason, message) = refusal_reason(refusal.reason, scope, self.policy.max_attempts);
+                        let (reason, message) = refusal_reason(refusal.reason, scope, self.policy().max_attempts);
                         Decision::Denied(Denial {
                             retry_after_ms: Some(refusal.retry_after_ms),
                             ..Denial::now(
@@ -584,7 +612,7 @@ impl<S: Store> Admission<S> {
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = refusal_reason(reason, label, self.policy.max_attempts);
+                let (reason, message) = refusal_reason(reason, label, self.policy().max_attempts);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
             }
@@ -593,7 +621,7 @@ impl<S: Store> Admission<S> {
     }
 
     fn sweep_args(&self) -> (u32, u64) {
-        (self.policy.sweep_batch, self.policy.concurrency_retry_ms)
+        (self.policy().sweep_batch, self.policy().concurrency_retry_ms)
     }
 
     /// After a lease call: apply what other replicas forwarded for this replica's holds, and take
@@ -625,9 +653,10 @@ impl<S: Store> Admission<S> {
     pub async fn lease_tick(&self, ending: bool) -> Result<(), StoreError> {
         let Some(leases) = &self.leases else { return Ok(()) };
         let mut failed = None;
+        let policy = self.policy();
         for tenant in leases.tenant_names() {
-            let Some(tp) = self.policy.tenant(&tenant) else { continue };
-            let t = leases.tenant(&tenant, tp);
+            let Some(tp) = policy.tenant(&tenant).cloned() else { continue };
+            let t = leases.tenant(&tenant, &tp);
             let one_call = t.calls.lock().await;
             let (mut released, due) = leases.upkeep(&t);
             if due.is_some() || ending {
@@ -691,16 +720,16 @@ impl<S: Store> Admission<S> {
             adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
-            retention_ms: self.policy.record_retention_ms,
+            retention_ms: self.policy().record_retention_ms,
             expired_usage: plan.tp.expired_usage,
-            sweep_batch: self.policy.sweep_batch,
+            sweep_batch: self.policy().sweep_batch,
             idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {
                 key: &k.key,
                 repeat: k.repeat,
                 fingerprint,
             }),
-            max_attempts: self.policy.max_attempts,
-            concurrency_retry_cap_ms: self.policy.concurrency_retry_ms,
+            max_attempts: self.policy().max_attempts,
+            concurrency_retry_cap_ms: self.policy().concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
         };
         let outcome = match self.protocol.reserve(&call).await {
@@ -728,7 +757,7 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = refusal_reason(reason, scope, self.policy.max_attempts);
+                let (reason, message) = refusal_reason(reason, scope, self.policy().max_attempts);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
@@ -819,7 +848,8 @@ impl<S: Store> Admission<S> {
             }
             return Ok(outcome);
         }
-        let tp = self.policy.tenant(r.tenant);
+        let policy = self.policy();
+        let tp = policy.tenant(r.tenant);
         let learning = tp.and_then(|tp| {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
         });
@@ -847,7 +877,8 @@ impl<S: Store> Admission<S> {
     /// Extends a live hold's lease by `lease_ms` (0 = the tenant's lease TTL; never more than it).
     pub async fn renew(&self, reservation_id: &str, lease_ms: u64) -> Result<RenewOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let Some(tp) = self.policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
+        let policy = self.policy();
+        let Some(tp) = policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
         let outcome = match r.replica {
             None => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
@@ -862,7 +893,7 @@ impl<S: Store> Admission<S> {
         if let Some(pool) = r.pool {
             match outcome {
                 RenewOutcome::Renewed { .. } => {
-                    if let Some(p) = self.policy.pools.get(pool) {
+                    if let Some(p) = policy.pools.get(pool) {
                         self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
                     }
                 }
@@ -884,7 +915,8 @@ impl<S: Store> Admission<S> {
         retry_after_ms: Option<u64>,
     ) -> Result<Option<f64>, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let Some((name, pool)) = r.pool.and_then(|p| self.policy.pools.get_key_value(p)) else { return Ok(None) };
+        let policy = self.policy();
+        let Some((name, pool)) = r.pool.and_then(|p| policy.pools.get_key_value(p)) else { return Ok(None) };
         let Some(t) = pool.upstream_throttle else { return Ok(None) };
         let call = ThrottleCall {
             pool: name,
@@ -902,19 +934,19 @@ impl<S: Store> Admission<S> {
 
     /// What a pool holds, and how far its provider's 429s throttle it.
     pub async fn pool_status(&self, pool: &str) -> Result<PoolView, AdmissionError> {
-        let policy = self
-            .policy
+        let policy = self.policy();
+        let pool_policy = policy
             .pools
             .get(pool)
             .ok_or_else(|| AdmissionError::BadName(format!("pool {pool:?} is not one of this policy's")))?;
-        let recover = policy.upstream_throttle.map_or(0.0, |t| t.recover_per_ms);
+        let recover = pool_policy.upstream_throttle.map_or(0.0, |t| t.recover_per_ms);
         Ok(self.protocol.pool_status(pool, recover).await?)
     }
 
     /// What a tenant's commits have taught about one model's output lengths.
     pub async fn output_estimate(&self, tenant: &str, model: &str) -> Result<EstimateView, AdmissionError> {
         names::check_tenant(tenant).map_err(|e| AdmissionError::BadName(format!("tenant {e}")))?;
-        if !self.policy.models.contains_key(model) {
+        if !self.policy().models.contains_key(model) {
             return Err(AdmissionError::BadName(format!("model {model:?} is not served here")));
         }
         Ok(self.protocol.output_estimate(tenant, model).await?)
@@ -949,7 +981,8 @@ impl<S: Store> Admission<S> {
     /// Leaves an operation on another replica's leased hold for that replica. False when the
     /// replica no longer holds a lease on the tenant: it stopped, and its holds settle as expired.
     async fn forward(&self, r: &ids::ReservationRef<'_>, id: &str, op: Forwarded) -> Result<bool, AdmissionError> {
-        let (Some(replica), Some(tp)) = (r.replica, self.policy.tenant(r.tenant)) else { return Ok(false) };
+        let policy = self.policy();
+        let (Some(replica), Some(tp)) = (r.replica, policy.tenant(r.tenant)) else { return Ok(false) };
         Ok(self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?)
     }
 }

@@ -122,6 +122,9 @@ pub struct ServerSettings {
     /// The admin HTTP port: `/metrics` for Prometheus. Off unless set; keep it off the network
     /// Envoy's clients reach.
     pub admin_listen: Option<SocketAddr>,
+    /// How often the policy file is looked at for changes (`server.policy_poll_ms`, 1 s by
+    /// default); `None` (0): only SIGHUP reloads it.
+    pub policy_poll: Option<Duration>,
     /// The header that carries the verified tenant id (Envoy sets it from identity, e.g. a JWT).
     pub tenant_header: String,
     /// How long in-flight calls may take to finish after SIGTERM.
@@ -352,6 +355,9 @@ impl TenantPolicy {
 /// The validated policy the server runs with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
+    /// Names this policy's text (16 hex digits of its FNV-1a hash): the same file, the same
+    /// version, on every replica. Shown by `check-config` and in the metrics.
+    pub version: String,
     pub server: ServerSettings,
     pub store: StoreSettings,
     pub models: HashMap<String, ModelPolicy>,
@@ -391,6 +397,12 @@ pub struct Leasing {
     pub max_share: f64,
 }
 
+/// A policy text's version: FNV-1a, 64 bits, in hex. Not a security measure, a name.
+pub fn version_of(text: &str) -> String {
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    format!("{hash:016x}")
+}
+
 impl Policy {
     /// Reads and validates a policy file.
     pub fn load(path: &Path) -> Result<Policy, ConfigError> {
@@ -403,7 +415,29 @@ impl Policy {
     pub fn parse(file: &str, text: &str) -> Result<Policy, ConfigError> {
         let raw: raw::RawPolicy = serde_yaml::from_str(text)
             .map_err(|e| ConfigError::Parse { file: file.to_string(), message: e.to_string() })?;
-        validate::validate(raw).map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
+        let mut policy = validate::validate(raw).map_err(|(field, why)| ConfigError::Invalid {
+            file: file.to_string(),
+            field,
+            why,
+        })?;
+        policy.version = version_of(text);
+        Ok(policy)
+    }
+
+    /// The settings a running tollgate cannot change (its ports, TLS, store, leasing) that differ
+    /// in `new`: a reload applies the rest and keeps these until a restart.
+    pub fn restart_only_changes(&self, new: &Policy) -> Vec<&'static str> {
+        let mut changed = Vec::new();
+        if self.server != new.server {
+            changed.push("server");
+        }
+        if self.store != new.store {
+            changed.push("store");
+        }
+        if self.leasing != new.leasing {
+            changed.push("leasing");
+        }
+        changed
     }
 
     /// The pool serving a model, with its name.
@@ -437,7 +471,8 @@ impl Policy {
         let mut models: Vec<_> = self.models.keys().cloned().collect();
         models.sort();
         let mut out = format!(
-            "policy OK\n  listen: {}{}\n  store: {store}\n  models: {} ({})\n  tenants: {} ({})\n  default tenant: {}\n",
+            "policy OK (version {})\n  listen: {}{}\n  store: {store}\n  models: {} ({})\n  tenants: {} ({})\n  default tenant: {}\n",
+            self.version,
             self.server.listen,
             self.server.tls.as_ref().map_or_else(|| " (plaintext)".to_string(), |t| format!(", {}", t.describe())),
             models.len(),

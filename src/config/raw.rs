@@ -47,6 +47,7 @@ pub(super) struct RawServer {
     pub listen: Option<String>,
     pub health_listen: Option<String>,
     pub admin_listen: Option<String>,
+    pub policy_poll_ms: Option<u64>,
     pub tenant_header: Option<String>,
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,

@@ -101,10 +101,18 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     {
         return Err(problem("server.admin_listen", "must be another port than server.listen and server.health_listen"));
     }
+    let policy_poll = match raw.server.policy_poll_ms.unwrap_or(1_000) {
+        0 => None,
+        ms @ 100..=3_600_000 => Some(Duration::from_millis(ms)),
+        ms => {
+            return Err(problem("server.policy_poll_ms", format!("{ms} is outside 100..=3600000 (or 0: SIGHUP only)")));
+        }
+    };
     let server = ServerSettings {
         listen,
         health_listen,
         admin_listen,
+        policy_poll,
         tenant_header,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
@@ -255,6 +263,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .collect();
 
     Ok(Policy {
+        version: String::new(),
         server,
         store,
         models,

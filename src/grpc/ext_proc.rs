@@ -170,10 +170,11 @@ impl Exchange {
                     tracing::warn!(error = %e, reservation = %id, "throttling the pool after a provider 429 failed");
                 }
                 self.caller_commits |= header(&headers, COMMIT_HEADER) == Some("caller");
+                let policy = admission.policy();
                 let bytes_per_token = self
                     .model
                     .as_deref()
-                    .and_then(|m| admission.policy().models.get(m))
+                    .and_then(|m| policy.models.get(m))
                     .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
                 self.meter = Some(Meter::new(
                     header(&headers, "content-type"),
@@ -209,8 +210,9 @@ impl Exchange {
     /// shipped), or from the metadata Envoy forwards with each message (if a configuration does).
     fn learn<S: Store>(&mut self, reservation: Option<&str>, model: Option<&str>, admission: &Admission<S>) {
         let Some(id) = reservation else { return };
+        let policy = admission.policy();
         self.renew_every = ids::parse_reservation_id(id)
-            .and_then(|r| admission.policy().tenant(r.tenant))
+            .and_then(|r| policy.tenant(r.tenant))
             .map(|t| Duration::from_millis(t.lease_ttl_ms) / 3);
         self.reservation = Some(id.to_string());
         self.model = model.map(str::to_string);

@@ -101,7 +101,9 @@ impl Registry {
         if policy.server.admin_listen.is_none() && !self.pushed {
             return Metrics::disabled();
         }
-        Metrics::new(&self.meter(), TenantLabels::of(policy))
+        let metrics = Metrics::new(&self.meter(), TenantLabels::of(policy));
+        metrics.policy_loaded(policy);
+        metrics
     }
 
     /// Everything collected so far, as Prometheus text.

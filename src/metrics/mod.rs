@@ -10,11 +10,11 @@
 pub mod exposition;
 pub mod store;
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _};
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, ObservableGauge};
 
 use crate::config::Policy;
 
@@ -72,7 +72,11 @@ pub struct Metrics {
     usage_ratio: Histogram<f64>,
     pub(crate) store_duration: Histogram<f64>,
     pub(crate) store_errors: Counter<u64>,
-    labels: Arc<TenantLabels>,
+    reloads: Counter<u64>,
+    /// Which tenants have series of their own, and the policy's version: both follow reloads.
+    labels: Arc<RwLock<TenantLabels>>,
+    version: Arc<RwLock<String>>,
+    _policy_info: Option<ObservableGauge<u64>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -105,6 +109,16 @@ impl TenantLabels {
 impl Metrics {
     /// Instruments on `meter`, labelling tenants as `labels` says.
     pub fn new(meter: &Meter, labels: TenantLabels) -> Metrics {
+        let version = Arc::new(RwLock::new(String::new()));
+        let seen = Arc::clone(&version);
+        let policy_info = meter
+            .u64_observable_gauge("tollgate.policy.info")
+            .with_description("1, labelled with the version of the policy in force")
+            .with_callback(move |o| {
+                let version = seen.read().unwrap_or_else(PoisonError::into_inner).clone();
+                o.observe(1, &[KeyValue::new("version", version)]);
+            })
+            .build();
         Metrics {
             decisions: meter
                 .u64_counter("tollgate.decisions")
@@ -149,7 +163,14 @@ impl Metrics {
                 .with_description("Store calls that failed, by script and error (unavailable: unreachable, timed out or circuit open)")
                 .with_unit("{error}")
                 .build(),
-            labels: Arc::new(labels),
+            reloads: meter
+                .u64_counter("tollgate.policy.reloads")
+                .with_description("Policy reloads, by result: ok, or error (the policy in force was kept)")
+                .with_unit("{reload}")
+                .build(),
+            labels: Arc::new(RwLock::new(labels)),
+            version,
+            _policy_info: Some(policy_info),
         }
     }
 
@@ -160,7 +181,19 @@ impl Metrics {
     }
 
     fn tenant(&self, tenant: &str) -> KeyValue {
-        KeyValue::new("tenant", self.labels.label(tenant).to_string())
+        let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
+        KeyValue::new("tenant", labels.label(tenant).to_string())
+    }
+
+    /// A policy is in force: its version, and its tenants' labels.
+    pub fn policy_loaded(&self, policy: &Policy) {
+        *self.labels.write().unwrap_or_else(PoisonError::into_inner) = TenantLabels::of(policy);
+        self.version.write().unwrap_or_else(PoisonError::into_inner).clone_from(&policy.version);
+    }
+
+    /// A reload was tried: `ok`, or `error` when the new file was refused.
+    pub fn reload_tried(&self, ok: bool) {
+        self.reloads.add(1, &[KeyValue::new("result", if ok { "ok" } else { "error" })]);
     }
 
     /// One decision: counted, and its latency.

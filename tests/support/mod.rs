@@ -208,7 +208,7 @@ impl<S: Store> Harness<S> {
         S: Clone,
     {
         let store = wrap(self.admission.protocol().store().clone());
-        let policy = self.admission.policy().clone();
+        let policy = Policy::clone(&self.admission.policy());
         Harness::build(store, policy, self.tenant.clone(), self.pool.clone(), self.clock.clone()).await
     }
 

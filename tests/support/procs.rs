@@ -71,11 +71,16 @@ impl Tollgate {
     pub fn start_with(policy: &str, extra: &[&str]) -> Tollgate {
         let dir = TempDir::new("tollgate");
         let config = dir.write("policy.yaml", policy);
+        Tollgate::start_in(dir, &config, extra)
+    }
+
+    /// tollgate serving the policy file at `config` (which the test may change), logging into `dir`.
+    pub fn start_in(dir: TempDir, config: &Path, extra: &[&str]) -> Tollgate {
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
         let mut child = Command::new(tollgate_bin())
             .args(["serve", "--config"])
-            .arg(&config)
+            .arg(config)
             .args(["--listen", &addr.to_string(), "--log", "info"])
             .args(extra)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
