@@ -566,10 +566,7 @@ mod scenarios {
         }
         // A second admission service on the same store, as a second replica would be.
         let protocol = tollgate::store::Protocol::new(h.admission.protocol().store().clone()).await.unwrap();
-        let other = std::sync::Arc::new(tollgate::admission::Admission::new(
-            h.admission.policy(),
-            protocol,
-        ));
+        let other = std::sync::Arc::new(tollgate::admission::Admission::new(h.admission.policy(), protocol));
         let d = other.reserve(&h.attributes(0, 1000)).await;
         assert_eq!(admitted(&d).reserved_tokens, 104);
     }

@@ -144,7 +144,11 @@ async fn a_configmap_swap_applies_under_load_without_an_inconsistent_decision() 
         .iter()
         .find(|s| s.answer.as_ref().is_ok_and(|r| r.admitted))
         .unwrap_or_else(|| panic!("the new policy never applied\n{}", t.log()));
-    eprintln!("swapped at {swapped:?}; first decision under the new policy answered at {:?}", first_new.answered);
+    eprintln!(
+        "{} decisions in {stop:?}; swapped at {swapped:?}; the first under the new policy answered at {:?}",
+        seen.len(),
+        first_new.answered
+    );
     assert!(first_new.answered > swapped, "admitted before the swap: {first_new:?}");
     assert!(first_new.answered < swapped + Duration::from_secs(1), "applied late: {first_new:?}\n{}", t.log());
     for s in &seen {
