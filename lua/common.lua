@@ -140,9 +140,11 @@ end
 -- alive for `idle` ms.
 local function take(s, tokens, requests, slots, today, now, idle)
   local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens }
+  -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
+  -- debt, never below minus the capacity, as with adjust below.
   if s.tcap > 0 then
     f[#f + 1] = 't'
-    f[#f + 1] = s.t - tokens
+    f[#f + 1] = math.max(s.t - tokens, -s.tcap)
     f[#f + 1] = 'tt'
     f[#f + 1] = now
     f[#f + 1] = 'tc'
@@ -152,7 +154,7 @@ local function take(s, tokens, requests, slots, today, now, idle)
   end
   if s.rcap > 0 then
     f[#f + 1] = 'r'
-    f[#f + 1] = s.r - requests
+    f[#f + 1] = math.max(s.r - requests, -s.rcap)
     f[#f + 1] = 'rt'
     f[#f + 1] = now
   end

@@ -22,16 +22,21 @@
 -- ARGV[13] adaptive output: samples the estimate needs before it is used (0: always the ceiling)
 -- ARGV[14] adaptive output: the quantile the estimate tracks (kept on the record for commit)
 -- ARGV[15] the request's fingerprint (user, model, size): a key reused for another is refused
+-- ARGV[16] shadow: 1 when the tenant's limits are only measured (a request they would refuse is
+--          held and charged all the same, and the reply says why it would have been refused)
 -- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed, swept}
+--                   replayed, swept, shadow}
 --   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
 --    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
 --    scope limits them)
+--   (shadow: {} when the limits admit the hold; else {reason, scope index, retry after ms}, what a
+--    denial would have said: a shadowed hold may take a scope past its limit, into debt that later
+--    refills repay)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
 --                   token reset ms, swept}
 --   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
@@ -41,7 +46,8 @@
 --    attempts: the idempotency key has made its most reserves; conflict: the key was first used for
 --    a different request)
 --
--- Invariants: a denial writes nothing but the settlement of already-expired holds; one call either
+-- Invariants: a denial writes nothing but the settlement of already-expired holds (in shadow,
+-- the limits' refusals are not denials: the hold is made); one call either
 -- charges every scope or none; a bucket never refills above its capacity. Run twice with the same
 -- id (a client re-sending after a lost reply), it answers as the first run did and charges nothing
 -- more.
@@ -63,6 +69,7 @@ local ceiling = tonumber(ARGV[12])
 local min_samples = tonumber(ARGV[13])
 local quantile = ARGV[14]
 local fingerprint = ARGV[15]
+local shadow = ARGV[16] == '1'
 local FIRST_SCOPE = 6
 
 local now = now_ms()
@@ -86,14 +93,14 @@ end
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 15 + (i - FIRST_SCOPE) * 6, now, today)
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 16 + (i - FIRST_SCOPE) * 6, now, today)
 end
 
 -- An earlier hold answered again: charges nothing.
 local function again(hold_id, r, attempts, replayed)
   local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
   return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
-    tonumber(r.es) or 0, replayed, swept }
+    tonumber(r.es) or 0, replayed, swept, {} }
 end
 
 local function refuse(reason)
@@ -147,9 +154,14 @@ if min_samples > 0 then
   end
 end
 local hold = prompt + output
+local would_refuse = {}
 for i, s in ipairs(scopes) do
   if (s.tcap > 0 and hold > s.tcap) or (s.budget > 0 and hold > s.budget) then
-    return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept }
+    if not shadow then
+      return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept }
+    end
+    would_refuse = { 'unsatisfiable', i, 0 }
+    break
   end
 end
 
@@ -161,14 +173,19 @@ local function deny(why, i, ms)
     reason, where, wait = why, i, ms
   end
 end
-for i, s in ipairs(scopes) do
-  check_scope(s, hold, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
-    deny(why, i, ms)
-  end)
+if #would_refuse == 0 then
+  for i, s in ipairs(scopes) do
+    check_scope(s, hold, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
+      deny(why, i, ms)
+    end)
+  end
 end
-if reason then
+if reason and not shadow then
   local rem, lim, reset = headroom(scopes, 0, 0)
   return { 0, reason, where, wait, rem, lim, reset, swept }
+end
+if reason then
+  would_refuse = { reason, where, wait }
 end
 
 -- 7. Hold: charge every scope, write the record, index its lease.
@@ -200,4 +217,4 @@ redis.call('HSET', holds, id, string.format('%d %d %s %s', hold, today, policy, 
 redis.call('PEXPIRE', holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
-return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept }
+return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse }

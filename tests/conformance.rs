@@ -72,6 +72,28 @@ mod scenarios {
         assert_eq!(before, after);
     }
 
+    /// A tenant in shadow: what its limits would refuse is held and charged anyway (into debt no
+    /// deeper than the capacity), and the decision says what the refusal would have been.
+    pub async fn a_shadow_tenant_is_held_past_its_limits_and_told_why<S: Store>(h: Harness<S>) {
+        let first = h.reserve(400, 400).await;
+        assert_eq!(admitted(&first).shadow, None, "within the limits");
+        let second = h.reserve(400, 400).await;
+        assert_eq!(admitted(&second).shadow, Some(Reason::TokenRate));
+        let t = h.tenant_scope().await.num("t");
+        assert!((-600.0..-599.0).contains(&t), "charged as any hold: 1000 - 800 - 800, got {t}");
+        let third = h.reserve(400, 400).await;
+        assert_eq!(admitted(&third).shadow, Some(Reason::TokenRate));
+        let t = h.tenant_scope().await.num("t");
+        assert!((-1000.0..-999.0).contains(&t), "debt floors at minus the capacity, got {t}");
+        // Larger than the bucket could ever hold: held, and said so.
+        let huge = h.reserve(600, 600).await;
+        assert_eq!(admitted(&huge).shadow, Some(Reason::Unsatisfiable));
+        // Settled as any hold: the commit refunds what was not used.
+        let id = admitted(&second).reservation_id.clone();
+        let c = h.admission.commit(&id, 100, 0).await.unwrap();
+        assert_eq!((c.usage().unwrap().used, c.usage().unwrap().refunded), (100, 700));
+    }
+
     pub async fn commit_refunds_the_unused_hold<S: Store>(h: Harness<S>) {
         let a = h.reserve(100, 500).await;
         let id = admitted(&a).reservation_id.clone();
@@ -776,6 +798,7 @@ mod scenarios {
     }
 
     pub const BUCKET: &str = SLOW_BUCKET;
+    pub const SHADOW: &str = "shadow: true\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n";
     pub const REFILL: &str = "limits:\n  tokens_per_minute: 600\n  burst_tokens: 100\n";
     pub const CONCURRENCY: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 2\n";
     pub const LEASE_CHARGE: &str = "lease_ttl_ms: 300\nexpired_usage: charge_reserved\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
@@ -807,6 +830,7 @@ macro_rules! conformance {
             scenario!(the_bucket_refills_with_time, REFILL);
             scenario!(a_request_larger_than_the_bucket_is_unsatisfiable, BUCKET);
             scenario!(a_denial_changes_no_counter, BUCKET);
+            scenario!(a_shadow_tenant_is_held_past_its_limits_and_told_why, SHADOW);
             scenario!(commit_refunds_the_unused_hold, BUCKET);
             scenario!(a_second_commit_returns_the_first_result_and_charges_nothing, BUCKET);
             scenario!(an_overrun_is_debt_bounded_by_the_capacity, BUCKET);

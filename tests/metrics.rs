@@ -215,7 +215,7 @@ fn queries_name_only_exported_series(exposition: &str) {
     }
     let rules: serde_yaml::Value =
         serde_yaml::from_str(&std::fs::read_to_string(root.join("deploy/prometheus-rules.yaml")).unwrap()).unwrap();
-    let rule_queries: Vec<String> = rules["groups"][0]["rules"]
+    let rule_queries: Vec<String> = rules["spec"]["groups"][0]["rules"]
         .as_sequence()
         .unwrap()
         .iter()

@@ -105,6 +105,9 @@ pub struct Admitted {
     /// reservation, nothing new charged.
     pub replayed: bool,
     pub headroom: Headroom,
+    /// The tenant is in shadow and its limits would have refused this request, for this reason:
+    /// admitted (and held) anyway, and marked so.
+    pub shadow: Option<Reason>,
 }
 
 /// A request refused. Nothing was charged.

@@ -275,7 +275,10 @@ impl<S: Store> Admission<S> {
                 if !admitted.replayed {
                     self.metrics.reserved(tenant, admitted.reserved_tokens);
                 }
-                (Outcome::Admitted, "ok")
+                match admitted.shadow {
+                    Some(would) => (Outcome::Shadow, would.code()),
+                    None => (Outcome::Admitted, "ok"),
+                }
             }
             Decision::Unmetered => (Outcome::Unmetered, "ok"),
             Decision::Denied(d) => (Outcome::Denied, d.reason.code()),
@@ -359,7 +362,8 @@ impl<S: Store> Admission<S> {
         // actual hold against every capacity. Here, only what can never fit.
         let smallest = if tp.adaptive_output.is_some() { prompt.saturating_add(1) } else { hold };
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
-        for s in &scopes {
+        // (In shadow the script holds it anyway, and says it would have been unsatisfiable.)
+        for s in scopes.iter().filter(|_| !tp.shadow) {
             if let Some(largest) = s.largest
                 && smallest > largest
             {
@@ -395,7 +399,11 @@ impl<S: Store> Admission<S> {
             }
             None => None,
         };
-        let leased = self.leases.is_some() && !tp.strict && a.idempotency.is_none() && tp.adaptive_output.is_none();
+        let leased = self.leases.is_some()
+            && !tp.strict
+            && !tp.shadow
+            && a.idempotency.is_none()
+            && tp.adaptive_output.is_none();
         let pool_name = pool.as_ref().map(|leg| leg.name.as_str());
         let id = match (&self.leases, leased) {
             (Some(leases), true) => ids::new_leased_reservation_id(tenant, pool_name, &leases.replica),
@@ -609,6 +617,7 @@ impl<S: Store> Admission<S> {
                 attempts: 1,
                 replayed: false,
                 headroom,
+                shadow: None,
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
@@ -731,6 +740,7 @@ impl<S: Store> Admission<S> {
             max_attempts: self.policy().max_attempts,
             concurrency_retry_cap_ms: self.policy().concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
+            shadow: plan.tp.shadow,
         };
         let outcome = match self.protocol.reserve(&call).await {
             Ok(ReserveReply { outcome, swept }) => {
@@ -740,12 +750,17 @@ impl<S: Store> Admission<S> {
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed }) => {
+            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed, shadowed }) => {
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()
                 {
                     self.remember_estimate(&plan.tenant, &plan.model, output);
                 }
+                // In shadow, what the limits would have said, as the reason a denial would carry.
+                let shadow = shadowed.map(|w| {
+                    let scope = plan.scopes.get(w.scope).map_or("?", |s| s.label.as_str());
+                    refusal_reason(w.reason, scope, self.policy().max_attempts).0
+                });
                 Decision::Admitted(Admitted {
                     reservation_id: id,
                     model: plan.model.clone(),
@@ -753,6 +768,7 @@ impl<S: Store> Admission<S> {
                     attempts,
                     replayed,
                     headroom,
+                    shadow,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {

@@ -36,6 +36,7 @@ impl Authorization for Floor {
             attempts: 1,
             replayed: false,
             headroom: Headroom::default(),
+            shadow: None,
         });
         Ok(Response::new(check_response(&admitted, &[])))
     }

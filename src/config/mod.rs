@@ -337,6 +337,10 @@ pub struct TenantPolicy {
     /// Learned output reservation; none means the ceiling is always reserved.
     pub adaptive_output: Option<AdaptiveOutput>,
     pub on_store_error: OnStoreError,
+    /// The tenant's limits are measured, not enforced: a request they would refuse is admitted
+    /// (and held and charged, as any), marked `x-tollgate-shadow: <reason>`, and counted. Its
+    /// decisions go to the store (no leasing).
+    pub shadow: bool,
     /// Every decision goes to the store, even when the policy leases (`leasing`).
     pub strict: bool,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
@@ -500,8 +504,9 @@ impl Policy {
         for name in &names {
             let t = &self.tenants[name];
             out.push_str(&format!(
-                "  tenant {name}: {}; lease {} ms; expired usage {:?}; store down: {}; {} user(s), {} model override(s)\n",
+                "  tenant {name}: {}{}; lease {} ms; expired usage {:?}; store down: {}; {} user(s), {} model override(s)\n",
                 t.limits.describe(),
+                if t.shadow { " (shadow: measured, not enforced)" } else { "" },
                 t.lease_ttl_ms,
                 t.expired_usage,
                 t.on_store_error.as_str(),

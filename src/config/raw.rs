@@ -93,6 +93,7 @@ pub(super) struct RawDefaults {
     pub concurrency_retry_ms: Option<u64>,
     pub adaptive_output: Option<RawAdaptive>,
     pub on_store_error: Option<OnStoreError>,
+    pub shadow: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -196,6 +197,7 @@ pub(super) struct RawTenant {
     pub default_deadline_ms: Option<u64>,
     pub adaptive_output: Option<RawAdaptive>,
     pub on_store_error: Option<OnStoreError>,
+    pub shadow: Option<bool>,
     #[serde(default)]
     pub strict: bool,
     pub default_user: Option<Limits>,

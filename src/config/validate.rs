@@ -228,6 +228,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             retention_ms: record_retention_ms,
             adaptive_output,
             on_store_error: d.on_store_error.unwrap_or_default(),
+            shadow: d.shadow.unwrap_or(false),
         };
         tenant_policy(&field, t, &defaults, &models)
     };
@@ -383,6 +384,7 @@ struct TenantDefaults {
     retention_ms: u64,
     adaptive_output: Option<AdaptiveOutput>,
     on_store_error: super::OnStoreError,
+    shadow: bool,
 }
 
 fn breaker(b: super::raw::RawBreaker) -> Result<super::BreakerPolicy, Problem> {
@@ -475,6 +477,7 @@ fn tenant_policy(
         default_deadline_ms: t.default_deadline_ms,
         adaptive_output,
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
+        shadow: t.shadow.unwrap_or(defaults.shadow),
         strict: t.strict,
         users,
         default_user: t.default_user,

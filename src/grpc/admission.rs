@@ -74,6 +74,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     remaining_tokens: tokens.map_or(-1, |w| w.remaining),
                     limit_tokens: tokens.map_or(0, |w| w.limit),
                     reset_tokens_ms: tokens.map_or(0, |w| w.reset_ms),
+                    shadow_reason: a.shadow.map(|r| r.code().to_string()).unwrap_or_default(),
                     ..Default::default()
                 }
             }

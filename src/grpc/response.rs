@@ -23,6 +23,9 @@ pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
 pub const REASON_HEADER: &str = "x-tollgate-reason";
 /// Upstream: admitted without a hold (the store was down and the tenant fails open).
 pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
+/// Upstream and to the client: the tenant is in shadow and its limits would have refused the
+/// request, for this reason; it was admitted (and held) anyway.
+pub const SHADOW_HEADER: &str = "x-tollgate-shadow";
 /// Upstream: the model the hold was made for, which the commit from the response meters by.
 pub const MODEL_HEADER: &str = "x-tollgate-model";
 
@@ -43,15 +46,18 @@ const RPC_PERMISSION_DENIED: i32 = 7;
 pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckResponse {
     match decision {
         Decision::Admitted(a) => {
-            let mut response = admitted(
-                vec![
-                    header(RESERVATION_HEADER, a.reservation_id.clone()),
-                    header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-                    header(MODEL_HEADER, a.model.clone()),
-                ],
-                rate_limit_headers(&a.headroom),
-                client_own,
-            );
+            let mut upstream = vec![
+                header(RESERVATION_HEADER, a.reservation_id.clone()),
+                header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
+                header(MODEL_HEADER, a.model.clone()),
+            ];
+            let mut downstream = rate_limit_headers(&a.headroom);
+            // In shadow: what the limits would have refused, for the backend and the client alike.
+            if let Some(would) = a.shadow {
+                upstream.push(header(SHADOW_HEADER, would.code().to_string()));
+                downstream.push(header(SHADOW_HEADER, would.code().to_string()));
+            }
+            let mut response = admitted(upstream, downstream, client_own);
             // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
             // ext_authz:reservation)%`), and for an ext_proc filter that forwards it instead of
             // sending the request headers.
@@ -224,6 +230,7 @@ mod tests {
             attempts: 1,
             replayed: false,
             headroom: Headroom::default(),
+            shadow: None,
         };
         let r = check_response(&Decision::Admitted(ok), &[]);
         let fields = &r.dynamic_metadata.expect("dynamic metadata").fields;

@@ -37,6 +37,9 @@ pub enum Outcome {
     Denied,
     /// Admitted without a hold: the store was unreachable and the tenant's mode let it through.
     Unmetered,
+    /// Admitted (and held) although the tenant's limits would have refused it: the tenant is in
+    /// shadow. The reason is the refusal's.
+    Shadow,
 }
 
 impl Outcome {
@@ -45,6 +48,7 @@ impl Outcome {
             Outcome::Admitted => "admitted",
             Outcome::Denied => "denied",
             Outcome::Unmetered => "unmetered",
+            Outcome::Shadow => "shadow",
         }
     }
 }
@@ -56,7 +60,7 @@ pub struct Decided<'a> {
     pub model: Option<&'a str>,
     pub tier: &'static str,
     pub outcome: Outcome,
-    /// `ok` for an admission, else the denial's reason code.
+    /// `ok` for an admission, else the denial's (or, in shadow, the would-be denial's) reason code.
     pub reason: &'static str,
     pub took: Duration,
 }

@@ -76,6 +76,18 @@ pub struct ReserveCall<'a> {
     pub max_attempts: u32,
     pub concurrency_retry_cap_ms: u64,
     pub scopes: Vec<(String, ScopeLimits)>,
+    /// The tenant's limits are measured, not enforced: a hold they would refuse is made anyway,
+    /// and the reply says what they would have said.
+    pub shadow: bool,
+}
+
+/// What the limits would have said of a hold made in shadow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WouldRefuse {
+    pub reason: Refusal,
+    /// Index into [`ReserveCall::scopes`].
+    pub scope: usize,
+    pub retry_after_ms: u64,
 }
 
 /// Tokens, request permits and concurrency slots: what a replica's slice of a scope holds.
@@ -248,6 +260,8 @@ pub enum ReserveOutcome {
         estimated_output: Option<u64>,
         /// An idempotency key gave back its earlier live hold: nothing new was charged.
         replayed: bool,
+        /// In shadow, the refusal the limits would have made.
+        shadowed: Option<WouldRefuse>,
     },
     Denied {
         reason: Refusal,
@@ -516,7 +530,7 @@ impl<S: Store> Protocol<S> {
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(15));
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(16));
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -533,6 +547,7 @@ impl<S: Store> Protocol<S> {
             min_samples.to_string(),
             quantile.to_string(),
             key.map_or_else(String::new, |k| k.fingerprint.to_string()),
+            if call.shadow { "1" } else { "0" }.to_string(),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -557,6 +572,7 @@ impl<S: Store> Protocol<S> {
                     headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])? },
                     estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
                     replayed: r.flag(12)?,
+                    shadowed: r.would_refuse(14)?,
                 },
                 swept: r.texts(13)?,
             }),
@@ -932,6 +948,23 @@ impl<'a> Fields<'a> {
             None => Ok(Vec::new()),
             Some(Reply::Array(items)) => {
                 items.iter().map(|t| t.as_text().map(str::to_string).ok_or_else(|| self.bad())).collect()
+            }
+            Some(_) => Err(self.bad()),
+        }
+    }
+
+    /// `{reason, scope (1-based), retry after ms}`, or an empty table (or nothing) for none.
+    fn would_refuse(&self, i: usize) -> Result<Option<WouldRefuse>, StoreError> {
+        match self.items.get(i) {
+            None => Ok(None),
+            Some(Reply::Array(items)) if items.is_empty() => Ok(None),
+            Some(Reply::Array(items)) => {
+                let inner = Fields { script: self.script, reply: self.reply, items };
+                Ok(Some(WouldRefuse {
+                    reason: Refusal::parse(inner.text(0)?).ok_or_else(|| self.bad())?,
+                    scope: usize::try_from(inner.uint(1)?.saturating_sub(1)).map_err(|_| self.bad())?,
+                    retry_after_ms: inner.uint(2)?,
+                }))
             }
             Some(_) => Err(self.bad()),
         }

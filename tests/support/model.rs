@@ -487,6 +487,7 @@ impl Model {
                         attempts: k.made + 1,
                         replayed: true,
                         headroom: tollgate::store::Headroom { tokens, requests },
+                        shadow: None,
                     });
                 }
                 if k.made >= self.max_attempts {
@@ -588,6 +589,7 @@ impl Model {
             attempts,
             replayed: false,
             headroom: tollgate::store::Headroom { tokens, requests },
+            shadow: None,
         })
     }
 
