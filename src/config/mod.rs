@@ -569,6 +569,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn shadow_is_inherited_from_defaults_unless_a_tenant_says_otherwise() {
+        let text = "defaults:\n  shadow: true\nmodels:\n  m: { max_output_tokens: 1 }\n\
+                    tenants:\n  a: {}\n  b: { shadow: false }\ndefault_tenant: {}\n";
+        let policy = Policy::parse("t", text).unwrap();
+        assert!(policy.tenants["a"].shadow);
+        assert!(!policy.tenants["b"].shadow);
+        assert!(policy.default_tenant.as_ref().unwrap().shadow);
+        let plain = Policy::parse("t", "models:\n  m: { max_output_tokens: 1 }\ntenants:\n  a: {}\n").unwrap();
+        assert!(!plain.tenants["a"].shadow, "off unless asked for");
+    }
+
+    #[test]
     fn only_mutual_tls_makes_a_network_address_safe_to_serve() {
         let policy = Policy::parse("t", "models:\n  m: { max_output_tokens: 1 }\n").unwrap();
         let mut server = policy.server.clone();
