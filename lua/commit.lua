@@ -11,7 +11,9 @@
 -- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
 -- ARGV[6] exact | metered: whether the counts were reported or metered by tollgate
 --
--- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1)}
+-- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held}
+--   (model: the one the request named, '' for a hold made before records kept it; output held: the
+--    output part of the hold, -1 when unknown)
 --   state: committed | late_committed, or not_found | released when nothing was charged
 --   A commit of an already committed id returns the first commit's result with duplicate = 1: a
 --   caller that commits twice, or a client that re-sends after a lost reply, charges once.
@@ -34,13 +36,14 @@ local metered = ARGV[6] == 'metered'
 
 local r = load(rk)
 if not r then
-  return { 'not_found', 0, 0, 0, 0, 0, 0 }
+  return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1 }
 end
 if r.st == 'committed' or r.st == 'late_committed' then
-  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov), tonumber(r.mx) or 0 }
+  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov), tonumber(r.mx) or 0, r.md or '',
+    tonumber(r.oh) or -1 }
 end
 if r.st == 'released' then
-  return { 'released', 0, 0, r.h, 0, 0, 0 }
+  return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1 }
 end
 local output_held = math.min(r.h, tonumber(r.oh) or 0)
 local prompt = tonumber(ARGV[2]) or (r.h - output_held)
@@ -79,4 +82,4 @@ close(rk, id, r, leases, holds)
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end
-return { state, 0, used, r.h, refunded, overrun, mx }
+return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1 }

@@ -16,6 +16,7 @@
 --   mx  1 when the commit's counts were metered by tollgate, not reported by the response
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
+--   md  the model the request named
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
 --   id -> "<tokens charged> <day> <expired-usage policy> <scope keys...>"
@@ -52,7 +53,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)

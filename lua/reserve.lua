@@ -24,6 +24,7 @@
 -- ARGV[15] the request's fingerprint (user, model, size): a key reused for another is refused
 -- ARGV[16] shadow: 1 when the tenant's limits are only measured (a request they would refuse is
 --          held and charged all the same, and the reply says why it would have been refused)
+-- ARGV[17] the model the request names (kept on the record: commit reports it)
 -- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --
@@ -70,6 +71,7 @@ local min_samples = tonumber(ARGV[13])
 local quantile = ARGV[14]
 local fingerprint = ARGV[15]
 local shadow = ARGV[16] == '1'
+local model = ARGV[17]
 local FIRST_SCOPE = 6
 
 local now = now_ms()
@@ -93,7 +95,7 @@ end
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 16 + (i - FIRST_SCOPE) * 6, now, today)
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 17 + (i - FIRST_SCOPE) * 6, now, today)
 end
 
 -- An earlier hold answered again: charges nothing.
@@ -209,7 +211,7 @@ end
 local ks = table.concat(names, ' ')
 redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts,
   'dy', today, 'ks', ks, 'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile,
-  'oh', output, 'es', estimated)
+  'oh', output, 'es', estimated, 'md', model)
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)

@@ -702,7 +702,7 @@ mod scenarios {
     pub async fn metered_commits_charge_the_held_prompt_and_say_so<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
         let c = h.admission.commit_counted(&id, Counted::Metered { output: 50 }).await.unwrap();
-        let u = *c.usage().unwrap();
+        let u = c.usage().unwrap().clone();
         assert_eq!((u.used, u.refunded, u.metered, u.duplicate), (150, 450, true, false));
         let again = h.admission.commit(&id, 1, 1).await.unwrap();
         assert_eq!(again.usage().map(|u| (u.used, u.metered, u.duplicate)), Some((150, true, true)));

@@ -123,6 +123,18 @@ async fn a_scrape_counts_what_happened() {
     }
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_count{tenant=\"acme\"}"), 1.0);
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_sum{tenant=\"acme\"}"), 0.5);
+    // The estimates behind that hold, per tenant and model: 30 of the 80 output tokens held, and
+    // the 20 prompt tokens exactly.
+    let estimate = |kind: &str, part: &str| {
+        value(
+            &s,
+            &format!(
+                "tollgate_estimate_ratio_{part}{{estimate=\"{kind}\",gen_ai_request_model=\"m\",tenant=\"acme\"}}"
+            ),
+        )
+    };
+    assert_eq!((estimate("output", "count"), estimate("output", "sum")), (1.0, 0.375));
+    assert_eq!((estimate("prompt", "count"), estimate("prompt", "sum")), (1.0, 1.0));
     // Every store call is timed; the store answers.
     assert!(value(&s, "tollgate_store_duration_seconds_count{result=\"ok\",script=\"reserve\"}") >= 8.0);
     assert_eq!(value(&s, "tollgate_store_available"), 1.0);

@@ -64,6 +64,7 @@ pub(super) struct AskScope<'a> {
 #[derive(Debug)]
 pub(super) struct Ask<'a> {
     pub id: &'a str,
+    pub model: &'a str,
     pub scopes: Vec<AskScope<'a>>,
     pub hold: u64,
     pub prompt: u64,
@@ -189,6 +190,7 @@ struct LocalHold {
     /// The hold's own terms, fixed when it was taken (a policy reload does not change them).
     lease_until: u64,
     refund_on_expiry: bool,
+    model: String,
 }
 
 #[derive(Debug, Clone)]
@@ -495,6 +497,7 @@ impl Leases {
             // Never past the replica's own lease record: the store frees its slots then.
             lease_until: now.saturating_add(s.tp.lease_ttl_ms).min(s.valid_until),
             refund_on_expiry: s.tp.expired_usage == ExpiredUsage::Refund,
+            model: ask.model.to_string(),
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.
@@ -727,7 +730,7 @@ impl Leases {
             }
             s.reconcile(&hold, hold.held, used);
             let usage = usage(&hold, used, false, metered);
-            s.close(id, Closed::Committed(usage), now, retention);
+            s.close(id, Closed::Committed(usage.clone()), now, retention);
             return CommitOutcome::Committed(usage);
         }
         match s.closed.get(id).cloned() {
@@ -737,7 +740,7 @@ impl Leases {
                 let used = used(&hold);
                 s.reconcile(&hold, charged, used);
                 let usage = usage(&hold, used, true, metered);
-                s.closed.insert(id.to_string(), Closed::Committed(usage));
+                s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
                 CommitOutcome::Committed(usage)
             }
             None => CommitOutcome::NotFound,
@@ -809,6 +812,8 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
         held: hold.held,
         refunded: hold.held.saturating_sub(used),
         overrun: used.saturating_sub(hold.held),
+        model: Some(hold.model.clone()),
+        output_held: Some(hold.held.saturating_sub(hold.prompt)),
     }
 }
 
@@ -846,7 +851,7 @@ mod tests {
     }
 
     fn ask<'a>(id: &'a str, tp: &TenantPolicy, hold: u64) -> Ask<'a> {
-        Ask { id, scopes: vec![AskScope { key: "scope", limits: limits(tp) }], hold, prompt: 0 }
+        Ask { id, model: "m", scopes: vec![AskScope { key: "scope", limits: limits(tp) }], hold, prompt: 0 }
     }
 
     #[test]

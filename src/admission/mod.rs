@@ -53,7 +53,7 @@ pub use crate::config::Priority;
 use crate::config::names;
 use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
 use crate::estimate::{self, PromptSize};
-use crate::metrics::{Decided, Metrics, Outcome};
+use crate::metrics::{Decided, Estimate, Metrics, Outcome};
 pub use crate::store::KeyRepeat;
 use crate::store::clock::{Clock, SystemClock};
 use crate::store::{
@@ -849,7 +849,7 @@ impl<S: Store> Admission<S> {
             let outcome = match self.leases.as_ref().filter(|l| l.replica == replica) {
                 Some(leases) => {
                     let outcome = leases.commit(r.tenant, reservation_id, counted);
-                    self.record_commit(r.tenant, &outcome);
+                    self.record_commit(r.tenant, &outcome, counted);
                     outcome
                 }
                 None => match self.forward(&r, reservation_id, Forwarded::Commit(counted)).await? {
@@ -870,7 +870,7 @@ impl<S: Store> Admission<S> {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
         });
         let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
-        self.record_commit(r.tenant, &outcome);
+        self.record_commit(r.tenant, &outcome, counted);
         // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
         // call may have settled the tenant leg and failed to reach the pool. Idempotent.
         if let Some(pool) = r.pool
@@ -881,12 +881,23 @@ impl<S: Store> Admission<S> {
         Ok(outcome)
     }
 
-    /// Counts a commit that settled a hold now (not a repeat of an earlier one).
-    fn record_commit(&self, tenant: &str, outcome: &CommitOutcome) {
-        if let CommitOutcome::Committed(u) = outcome
-            && !u.duplicate
+    /// Counts a commit that settled a hold now (not a repeat of an earlier one), and, when the
+    /// counts were reported, how far each estimate behind the hold was from them: the output
+    /// reservation and the prompt estimate, per tenant and model.
+    fn record_commit(&self, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
+        let CommitOutcome::Committed(u) = outcome else { return };
+        if u.duplicate {
+            return;
+        }
+        self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun);
+        if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
+            (counted, &u.model, u.output_held, u.late)
         {
-            self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun);
+            let policy = self.policy();
+            let model = if policy.models.contains_key(model) { model.as_str() } else { "other" };
+            let prompt_held = u.held.saturating_sub(output_held);
+            self.metrics.estimated(tenant, model, Estimate::Output, output, output_held);
+            self.metrics.estimated(tenant, model, Estimate::Prompt, prompt, prompt_held);
         }
     }
 
@@ -1109,6 +1120,7 @@ impl Plan {
     fn ask(&self) -> Ask<'_> {
         Ask {
             id: &self.id,
+            model: &self.model,
             scopes: self.scopes.iter().map(|s| AskScope { key: &s.key, limits: s.limits }).collect(),
             hold: self.prompt.saturating_add(self.ceiling),
             prompt: self.prompt,

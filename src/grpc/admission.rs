@@ -109,7 +109,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
         let r = request.into_inner();
         let o = self.admission.commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens).await.map_err(status)?;
-        match o {
+        match &o {
             CommitOutcome::NotFound => {
                 Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id)))
             }

@@ -175,7 +175,10 @@ fn number(v: f64) -> String {
 }
 
 fn render_metric(out: &mut String, metric: &Metric) {
-    let base = format!("{}{}", sanitize(metric.name()), unit_suffix(metric.unit()));
+    let name = sanitize(metric.name());
+    // The unit as a suffix, unless the name already ends with it.
+    let suffix = unit_suffix(metric.unit());
+    let base = if name.ends_with(suffix) { name } else { format!("{name}{suffix}") };
     match metric.data() {
         AggregatedMetrics::U64(data) => render_data(out, &base, metric.description(), data, |v| number(v as f64)),
         AggregatedMetrics::I64(data) => render_data(out, &base, metric.description(), data, |v| number(v as f64)),

@@ -53,6 +53,22 @@ impl Outcome {
     }
 }
 
+/// An estimate behind a hold: the output reservation, or the prompt's size in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Estimate {
+    Output,
+    Prompt,
+}
+
+impl Estimate {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Estimate::Output => "output",
+            Estimate::Prompt => "prompt",
+        }
+    }
+}
+
 /// One decision, as the metrics record it.
 #[derive(Debug, Clone, Copy)]
 pub struct Decided<'a> {
@@ -74,6 +90,7 @@ pub struct Metrics {
     tokens: Counter<u64>,
     holds: Counter<u64>,
     usage_ratio: Histogram<f64>,
+    estimate_ratio: Histogram<f64>,
     pub(crate) store_duration: Histogram<f64>,
     pub(crate) store_errors: Counter<u64>,
     reloads: Counter<u64>,
@@ -153,6 +170,12 @@ impl Metrics {
             usage_ratio: meter
                 .f64_histogram("tollgate.hold.usage")
                 .with_description("Tokens a committed hold used over tokens it held (the estimator's error)")
+                .with_unit("1")
+                .with_boundaries(RATIO_BUCKETS.to_vec())
+                .build(),
+            estimate_ratio: meter
+                .f64_histogram("tollgate.estimate.ratio")
+                .with_description("Reported tokens over the estimate held for them, by estimate (output, prompt), tenant and model")
                 .with_unit("1")
                 .with_boundaries(RATIO_BUCKETS.to_vec())
                 .build(),
@@ -240,6 +263,24 @@ impl Metrics {
             #[allow(clippy::cast_precision_loss)]
             self.usage_ratio.record(used as f64 / held as f64, &[tenant]);
         }
+    }
+
+    /// How far an estimate was from what the commit reported: `actual` over `estimated` tokens
+    /// (nothing is recorded for an estimate of zero).
+    pub fn estimated(&self, tenant: &str, model: &str, estimate: Estimate, actual: u64, estimated: u64) {
+        if estimated == 0 {
+            return;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let ratio = actual as f64 / estimated as f64;
+        self.estimate_ratio.record(
+            ratio,
+            &[
+                self.tenant(tenant),
+                KeyValue::new("gen_ai.request.model", model.to_string()),
+                KeyValue::new("estimate", estimate.as_str()),
+            ],
+        );
     }
 
     /// A hold given back unused.

@@ -315,7 +315,7 @@ pub enum Counted {
 }
 
 /// What a commit charged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Usage {
     /// The hold had expired before its usage arrived.
     pub late: bool,
@@ -327,10 +327,14 @@ pub struct Usage {
     pub held: u64,
     pub refunded: u64,
     pub overrun: u64,
+    /// The model the request named (none for a hold whose record predates it).
+    pub model: Option<String>,
+    /// The output part of what was held (the rest was the prompt estimate), when known.
+    pub output_held: Option<u64>,
 }
 
 /// The store's answer to a commit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CommitOutcome {
     Committed(Usage),
     /// The hold was released; it cannot be committed, and nothing was charged.
@@ -530,7 +534,7 @@ impl<S: Store> Protocol<S> {
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(16));
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(17));
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -548,6 +552,7 @@ impl<S: Store> Protocol<S> {
             quantile.to_string(),
             key.map_or_else(String::new, |k| k.fingerprint.to_string()),
             if call.shadow { "1" } else { "0" }.to_string(),
+            call.model.to_string(),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -739,6 +744,8 @@ impl<S: Store> Protocol<S> {
                 held: r.uint(3)?,
                 refunded: r.uint(4)?,
                 overrun: r.uint(5)?,
+                model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
+                output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
             }),
             _ => return Err(r.bad()),
         })

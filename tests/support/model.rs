@@ -69,6 +69,9 @@ pub struct Hold {
     /// The record is gone at this time (retention after settling).
     pub gone_at: Option<u64>,
     pub pool: Option<String>,
+    /// The model the request named, and the output part of its hold (what commit reports).
+    pub model: String,
+    pub output_held: u64,
 }
 
 /// An idempotency key.
@@ -578,6 +581,8 @@ impl Model {
                 refunded_on_release: 0,
                 gone_at: None,
                 pool: (ask.model == "m").then(|| self.pool_name.clone()),
+                model: ask.model.clone(),
+                output_held: hold - ask.prompt,
             },
         );
         self.leases.entry(ask.tenant.clone()).or_default().insert((now + rules.lease_ms, id.clone()));
@@ -655,12 +660,14 @@ impl Model {
             held: h.held,
             refunded: h.held.saturating_sub(used),
             overrun: used.saturating_sub(h.held),
+            model: Some(h.model.clone()),
+            output_held: Some(h.output_held),
         };
         let rec = self.holds.get_mut(id).unwrap();
         rec.state = State::Settled(if late { Settled::LateCommitted } else { Settled::Committed });
         rec.charged = used;
         rec.slot = false;
-        rec.usage = Some(usage);
+        rec.usage = Some(usage.clone());
         self.close(id, now);
         CommitOutcome::Committed(usage)
     }
