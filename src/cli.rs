@@ -337,9 +337,9 @@ pub struct Listeners {
     pub admin: Option<TcpListener>,
 }
 
-/// Reads the TLS files, then binds the policy's (or the override's) address and the health
-/// address if there is one. Both are bound before anything is served, so a client that finds the
-/// main port open finds both.
+/// Reads the TLS files, then binds the policy's (or the override's) address, and the health and
+/// admin addresses if there are any. All are bound before anything is served, so a client (or a
+/// probe, or a scraper) that finds the main port open finds every port open.
 pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
     let tls = policy.server.tls.as_ref().map(crate::grpc::tls::server_config).transpose()?;
     let addr = listen.unwrap_or(policy.server.listen);
@@ -382,16 +382,14 @@ pub async fn serve(
     let meter = registry.meter();
     let served = Served { listeners, shutdown, registry, metrics: metrics.clone(), watched };
     match policy.store.choice.clone() {
-        StoreChoice::Embedded => {
-            run_on(Measured::new(EmbeddedStore::new()?, metrics, Some(&meter)), policy, served).await
-        }
+        StoreChoice::Embedded => run_on(Measured::new(EmbeddedStore::new()?, metrics, &meter), policy, served).await,
         StoreChoice::Redis { url } => {
             let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
-            run_on(Measured::new(Breaker::new(store, breaker), metrics, Some(&meter)), policy, served).await
+            run_on(Measured::new(Breaker::new(store, breaker), metrics, &meter), policy, served).await
         }
         StoreChoice::Cluster { nodes } => {
             let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
-            run_on(Measured::new(Breaker::new(store, breaker), metrics, Some(&meter)), policy, served).await
+            run_on(Measured::new(Breaker::new(store, breaker), metrics, &meter), policy, served).await
         }
     }
 }

@@ -124,24 +124,26 @@ pub async fn watch<S: Store>(
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
-            _ = ticks.tick() => {
-                if every.is_none() {
+        let hung_up = tokio::select! {
+            _ = ticks.tick() => false,
+            received = hangup => {
+                if received.is_none() {
+                    // The signal stream ended (the runtime is stopping): poll only.
+                    hangups = None;
                     continue;
                 }
-                let now = seen(&path);
-                if now == last {
-                    continue;
-                }
-                last = now;
-                reload(&path, &admission, &adjust).await;
-            }
-            _ = hangup => {
-                tracing::info!("SIGHUP: reloading the policy");
-                last = seen(&path);
-                reload(&path, &admission, &adjust).await;
+                true
             }
             () = shutdown.cancelled() => return,
+        };
+        let now = seen(&path);
+        if !hung_up && (every.is_none() || now == last) {
+            continue;
         }
+        if hung_up {
+            tracing::info!("SIGHUP: reloading the policy");
+        }
+        last = now;
+        reload(&path, &admission, &adjust).await;
     }
 }

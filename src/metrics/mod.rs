@@ -97,7 +97,7 @@ pub struct Metrics {
     /// Which tenants have series of their own, and the policy's version: both follow reloads.
     labels: Arc<RwLock<TenantLabels>>,
     version: Arc<RwLock<String>>,
-    _policy_info: Option<ObservableGauge<u64>>,
+    _policy_info: ObservableGauge<u64>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -197,7 +197,7 @@ impl Metrics {
                 .build(),
             labels: Arc::new(RwLock::new(labels)),
             version,
-            _policy_info: Some(policy_info),
+            _policy_info: policy_info,
         }
     }
 

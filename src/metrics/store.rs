@@ -17,7 +17,7 @@ pub struct Measured<S> {
     inner: S,
     metrics: Metrics,
     available: Arc<AtomicBool>,
-    _gauge: Option<ObservableGauge<u64>>,
+    _gauge: ObservableGauge<u64>,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for Measured<S> {
@@ -27,16 +27,15 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Measured<S> {
 }
 
 impl<S> Measured<S> {
-    /// Times `inner` into `metrics`; with a meter, also reports whether the store answers.
-    pub fn new(inner: S, metrics: Metrics, meter: Option<&opentelemetry::metrics::Meter>) -> Self {
+    /// Times `inner` into `metrics`, and reports on `meter` whether the store answers.
+    pub fn new(inner: S, metrics: Metrics, meter: &opentelemetry::metrics::Meter) -> Self {
         let available = Arc::new(AtomicBool::new(true));
-        let gauge = meter.map(|m| {
-            let seen = Arc::clone(&available);
-            m.u64_observable_gauge("tollgate.store.available")
-                .with_description("1 while the store's last call reached it, 0 while calls fail")
-                .with_callback(move |o| o.observe(u64::from(seen.load(Ordering::Relaxed)), &[]))
-                .build()
-        });
+        let seen = Arc::clone(&available);
+        let gauge = meter
+            .u64_observable_gauge("tollgate.store.available")
+            .with_description("1 while the store's last call reached it, 0 while calls fail")
+            .with_callback(move |o| o.observe(u64::from(seen.load(Ordering::Relaxed)), &[]))
+            .build();
         Measured { inner, metrics, available, _gauge: gauge }
     }
 
