@@ -135,6 +135,16 @@ async fn a_scrape_counts_what_happened() {
     };
     assert_eq!((estimate("output", "count"), estimate("output", "sum")), (1.0, 0.375));
     assert_eq!((estimate("prompt", "count"), estimate("prompt", "sum")), (1.0, 1.0));
+    // And as the GenAI semantic conventions count a request's tokens.
+    let usage = |kind: &str| {
+        value(
+            &s,
+            &format!(
+                "gen_ai_client_token_usage_sum{{gen_ai_request_model=\"m\",gen_ai_token_type=\"{kind}\",tenant=\"acme\"}}"
+            ),
+        )
+    };
+    assert_eq!((usage("input"), usage("output")), (20.0, 30.0));
     // Every store call is timed; the store answers.
     assert!(value(&s, "tollgate_store_duration_seconds_count{result=\"ok\",script=\"reserve\"}") >= 8.0);
     assert_eq!(value(&s, "tollgate_store_available"), 1.0);

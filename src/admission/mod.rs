@@ -896,6 +896,7 @@ impl<S: Store> Admission<S> {
             let policy = self.policy();
             let model = if policy.models.contains_key(model) { model.as_str() } else { "other" };
             let prompt_held = u.held.saturating_sub(output_held);
+            self.metrics.token_usage(tenant, model, prompt, output);
             self.metrics.estimated(tenant, model, Estimate::Output, output, output_held);
             self.metrics.estimated(tenant, model, Estimate::Prompt, prompt, prompt_held);
         }

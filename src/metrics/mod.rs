@@ -26,6 +26,24 @@ pub const OTHER_TENANT: &str = "other";
 const LATENCY_BUCKETS: [f64; 14] =
     [0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 
+/// The GenAI semantic conventions' advice for `gen_ai.client.token.usage`.
+const TOKEN_BUCKETS: [f64; 14] = [
+    1.0,
+    4.0,
+    16.0,
+    64.0,
+    256.0,
+    1024.0,
+    4096.0,
+    16384.0,
+    65536.0,
+    262_144.0,
+    1_048_576.0,
+    4_194_304.0,
+    16_777_216.0,
+    67_108_864.0,
+];
+
 /// How far a hold's usage came from what it held (used ÷ held): 1 is a perfect estimate, below 1
 /// budget held and not used, above 1 an overrun.
 const RATIO_BUCKETS: [f64; 12] = [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0];
@@ -91,6 +109,7 @@ pub struct Metrics {
     holds: Counter<u64>,
     usage_ratio: Histogram<f64>,
     estimate_ratio: Histogram<f64>,
+    token_usage: Histogram<u64>,
     pub(crate) store_duration: Histogram<f64>,
     pub(crate) store_errors: Counter<u64>,
     reloads: Counter<u64>,
@@ -178,6 +197,14 @@ impl Metrics {
                 .with_description("Reported tokens over the estimate held for them, by estimate (output, prompt), tenant and model")
                 .with_unit("1")
                 .with_boundaries(RATIO_BUCKETS.to_vec())
+                .build(),
+            // The GenAI semantic conventions' token usage histogram (its bucket boundaries too),
+            // from the counts each committed request reported.
+            token_usage: meter
+                .u64_histogram("gen_ai.client.token.usage")
+                .with_description("Tokens a request used, by gen_ai.token.type (input, output), model and tenant")
+                .with_unit("{token}")
+                .with_boundaries(TOKEN_BUCKETS.to_vec())
                 .build(),
             store_duration: meter
                 .f64_histogram("tollgate.store.duration")
@@ -281,6 +308,20 @@ impl Metrics {
                 KeyValue::new("estimate", estimate.as_str()),
             ],
         );
+    }
+
+    /// What a committed request reported it used, as the GenAI conventions count it.
+    pub fn token_usage(&self, tenant: &str, model: &str, input: u64, output: u64) {
+        for (kind, n) in [("input", input), ("output", output)] {
+            self.token_usage.record(
+                n,
+                &[
+                    self.tenant(tenant),
+                    KeyValue::new("gen_ai.request.model", model.to_string()),
+                    KeyValue::new("gen_ai.token.type", kind),
+                ],
+            );
+        }
     }
 
     /// A hold given back unused.
