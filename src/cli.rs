@@ -331,7 +331,7 @@ pub enum RunError {
 /// The ports `serve` answers on, and the TLS the main one speaks.
 pub struct Listeners {
     pub main: TcpListener,
-    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    pub tls: Option<Arc<crate::grpc::tls::LiveTls>>,
     pub health: Option<TcpListener>,
     /// `/metrics`, with `server.admin_listen`.
     pub admin: Option<TcpListener>,
@@ -341,7 +341,7 @@ pub struct Listeners {
 /// admin addresses if there are any. All are bound before anything is served, so a client (or a
 /// probe, or a scraper) that finds the main port open finds every port open.
 pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
-    let tls = policy.server.tls.as_ref().map(crate::grpc::tls::server_config).transpose()?;
+    let tls = policy.server.tls.as_ref().map(crate::grpc::tls::LiveTls::load).transpose()?;
     let addr = listen.unwrap_or(policy.server.listen);
     if policy.server.unauthenticated_beyond_loopback(addr) {
         tracing::warn!(

@@ -23,16 +23,18 @@ use crate::store::Store;
 /// What `serve` does to every policy it loads before using it (the `--tls-*` flags).
 pub type Adjust = Arc<dyn Fn(&mut Policy) -> Result<(), ConfigError> + Send + Sync>;
 
-/// The file as `stat` sees it: a change to any of these is a change to look at.
+/// The file as `stat` sees it: a change to any of these is a change to look at. (The TLS files
+/// are watched the same way: [`crate::grpc::tls`].)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Seen {
+pub struct Seen {
     dev: u64,
     ino: u64,
     len: u64,
     mtime_ns: i128,
 }
 
-fn seen(path: &Path) -> Option<Seen> {
+/// `path` as `stat` sees it now, through symlinks; `None` when it cannot be read.
+pub fn seen(path: &Path) -> Option<Seen> {
     let m = std::fs::metadata(path).ok()?;
     Some(Seen {
         dev: m.dev(),

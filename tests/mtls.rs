@@ -219,3 +219,77 @@ fn unusable_tls_files_stop_the_start() {
     let out = tollgate_cmd(&["check-config", file.to_str().unwrap()], Duration::from_secs(10));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does not go with server.tls.cert"), "{out:?}");
 }
+
+/// What certificate tollgate presents to a new mutually authenticated connection.
+async fn presented(addr: SocketAddr, ca: &Path, client: &Pem) -> Result<Vec<u8>, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore, crypto::ring};
+    let mut roots = RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let chain: Vec<_> = CertificateDer::pem_file_iter(&client.cert).unwrap().map(Result::unwrap).collect();
+    let key = PrivateKeyDer::from_pem_file(&client.key).unwrap();
+    let config = ClientConfig::builder_with_provider(std::sync::Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let tls = connector.connect(ServerName::try_from(SERVER_NAME).unwrap(), tcp).await.map_err(|e| e.to_string())?;
+    let certs = tls.get_ref().1.peer_certificates().ok_or("no certificate")?;
+    Ok(certs[0].as_ref().to_vec())
+}
+
+fn der(pem: &Pem) -> Vec<u8> {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+    CertificateDer::from_pem_file(&pem.cert).unwrap().as_ref().to_vec()
+}
+
+/// A certificate rotated on disk (as cert-manager rotates a Secret) is presented to new
+/// connections within the reload interval, without a restart; files that cannot be used are
+/// refused and the certificate in force stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_is_used_without_a_restart() {
+    let pki = Pki::new();
+    let live = TempDir::new("tls");
+    let (cert, key) = (live.0.join("tls.crt"), live.0.join("tls.key"));
+    let install = |pem: &Pem| {
+        for (from, to) in [(&pem.key, &key), (&pem.cert, &cert)] {
+            let tmp = to.with_extension("new");
+            std::fs::copy(from, &tmp).unwrap();
+            std::fs::rename(&tmp, to).unwrap();
+        }
+    };
+    install(&pki.server);
+    let policy = format!(
+        "server:\n  tls:\n    cert: {}\n    key: {}\n    client_ca: {}\n    allowed_clients: [\"{ENVOY_ID}\"]\n    reload_ms: 100\n{POLICY}",
+        cert.display(),
+        key.display(),
+        pki.ca.cert()
+    );
+    let tollgate = Tollgate::start(&policy);
+    let ca = &pki.ca.cert;
+    assert_eq!(presented(tollgate.addr, ca, &pki.envoy).await.unwrap(), der(&pki.server));
+
+    let rotated = pki.ca.server(&pki.dir, "rotated", &[SERVER_NAME]);
+    install(&rotated);
+    let start = Instant::now();
+    while presented(tollgate.addr, ca, &pki.envoy).await.ok() != Some(der(&rotated)) {
+        assert!(start.elapsed() < Duration::from_secs(10), "never rotated:\n{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A broken certificate file: refused, and the rotated certificate stays in force.
+    std::fs::write(&cert, "not a certificate\n").unwrap();
+    let start = Instant::now();
+    while !tollgate.log().contains("cannot be used; the ones in force stay") {
+        assert!(start.elapsed() < Duration::from_secs(10), "{}", tollgate.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(presented(tollgate.addr, ca, &pki.envoy).await.unwrap(), der(&rotated));
+}

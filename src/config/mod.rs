@@ -156,6 +156,9 @@ pub struct TlsSettings {
     /// name (`envoy.llm.svc`) or a URI (`spiffe://cluster.local/ns/llm/sa/envoy`); `*` is any
     /// certificate the CA signed.
     pub allowed_clients: Vec<String>,
+    /// How often the files are looked at for a rotation (`reload_ms`, 10 s by default); `None`
+    /// (0): read at start only.
+    pub reload: Option<Duration>,
 }
 
 impl TlsSettings {
@@ -173,6 +176,7 @@ impl TlsSettings {
             key: text(key),
             client_ca: text(client_ca),
             allowed_clients: allowed_clients.to_vec(),
+            reload_ms: None,
         };
         if raw.cert.is_none() && raw.key.is_none() && raw.client_ca.is_none() && raw.allowed_clients.is_empty() {
             return Ok(None);
@@ -595,6 +599,7 @@ mod tests {
             key: "k".into(),
             client_ca: client_ca.map(PathBuf::from),
             allowed_clients: client_ca.map(|_| vec!["*".to_string()]).unwrap_or_default(),
+            reload: None,
         };
         server.tls = Some(tls(None));
         assert!(server.unauthenticated_beyond_loopback(anywhere), "TLS without client certificates");

@@ -61,6 +61,7 @@ pub struct RawTls {
     pub client_ca: Option<String>,
     #[serde(default)]
     pub allowed_clients: Vec<String>,
+    pub reload_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -54,7 +54,19 @@ pub(super) fn tls(raw: RawTls) -> Result<TlsSettings, Problem> {
             "name the client identities (DNS or URI SANs) the CA may vouch for, or * for any it signed",
         )),
         (None, false) => Err(problem("server.tls.allowed_clients", "needs server.tls.client_ca to check them against")),
-        _ => Ok(TlsSettings { cert, key, client_ca, allowed_clients: raw.allowed_clients }),
+        _ => {
+            let reload = match raw.reload_ms.unwrap_or(10_000) {
+                0 => None,
+                ms @ 100..=86_400_000 => Some(Duration::from_millis(ms)),
+                ms => {
+                    return Err(problem(
+                        "server.tls.reload_ms",
+                        format!("{ms} is outside 100..=86400000 (or 0: never)"),
+                    ));
+                }
+            };
+            Ok(TlsSettings { cert, key, client_ca, allowed_clients: raw.allowed_clients, reload })
+        }
     }
 }
 

@@ -41,7 +41,7 @@ pub fn incoming(listener: TcpListener) -> TcpIncoming {
 /// plaintext, for probes). Tests call this with a listener on port 0.
 pub async fn serve<S: Store>(
     listener: TcpListener,
-    tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    tls: Option<Arc<super::tls::LiveTls>>,
     health_listener: Option<TcpListener>,
     admission: Arc<Admission<S>>,
     shutdown: CancellationToken,

@@ -5,10 +5,16 @@
 //!
 //! Handshakes run off the accept loop, at most [`MAX_HANDSHAKES`] at once and each for at most
 //! [`HANDSHAKE_TIMEOUT`]: a client that connects and says nothing holds neither the loop nor memory.
+//!
+//! Certificates rotate without a restart: every `server.tls.reload_ms` (10 s) the files are looked
+//! at (as the policy file is, through symlinks, so a Kubernetes Secret volume's swap is seen), and
+//! when one changed the configuration is rebuilt and used for every handshake from then on.
+//! Connections already open keep theirs. Files that cannot be used are refused with a warning, and
+//! the configuration in force stays.
 
 use std::io;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use rustls_pki_types::pem::PemObject;
@@ -29,6 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::TlsSettings;
+use crate::reload::{Seen, seen};
 
 /// How long a client may take to complete its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -89,6 +96,64 @@ pub fn server_config(settings: &TlsSettings) -> Result<Arc<ServerConfig>, TlsErr
     // gRPC is HTTP/2.
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(Arc::new(config))
+}
+
+/// The TLS configuration in force, rebuilt when its files change.
+pub struct LiveTls {
+    settings: TlsSettings,
+    config: RwLock<Arc<ServerConfig>>,
+    seen: Mutex<Vec<Option<Seen>>>,
+}
+
+impl std::fmt::Debug for LiveTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveTls").field("settings", &self.settings).finish_non_exhaustive()
+    }
+}
+
+impl LiveTls {
+    /// Reads the files; an error names the field.
+    pub fn load(settings: &TlsSettings) -> Result<Arc<LiveTls>, TlsError> {
+        let seen = LiveTls::stamps(settings);
+        let config = server_config(settings)?;
+        Ok(Arc::new(LiveTls { settings: settings.clone(), config: RwLock::new(config), seen: Mutex::new(seen) }))
+    }
+
+    fn stamps(settings: &TlsSettings) -> Vec<Option<Seen>> {
+        [Some(&settings.cert), Some(&settings.key), settings.client_ca.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|p| seen(p))
+            .collect()
+    }
+
+    /// The configuration new handshakes use.
+    pub fn current(&self) -> Arc<ServerConfig> {
+        Arc::clone(&self.config.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Rebuilds the configuration if a file changed since the last look. True when it did.
+    pub fn refresh(&self) -> bool {
+        let now = LiveTls::stamps(&self.settings);
+        {
+            let mut last = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if *last == now {
+                return false;
+            }
+            *last = now;
+        }
+        match server_config(&self.settings) {
+            Ok(config) => {
+                *self.config.write().unwrap_or_else(PoisonError::into_inner) = config;
+                tracing::info!(cert = %self.settings.cert.display(), "TLS files changed: new handshakes use them");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "TLS files changed but cannot be used; the ones in force stay");
+                false
+            }
+        }
+    }
 }
 
 /// The identities a certificate names: its DNS and URI subject alternative names.
@@ -163,12 +228,28 @@ impl ClientCertVerifier for AllowedClients {
 /// stops, and the listener closes, when `stop` is cancelled or the stream is dropped.
 pub fn incoming(
     listener: TcpListener,
-    config: Arc<ServerConfig>,
+    live: Arc<LiveTls>,
     stop: CancellationToken,
 ) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
     let (tx, rx) = mpsc::channel(MAX_HANDSHAKES);
-    let acceptor = TlsAcceptor::from(config);
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    if let Some(every) = live.settings.reload {
+        let (live, stop) = (Arc::clone(&live), stop.clone());
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {
+                        // Reading and parsing the files is blocking work.
+                        let live = Arc::clone(&live);
+                        let _ = tokio::task::spawn_blocking(move || live.refresh()).await;
+                    }
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
+    }
     tokio::spawn(async move {
         let mut tcp = super::server::incoming(listener);
         loop {
@@ -191,7 +272,7 @@ pub fn incoming(
                 }
                 None => return,
             };
-            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            let (acceptor, tx) = (TlsAcceptor::from(live.current()), tx.clone());
             tokio::spawn(async move {
                 let peer = stream.peer_addr().ok();
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
