@@ -218,3 +218,46 @@ async fn sighup_reloads_at_once_and_restart_only_settings_wait() {
     assert!(client.reserve(ask(150)).await.unwrap().into_inner().admitted, "{}", t.log());
     assert!(t.log().contains("apply on restart only") && t.log().contains("\"server\""), "{}", t.log());
 }
+
+/// A leasing replica follows a tightened limit at once: the slices it drew under the old limit
+/// (a tenth of a million tokens) are not spent under the new one (500 tokens): the next decision
+/// after the reload draws again, and what it holds beyond the new share goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leasing_replica_follows_a_tightened_limit() {
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let leased = |burst: u64| {
+        format!(
+            "server:\n  admin_listen: {admin}\n  policy_poll_ms: 100\nleasing: {{ window_ms: 250, max_share: 0.1 }}\n\
+             models:\n  m: {{ max_output_tokens: 100 }}\n\
+             tenants:\n  acme:\n    limits: {{ tokens_per_minute: 60, burst_tokens: {burst} }}\n"
+        )
+    };
+    let dir = TempDir::new("tollgate");
+    let path = dir.write("policy.yaml", &leased(1_000_000));
+    let t = Tollgate::start_in(dir, &path.clone(), &[]);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    let hold = |client: &mut AdmissionClient<tonic::transport::Channel>| {
+        let mut client = client.clone();
+        async move { client.reserve(ask(49)).await.unwrap().into_inner() }
+    };
+    // Stocked: a few decisions under the loose limit, from leased slices.
+    for _ in 0..5 {
+        let r = hold(&mut client).await;
+        assert!(r.admitted, "{r:?}");
+        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 1, completion_tokens: 49 };
+        client.commit(c).await.unwrap();
+    }
+
+    replace(&path, &leased(500));
+    wait_for_log(&t, "policy reloaded");
+    // Each hold is 50 tokens: the new limit admits at most 500 tokens' worth (plus a token a
+    // second of refill), however much the replica had drawn before.
+    let mut admitted = 0;
+    for _ in 0..40 {
+        if hold(&mut client).await.admitted {
+            admitted += 1;
+        }
+    }
+    assert!(admitted <= 11, "{admitted} holds of 50 admitted under a 500-token limit\n{}", t.log());
+    assert!(admitted > 0, "the tightened limit still admits its 500 tokens");
+}
