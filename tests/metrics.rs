@@ -7,28 +7,16 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use support::procs::{OwnRedis, Tollgate, free_port};
+use support::procs::{OwnRedis, Tollgate, free_port, http_get};
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, ReleaseRequest, ReserveRequest};
 
-/// An HTTP/1.1 GET on the admin port: the status line and the body.
-fn get(addr: SocketAddr, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(addr).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    (head.lines().next().unwrap().to_string(), body.to_string())
-}
-
 /// Every sample of a scrape, by its series (name and labels as printed).
 fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
-    let (status, body) = get(addr, "/metrics");
+    let (status, body) = http_get(addr, "/metrics");
     assert!(status.contains("200"), "{status}");
     body.lines()
         .filter(|l| !l.starts_with('#') && !l.is_empty())
@@ -149,7 +137,7 @@ async fn a_scrape_counts_what_happened() {
     assert!(value(&s, "tollgate_store_duration_seconds_count{result=\"ok\",script=\"reserve\"}") >= 8.0);
     assert_eq!(value(&s, "tollgate_store_available"), 1.0);
 
-    let (status, _) = get(admin, "/nope");
+    let (status, _) = http_get(admin, "/nope");
     assert!(status.contains("404"), "{status}");
 }
 
@@ -189,7 +177,7 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
         let r = client.reserve(reserve(tenant, 1, 1)).await.unwrap().into_inner();
         assert_eq!(r.admitted, tenant != "closed", "{tenant}: {r:?}");
     }
-    let (_, text) = get(admin, "/metrics");
+    let (_, text) = http_get(admin, "/metrics");
     let s = scrape(admin);
     for (tenant, mode, outcome) in
         [("closed", "fail_closed", "denied"), ("open", "fail_open", "unmetered"), ("near", "local", "unmetered")]

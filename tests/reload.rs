@@ -5,12 +5,11 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use support::procs::{TempDir, Tollgate, free_port, tollgate_cmd};
+use support::procs::{TempDir, Tollgate, free_port, http_get, tollgate_cmd};
 use tollgate::config::version_of;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, ReserveRequest, ReserveResponse};
@@ -62,11 +61,7 @@ fn replace(path: &Path, text: &str) {
 }
 
 fn scrape(admin: SocketAddr) -> String {
-    let mut stream = TcpStream::connect(admin).unwrap();
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
+    http_get(admin, "/metrics").1
 }
 
 fn ask(max_tokens: u64) -> ReserveRequest {

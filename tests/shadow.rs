@@ -5,10 +5,9 @@
 
 mod support;
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 
-use support::procs::{Envoy, Tollgate, free_port};
+use support::procs::{Envoy, Tollgate, free_port, http_get};
 use support::upstream::{Upstream, post};
 use tollgate::proto::ReserveRequest;
 use tollgate::proto::admission_client::AdmissionClient;
@@ -23,11 +22,7 @@ fn policy(admin: SocketAddr) -> String {
 }
 
 fn scrape(admin: SocketAddr) -> String {
-    let mut stream = TcpStream::connect(admin).unwrap();
-    write!(stream, "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
+    http_get(admin, "/metrics").1
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

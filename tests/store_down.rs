@@ -152,6 +152,21 @@ async fn load(endpoint: String, tenant: &'static str, start: Instant, length: Du
     seen
 }
 
+/// The load tests' policy: acme fails closed, open fails open.
+fn both_modes_policy(redis_port: u16) -> String {
+    format!(
+        "store:\n  redis_url: redis://127.0.0.1:{redis_port}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n"
+    )
+}
+
+type Load = tokio::task::JoinHandle<Vec<Seen>>;
+
+/// The load of both tenants, from `start` for `length`.
+fn both_modes(t: &Tollgate, start: Instant, length: Duration) -> (Load, Load) {
+    (tokio::spawn(load(t.endpoint(), "acme", start, length)), tokio::spawn(load(t.endpoint(), "open", start, length)))
+}
+
 /// Redis killed and restarted under load, with the shipped timeout and breaker: every decision is
 /// answered well within Envoy's 0.5 s, by its tenant's mode while Redis is gone, and decisions are
 /// back to normal within a second of Redis answering again (its script cache empty: the first call
@@ -160,16 +175,10 @@ async fn load(endpoint: String, tenant: &'static str, start: Instant, length: Du
 async fn redis_killed_and_restarted_under_load() {
     let port = free_port();
     let redis = OwnRedis::start(port);
-    let policy = format!(
-        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
-        redis.port
-    );
+    let policy = both_modes_policy(redis.port);
     let t = Tollgate::start(&policy);
     let start = Instant::now();
-    let length = Duration::from_secs(6);
-    let closed = tokio::spawn(load(t.endpoint(), "acme", start, length));
-    let open = tokio::spawn(load(t.endpoint(), "open", start, length));
+    let (closed, open) = both_modes(&t, start, Duration::from_secs(6));
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
     drop(redis);
@@ -189,16 +198,10 @@ async fn redis_killed_and_restarted_under_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stalled_under_load() {
     let redis = OwnRedis::start_with(free_port(), &["--enable-debug-command", "yes"]);
-    let policy = format!(
-        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
-        redis.port
-    );
+    let policy = both_modes_policy(redis.port);
     let t = Tollgate::start(&policy);
     let start = Instant::now();
-    let length = Duration::from_secs(5);
-    let closed = tokio::spawn(load(t.endpoint(), "acme", start, length));
-    let open = tokio::spawn(load(t.endpoint(), "open", start, length));
+    let (closed, open) = both_modes(&t, start, Duration::from_secs(5));
 
     // On a connection opened beforehand: Redis stalls the moment the command arrives, so every
     // call asked after it is written waits behind it.

@@ -262,6 +262,9 @@ impl<S: Store> Admission<S> {
     /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
     /// policy serves (any other name a client sent is `other`), the tier, the reason.
     fn record(&self, a: &Attributes, decision: &Decision, took: std::time::Duration) {
+        if !self.metrics.enabled() {
+            return;
+        }
         let policy = self.policy();
         let tenant = a.tenant.as_deref().or(policy.anonymous_tenant.as_deref()).unwrap_or("");
         let tp = policy.tenant(tenant);
@@ -630,7 +633,8 @@ impl<S: Store> Admission<S> {
     }
 
     fn sweep_args(&self) -> (u32, u64) {
-        (self.policy().sweep_batch, self.policy().concurrency_retry_ms)
+        let policy = self.policy();
+        (policy.sweep_batch, policy.concurrency_retry_ms)
     }
 
     /// After a lease call: apply what other replicas forwarded for this replica's holds, and take
@@ -720,6 +724,7 @@ impl<S: Store> Admission<S> {
 
     /// Quota: every scope of the tenant must pass.
     async fn tenant_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+        let policy = self.policy();
         let call = ReserveCall {
             tenant: &plan.tenant,
             model: &plan.model,
@@ -729,16 +734,16 @@ impl<S: Store> Admission<S> {
             adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
-            retention_ms: self.policy().record_retention_ms,
+            retention_ms: policy.record_retention_ms,
             expired_usage: plan.tp.expired_usage,
-            sweep_batch: self.policy().sweep_batch,
+            sweep_batch: policy.sweep_batch,
             idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {
                 key: &k.key,
                 repeat: k.repeat,
                 fingerprint,
             }),
-            max_attempts: self.policy().max_attempts,
-            concurrency_retry_cap_ms: self.policy().concurrency_retry_ms,
+            max_attempts: policy.max_attempts,
+            concurrency_retry_cap_ms: policy.concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
             shadow: plan.tp.shadow,
         };
@@ -759,7 +764,7 @@ impl<S: Store> Admission<S> {
                 // In shadow, what the limits would have said, as the reason a denial would carry.
                 let shadow = shadowed.map(|w| {
                     let scope = plan.scopes.get(w.scope).map_or("?", |s| s.label.as_str());
-                    refusal_reason(w.reason, scope, self.policy().max_attempts).0
+                    refusal_reason(w.reason, scope, policy.max_attempts).0
                 });
                 Decision::Admitted(Admitted {
                     reservation_id: id,
@@ -773,7 +778,7 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = refusal_reason(reason, scope, self.policy().max_attempts);
+                let (reason, message) = refusal_reason(reason, scope, policy.max_attempts);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
@@ -886,7 +891,7 @@ impl<S: Store> Admission<S> {
     /// reservation and the prompt estimate, per tenant and model.
     fn record_commit(&self, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
         let CommitOutcome::Committed(u) = outcome else { return };
-        if u.duplicate {
+        if u.duplicate || !self.metrics.enabled() {
             return;
         }
         self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun);

@@ -31,6 +31,13 @@ fn problem(field: impl Into<String>, why: impl Into<String>) -> Problem {
     (field.into(), why.into())
 }
 
+/// An optional listen address; `example` shows the form in the error.
+fn optional_address(field: &str, value: Option<&str>, example: &str) -> Result<Option<SocketAddr>, Problem> {
+    value
+        .map(|addr| addr.parse().map_err(|_| problem(field, format!("{addr:?} is not an address like {example}"))))
+        .transpose()
+}
+
 /// `server.tls`: a certificate and its key, and for mutual TLS a client CA with the identities it
 /// may vouch for. The files are read when tollgate starts (their contents are checked there).
 pub(super) fn tls(raw: RawTls) -> Result<TlsSettings, Problem> {
@@ -90,23 +97,11 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     if tenant_header.is_empty() || !tenant_header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
         return Err(problem("server.tenant_header", format!("{tenant_header:?} is not a header name")));
     }
-    let health_listen =
-        match raw.server.health_listen.as_deref() {
-            None => None,
-            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|_| {
-                problem("server.health_listen", format!("{addr:?} is not an address like 0.0.0.0:50052"))
-            })?),
-        };
+    let health_listen = optional_address("server.health_listen", raw.server.health_listen.as_deref(), "0.0.0.0:50052")?;
     if health_listen.is_some_and(|h| h.port() == listen.port() && h.port() != 0) {
         return Err(problem("server.health_listen", "must be another port than server.listen"));
     }
-    let admin_listen =
-        match raw.server.admin_listen.as_deref() {
-            None => None,
-            Some(addr) => Some(addr.parse::<SocketAddr>().map_err(|_| {
-                problem("server.admin_listen", format!("{addr:?} is not an address like 127.0.0.1:9090"))
-            })?),
-        };
+    let admin_listen = optional_address("server.admin_listen", raw.server.admin_listen.as_deref(), "127.0.0.1:9090")?;
     if let Some(admin) = admin_listen
         && admin.port() != 0
         && (admin.port() == listen.port() || health_listen.is_some_and(|h| h.port() == admin.port()))

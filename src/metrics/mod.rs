@@ -117,6 +117,8 @@ pub struct Metrics {
     labels: Arc<RwLock<TenantLabels>>,
     version: Arc<RwLock<String>>,
     _policy_info: ObservableGauge<u64>,
+    /// False for [`Metrics::disabled`]: nothing is recorded, and no labels are built.
+    enabled: bool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -225,13 +227,19 @@ impl Metrics {
             labels: Arc::new(RwLock::new(labels)),
             version,
             _policy_info: policy_info,
+            enabled: true,
         }
     }
 
     /// Instruments that record nothing: for benches and tests that do not look.
     pub fn disabled() -> Metrics {
         let meter = opentelemetry::metrics::noop::NoopMeterProvider::new().meter("tollgate");
-        Metrics::new(&meter, TenantLabels::default())
+        Metrics { enabled: false, ..Metrics::new(&meter, TenantLabels::default()) }
+    }
+
+    /// Whether anything is recorded: callers skip working out what to record when not.
+    pub fn enabled(&self) -> bool {
+        self.enabled
     }
 
     fn tenant(&self, tenant: &str) -> KeyValue {
@@ -252,6 +260,9 @@ impl Metrics {
 
     /// One decision: counted, and its latency.
     pub fn decided(&self, d: &Decided<'_>) {
+        if !self.enabled {
+            return;
+        }
         let mut attributes = vec![
             self.tenant(d.tenant),
             KeyValue::new("outcome", d.outcome.as_str()),
@@ -267,17 +278,26 @@ impl Metrics {
 
     /// A decision the tenant's store-down mode made.
     pub fn degraded(&self, tenant: &str, mode: &'static str, outcome: Outcome) {
+        if !self.enabled {
+            return;
+        }
         self.degraded
             .add(1, &[self.tenant(tenant), KeyValue::new("mode", mode), KeyValue::new("outcome", outcome.as_str())]);
     }
 
     /// Tokens held by an admission.
     pub fn reserved(&self, tenant: &str, tokens: u64) {
+        if !self.enabled {
+            return;
+        }
         self.tokens.add(tokens, &[self.tenant(tenant), KeyValue::new("event", "reserved")]);
     }
 
     /// A hold settled by a commit: its state, and where its tokens went.
     pub fn committed(&self, tenant: &str, late: bool, used: u64, held: u64, refunded: u64, overrun: u64) {
+        if !self.enabled {
+            return;
+        }
         let tenant = self.tenant(tenant);
         let state = if late { "late_committed" } else { "committed" };
         self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state)]);
@@ -295,6 +315,9 @@ impl Metrics {
     /// How far an estimate was from what the commit reported: `actual` over `estimated` tokens
     /// (nothing is recorded for an estimate of zero).
     pub fn estimated(&self, tenant: &str, model: &str, estimate: Estimate, actual: u64, estimated: u64) {
+        if !self.enabled {
+            return;
+        }
         if estimated == 0 {
             return;
         }
@@ -312,6 +335,9 @@ impl Metrics {
 
     /// What a committed request reported it used, as the GenAI conventions count it.
     pub fn token_usage(&self, tenant: &str, model: &str, input: u64, output: u64) {
+        if !self.enabled {
+            return;
+        }
         for (kind, n) in [("input", input), ("output", output)] {
             self.token_usage.record(
                 n,
@@ -326,6 +352,9 @@ impl Metrics {
 
     /// A hold given back unused.
     pub fn released(&self, tenant: &str, refunded: u64) {
+        if !self.enabled {
+            return;
+        }
         let tenant = self.tenant(tenant);
         self.holds.add(1, &[tenant.clone(), KeyValue::new("state", "released")]);
         if refunded > 0 {
@@ -335,6 +364,9 @@ impl Metrics {
 
     /// A hold whose owner never came back, settled by its lease.
     pub fn expired(&self, tenant: &str) {
+        if !self.enabled {
+            return;
+        }
         self.holds.add(1, &[self.tenant(tenant), KeyValue::new("state", "expired")]);
     }
 }

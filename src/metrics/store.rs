@@ -61,6 +61,10 @@ impl<S: Store> Store for Measured<S> {
         let start = Instant::now();
         let result = self.inner.eval(script, keys, args).await;
         let took = start.elapsed().as_secs_f64();
+        if !self.metrics.enabled() {
+            self.available.store(!matches!(&result, Err(e) if e.is_transient()), Ordering::Relaxed);
+            return result;
+        }
         let name = KeyValue::new("script", script.name);
         match &result {
             Ok(_) => {

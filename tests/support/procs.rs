@@ -12,6 +12,18 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// An HTTP/1.1 GET (the admin port's `/metrics`): the status line and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
+    use std::io::Read;
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
 /// A directory that is removed on drop.
 pub struct TempDir(pub PathBuf);
 
