@@ -4,6 +4,7 @@
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
 -- KEYS[3] the tenant's holds hash
+-- KEYS[4] the tenant's usage ledger (the commit is entered in it when the hold's terms say so)
 -- ARGV[1] reservation id
 -- ARGV[2] prompt tokens used, or empty when the response did not say: the prompt held is charged
 -- ARGV[3] output tokens used, or empty when they could not be counted: the output held is charged
@@ -29,6 +30,7 @@
 local rk = KEYS[1]
 local leases = KEYS[2]
 local holds = KEYS[3]
+local ledger = KEYS[4]
 local id = ARGV[1]
 local estimate_ttl = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
@@ -51,7 +53,8 @@ local output = tonumber(ARGV[3]) or output_held
 
 local now = now_ms()
 if r.st == 'reserved' and now >= r.le then
-  expire(rk, id, r, leases, holds, now)
+  -- Entered in the ledger once, as the late commit below.
+  expire(rk, id, r, leases, holds, now, nil)
 end
 
 local keys = split(r.ks)
@@ -79,6 +82,19 @@ end
 redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
   'rf', refunded, 'ov', overrun, 'mx', mx)
 close(rk, id, r, leases, holds)
+-- How the charge was counted: the output is what is metered, so a commit without it stands on
+-- the hold; a metered one charges the prompt held.
+local usage = 'exact'
+if ARGV[3] == '' then
+  usage = 'held'
+elseif metered then
+  usage = 'metered'
+elseif ARGV[2] == '' then
+  usage = 'held'
+end
+local entry = ledger_entry(id, r, state, usage, used)
+entry.prompt, entry.output = prompt, output
+ledger_append(ledger, r.lg, entry, now)
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end

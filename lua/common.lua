@@ -17,6 +17,9 @@
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
 --   md  the model the request named
+--   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
+--   ra  when it was reserved (ms)
+--   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
 --   id -> "<tokens charged> <day> <expired-usage policy> <scope keys...>"
@@ -36,6 +39,19 @@
 --   r rt        request bucket: permits, last refill (ms)
 --   c           holds in flight
 --   d du        day number and tokens charged that day
+--
+-- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
+-- appended by the very script that settles it, so what billing reads and what the counters
+-- charged cannot disagree. Fields:
+--   id tenant user model tier   the hold and who it was for
+--   outcome   committed | late_committed | released | expired
+--   usage     exact (the response's counts) | metered (counted by tollgate) | held (what the hold
+--             charged stands for what was not counted) | none (nothing charged)
+--   prompt_tokens output_tokens   what the commit charged for each ('' when not committed)
+--   reserved_tokens charged_tokens   the hold, and what the hold charges in the end
+--   reserved_at_ms settled_at_ms  (store clock)
+-- A reservation id appears once, or twice when a commit came after its lease: then the
+-- late_committed entry supersedes the expired one.
 
 local DAY_MS = 86400000
 
@@ -53,7 +69,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -266,6 +282,29 @@ local function close(rk, id, r, leases, holds)
   redis.call('PEXPIRE', rk, r.rt)
 end
 
+-- Appends one settled hold to the tenant's ledger `stream`, under the terms the hold was made with
+-- ("<max entries> <retention ms>"; nothing when empty): trimmed to about that many entries and to
+-- that age, the whole stream gone after that long without an entry.
+local function ledger_append(stream, terms, e, now)
+  if not stream or not terms or terms == '' then
+    return
+  end
+  local t = split(terms)
+  local max_len, retention = t[1], tonumber(t[2])
+  redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', 'id', e.id, 'tenant', e.tenant or '', 'user', e.user or '',
+    'model', e.model or '', 'tier', e.tier or '', 'outcome', e.outcome, 'usage', e.usage,
+    'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'reserved_tokens', e.reserved or '',
+    'charged_tokens', e.charged, 'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now)
+  redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
+  redis.call('PEXPIRE', stream, retention)
+end
+
+-- The ledger entry of a hold settled from its record.
+local function ledger_entry(id, r, outcome, usage, charged)
+  return { id = id, tenant = r.tn, user = r.ur, model = r.md, tier = r.tr, outcome = outcome, usage = usage,
+    reserved = r.h, charged = charged, reserved_at = r.ra }
+end
+
 -- Settles a hold whose lease ran out, from what the holds hash (or its record) says it charged:
 -- the slot is freed; the tokens stay charged (charge) or come back (refund). Missing usage is not
 -- zero usage, so charge is the default policy. Returns the tokens still charged.
@@ -278,7 +317,9 @@ local function settle_expired(keys, charged, day, policy, now)
   return charged
 end
 
-local function expire(rk, id, r, leases, holds, now)
+-- Settles a live hold whose lease ran out, and enters it in the `ledger` stream (nil: the caller
+-- settles it further in the same script and enters that instead).
+local function expire(rk, id, r, leases, holds, now, ledger)
   local keys = split(r.ks)
   if r.sl == '1' then
     r.ch = settle_expired(keys, r.ch, r.dy, r.xp, now)
@@ -287,6 +328,11 @@ local function expire(rk, id, r, leases, holds, now)
   r.sl = '0'
   redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch)
   close(rk, id, r, leases, holds)
+  local usage = 'held'
+  if r.ch == 0 then
+    usage = 'none'
+  end
+  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch), now)
 end
 
 -- Settles the lease of a replica that stopped renewing it (it died, or lost the store for a whole
@@ -307,11 +353,12 @@ local function settle_lease(rk, leases, member)
 end
 
 -- Settles one expired hold from its record, or from the holds hash when the record ran out of TTL
--- before the sweep came. Returns true when it settled a live hold.
-local function sweep_hold(rk, due, leases, holds, now)
+-- before the sweep came (entered in the ledger under the caller's terms, with what the entry
+-- knows). Returns true when it settled a live hold.
+local function sweep_hold(rk, due, leases, holds, now, ledger)
   local r = load(rk)
   if r and r.st == 'reserved' then
-    expire(rk, due, r, leases, holds, now)
+    expire(rk, due, r, leases, holds, now, ledger.key)
     return true
   end
   local entry = redis.call('HGET', holds, due)
@@ -322,7 +369,13 @@ local function sweep_hold(rk, due, leases, holds, now)
     for i = 4, #e do
       keys[#keys + 1] = e[i]
     end
-    settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+    local charged = settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+    local usage = 'held'
+    if charged == 0 then
+      usage = 'none'
+    end
+    ledger_append(ledger.key, ledger.terms, { id = due, tenant = ledger.tenant, outcome = 'expired', usage = usage,
+      reserved = e[1], charged = charged }, now)
     settled = true
   end
   redis.call('ZREM', leases, due)
@@ -332,13 +385,14 @@ end
 
 -- Settles, a bounded batch at a time, the holds of a tenant whose lease has run out, and the leases
 -- of replicas that stopped renewing theirs ('@' ids). Returns the hold ids it settled, so that the
--- caller can take their pool legs (another slot) off their pools.
-local function sweep(leases, holds, prefix, batch, now)
+-- caller can take their pool legs (another slot) off their pools. `ledger`: {key, terms, tenant} of
+-- the tenant's ledger, for the holds settled without a record.
+local function sweep(leases, holds, prefix, batch, now, ledger)
   local settled = {}
   for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
     if string.sub(due, 1, 1) == '@' then
       settle_lease(prefix .. due, leases, due)
-    elseif sweep_hold(prefix .. due, due, leases, holds, now) then
+    elseif sweep_hold(prefix .. due, due, leases, holds, now, ledger) then
       settled[#settled + 1] = due
     end
   end
@@ -347,7 +401,7 @@ end
 
 -- Loads a hold that is still live. Otherwise returns nil and the reply to send: not_found, the
 -- state it was settled in, or expired (settling it now when its lease has passed unswept).
-local function live_hold(rk, id, leases, holds, now)
+local function live_hold(rk, id, leases, holds, now, ledger)
   local r = load(rk)
   if not r then
     return nil, { 'not_found', 0 }
@@ -356,7 +410,7 @@ local function live_hold(rk, id, leases, holds, now)
     return nil, { r.st, 0 }
   end
   if now >= r.le then
-    expire(rk, id, r, leases, holds, now)
+    expire(rk, id, r, leases, holds, now, ledger)
     return nil, { 'expired', 0 }
   end
   return r

@@ -13,7 +13,8 @@
 --
 -- KEYS[1]   the tenant's lease index        KEYS[2] the tenant's holds hash
 -- KEYS[3]   this replica's lease record     KEYS[4] operations forwarded to this replica
--- KEYS[5..] the scope hashes
+-- KEYS[5]   the tenant's usage ledger (for holds the sweep settles)
+-- KEYS[6..] the scope hashes
 --
 -- ARGV[1] the replica's member in the lease index ('@' .. replica)
 -- ARGV[2] record key prefix (for the sweep)       ARGV[3] lease (ms): how long the record lives unrenewed
@@ -45,12 +46,13 @@ local idle = tonumber(ARGV[4])
 local batch = tonumber(ARGV[5])
 local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 5, 8, 17
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 6, 8, 17
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
 
-local swept = sweep(leases, holds, prefix, batch, now)
+-- (A hold without a record is entered under no terms: leasing runs without a ledger.)
+local swept = sweep(leases, holds, prefix, batch, now, { key = KEYS[5], terms = '' })
 local ops = redis.call('HGETALL', forwarded)
 if #ops > 0 then
   redis.call('DEL', forwarded)

@@ -4,6 +4,7 @@
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
 -- KEYS[3] the tenant's holds hash
+-- KEYS[4] the tenant's usage ledger (a hold settled here is entered in it)
 -- ARGV[1] reservation id
 --
 -- Reply: {state, refunded tokens, repeated (0|1)}
@@ -14,10 +15,11 @@
 local rk = KEYS[1]
 local leases = KEYS[2]
 local holds = KEYS[3]
+local ledger = KEYS[4]
 local id = ARGV[1]
 
 local now = now_ms()
-local r, reply = live_hold(rk, id, leases, holds, now)
+local r, reply = live_hold(rk, id, leases, holds, now, ledger)
 if not r then
   if reply[1] == 'released' then
     return { 'released', tonumber(redis.call('HGET', rk, 'rf')) or 0, 1 }
@@ -31,4 +33,5 @@ refund(keys, r.ch, r.dy, now)
 keep_alive(keys, leases, holds, r.it)
 redis.call('HSET', rk, 'st', 'released', 'ch', 0, 'sl', 0, 'rf', r.ch)
 close(rk, id, r, leases, holds)
+ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0), now)
 return { 'released', r.ch, 0 }

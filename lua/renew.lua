@@ -3,6 +3,7 @@
 -- KEYS[1] the reservation record
 -- KEYS[2] the tenant's lease index
 -- KEYS[3] the tenant's holds hash
+-- KEYS[4] the tenant's usage ledger (a hold settled here is entered in it)
 -- ARGV[1] reservation id
 -- ARGV[2] new lease, from now (ms)
 -- ARGV[3] idle TTL of the tenant's keys (ms)
@@ -18,12 +19,13 @@
 local rk = KEYS[1]
 local leases = KEYS[2]
 local holds = KEYS[3]
+local ledger = KEYS[4]
 local id = ARGV[1]
 local lease = tonumber(ARGV[2])
 local idle = tonumber(ARGV[3])
 
 local now = now_ms()
-local r, reply = live_hold(rk, id, leases, holds, now)
+local r, reply = live_hold(rk, id, leases, holds, now, ledger)
 if not r then
   return reply
 end

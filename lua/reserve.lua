@@ -6,7 +6,8 @@
 -- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is empty)
 -- KEYS[4]   the output-length estimate of this tenant and model (read when ARGV[13] > 0)
 -- KEYS[5]   the tenant's holds hash (what the sweep needs to settle each live hold)
--- KEYS[6..] the scope hashes: tenant first, then user and model where they apply
+-- KEYS[6]   the tenant's usage ledger (a stream; see common.lua)
+-- KEYS[7..] the scope hashes: tenant first, then user and model where they apply
 --
 -- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
 -- ARGV[3]  prompt tokens             ARGV[4]  lease (ms)
@@ -25,6 +26,9 @@
 -- ARGV[16] shadow: 1 when the tenant's limits are only measured (a request they would refuse is
 --          held and charged all the same, and the reply says why it would have been refused)
 -- ARGV[17] the model the request names (kept on the record: commit reports it)
+-- ARGV[18] the tenant          ARGV[19] the user ('' when none)          ARGV[20] the tier
+-- ARGV[21] the usage ledger's terms, "<max entries> <retention ms>", or '' when there is none
+--          (kept on the record: the hold is entered under the terms it was made with)
 -- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --
@@ -72,7 +76,9 @@ local quantile = ARGV[14]
 local fingerprint = ARGV[15]
 local shadow = ARGV[16] == '1'
 local model = ARGV[17]
-local FIRST_SCOPE = 6
+local tenant, user, tier = ARGV[18], ARGV[19], ARGV[20]
+local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
+local FIRST_SCOPE, FIRST_ARG = 7, 21
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -89,13 +95,13 @@ local resent = mine ~= nil or (key_use ~= '' and redis.call('HGET', KEYS[3], 'lc
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
 local swept = {}
 if not resent then
-  swept = sweep(leases, holds, prefix, batch, now)
+  swept = sweep(leases, holds, prefix, batch, now, ledger)
 end
 
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, 17 + (i - FIRST_SCOPE) * 6, now, today)
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, FIRST_ARG + (i - FIRST_SCOPE) * 6, now, today)
 end
 
 -- An earlier hold answered again: charges nothing.
@@ -211,7 +217,7 @@ end
 local ks = table.concat(names, ' ')
 redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts,
   'dy', today, 'ks', ks, 'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile,
-  'oh', output, 'es', estimated, 'md', model)
+  'oh', output, 'es', estimated, 'md', model, 'tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms)
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)

@@ -76,6 +76,42 @@ pub enum Command {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,
     },
+    /// Write the usage ledger out as JSON lines on stdout: every tenant's ledger stream on Redis
+    /// or a Redis Cluster, read through a consumer group, each entry acknowledged once written
+    /// (at least once; keep the last line per reservation id).
+    Ledger(LedgerArgs),
+}
+
+/// Where `tollgate ledger` reads, and as whom.
+#[derive(Debug, clap::Args)]
+pub struct LedgerArgs {
+    /// Take the store from this policy file.
+    #[arg(long, short, conflicts_with_all = ["redis_url", "redis_cluster"])]
+    pub config: Option<PathBuf>,
+    /// A single Redis, as redis://host:port.
+    #[arg(long, conflicts_with = "redis_cluster")]
+    pub redis_url: Option<String>,
+    /// Redis Cluster seed nodes, host:port, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub redis_cluster: Option<Vec<String>>,
+    /// The consumer group: readers in one group share the entries.
+    #[arg(long, default_value = "tollgate-ledger")]
+    pub group: String,
+    /// This reader's name in the group (default: the host name).
+    #[arg(long)]
+    pub consumer: Option<String>,
+    /// Entries per read.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch: u32,
+    /// Take over entries another reader of the group left unacknowledged this long (ms; 0: never).
+    #[arg(long, default_value_t = 60_000)]
+    pub claim_idle_ms: u64,
+    /// Drain every stream once and exit; otherwise keep reading until SIGTERM.
+    #[arg(long)]
+    pub once: bool,
+    /// How often to look again when not --once (ms).
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub poll_ms: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -382,7 +418,14 @@ pub async fn serve(
     let meter = registry.meter();
     let served = Served { listeners, shutdown, registry, metrics: metrics.clone(), watched };
     match policy.store.choice.clone() {
-        StoreChoice::Embedded => run_on(Measured::new(EmbeddedStore::new()?, metrics, &meter), policy, served).await,
+        StoreChoice::Embedded => {
+            let clock = Arc::new(crate::store::clock::SystemClock);
+            let store = match policy.ledger.as_ref().and_then(|l| l.file.as_deref()) {
+                Some(file) => EmbeddedStore::with_ledger_file(clock, file)?,
+                None => EmbeddedStore::with_clock(clock)?,
+            };
+            run_on(Measured::new(store, metrics, &meter), policy, served).await
+        }
         StoreChoice::Redis { url } => {
             let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
             run_on(Measured::new(Breaker::new(store, breaker), metrics, &meter), policy, served).await
@@ -697,4 +740,76 @@ pub fn cancel_on_signal(shutdown: CancellationToken) {
         }
         shutdown.cancel();
     });
+}
+
+/// `tollgate ledger`: drains the ledger streams to stdout.
+pub async fn ledger(args: LedgerArgs) -> ExitCode {
+    match ledger_run(args).await {
+        Ok(d) => {
+            eprintln!("tollgate ledger: {} entries written, {} lost to trimming", d.written, d.lost);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tollgate ledger: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum LedgerRunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("name a store: --config, --redis-url or --redis-cluster")]
+    NoStore,
+    #[error("the embedded store writes its ledger to ledger.file{0}: there is no stream to read")]
+    Embedded(String),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Ledger(#[from] crate::ledger::LedgerError),
+}
+
+async fn ledger_run(args: LedgerArgs) -> Result<crate::ledger::Drained, LedgerRunError> {
+    let (target, options) = match (&args.config, args.redis_url, args.redis_cluster) {
+        (Some(file), _, _) => {
+            let policy = Policy::load(file)?;
+            let options = RedisOptions {
+                connect_timeout: policy.store.connect_timeout,
+                command_timeout: policy.store.command_timeout,
+            };
+            match policy.store.choice {
+                StoreChoice::Redis { url } => (RedisTarget::Single(url), options),
+                StoreChoice::Cluster { nodes } => (RedisTarget::Cluster(nodes), options),
+                StoreChoice::Embedded => {
+                    let file = policy.ledger.and_then(|l| l.file).map(|f| format!(" ({})", f.display()));
+                    return Err(LedgerRunError::Embedded(file.unwrap_or_default()));
+                }
+            }
+        }
+        (None, Some(url), _) => (RedisTarget::Single(url), RedisOptions::default()),
+        (None, None, Some(nodes)) => (RedisTarget::Cluster(nodes), RedisOptions::default()),
+        (None, None, None) => return Err(LedgerRunError::NoStore),
+    };
+    let consumer = args.consumer.unwrap_or_else(host_name);
+    let settings =
+        crate::ledger::ReaderSettings { group: args.group, consumer, batch: args.batch, claim_idle_ms: args.claim_idle_ms };
+    let store = RedisStore::connect(&target, options).await?;
+    let reader = crate::ledger::Reader::new(store.clone(), settings).await?;
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    let mut out = std::io::stdout().lock();
+    let drained = reader.follow(&mut out, args.once, Duration::from_millis(args.poll_ms), shutdown).await;
+    store.close().await;
+    Ok(drained?)
+}
+
+/// This host's name, for a consumer name that survives restarts (a pod's name in Kubernetes).
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "tollgate-ledger".to_string())
 }

@@ -85,6 +85,10 @@ fn main() -> ExitCode {
             }
             Command::SimLoad(args) => cli::sim_load(args).await,
             Command::BenchFloor { listen } => cli::bench_floor(listen).await,
+            Command::Ledger(args) => {
+                let _telemetry = tollgate::telemetry::init("warn", None);
+                cli::ledger(args).await
+            }
             // Answered above, without a runtime.
             Command::CheckConfig { .. } => ExitCode::SUCCESS,
         }

@@ -781,6 +781,93 @@ mod scenarios {
         assert_eq!(h.inspect(vec![holds.clone()]).await[&holds].fields.len(), 0, "and left the holds hash");
     }
 
+    /// Every way a hold can settle is entered in the ledger, once, by the script that settles it;
+    /// repeats and refusals enter nothing; what the entries charge is what the counters charged.
+    pub async fn every_settled_hold_is_entered_in_the_ledger<S: Store>(h: Harness<S>) {
+        let alice = Attributes { user: Some("alice".into()), ..h.attributes(10, 90) };
+        let a = admitted(&h.admission.reserve(&alice).await).reservation_id.clone();
+        h.admission.commit(&a, 10, 20).await.unwrap();
+        let b = admitted(&h.reserve(5, 45).await).reservation_id.clone();
+        h.admission.release(&b).await.unwrap();
+        let c = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.commit_counted(&c, Counted::Metered { output: 40 }).await.unwrap();
+        let d = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.commit_counted(&d, Counted::AsHeld).await.unwrap();
+        // e expires and is swept by f's reserve, then commits late; g commits after its lease
+        // with no sweep in between (entered once, as late).
+        let e = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.advance(400).await;
+        let f = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        h.admission.commit(&e, 10, 5).await.unwrap();
+        h.admission.release(&f).await.unwrap();
+        let g = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.advance(400).await;
+        h.admission.commit(&g, 1, 1).await.unwrap();
+        // Repeats and refusals change nothing, the ledger included.
+        assert!(h.admission.commit(&a, 10, 20).await.unwrap().usage().unwrap().duplicate);
+        h.admission.release(&b).await.unwrap();
+        assert_eq!(denied(&h.reserve(1000, 1900).await).reason, Reason::Budget);
+
+        let ledger = h.ledger().await;
+        let seen: Vec<(&str, &str, &str, &str)> = ledger
+            .iter()
+            .map(|x| (x["id"].as_str(), x["outcome"].as_str(), x["usage"].as_str(), x["charged_tokens"].as_str()))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![
+                (a.as_str(), "committed", "exact", "30"),
+                (b.as_str(), "released", "none", "0"),
+                (c.as_str(), "committed", "metered", "50"),
+                (d.as_str(), "committed", "held", "100"),
+                (e.as_str(), "expired", "held", "100"),
+                (e.as_str(), "late_committed", "exact", "15"),
+                (f.as_str(), "released", "none", "0"),
+                (g.as_str(), "late_committed", "exact", "2"),
+            ]
+        );
+        let first = &ledger[0];
+        for (field, value) in [
+            ("tenant", h.tenant.as_str()),
+            ("user", "alice"),
+            ("model", "m"),
+            ("tier", Priority::Standard.as_str()),
+            ("prompt_tokens", "10"),
+            ("output_tokens", "20"),
+            ("reserved_tokens", "100"),
+        ] {
+            assert_eq!(first[field], value, "{field} of {first:?}");
+        }
+        assert_eq!(ledger[1]["user"], "", "no user");
+        let at = |x: &std::collections::BTreeMap<String, String>, f: &str| x[f].parse::<u64>().unwrap();
+        assert!(ledger.iter().all(|x| at(x, "reserved_at_ms") <= at(x, "settled_at_ms")), "{ledger:?}");
+        // The last entry of each hold is what it charges: together, the day's usage to the token.
+        let mut last = std::collections::BTreeMap::new();
+        for x in &ledger {
+            last.insert(x["id"].clone(), at(x, "charged_tokens"));
+        }
+        assert_eq!(last.values().sum::<u64>(), h.day_usage().await);
+        if let Some(file) = &h.ledger_file {
+            let lines = std::fs::read_to_string(file).unwrap();
+            let written: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            assert_eq!(written.len(), ledger.len(), "every entry is in the file: {lines}");
+            for (w, x) in written.iter().zip(&ledger) {
+                assert_eq!((w["id"].as_str(), w["outcome"].as_str()), (Some(x["id"].as_str()), Some(x["outcome"].as_str())));
+                assert_eq!(w["charged_tokens"].as_u64(), Some(at(x, "charged_tokens")), "numbers are numbers: {w}");
+            }
+            assert_eq!(written[1]["user"], serde_json::Value::Null, "an empty field is null: {}", written[1]);
+        }
+    }
+
+    /// A policy without a ledger writes none.
+    pub async fn no_ledger_no_entries<S: Store>(h: Harness<S>) {
+        let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        h.admission.commit(&id, 1, 1).await.unwrap();
+        assert!(h.ledger().await.is_empty());
+        let key = keys::ledger(&h.tenant);
+        assert_eq!(h.inspect(vec![key.clone()]).await[&key].kind, "none");
+    }
+
     /// Work is stored as integers: a hold's work leaves the pool exactly as it came, at any size.
     pub async fn pool_work_is_exact_at_any_size<S: Store>(h: Harness<S>) {
         // 999,999,937 prompt tokens at 0.003 tokens/s: 333,333,312,333,334 ms of work, 15 digits.
@@ -809,6 +896,8 @@ mod scenarios {
         "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  tokens_per_day: 1000\n";
     pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";
     pub const K7: &str = "limits:\n  tokens_per_minute: 1\n  burst_tokens: 700\n";
+    pub const LEDGER: &str = "ledger:\n  max_len: 1000\n---top---\nlease_ttl_ms: 300\nexpired_usage: charge_reserved\n\
+        limits:\n  tokens_per_minute: 60\n  burst_tokens: 5000\n  tokens_per_day: 3000\n";
 }
 
 /// Generates one test per scenario for a store: `conformance!(module, harness_constructor)`.
@@ -846,6 +935,8 @@ macro_rules! conformance {
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
+            scenario!(no_ledger_no_entries, BUCKET);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);
             scenario!(

@@ -227,6 +227,7 @@ impl<S: Store> Admission<S> {
         new.server = old.server.clone();
         new.store = old.store.clone();
         new.leasing = old.leasing;
+        new.ledger = old.ledger.clone();
         let new = Arc::new(new);
         *self.policy.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&new);
         if let Some(leases) = &self.leases {
@@ -376,9 +377,9 @@ impl<S: Store> Admission<S> {
                 ));
             }
         }
+        let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
         let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
-                let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
                 let output = match tp.adaptive_output {
                     Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
                     None => ceiling,
@@ -433,6 +434,8 @@ impl<S: Store> Admission<S> {
             deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
             idempotency,
             leased,
+            user: a.user.clone(),
+            tier,
         })
     }
 
@@ -746,6 +749,9 @@ impl<S: Store> Admission<S> {
             concurrency_retry_cap_ms: policy.concurrency_retry_ms,
             scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
             shadow: plan.tp.shadow,
+            user: plan.user.as_deref(),
+            tier: plan.tier,
+            ledger: policy.ledger.as_ref().map(|l| l.terms),
         };
         let outcome = match self.protocol.reserve(&call).await {
             Ok(ReserveReply { outcome, swept }) => {
@@ -1120,6 +1126,9 @@ struct Plan {
     /// Decided from this replica's slices (the policy leases, the tenant is not strict, and the
     /// request needs nothing only the store has: an idempotency key, a learned estimate).
     leased: bool,
+    /// Who the hold is for, as the ledger enters it.
+    user: Option<String>,
+    tier: Priority,
 }
 
 impl Plan {

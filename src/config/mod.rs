@@ -385,6 +385,24 @@ pub struct Policy {
     /// goes to the store.
     pub leasing: Option<Leasing>,
     pub metrics: MetricsSettings,
+    /// The usage ledger: every settled hold entered by the script that settles it; `None`: off.
+    pub ledger: Option<LedgerSettings>,
+}
+
+/// The usage ledger (see `lua/common.lua` and `ledger`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerSettings {
+    pub terms: LedgerTerms,
+    /// The embedded store's ledger file (JSON lines); Redis keeps the ledger in streams.
+    pub file: Option<PathBuf>,
+}
+
+/// How much of the ledger the store keeps: each tenant's stream is trimmed to about `max_len`
+/// entries and to `retention_ms` of age. A hold carries the terms it was made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LedgerTerms {
+    pub max_len: u64,
+    pub retention_ms: u64,
 }
 
 /// What the metrics label.
@@ -444,6 +462,9 @@ impl Policy {
         }
         if self.leasing != new.leasing {
             changed.push("leasing");
+        }
+        if self.ledger != new.ledger {
+            changed.push("ledger");
         }
         changed
     }

@@ -26,6 +26,15 @@ pub(super) struct RawPolicy {
     pub leasing: Option<RawLeasing>,
     #[serde(default)]
     pub metrics: RawMetrics,
+    pub ledger: Option<RawLedger>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLedger {
+    pub max_len: Option<u64>,
+    pub retention_ms: Option<u64>,
+    pub file: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

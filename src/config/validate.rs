@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, Limits, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
     StoreSettings, TenantPolicy, TlsSettings,
 };
 
@@ -18,6 +18,8 @@ type Problem = (String, String);
 const MIN_LEASE_MS: u64 = 50;
 const MAX_LEASE_MS: u64 = 86_400_000;
 const DAY_MS: u64 = 86_400_000;
+/// The most entries a tenant's ledger stream may be configured to keep.
+const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
 const MAX_LABELLED_TENANTS: usize = 1_000;
 /// The largest output ceiling a model may declare: far above any model today, low enough that
@@ -270,6 +272,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         })
         .collect();
 
+    let ledger = raw.ledger.map(|l| ledger(l, &store.choice, raw.leasing.is_some())).transpose()?;
     Ok(Policy {
         version: String::new(),
         server,
@@ -283,9 +286,51 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         sweep_batch,
         max_attempts,
         concurrency_retry_ms,
+        ledger,
         leasing: raw.leasing.map(leasing).transpose()?,
         metrics: metrics(raw.metrics)?,
     })
+}
+
+/// `ledger`: how much each tenant's stream keeps, and on the embedded store the file it is
+/// written to. Leased holds settle in a replica's memory, out of any script's sight, so the
+/// ledger and leasing do not go together.
+fn ledger(l: super::raw::RawLedger, store: &StoreChoice, leasing: bool) -> Result<LedgerSettings, Problem> {
+    if leasing {
+        return Err(problem(
+            "ledger",
+            "cannot be used with leasing: leased holds settle in each replica's memory, where no script \
+             can enter them; remove one of the two",
+        ));
+    }
+    let max_len = l.max_len.unwrap_or(1_000_000);
+    if !(1..=MAX_LEDGER_LEN).contains(&max_len) {
+        return Err(problem("ledger.max_len", format!("{max_len} is outside 1..={MAX_LEDGER_LEN}")));
+    }
+    let retention_ms = l.retention_ms.unwrap_or(7 * DAY_MS);
+    if !(1_000..=366 * DAY_MS).contains(&retention_ms) {
+        return Err(problem("ledger.retention_ms", format!("{retention_ms} is outside 1000..={}", 366 * DAY_MS)));
+    }
+    let file = match (l.file, store) {
+        (Some(f), StoreChoice::Embedded) if f.trim().is_empty() => return Err(problem("ledger.file", "is empty")),
+        (Some(f), StoreChoice::Embedded) => Some(PathBuf::from(f)),
+        (None, StoreChoice::Embedded) => {
+            return Err(problem(
+                "ledger.file",
+                "is required with the embedded store: its ledger is a file of JSON lines, so that a single \
+                 replica loses none of it",
+            ));
+        }
+        (Some(_), _) => {
+            return Err(problem(
+                "ledger.file",
+                "is for the embedded store only: on Redis the ledger is a stream per tenant, read with \
+                 `tollgate ledger`",
+            ));
+        }
+        (None, _) => None,
+    };
+    Ok(LedgerSettings { terms: LedgerTerms { max_len, retention_ms }, file })
 }
 
 /// `metrics.tenants`: the tenants with series of their own (any valid tenant id, so one under

@@ -15,6 +15,7 @@
 //! tg:{acme}:r:<id>           reservation record
 //! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
+//! tg:{acme}:ledger           stream: one entry per settled hold (the usage ledger)
 //! tg:{acme}:r:@<replica>     a replica's lease on the tenant (leasing): the slots it holds
 //! tg:{acme}:f:<replica>      operations on that replica's holds forwarded by other replicas
 //! ```
@@ -67,6 +68,19 @@ pub fn leases(tenant: &str) -> String {
 /// The tenant's live holds: what the sweep needs to settle each, should its record be gone.
 pub fn holds(tenant: &str) -> String {
     format!("tg:{{{tenant}}}:holds")
+}
+
+/// The tenant's usage ledger: a stream of its settled holds.
+pub fn ledger(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:ledger")
+}
+
+/// The pattern that matches every tenant's ledger (for `SCAN`).
+pub const LEDGER_PATTERN: &str = "tg:{*}:ledger";
+
+/// The tenant a ledger key belongs to.
+pub fn ledger_tenant(key: &str) -> Option<&str> {
+    key.strip_prefix("tg:{")?.strip_suffix("}:ledger")
 }
 
 /// The prefix that, followed by a reservation id, names its record.
@@ -138,6 +152,7 @@ mod tests {
             model_scope("acme", "gpt-4o"),
             leases("acme"),
             holds("acme"),
+            ledger("acme"),
             record("acme", "acme:0f"),
             format!("{}acme:0f", record_prefix("acme")),
             idempotency("acme", "k{e}y:1"),
@@ -149,6 +164,7 @@ mod tests {
             assert_eq!(hash_tag(key), "acme", "{key}");
         }
         assert_eq!(record("acme", "x"), format!("{}x", record_prefix("acme")));
+        assert_eq!(ledger_tenant(&ledger("acme")), Some("acme"));
         assert_eq!(lease_record("acme", "r1"), format!("{}{}", record_prefix("acme"), lease_member("r1")));
         for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a")] {
             assert_eq!(hash_tag(&key), "gpu-a", "{key}");

@@ -3,7 +3,7 @@
 //! parsed here, once, into enums; nothing above matches a script's text.
 
 use super::{Reply, Script, Store, StoreError, keys, scripts::Scripts};
-use crate::config::{ExpiredUsage, Limits};
+use crate::config::{ExpiredUsage, LedgerTerms, Limits, Priority};
 
 fn expired_usage_lua(e: ExpiredUsage) -> &'static str {
     match e {
@@ -79,6 +79,11 @@ pub struct ReserveCall<'a> {
     /// The tenant's limits are measured, not enforced: a hold they would refuse is made anyway,
     /// and the reply says what they would have said.
     pub shadow: bool,
+    /// Who the hold is for, as the ledger enters it.
+    pub user: Option<&'a str>,
+    pub tier: Priority,
+    /// The usage ledger the hold is entered in when it settles; `None`: there is none.
+    pub ledger: Option<LedgerTerms>,
 }
 
 /// What the limits would have said of a hold made in shadow.
@@ -522,19 +527,20 @@ impl<S: Store> Protocol<S> {
     pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveReply, StoreError> {
         let tenant = call.tenant;
         let key = call.idempotency.as_ref();
-        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(5));
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(6));
         keys.push(keys::leases(tenant));
         keys.push(keys::record(tenant, call.id));
         keys.push(keys::idempotency(tenant, key.map_or("", |k| k.key)));
         keys.push(keys::output_estimate(tenant, call.model));
         keys.push(keys::holds(tenant));
+        keys.push(keys::ledger(tenant));
         let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
         let repeat = match key.map(|k| k.repeat) {
             None => "",
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(17));
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(21));
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -553,6 +559,10 @@ impl<S: Store> Protocol<S> {
             key.map_or_else(String::new, |k| k.fingerprint.to_string()),
             if call.shadow { "1" } else { "0" }.to_string(),
             call.model.to_string(),
+            tenant.to_string(),
+            call.user.unwrap_or("").to_string(),
+            call.tier.as_str().to_string(),
+            call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -597,12 +607,13 @@ impl<S: Store> Protocol<S> {
     /// A replica's lease call on one tenant (see `lua/lease.lua`).
     pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseReply, StoreError> {
         let tenant = call.tenant;
-        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(4));
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(5));
         keys.extend([
             keys::leases(tenant),
             keys::holds(tenant),
             keys::lease_record(tenant, call.replica),
             keys::forwarded(tenant, call.replica),
+            keys::ledger(tenant),
         ]);
         let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(17).saturating_add(7));
         args.extend([
@@ -887,9 +898,9 @@ impl<S: Store> Protocol<S> {
     }
 }
 
-/// KEYS of commit, renew and release: the record, the lease index, the holds hash.
+/// KEYS of commit, renew and release: the record, the lease index, the holds hash, the ledger.
 fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
-    vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant)]
+    vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant), keys::ledger(tenant)]
 }
 
 /// A share the scripts send in thousandths (at most 1,000).

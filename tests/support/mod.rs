@@ -134,7 +134,10 @@ pub struct Harness<S> {
     /// The pool serving model `m`, when the scenario has one.
     pub pool: String,
     pub clock: Option<ManualClock>,
+    /// The embedded store's ledger file, when the policy has a ledger.
+    pub ledger_file: Option<std::path::PathBuf>,
     inspect: Script,
+    ledger: Script,
 }
 
 /// 2026-11-29T12:00:00Z: a fixed start for the manual clock, mid-day so budgets do not roll over.
@@ -143,10 +146,24 @@ pub const CLOCK_START_MS: u64 = 1_795_953_600_000;
 pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
     let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
-    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, top)).expect("test policy");
+    // A ledger on the embedded store is a file: the scenario's `ledger:` section gets one.
+    let ledger_file = top.contains("ledger:").then(|| {
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ledger-{tenant}.jsonl"))
+    });
+    let top = match &ledger_file {
+        Some(f) => top.replace("ledger:\n", &format!("ledger:\n  file: {}\n", f.display())),
+        None => top.to_string(),
+    };
+    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, &top)).expect("test policy");
     let clock = ManualClock::new(CLOCK_START_MS);
-    let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
-    Harness::build(store, policy, tenant, pool, Some(clock)).await
+    let store = match &ledger_file {
+        Some(f) => EmbeddedStore::with_ledger_file(Arc::new(clock.clone()), f),
+        None => EmbeddedStore::with_clock(Arc::new(clock.clone())),
+    }
+    .expect("embedded store");
+    let mut h = Harness::build(store, policy, tenant, pool, Some(clock)).await;
+    h.ledger_file = ledger_file;
+    h
 }
 
 /// A policy section placed before `store:` (e.g. `leasing:`): `"<top>\n---top---\n<body>"`.
@@ -197,7 +214,9 @@ impl<S: Store> Harness<S> {
             tenant,
             pool,
             clock,
+            ledger_file: None,
             inspect: Script::new("inspect", INSPECT.to_string()),
+            ledger: Script::new("ledger", "return redis.call('XRANGE', KEYS[1], '-', '+')".to_string()),
         }
     }
 
@@ -296,6 +315,31 @@ impl<S: Store> Harness<S> {
             out.insert(key, KeyView { kind, pttl, fields });
         }
         out
+    }
+
+    /// The tenant's ledger stream, oldest entry first: each entry's fields.
+    pub async fn ledger(&self) -> Vec<BTreeMap<String, String>> {
+        let key = keys::ledger(&self.tenant);
+        let reply = self.admission.protocol().store().eval(&self.ledger, vec![key], vec![]).await.expect("ledger");
+        let Reply::Array(entries) = reply else { panic!("XRANGE reply {reply:?}") };
+        entries
+            .into_iter()
+            .map(|e| {
+                let Reply::Array(parts) = e else { panic!("entry {e:?}") };
+                let Reply::Array(flat) = &parts[1] else { panic!("fields {parts:?}") };
+                flat.chunks(2)
+                    .map(|p| (p[0].as_text().unwrap().to_string(), p[1].as_text().unwrap_or_default().to_string()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The tenant scope's tokens charged today (`du`; 0 when nothing was charged).
+    pub async fn day_usage(&self) -> u64 {
+        self.scope(&keys::tenant_scope(&self.tenant))
+            .await
+            .and_then(|v| v.fields.get("du").map(|d| d.parse::<f64>().unwrap() as u64))
+            .unwrap_or(0)
     }
 
     /// The tenant's scope hash.

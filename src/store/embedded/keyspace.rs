@@ -2,8 +2,13 @@
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
 //! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
-//! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT). Anything else is an error, so a script that
-//! starts using a new command fails its conformance test on the embedded store at once.
+//! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT), XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN,
+//! XRANGE. Anything else is an error, so a script that starts using a new command fails its
+//! conformance test on the embedded store at once.
+//!
+//! Streams are the usage ledger: every entry XADD appends is also handed to the keyspace's
+//! [`LedgerSink`] when it has one (the embedded store's ledger file), so a single replica keeps its
+//! ledger past a restart. Trimming (`~` or exact) trims exactly.
 
 // A Redis emulator: its arithmetic is Redis's own, on millisecond clocks and member counts far from
 // any bound, so the crate's token-arithmetic lint does not apply here.
@@ -29,7 +34,21 @@ enum Value {
     Str(Vec<u8>),
     Hash(Hash),
     ZSet(ZSet),
+    Stream(Stream),
 }
+
+/// A stream entry's id: milliseconds and a sequence within them.
+type StreamId = (u64, u64);
+
+/// A stream: entries in id order, and the last id given (ids only grow, even past trimming).
+#[derive(Debug, Default)]
+struct Stream {
+    entries: std::collections::BTreeMap<StreamId, Vec<(Vec<u8>, Vec<u8>)>>,
+    last: StreamId,
+}
+
+/// Where appended stream entries go besides the keyspace: `(key, id, fields)`.
+pub type LedgerSink = Box<dyn FnMut(&[u8], &str, &[(Vec<u8>, Vec<u8>)]) + Send>;
 
 /// A score with the total order Redis uses for sorted sets.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -88,15 +107,27 @@ struct Entry {
 /// `expiries` holds exactly one entry per key that has a TTL: a new TTL replaces the key's old
 /// entry, and a key leaving the keyspace takes its entry with it. So the index is bounded by the
 /// live keys, however often their TTLs move (every reserve moves several).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Keyspace {
     entries: HashMap<Vec<u8>, Entry>,
     expiries: BTreeSet<(u64, Vec<u8>)>,
+    sink: Option<LedgerSink>,
+}
+
+impl std::fmt::Debug for Keyspace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Keyspace").field("keys", &self.entries.len()).finish_non_exhaustive()
+    }
 }
 
 type CmdResult = Result<Resp, String>;
 
 impl Keyspace {
+    /// A keyspace that hands every stream entry it appends to `sink` as well.
+    pub fn with_sink(sink: LedgerSink) -> Self {
+        Keyspace { sink: Some(sink), ..Keyspace::default() }
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -150,6 +181,7 @@ impl Keyspace {
                     Some(Value::Str(_)) => "string",
                     Some(Value::Hash(_)) => "hash",
                     Some(Value::ZSet(_)) => "zset",
+                    Some(Value::Stream(_)) => "stream",
                 };
                 Ok(Resp::Status(t))
             }
@@ -312,6 +344,43 @@ impl Keyspace {
             }
             "ZRANGE" => self.zrange(now, a),
             "ZRANGEBYSCORE" => self.zrangebyscore(now, a),
+            "XADD" => self.xadd(now, a),
+            "XTRIM" => {
+                arity(a, 4)?;
+                if !a[1].eq_ignore_ascii_case(b"MINID") || &a[2][..] != b"~" && &a[2][..] != b"=" {
+                    return Err("ERR syntax error (embedded XTRIM takes only MINID ~|= id)".into());
+                }
+                let min = stream_id(&a[3])?;
+                Ok(Resp::Int(match self.stream_mut(now, &a[0])? {
+                    Some(st) => {
+                        let keep = st.entries.split_off(&min);
+                        let trimmed = std::mem::replace(&mut st.entries, keep).len();
+                        trimmed as i64
+                    }
+                    None => 0,
+                }))
+            }
+            "XLEN" => {
+                arity(a, 1)?;
+                Ok(Resp::Int(self.stream_mut(now, &a[0])?.map_or(0, |st| st.entries.len() as i64)))
+            }
+            "XRANGE" => {
+                arity(a, 3)?;
+                let bound = |v: &[u8], open: StreamId| match v {
+                    b"-" | b"+" => Ok(open),
+                    v => stream_id(v),
+                };
+                let (lo, hi) = (bound(&a[1], (0, 0))?, bound(&a[2], (u64::MAX, u64::MAX))?);
+                let Some(st) = self.stream_mut(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
+                let mut out = Vec::new();
+                if lo <= hi {
+                    for (id, fields) in st.entries.range(lo..=hi) {
+                        let flat = fields.iter().flat_map(|(f, v)| [Resp::Bulk(f.clone()), Resp::Bulk(v.clone())]);
+                        out.push(Resp::Array(vec![Resp::Bulk(format_id(*id).into_bytes()), Resp::Array(flat.collect())]));
+                    }
+                }
+                Ok(Resp::Array(out))
+            }
             other => Err(format!("ERR unknown command '{other}' (not implemented by the embedded store)")),
         }
     }
@@ -329,6 +398,50 @@ impl Keyspace {
         self.entries.insert(a[0].clone(), Entry { value: Value::Str(a[1].clone()), expires_at: None });
         self.set_expiry(&a[0], expiry);
         Ok(Resp::Status("OK"))
+    }
+
+    /// `XADD key [MAXLEN [~|=] n] * field value ...`: the id is the clock's millisecond, and a
+    /// sequence within it.
+    fn xadd(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
+        let (max_len, rest) = match a.get(1) {
+            Some(w) if w.eq_ignore_ascii_case(b"MAXLEN") => match a.get(2).map(Vec::as_slice) {
+                Some(b"~" | b"=") => (Some(a.get(3).ok_or_else(arity_error)?), &a[4..]),
+                _ => (Some(a.get(2).ok_or_else(arity_error)?), &a[3..]),
+            },
+            _ => (None, a.get(1..).ok_or_else(arity_error)?),
+        };
+        let max_len = max_len.map(|n| int_arg(n).and_then(positive)).transpose()?;
+        if rest.first().map(Vec::as_slice) != Some(b"*") {
+            return Err("ERR syntax error (embedded XADD takes only * as the id)".into());
+        }
+        let pairs = &rest[1..];
+        if pairs.is_empty() || pairs.len() % 2 != 0 {
+            return Err(arity_error());
+        }
+        let fields: Vec<(Vec<u8>, Vec<u8>)> = pairs.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+        let entry = self.entry_or_insert(now, &a[0], || Value::Stream(Stream::default()));
+        let Value::Stream(st) = &mut entry.value else { return Err(wrongtype()) };
+        let id = if now > st.last.0 { (now, 0) } else { (st.last.0, st.last.1 + 1) };
+        st.last = id;
+        st.entries.insert(id, fields.clone());
+        if let Some(max) = max_len {
+            while st.entries.len() as u64 > max {
+                st.entries.pop_first();
+            }
+        }
+        let id = format_id(id);
+        if let Some(sink) = &mut self.sink {
+            sink(&a[0], &id, &fields);
+        }
+        Ok(Resp::Bulk(id.into_bytes()))
+    }
+
+    fn stream_mut(&mut self, now: u64, key: &[u8]) -> Result<Option<&mut Stream>, String> {
+        match self.live(now, key).map(|e| &mut e.value) {
+            None => Ok(None),
+            Some(Value::Stream(st)) => Ok(Some(st)),
+            Some(_) => Err(wrongtype()),
+        }
     }
 
     fn zrange(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
@@ -423,6 +536,18 @@ impl Keyspace {
             }
         }
     }
+}
+
+fn format_id((ms, seq): StreamId) -> String {
+    format!("{ms}-{seq}")
+}
+
+/// A stream id, `ms` or `ms-seq`.
+fn stream_id(v: &[u8]) -> Result<StreamId, String> {
+    let bad = || "ERR Invalid stream ID specified as stream command argument".to_string();
+    let text = std::str::from_utf8(v).map_err(|_| bad())?;
+    let (ms, seq) = text.split_once('-').unwrap_or((text, "0"));
+    Ok((ms.parse().map_err(|_| bad())?, seq.parse().map_err(|_| bad())?))
 }
 
 fn push_member(out: &mut Vec<Resp>, score: &Score, member: &[u8], with_scores: bool) {

@@ -15,7 +15,7 @@ use std::sync::{Arc, mpsc};
 use mlua::{Function, Lua, MultiValue, Value};
 use tokio::sync::oneshot;
 
-pub use keyspace::Keyspace;
+pub use keyspace::{Keyspace, LedgerSink};
 use keyspace::{Resp, format_number};
 
 use super::clock::{Clock, SystemClock};
@@ -75,6 +75,19 @@ impl EmbeddedStore {
 
     /// A store on the given clock (a [`super::clock::ManualClock`] in tests).
     pub fn with_clock(clock: Arc<dyn Clock>) -> Result<Self, StoreError> {
+        EmbeddedStore::open(clock, None)
+    }
+
+    /// A store on the given clock whose usage ledger is also appended to `ledger_file`, as JSON
+    /// lines (see [`crate::ledger`]).
+    pub fn with_ledger_file(clock: Arc<dyn Clock>, ledger_file: &std::path::Path) -> Result<Self, StoreError> {
+        let sink = crate::ledger::file_sink(ledger_file).map_err(|e| {
+            StoreError::Unavailable(format!("cannot open the ledger file {}: {e}", ledger_file.display()))
+        })?;
+        EmbeddedStore::open(clock, Some(sink))
+    }
+
+    fn open(clock: Arc<dyn Clock>, sink: Option<LedgerSink>) -> Result<Self, StoreError> {
         let (jobs, queue) = mpsc::channel::<Job>();
         let (ready, started) = mpsc::sync_channel::<Result<(), StoreError>>(1);
         std::thread::Builder::new()
@@ -85,7 +98,8 @@ impl EmbeddedStore {
                     let _ = ready.send(Err(script_error("redis api", e)));
                     return;
                 }
-                lua.set_app_data(Context { keyspace: Keyspace::default(), clock });
+                let keyspace = sink.map_or_else(Keyspace::default, Keyspace::with_sink);
+                lua.set_app_data(Context { keyspace, clock });
                 let _ = ready.send(Ok(()));
                 let mut host = Host { lua, scripts: HashMap::new() };
                 for job in queue {
