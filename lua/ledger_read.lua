@@ -11,6 +11,7 @@
 --
 -- Reply: {entry id, {field, value, ...}, ...}; an entry trimmed after it was read but before it
 -- was acknowledged comes with no fields (acknowledge it: it is gone).
+-- (XAUTOCLAIM is Redis 7's: it names the entries it found trimmed.)
 
 local stream, group, consumer, count, from, claim = KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 if redis.call('EXISTS', stream) == 0 then
@@ -20,11 +21,17 @@ local made = redis.pcall('XGROUP', 'CREATE', stream, group, '0')
 if type(made) == 'table' and made.err and not string.find(made.err, 'BUSYGROUP', 1, true) then
   return redis.error_reply(made.err)
 end
+local out = {}
 if from == '0' and claim > 0 then
-  redis.call('XAUTOCLAIM', stream, group, consumer, claim, '0-0', 'COUNT', count, 'JUSTID')
+  -- Redis drops from the group's pending list the entries trimmed away as it claims: they are
+  -- answered as trimmed.
+  local claimed = redis.call('XAUTOCLAIM', stream, group, consumer, claim, '0-0', 'COUNT', count, 'JUSTID')
+  for _, gone in ipairs(claimed[3] or {}) do
+    out[#out + 1] = gone
+    out[#out + 1] = {}
+  end
 end
 local read = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', count, 'STREAMS', stream, from)
-local out = {}
 if not read then
   return out
 end

@@ -67,6 +67,19 @@ fn check_config_says_when_the_policy_leases() {
 }
 
 #[test]
+fn check_config_says_where_the_ledger_goes() {
+    let text = "ledger: { max_len: 5000, file: /var/lib/tollgate/ledger.jsonl }\nmodels:\n  m: { max_output_tokens: 100 }\n";
+    let summary = Policy::parse("ledger.yaml", text).unwrap().summary();
+    assert!(
+        summary.contains(
+            "ledger: every settled hold, per tenant up to ~5000 entries for 604800000 ms; also appended to \
+             /var/lib/tollgate/ledger.jsonl"
+        ),
+        "{summary}"
+    );
+}
+
+#[test]
 fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it() {
     let text = "store:\n  redis_url: redis://127.0.0.1:6379\n  breaker: { failures: 5, open_ms: 100 }\n\
                 models:\n  m: { max_output_tokens: 100 }\n\

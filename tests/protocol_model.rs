@@ -5,7 +5,9 @@
 //! lost reply); clock jumps past leases and refills. After every step the store's reply must equal
 //! the model's, and the store's counters the model's: every scope's holds in flight, token and
 //! request levels and day usage, the pool's holds and work. At the end every live hold is released
-//! and every slot and every unit of pool work must be back.
+//! and every slot and every unit of pool work must be back; and the usage ledger must hold every
+//! hold made, each once (or expired, then late-committed), its entries charging together exactly
+//! the day usage the counters charged (on the embedded store, its ledger file too).
 //!
 //! Thousands of cases on the embedded store with its manual clock, where every number must agree
 //! exactly. A shorter run on Redis and on the Cluster, whose clock is the server's own: there the
@@ -15,7 +17,8 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
@@ -98,7 +101,7 @@ fn op() -> impl Strategy<Value = Op> {
 const CASE_TIME_LIMIT_MS: u64 = 45_000;
 
 /// The policy: exact (embedded, manual clock) or real-time (Redis: slow refill, long leases).
-fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool) -> String {
+fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool, ledger_file: Option<&Path>) -> String {
     let (a, b) = (&tenants[0], &tenants[1]);
     let (defaults, a_limits, a_user, b_limits, b_model) = if exact {
         (
@@ -117,8 +120,9 @@ fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool) -> String
             "{ tokens_per_minute: 1, burst_tokens: 800 }",
         )
     };
+    let file = ledger_file.map_or_else(String::new, |f| format!("  file: {}\n", f.display()));
     format!(
-        "{store}\ndefaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool} }}\n  n: {{ max_output_tokens: 400 }}\n\
+        "{store}\nledger:\n  max_len: 100000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool} }}\n  n: {{ max_output_tokens: 400 }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
          tenants:\n  {a}:\n    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
@@ -162,6 +166,8 @@ struct World<S> {
     clock: Option<ManualClock>,
     elapsed: u64,
     ids: Vec<String>,
+    /// The embedded store's ledger file.
+    ledger_file: Option<PathBuf>,
 }
 
 impl<S: Store + Clone> World<S> {
@@ -327,6 +333,35 @@ impl<S: Store + Clone> World<S> {
         assert_eq!(views[&pool_keys[1]].fields.len() as u64, self.model.pool.load().0, "{at}: pool holds hash");
     }
 
+    /// The ledger, once every hold is settled: every hold each tenant made, entered once (twice
+    /// when a late commit followed its expiry), the last entries charging the day's usage exactly.
+    async fn same_ledger(&self) {
+        let mut entries = 0;
+        for tenant in &self.tenants {
+            let ledger = self.h.ledger_of(tenant).await;
+            entries += ledger.len();
+            let mut outcomes: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+            let mut charged = BTreeMap::new();
+            for e in &ledger {
+                outcomes.entry(e["id"].as_str()).or_default().push(e["outcome"].as_str());
+                charged.insert(e["id"].as_str(), e["charged_tokens"].parse::<u64>().unwrap());
+            }
+            let made: BTreeSet<&str> =
+                self.ids.iter().map(String::as_str).filter(|id| id.starts_with(&format!("{tenant}:"))).collect();
+            assert_eq!(outcomes.keys().copied().collect::<BTreeSet<_>>(), made, "the ledger of {tenant}: {ledger:?}");
+            for (id, o) in &outcomes {
+                assert!(o.len() == 1 || *o == ["expired", "late_committed"], "{id} entered as {o:?}");
+            }
+            let du = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or(0, |s| s.du);
+            assert_eq!(charged.values().sum::<u64>(), du, "what {tenant}'s ledger charges: {ledger:?}");
+        }
+        if let Some(file) = &self.ledger_file {
+            let lines = std::fs::read_to_string(file).unwrap_or_default();
+            assert_eq!(lines.lines().count(), entries, "every entry is in the ledger file");
+            let _ = std::fs::remove_file(file);
+        }
+    }
+
     /// Releases every live hold: then nothing may be in flight anywhere.
     async fn settle(&mut self) {
         for id in self.model.live_ids() {
@@ -335,6 +370,7 @@ impl<S: Store + Clone> World<S> {
             assert_eq!(self.h.admission.release(&id).await.unwrap(), expected, "settling {id}");
         }
         self.same_counters("after settling").await;
+        self.same_ledger().await;
         for key in self.model.scopes.keys() {
             assert_eq!(self.model.in_flight(key), 0);
         }
@@ -382,17 +418,23 @@ fn runtime() -> &'static tokio::runtime::Runtime {
     RT.get_or_init(|| tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap())
 }
 
-async fn world_on<S: Store + Clone>(store: S, clock: Option<ManualClock>, backend: Backend) -> World<S> {
-    let tenants = [support::unique_tenant("a"), support::unique_tenant("b")];
+async fn world_on<S: Store + Clone>(
+    store: S,
+    clock: Option<ManualClock>,
+    backend: Backend,
+    tenants: [String; 2],
+    ledger_file: Option<PathBuf>,
+) -> World<S> {
     let pool = support::unique_tenant("p");
     let exact = clock.is_some();
     let store_yaml = if backend == Backend::Embedded { String::new() } else { backend.store_yaml() };
-    let policy = Policy::parse("model.yaml", &policy(&tenants, &pool, &store_yaml, exact)).expect("model policy");
+    let policy = Policy::parse("model.yaml", &policy(&tenants, &pool, &store_yaml, exact, ledger_file.as_deref()))
+        .expect("model policy");
     let model = model_of(&policy, &tenants, &pool);
     let h = Harness::from_parts(store, policy, tenants[0].clone(), pool, clock.clone()).await;
     let all = &["reserve", "commit", "renew", "release", "pool_reserve", "pool_release", "pool_renew"];
     let twice = h.wrapped(|s| Resend { inner: s, scripts: all }).await;
-    World { h, twice, model, tenants, exact, clock, elapsed: 0, ids: Vec::new() }
+    World { h, twice, model, tenants, exact, clock, elapsed: 0, ids: Vec::new(), ledger_file }
 }
 
 async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op]) {
@@ -403,11 +445,13 @@ async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op]) {
 }
 
 async fn run(backend: Backend, ops: Vec<Op>) {
+    let tenants = [support::unique_tenant("a"), support::unique_tenant("b")];
     match backend {
         Backend::Embedded => {
             let clock = ManualClock::new(support::CLOCK_START_MS);
-            let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
-            run_on(world_on(store, Some(clock), backend).await, &ops).await;
+            let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("model-ledger-{}.jsonl", tenants[0]));
+            let store = EmbeddedStore::with_ledger_file(Arc::new(clock.clone()), &file).expect("embedded store");
+            run_on(world_on(store, Some(clock), backend, tenants, Some(file)).await, &ops).await;
         }
         Backend::Redis | Backend::Cluster => {
             let target = match backend {
@@ -417,7 +461,7 @@ async fn run(backend: Backend, ops: Vec<Op>) {
             let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
             // Real time does not jump: leases are long and refill is slow under this policy.
             let ops: Vec<Op> = ops.into_iter().filter(|op| !matches!(op, Op::Advance { .. })).collect();
-            run_on(world_on(store.clone(), None, backend).await, &ops).await;
+            run_on(world_on(store.clone(), None, backend, tenants, None).await, &ops).await;
             store.close().await;
         }
     }

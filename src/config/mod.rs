@@ -526,6 +526,16 @@ impl Policy {
                 l.max_share * 100.0
             ));
         }
+        if let Some(l) = &self.ledger {
+            let kept = match &l.file {
+                Some(file) => format!("also appended to {}", file.display()),
+                None => "read with `tollgate ledger`".to_string(),
+            };
+            out.push_str(&format!(
+                "  ledger: every settled hold, per tenant up to ~{} entries for {} ms; {kept}\n",
+                l.terms.max_len, l.terms.retention_ms
+            ));
+        }
         for name in &names {
             let t = &self.tenants[name];
             out.push_str(&format!(

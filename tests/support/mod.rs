@@ -319,7 +319,12 @@ impl<S: Store> Harness<S> {
 
     /// The tenant's ledger stream, oldest entry first: each entry's fields.
     pub async fn ledger(&self) -> Vec<BTreeMap<String, String>> {
-        let key = keys::ledger(&self.tenant);
+        self.ledger_of(&self.tenant).await
+    }
+
+    /// Any tenant's ledger stream, oldest entry first.
+    pub async fn ledger_of(&self, tenant: &str) -> Vec<BTreeMap<String, String>> {
+        let key = keys::ledger(tenant);
         let reply = self.admission.protocol().store().eval(&self.ledger, vec![key], vec![]).await.expect("ledger");
         let Reply::Array(entries) = reply else { panic!("XRANGE reply {reply:?}") };
         entries

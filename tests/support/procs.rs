@@ -138,7 +138,8 @@ impl Drop for Tollgate {
     }
 }
 
-/// Runs `tollgate` with arguments to completion, bounded in time.
+/// Runs `tollgate` with arguments to completion, bounded in time. Its output is read as it comes,
+/// so a command that writes more than a pipe holds does not stall.
 pub fn tollgate_cmd(args: &[&str], limit: Duration) -> Output {
     let mut child = Command::new(tollgate_bin())
         .args(args)
@@ -146,10 +147,19 @@ pub fn tollgate_cmd(args: &[&str], limit: Duration) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn tollgate");
+    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
     let start = Instant::now();
     loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
+        if let Some(status) = child.try_wait().unwrap() {
+            return Output { status, stdout: stdout.join().unwrap(), stderr: stderr.join().unwrap() };
         }
         if start.elapsed() > limit {
             let _ = child.kill();
