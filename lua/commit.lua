@@ -12,7 +12,8 @@
 -- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
 -- ARGV[6] exact | metered: whether the counts were reported or metered by tollgate
 --
--- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held}
+-- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held,
+--         cost (nanos, at the prices the hold was made with)}
 --   (model: the one the request named, '' for a hold made before records kept it; output held: the
 --    output part of the hold, -1 when unknown)
 --   state: committed | late_committed, or not_found | released when nothing was charged
@@ -38,14 +39,14 @@ local metered = ARGV[6] == 'metered'
 
 local r = load(rk)
 if not r then
-  return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1 }
+  return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0 }
 end
 if r.st == 'committed' or r.st == 'late_committed' then
   return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov), tonumber(r.mx) or 0, r.md or '',
-    tonumber(r.oh) or -1 }
+    tonumber(r.oh) or -1, r.cc }
 end
 if r.st == 'released' then
-  return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1 }
+  return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1, 0 }
 end
 local output_held = math.min(r.h, tonumber(r.oh) or 0)
 local prompt = tonumber(ARGV[2]) or (r.h - output_held)
@@ -59,14 +60,11 @@ end
 
 local keys = split(r.ks)
 local used = prompt + output
+local cost = prompt * r.pi + output * r.po
 if r.sl == '1' then
   free_slots(keys)
 end
-if used < r.ch then
-  refund(keys, r.ch - used, r.dy, now)
-else
-  charge(keys, used - r.ch, now)
-end
+settle(keys, used - r.ch, cost - r.cc, r.dy, now)
 keep_alive(keys, leases, holds, r.it)
 
 local state = 'committed'
@@ -79,7 +77,7 @@ local mx = 0
 if metered then
   mx = 1
 end
-redis.call('HSET', rk, 'st', state, 'ch', used, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
+redis.call('HSET', rk, 'st', state, 'ch', used, 'cc', cost, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
   'rf', refunded, 'ov', overrun, 'mx', mx)
 close(rk, id, r, leases, holds)
 -- How the charge was counted: the output is what is metered, so a commit without it stands on
@@ -92,10 +90,10 @@ elseif metered then
 elseif ARGV[2] == '' then
   usage = 'held'
 end
-local entry = ledger_entry(id, r, state, usage, used)
+local entry = ledger_entry(id, r, state, usage, used, cost)
 entry.prompt, entry.output = prompt, output
 ledger_append(ledger, r.lg, entry, now)
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end
-return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1 }
+return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1, cost }

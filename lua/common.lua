@@ -6,7 +6,7 @@
 --   h   tokens held at admission            ch  tokens currently charged to the buckets
 --   sl  1 while the hold occupies a concurrency slot in every scope
 --   le  lease expiry (ms, Redis clock)      at  attempts of its idempotency key when it was made
---   dy  day number (UTC) the hold was charged to
+--   dy  day number (UTC) the hold was charged to (its month is the month of that day)
 --   ks  the scope hashes it charged, space separated
 --   xp  expired-usage policy: charge | refund
 --   ik  its idempotency key, or empty       rt  retention (ms) once settled
@@ -17,12 +17,14 @@
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
 --   md  the model the request named
+--   pi po  the model's price per input and output token (nanos of the policy's currency)
+--   hc  the cost held at admission           cc  the cost currently charged (as h and ch)
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
---   id -> "<tokens charged> <day> <expired-usage policy> <scope keys...>"
+--   id -> "<tokens charged> <day> <expired-usage policy> <cost charged> <scope keys...>"
 -- what the sweep needs to settle the hold. A record can run out of TTL before a sweep that has
 -- fallen behind reaches it; its entry here cannot, so no slot and no token is ever left behind.
 --
@@ -38,12 +40,14 @@
 --   t tt tc tr  token bucket: tokens, last refill (ms), capacity, refill per ms
 --   r rt        request bucket: permits, last refill (ms)
 --   c           holds in flight
---   d du        day number and tokens charged that day
+--   d du dc     day number, and tokens and cost (nanos) charged that day
+--   mo mu mc    month number (UTC: year x 12 + month - 1), and tokens and cost charged that month
 --
 -- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
 -- appended by the very script that settles it, so what billing reads and what the counters
 -- charged cannot disagree. Fields:
 --   id tenant user model tier   the hold and who it was for
+--   cost_nanos reserved_cost_nanos   what the hold charges, and held, in money (nanos)
 --   outcome   committed | late_committed | released | expired
 --   usage     exact (the response's counts) | metered (counted by tollgate) | held (what the hold
 --             charged stands for what was not counted) | none (nothing charged)
@@ -54,6 +58,42 @@
 -- late_committed entry supersedes the expired one.
 
 local DAY_MS = 86400000
+
+-- The UTC calendar month of a day number (days since 1970-01-01), as year x 12 + month - 1; and
+-- the day number a month starts on. (Days from and to the civil calendar, after H. Hinnant.)
+local function month_of(day)
+  local z = day + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp + 3
+  if mp >= 10 then
+    m = mp - 9
+  end
+  local y = yoe + era * 400
+  if m <= 2 then
+    y = y + 1
+  end
+  return y * 12 + m - 1
+end
+
+local function month_start(month)
+  local y, m = math.floor(month / 12), month % 12 + 1
+  if m <= 2 then
+    y = y - 1
+  end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m + 9
+  if m > 2 then
+    mp = m - 3
+  end
+  local doy = math.floor((153 * mp + 2) / 5)
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -69,7 +109,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -88,6 +128,10 @@ local function load(rk)
   r.dy = tonumber(r.dy)
   r.rt = tonumber(r.rt)
   r.it = tonumber(r.it)
+  r.pi = tonumber(r.pi) or 0
+  r.po = tonumber(r.po) or 0
+  r.hc = tonumber(r.hc) or 0
+  r.cc = tonumber(r.cc) or 0
   return r
 end
 
@@ -103,8 +147,9 @@ end
 
 -- A scope as the admission scripts see it: its limits, from six ARGV numbers after `b` (token
 -- capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget; 0
--- meaning no such limit), and its counters refilled to `now`. Reads; writes nothing.
-local function read_scope(key, args, b, now, today)
+-- meaning no such limit) and, when `long` is given, three after `long` (tokens per month, cost
+-- per day, cost per month); and its counters refilled to `now`. Reads; writes nothing.
+local function read_scope(key, args, b, now, today, long)
   local s = {
     key = key,
     tcap = tonumber(args[b + 1]),
@@ -113,8 +158,14 @@ local function read_scope(key, args, b, now, today)
     rrate = tonumber(args[b + 4]),
     cmax = tonumber(args[b + 5]),
     budget = tonumber(args[b + 6]),
+    mbudget = 0,
+    dcost = 0,
+    mcost = 0,
   }
-  local v = redis.call('HMGET', key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du')
+  if long then
+    s.mbudget, s.dcost, s.mcost = tonumber(args[long + 1]), tonumber(args[long + 2]), tonumber(args[long + 3])
+  end
+  local v = redis.call('HMGET', key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du', 'dc', 'mo', 'mu', 'mc')
   if s.tcap > 0 then
     s.t = refilled(v[1], v[2], s.tcap, s.trate, now)
   end
@@ -122,17 +173,19 @@ local function read_scope(key, args, b, now, today)
     s.r = refilled(v[3], v[4], s.rcap, s.rrate, now)
   end
   s.c = tonumber(v[5]) or 0
+  s.du, s.dc, s.mu, s.mc = 0, 0, 0, 0
   if tonumber(v[6]) == today then
-    s.du = tonumber(v[7])
-  else
-    s.du = 0
+    s.du, s.dc = tonumber(v[7]) or 0, tonumber(v[8]) or 0
+  end
+  if tonumber(v[9]) == month_of(today) then
+    s.mu, s.mc = tonumber(v[10]) or 0, tonumber(v[11]) or 0
   end
   return s
 end
 
--- Calls `deny(reason, ms)` for every limit of scope `s` that taking `tokens`, `requests` and
--- `slots` more would break, with how long until it would not.
-local function check_scope(s, tokens, requests, slots, leases, wait_cap, now, today, deny)
+-- Calls `deny(reason, ms)` for every limit of scope `s` that taking `tokens` (costing `cost`),
+-- `requests` and `slots` more would break, with how long until it would not.
+local function check_scope(s, tokens, cost, requests, slots, leases, wait_cap, now, today, deny)
   if s.tcap > 0 and tokens > 0 and s.t < tokens then
     deny('token_rate', (tokens - s.t) / s.trate)
   end
@@ -151,12 +204,28 @@ local function check_scope(s, tokens, requests, slots, leases, wait_cap, now, to
   if s.budget > 0 and tokens > 0 and s.du + tokens > s.budget then
     deny('budget', (today + 1) * DAY_MS - now)
   end
+  if s.dcost > 0 and cost > 0 and s.dc + cost > s.dcost then
+    deny('cost_budget', (today + 1) * DAY_MS - now)
+  end
+  if s.mbudget > 0 and tokens > 0 and s.mu + tokens > s.mbudget then
+    deny('monthly_budget', month_start(month_of(today) + 1) * DAY_MS - now)
+  end
+  if s.mcost > 0 and cost > 0 and s.mc + cost > s.mcost then
+    deny('monthly_cost_budget', month_start(month_of(today) + 1) * DAY_MS - now)
+  end
 end
 
--- Takes `tokens`, `requests` and `slots` from scope `s` (as read_scope left it) and keeps the scope
--- alive for `idle` ms.
-local function take(s, tokens, requests, slots, today, now, idle)
-  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens }
+-- True when `tokens` costing `cost` is more than one of scope `s`'s budgets could ever hold.
+local function beyond_budgets(s, tokens, cost)
+  return (s.budget > 0 and tokens > s.budget) or (s.mbudget > 0 and tokens > s.mbudget)
+    or (s.dcost > 0 and cost > s.dcost) or (s.mcost > 0 and cost > s.mcost)
+end
+
+-- Takes `tokens` (costing `cost`), `requests` and `slots` from scope `s` (as read_scope left it)
+-- and keeps the scope alive for `idle` ms.
+local function take(s, tokens, cost, requests, slots, today, now, idle)
+  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens, 'dc', s.dc + cost, 'mo', month_of(today), 'mu',
+    s.mu + tokens, 'mc', s.mc + cost }
   -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
   -- debt, never below minus the capacity, as with adjust below.
   if s.tcap > 0 then
@@ -200,30 +269,51 @@ local function headroom(scopes, take_tokens, take_requests)
   return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
 end
 
--- Charges `amount` tokens to each scope (debt when positive, a refund when negative), one read
+-- Moves each scope by `tokens` and `cost` (debt when positive, a refund when negative), one read
 -- and one write a scope. The bucket moves from its level now: refilled first, so a full bucket's
 -- refill (which it could not hold) never pays debt; never above its capacity, never below minus
--- it. The day's usage moves when it is `day`'s; debt charged on a new day starts the day's count.
--- A scope hash that has expired (idle longer than its TTL) is not recreated: an idle bucket is
--- full anyway.
-local function adjust(keys, amount, day, now)
+-- it. The day's and the month's usage move when they are those of `tokens_day` (`cost_day`): a
+-- refund gives back to the day (and month) the hold was charged to, only while it is current; a
+-- charge on a new day (month) starts its count. A scope hash that has expired (idle longer than
+-- its TTL) is not recreated: an idle bucket is full anyway.
+local function adjust(keys, tokens, cost, tokens_day, cost_day, now)
   for _, k in ipairs(keys) do
-    local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr', 'd', 'du')
+    local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr', 'd', 'du', 'dc', 'mo', 'mu', 'mc')
     local f = {}
     local cap = tonumber(v[3])
-    if v[1] and cap then
-      local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) - amount
+    if tokens ~= 0 and v[1] and cap then
+      local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) - tokens
       f = { 't', math.max(-cap, math.min(cap, level)), 'tt', now }
     end
-    local d = tonumber(v[5])
-    if d == day then
-      f[#f + 1] = 'du'
-      f[#f + 1] = math.max(0, tonumber(v[6]) + amount)
-    elseif d and amount > 0 then
-      f[#f + 1] = 'd'
-      f[#f + 1] = day
-      f[#f + 1] = 'du'
-      f[#f + 1] = amount
+    local u = { d = tonumber(v[5]), du = tonumber(v[6]) or 0, dc = tonumber(v[7]) or 0, mo = tonumber(v[8]),
+      mu = tonumber(v[9]) or 0, mc = tonumber(v[10]) or 0 }
+    if u.d then
+      local function move(per_day, per_month, amount, day)
+        if amount == 0 then
+          return
+        end
+        if u.d == day then
+          u[per_day] = math.max(0, u[per_day] + amount)
+        elseif amount > 0 then
+          u.d, u.du, u.dc = day, 0, 0
+          u[per_day] = amount
+        end
+        local month = month_of(day)
+        if u.mo == month then
+          u[per_month] = math.max(0, u[per_month] + amount)
+        elseif amount > 0 then
+          u.mo, u.mu, u.mc = month, 0, 0
+          u[per_month] = amount
+        end
+      end
+      move('du', 'mu', tokens, tokens_day)
+      move('dc', 'mc', cost, cost_day)
+      for _, name in ipairs({ 'd', 'du', 'dc', 'mo', 'mu', 'mc' }) do
+        if u[name] then
+          f[#f + 1] = name
+          f[#f + 1] = u[name]
+        end
+      end
     end
     if #f > 0 then
       redis.call('HSET', k, unpack(f))
@@ -241,19 +331,36 @@ local function free_slots(keys)
   end
 end
 
--- Gives tokens back: to each token bucket, and to the day's usage when the hold was charged to
--- the current day.
-local function refund(keys, amount, day, now)
-  if amount > 0 then
-    adjust(keys, -amount, day, now)
+-- Gives tokens and cost back: to each token bucket, and to the day's (month's) usage when the
+-- hold was charged to the current day (month). Day -1: to the buckets only.
+local function refund(keys, tokens, cost, day, now)
+  if tokens > 0 or cost > 0 then
+    adjust(keys, -tokens, -cost, day, day, now)
   end
 end
 
--- Charges tokens beyond the hold as debt: a bucket may go negative, down to minus its capacity,
--- and the debt is repaid by refill (it shows in the next Retry-After).
-local function charge(keys, amount, now)
-  if amount > 0 then
-    adjust(keys, amount, math.floor(now / DAY_MS), now)
+-- Charges tokens (and cost) beyond the hold as debt: a bucket may go negative, down to minus its
+-- capacity, and the debt is repaid by refill (it shows in the next Retry-After).
+local function charge(keys, tokens, cost, now)
+  if tokens > 0 or cost > 0 then
+    local today = math.floor(now / DAY_MS)
+    adjust(keys, tokens, cost, today, today, now)
+  end
+end
+
+-- Moves a settled hold from what it has charged to what it should: each difference a refund to
+-- the hold's own day when negative, a charge to today when positive.
+local function settle(keys, tokens, cost, day, now)
+  local today = math.floor(now / DAY_MS)
+  local tokens_day, cost_day = today, today
+  if tokens < 0 then
+    tokens_day = day
+  end
+  if cost < 0 then
+    cost_day = day
+  end
+  if tokens ~= 0 or cost ~= 0 then
+    adjust(keys, tokens, cost, tokens_day, cost_day, now)
   end
 end
 
@@ -294,27 +401,29 @@ local function ledger_append(stream, terms, e, now)
   redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', 'id', e.id, 'tenant', e.tenant or '', 'user', e.user or '',
     'model', e.model or '', 'tier', e.tier or '', 'outcome', e.outcome, 'usage', e.usage,
     'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'reserved_tokens', e.reserved or '',
-    'charged_tokens', e.charged, 'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now)
+    'charged_tokens', e.charged, 'cost_nanos', e.cost or '', 'reserved_cost_nanos', e.reserved_cost or '',
+    'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now)
   redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
   redis.call('PEXPIRE', stream, retention)
 end
 
 -- The ledger entry of a hold settled from its record.
-local function ledger_entry(id, r, outcome, usage, charged)
+local function ledger_entry(id, r, outcome, usage, charged, cost)
   return { id = id, tenant = r.tn, user = r.ur, model = r.md, tier = r.tr, outcome = outcome, usage = usage,
-    reserved = r.h, charged = charged, reserved_at = r.ra }
+    reserved = r.h, charged = charged, cost = cost, reserved_cost = r.hc, reserved_at = r.ra }
 end
 
 -- Settles a hold whose lease ran out, from what the holds hash (or its record) says it charged:
--- the slot is freed; the tokens stay charged (charge) or come back (refund). Missing usage is not
--- zero usage, so charge is the default policy. Returns the tokens still charged.
-local function settle_expired(keys, charged, day, policy, now)
+-- the slot is freed; the tokens and their cost stay charged (charge) or come back (refund).
+-- Missing usage is not zero usage, so charge is the default policy. Returns the tokens and cost
+-- still charged.
+local function settle_expired(keys, charged, cost, day, policy, now)
   free_slots(keys)
   if policy == 'refund' then
-    refund(keys, charged, day, now)
-    return 0
+    refund(keys, charged, cost, day, now)
+    return 0, 0
   end
-  return charged
+  return charged, cost
 end
 
 -- Settles a live hold whose lease ran out, and enters it in the `ledger` stream (nil: the caller
@@ -322,17 +431,17 @@ end
 local function expire(rk, id, r, leases, holds, now, ledger)
   local keys = split(r.ks)
   if r.sl == '1' then
-    r.ch = settle_expired(keys, r.ch, r.dy, r.xp, now)
+    r.ch, r.cc = settle_expired(keys, r.ch, r.cc, r.dy, r.xp, now)
   end
   r.st = 'expired'
   r.sl = '0'
-  redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch)
+  redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
   close(rk, id, r, leases, holds)
   local usage = 'held'
   if r.ch == 0 then
     usage = 'none'
   end
-  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch), now)
+  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc), now)
 end
 
 -- Settles the lease of a replica that stopped renewing it (it died, or lost the store for a whole
@@ -365,17 +474,22 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
   local settled = false
   if entry and not r then
     local e = split(entry)
+    -- (An entry written before holds carried a cost has its first key where the cost is now.)
+    local cost, first = tonumber(e[4]), 5
+    if not cost then
+      cost, first = 0, 4
+    end
     local keys = {}
-    for i = 4, #e do
+    for i = first, #e do
       keys[#keys + 1] = e[i]
     end
-    local charged = settle_expired(keys, tonumber(e[1]), tonumber(e[2]), e[3], now)
+    local charged, cost_left = settle_expired(keys, tonumber(e[1]), cost, tonumber(e[2]), e[3], now)
     local usage = 'held'
     if charged == 0 then
       usage = 'none'
     end
     ledger_append(ledger.key, ledger.terms, { id = due, tenant = ledger.tenant, outcome = 'expired', usage = usage,
-      reserved = e[1], charged = charged }, now)
+      reserved = e[1], charged = charged, cost = cost_left, reserved_cost = cost }, now)
     settled = true
   end
   redis.call('ZREM', leases, due)

@@ -71,11 +71,11 @@ for i = 1, n do
   args[i] = a
   local back_tokens, back_day, back_bucket, back_requests, held = a[6], a[7], a[8], a[9], a[10]
   if back_tokens > 0 then
-    refund({ key }, back_tokens, back_day, now)
+    refund({ key }, back_tokens, 0, back_day, now)
   elseif back_tokens < 0 then
-    charge({ key }, -back_tokens, now)
+    charge({ key }, -back_tokens, 0, now)
   end
-  refund({ key }, back_bucket, -1, now)
+  refund({ key }, back_bucket, 0, -1, now)
   if back_requests > 0 and a[2] > 0 then
     local v = redis.call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
@@ -95,7 +95,7 @@ for i = 1, n do
   local s = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, today)
   scopes[i] = s
   local a = args[i]
-  check_scope(s, a[11], a[12], a[13], leases, wait_cap, now, today, function(why, ms)
+  check_scope(s, a[11], 0, a[12], a[13], leases, wait_cap, now, today, function(why, ms)
     ms = math.max(1, math.ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms
@@ -126,7 +126,7 @@ for i, s in ipairs(scopes) do
     if s.cmax > 0 then
       taken = math.max(a[13], math.min(a[16], s.cmax - s.c))
     end
-    take(s, tokens, requests, taken, today, now, idle)
+    take(s, tokens, 0, requests, taken, today, now, idle)
   end
   granted[#granted + 1] = { tokens, requests, taken }
   slots[i] = a[10] + taken

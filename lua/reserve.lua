@@ -29,8 +29,10 @@
 -- ARGV[18] the tenant          ARGV[19] the user ('' when none)          ARGV[20] the tier
 -- ARGV[21] the usage ledger's terms, "<max entries> <retention ms>", or '' when there is none
 --          (kept on the record: the hold is entered under the terms it was made with)
--- then six numbers per scope, in KEYS order, 0 meaning "no such limit":
---   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
+-- ARGV[22] the model's price per input token, ARGV[23] per output token (nanos; 0: free)
+-- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
+--   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
+--   monthly budget, daily cost budget, monthly cost budget (nanos)
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
@@ -46,8 +48,11 @@
 --                   token reset ms, swept}
 --   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
 --    caller takes off their pools)
---   reason: token_rate | request_rate | concurrency | budget | attempts | conflict | unsatisfiable
---   (unsatisfiable: the hold is larger than a scope's whole capacity, so no wait can help;
+--   reason: token_rate | request_rate | concurrency | budget | cost_budget | monthly_budget |
+--           monthly_cost_budget | attempts | conflict | unsatisfiable
+--   (unsatisfiable: the hold, or its cost, is larger than a scope's whole capacity or budget, so
+--    no wait can help; the budgets: the day's tokens, the day's money, the month's tokens, the
+--    month's money;
 --    attempts: the idempotency key has made its most reserves; conflict: the key was first used for
 --    a different request)
 --
@@ -78,7 +83,8 @@ local shadow = ARGV[16] == '1'
 local model = ARGV[17]
 local tenant, user, tier = ARGV[18], ARGV[19], ARGV[20]
 local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
-local FIRST_SCOPE, FIRST_ARG = 7, 21
+local price_in, price_out = tonumber(ARGV[22]), tonumber(ARGV[23])
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 23, 9
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -101,7 +107,8 @@ end
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, FIRST_ARG + (i - FIRST_SCOPE) * 6, now, today)
+  local b = FIRST_ARG + (i - FIRST_SCOPE) * PER_SCOPE
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, b, now, today, b + 6)
 end
 
 -- An earlier hold answered again: charges nothing.
@@ -162,9 +169,10 @@ if min_samples > 0 then
   end
 end
 local hold = prompt + output
+local cost = prompt * price_in + output * price_out
 local would_refuse = {}
 for i, s in ipairs(scopes) do
-  if (s.tcap > 0 and hold > s.tcap) or (s.budget > 0 and hold > s.budget) then
+  if (s.tcap > 0 and hold > s.tcap) or beyond_budgets(s, hold, cost) then
     if not shadow then
       return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept }
     end
@@ -183,7 +191,7 @@ local function deny(why, i, ms)
 end
 if #would_refuse == 0 then
   for i, s in ipairs(scopes) do
-    check_scope(s, hold, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
+    check_scope(s, hold, cost, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
       deny(why, i, ms)
     end)
   end
@@ -199,7 +207,7 @@ end
 -- 7. Hold: charge every scope, write the record, index its lease.
 local names = {}
 for _, s in ipairs(scopes) do
-  take(s, hold, 1, 1, today, now, idle)
+  take(s, hold, cost, 1, 1, today, now, idle)
   names[#names + 1] = s.key
 end
 
@@ -217,11 +225,12 @@ end
 local ks = table.concat(names, ' ')
 redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts,
   'dy', today, 'ks', ks, 'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile,
-  'oh', output, 'es', estimated, 'md', model, 'tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms)
+  'oh', output, 'es', estimated, 'md', model, 'tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms,
+  'pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)
-redis.call('HSET', holds, id, string.format('%d %d %s %s', hold, today, policy, ks))
+redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, today, policy, cost, ks))
 redis.call('PEXPIRE', holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)

@@ -106,23 +106,24 @@ fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool, ledger_fi
     let (defaults, a_limits, a_user, b_limits, b_model) = if exact {
         (
             "lease_ttl_ms: 1000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  record_retention_ms: 5000",
-            "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4 }",
-            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2 }",
-            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 20000 }",
-            "{ tokens_per_minute: 3000, burst_tokens: 800 }",
+            "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }",
+            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
+            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
+            "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500 }",
         )
     } else {
         (
             "lease_ttl_ms: 600000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3",
-            "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4 }",
-            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2 }",
-            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 20000 }",
-            "{ tokens_per_minute: 1, burst_tokens: 800 }",
+            "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006 }",
+            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
+            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
+            "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500 }",
         )
     };
     let file = ledger_file.map_or_else(String::new, |f| format!("  file: {}\n", f.display()));
     format!(
-        "{store}\nledger:\n  max_len: 100000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool} }}\n  n: {{ max_output_tokens: 400 }}\n\
+        "{store}\nledger:\n  max_len: 100000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
+         n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
          tenants:\n  {a}:\n    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
@@ -145,7 +146,7 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
             )
         })
         .collect::<BTreeMap<_, _>>();
-    Model::new(
+    let mut model = Model::new(
         rules,
         pool.to_string(),
         (*policy.pools[pool]).clone(),
@@ -153,7 +154,13 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
         policy.max_attempts,
         policy.record_retention_ms,
         policy.concurrency_retry_ms,
-    )
+    );
+    for (name, m) in &policy.models {
+        if let Some(p) = m.price {
+            model.prices.insert(name.clone(), (p.input_nanos, p.output_nanos));
+        }
+    }
+    model
 }
 
 /// One case's world: the store, the model, and a clock both read.
@@ -324,6 +331,9 @@ impl<S: Store + Clone> World<S> {
                 assert!(close(got, r), "{at}: requests in {key}: store {got}, model {r}");
             }
             assert_eq!(num("du"), Some(s.du as f64), "{at}: day usage of {key}");
+            assert_eq!(num("dc").unwrap_or(0.0), s.dc as f64, "{at}: day cost of {key}");
+            assert_eq!(num("mu").unwrap_or(0.0), s.mu as f64, "{at}: month usage of {key}");
+            assert_eq!(num("mc").unwrap_or(0.0), s.mc as f64, "{at}: month cost of {key}");
         }
         let pool = &self.model.pool_name;
         let pool_keys = vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)];
@@ -344,7 +354,8 @@ impl<S: Store + Clone> World<S> {
             let mut charged = BTreeMap::new();
             for e in &ledger {
                 outcomes.entry(e["id"].as_str()).or_default().push(e["outcome"].as_str());
-                charged.insert(e["id"].as_str(), e["charged_tokens"].parse::<u64>().unwrap());
+                let cost = e["cost_nanos"].parse::<u64>().unwrap();
+                charged.insert(e["id"].as_str(), (e["charged_tokens"].parse::<u64>().unwrap(), cost));
             }
             let made: BTreeSet<&str> =
                 self.ids.iter().map(String::as_str).filter(|id| id.starts_with(&format!("{tenant}:"))).collect();
@@ -352,8 +363,10 @@ impl<S: Store + Clone> World<S> {
             for (id, o) in &outcomes {
                 assert!(o.len() == 1 || *o == ["expired", "late_committed"], "{id} entered as {o:?}");
             }
-            let du = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or(0, |s| s.du);
-            assert_eq!(charged.values().sum::<u64>(), du, "what {tenant}'s ledger charges: {ledger:?}");
+            let (du, dc) = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or((0, 0), |s| (s.du, s.dc));
+            let tokens: u64 = charged.values().map(|c| c.0).sum();
+            let cost: u64 = charged.values().map(|c| c.1).sum();
+            assert_eq!((tokens, cost), (du, dc), "what {tenant}'s ledger charges, tokens and cost: {ledger:?}");
         }
         if let Some(file) = &self.ledger_file {
             let lines = std::fs::read_to_string(file).unwrap_or_default();

@@ -814,6 +814,8 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
         overrun: used.saturating_sub(hold.held),
         model: Some(hold.model.clone()),
         output_held: Some(hold.held.saturating_sub(hold.prompt)),
+        // Leased holds are not priced: a tenant with a budget in money decides at the store.
+        cost_nanos: 0,
     }
 }
 

@@ -149,6 +149,7 @@ mod tests {
             requests_per_ms: requests_per_minute as f64 / 60_000.0,
             max_concurrency: 0,
             daily_budget: 0,
+            ..ScopeLimits::default()
         }
     }
 

@@ -51,7 +51,7 @@ use tokio::sync::oneshot;
 
 pub use crate::config::Priority;
 use crate::config::names;
-use crate::config::{Limits, OnStoreError, Policy, PoolPolicy, TenantPolicy};
+use crate::config::{Limits, Money, OnStoreError, Policy, PoolPolicy, Price, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::metrics::{Decided, Estimate, Metrics, Outcome};
 pub use crate::store::KeyRepeat;
@@ -366,6 +366,8 @@ impl<S: Store> Admission<S> {
         // actual hold against every capacity. Here, only what can never fit.
         let smallest = if tp.adaptive_output.is_some() { prompt.saturating_add(1) } else { hold };
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
+        let price = model.price.unwrap_or_default();
+        let cheapest = cost_of(price, prompt, smallest.saturating_sub(prompt));
         // (In shadow the script holds it anyway, and says it would have been unsatisfiable.)
         for s in scopes.iter().filter(|_| !tp.shadow) {
             if let Some(largest) = s.largest
@@ -374,6 +376,20 @@ impl<S: Store> Admission<S> {
                 return Err(Denial::now(
                     Unsatisfiable,
                     format!("request needs {hold} tokens but scope {} can never hold more than {largest}", s.label),
+                ));
+            }
+            let dearest = [s.limits.daily_cost, s.limits.monthly_cost].into_iter().filter(|&n| n > 0).min();
+            if let Some(budget) = dearest
+                && cheapest > budget
+            {
+                return Err(Denial::now(
+                    Unsatisfiable,
+                    format!(
+                        "request may cost {} but scope {}'s budget is {}",
+                        Money(cheapest),
+                        s.label,
+                        Money(budget)
+                    ),
                 ));
             }
         }
@@ -403,9 +419,11 @@ impl<S: Store> Admission<S> {
             }
             None => None,
         };
+        // Budgets over months or in money are kept at the store only.
         let leased = self.leases.is_some()
             && !tp.strict
             && !tp.shadow
+            && !scopes.iter().any(|s| s.long_budgets)
             && a.idempotency.is_none()
             && tp.adaptive_output.is_none();
         let pool_name = pool.as_ref().map(|leg| leg.name.as_str());
@@ -436,6 +454,7 @@ impl<S: Store> Admission<S> {
             leased,
             user: a.user.clone(),
             tier,
+            price,
         })
     }
 
@@ -752,6 +771,7 @@ impl<S: Store> Admission<S> {
             user: plan.user.as_deref(),
             tier: plan.tier,
             ledger: policy.ledger.as_ref().map(|l| l.terms),
+            price: plan.price,
         };
         let outcome = match self.protocol.reserve(&call).await {
             Ok(ReserveReply { outcome, swept }) => {
@@ -1079,7 +1099,7 @@ fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, 
         Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
         Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
         Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
-        Refusal::Budget => (Reason::Budget, format!("daily token budget of scope {scope} is spent")),
+        Refusal::Budget(b) => (Reason::Budget, format!("{} of scope {scope} is spent", b.describe())),
         Refusal::Attempts => {
             (Reason::InvalidRequest, format!("idempotency key has made its most reserves ({max_attempts})"))
         }
@@ -1129,6 +1149,8 @@ struct Plan {
     /// Who the hold is for, as the ledger enters it.
     user: Option<String>,
     tier: Priority,
+    /// The model's price: the hold charges its cost.
+    price: Price,
 }
 
 impl Plan {
@@ -1162,6 +1184,8 @@ struct Scope {
     key: String,
     limits: ScopeLimits,
     largest: Option<u64>,
+    /// A budget over a month or in money: decided at the store, never from a leased slice.
+    long_budgets: bool,
 }
 
 /// The scopes a request charges: the tenant, then its user and model where the policy limits them.
@@ -1171,6 +1195,7 @@ fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> V
         key,
         limits: ScopeLimits::from(limits),
         largest: limits.largest_admissible(),
+        long_budgets: limits.has_long_budgets(),
     };
     let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), &tp.limits)];
     if let Some(user) = user
@@ -1182,6 +1207,11 @@ fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> V
         out.push(scope(format!("model {model}"), keys::model_scope(tenant, model), limits));
     }
     out
+}
+
+/// What tokens cost at a price, in nanos (saturating: far beyond any budget either way).
+fn cost_of(price: Price, prompt: u64, output: u64) -> u64 {
+    prompt.saturating_mul(price.input_nanos).saturating_add(output.saturating_mul(price.output_nanos))
 }
 
 fn parse_id(reservation_id: &str) -> Result<ids::ReservationRef<'_>, AdmissionError> {

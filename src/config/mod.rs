@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use raw::Limits;
+pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use validate::MAX_TOKEN_COUNT;
 
 /// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
@@ -214,7 +214,21 @@ pub struct ModelPolicy {
     pub max_prompt_tokens: u64,
     /// The backend pool serving this model; none means no capacity admission for it.
     pub pool: Option<String>,
+    /// What its tokens cost; none: nothing (cost budgets need every model priced).
+    pub price: Option<Price>,
 }
+
+/// A model's price per token, in nanos of the policy's currency (a price per million tokens
+/// times 1,000): exact integers, at most [`MAX_PRICE_NANOS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Price {
+    pub input_nanos: u64,
+    pub output_nanos: u64,
+}
+
+/// The highest price per token, in nanos (1,000 per million tokens): a billion tokens at it cost
+/// 10^15 nanos, still exact in the scripts' doubles.
+pub const MAX_PRICE_NANOS: u64 = 1_000_000;
 
 /// A group of backend replicas serving one or more models, as capacity admission models it:
 /// `max_sequences` slots, each prefilling and then decoding at the given speeds.
@@ -571,7 +585,12 @@ impl Limits {
 
     /// The largest request these limits can ever admit, in tokens; `None` when unbounded.
     pub fn largest_admissible(&self) -> Option<u64> {
-        [self.token_capacity(), self.tokens_per_day].into_iter().flatten().min()
+        [self.token_capacity(), self.tokens_per_day, self.tokens_per_month].into_iter().flatten().min()
+    }
+
+    /// True when the limits count money or months: decided at the store, never from a leased slice.
+    pub fn has_long_budgets(&self) -> bool {
+        self.tokens_per_month.is_some() || self.cost_per_day.is_some() || self.cost_per_month.is_some()
     }
 
     fn describe(&self) -> String {
@@ -587,6 +606,15 @@ impl Limits {
         }
         if let Some(n) = self.tokens_per_day {
             parts.push(format!("{n} tokens/day"));
+        }
+        if let Some(n) = self.tokens_per_month {
+            parts.push(format!("{n} tokens/month"));
+        }
+        if let Some(m) = self.cost_per_day {
+            parts.push(format!("{m} a day"));
+        }
+        if let Some(m) = self.cost_per_month {
+            parts.push(format!("{m} a month"));
         }
         if parts.is_empty() { "no limits".into() } else { parts.join(", ") }
     }

@@ -134,6 +134,15 @@ pub(super) struct RawModel {
     pub bytes_per_token: f64,
     #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: u64,
+    pub price: Option<RawPrice>,
+}
+
+/// A model's price, in the policy's currency per million tokens.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPrice {
+    pub input_per_million: f64,
+    pub output_per_million: f64,
 }
 
 /// 128 Ki tokens: the context of most current models, so a prompt of unknown size is held in full.
@@ -230,4 +239,53 @@ pub struct Limits {
     pub max_concurrency: Option<u64>,
     /// Token budget per UTC day.
     pub tokens_per_day: Option<u64>,
+    /// Token budget per UTC calendar month.
+    pub tokens_per_month: Option<u64>,
+    /// Budget in money per UTC day, at the models' prices.
+    pub cost_per_day: Option<Money>,
+    /// Budget in money per UTC calendar month.
+    pub cost_per_month: Option<Money>,
+}
+
+/// An amount of money in the policy's currency, kept in billionths (nanos) so that every sum is
+/// exact: written as a number (`12.5`), at most 5,000,000, with at most nine decimals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Money(pub u64);
+
+/// Nanos in one unit of currency.
+pub const NANOS: u64 = 1_000_000_000;
+/// The largest amount a budget may name: its nanos stay well inside a double's exact integers.
+pub const MAX_MONEY: u64 = 5_000_000;
+
+impl Money {
+    /// From an amount in currency units; `None` if it is negative, not finite, above
+    /// [`MAX_MONEY`] or finer than a nano.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    pub fn from_units(units: f64) -> Option<Money> {
+        if !(units.is_finite() && (0.0..=MAX_MONEY as f64).contains(&units)) {
+            return None;
+        }
+        let nanos = (units * NANOS as f64).round();
+        ((units * NANOS as f64 - nanos).abs() < 1e-3).then_some(Money(nanos as u64))
+    }
+}
+
+impl std::fmt::Display for Money {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (units, nanos) = (self.0 / NANOS, self.0 % NANOS);
+        let frac = format!("{nanos:09}");
+        let frac = frac.trim_end_matches('0');
+        if frac.is_empty() { write!(f, "{units}") } else { write!(f, "{units}.{frac}") }
+    }
+}
+
+impl<'de> Deserialize<'de> for Money {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let units = f64::deserialize(d)?;
+        Money::from_units(units).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "{units} is not an amount of money: 0 to {MAX_MONEY}, at most nine decimals"
+            ))
+        })
+    }
 }

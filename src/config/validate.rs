@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, Price, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
     StoreSettings, TenantPolicy, TlsSettings,
 };
 
@@ -219,6 +219,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
                 format!("{pool:?} is not one of the pools this policy names"),
             ));
         }
+        let price = m.price.as_ref().map(|p| price(&format!("{field}.price"), p)).transpose()?;
         models.insert(
             name,
             ModelPolicy {
@@ -226,6 +227,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
                 bytes_per_token: m.bytes_per_token,
                 max_prompt_tokens: m.max_prompt_tokens,
                 pool: m.pool,
+                price,
             },
         );
     }
@@ -493,6 +495,27 @@ fn tenant_policy(
         if models.contains_key(name) { Ok(()) } else { Err("is not one of the models this policy names".into()) }
     })?;
 
+    // A budget in money counts every model's tokens at its price: an unpriced model would be free.
+    let scoped = [(format!("{field}.limits"), &t.limits)]
+        .into_iter()
+        .chain(t.default_user.iter().map(|l| (format!("{field}.default_user"), l)))
+        .chain(users.iter().map(|(n, l)| (format!("{field}.users.{n}"), l)))
+        .chain(tenant_models.iter().map(|(n, l)| (format!("{field}.models.{n}"), l)));
+    for (f, l) in scoped {
+        let which = if l.cost_per_day.is_some() { "cost_per_day" } else { "cost_per_month" };
+        if l.cost_per_day.is_some() || l.cost_per_month.is_some() {
+            let mut unpriced: Vec<&str> =
+                models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).collect();
+            unpriced.sort_unstable();
+            if let Some(first) = unpriced.first() {
+                return Err(problem(
+                    format!("{f}.{which}"),
+                    format!("model {first} has no price: a budget in money needs every model priced"),
+                ));
+            }
+        }
+    }
+
     // Keys must outlive everything they remember: a full refill, two leases, a day's budget.
     let mut idle = 2 * lease_ttl_ms + retention_ms.min(lease_ttl_ms);
     let all =
@@ -505,8 +528,12 @@ fn tenant_policy(
         if limits.requests_per_minute.is_some() {
             idle = idle.max(60_000);
         }
-        if limits.tokens_per_day.is_some() {
+        if limits.tokens_per_day.is_some() || limits.cost_per_day.is_some() {
             idle = idle.max(2 * DAY_MS);
+        }
+        // A month's counters outlive the longest month, and a day besides.
+        if limits.tokens_per_month.is_some() || limits.cost_per_month.is_some() {
+            idle = idle.max(32 * DAY_MS);
         }
     }
 
@@ -559,6 +586,28 @@ fn children(
     Ok(out)
 }
 
+/// A model's price per million tokens, as nanos per token.
+fn price(field: &str, p: &super::raw::RawPrice) -> Result<Price, Problem> {
+    // A price per million tokens in units is a price per token in thousandths of a micro-unit:
+    // nanos per token = price x 1,000.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    let per_token = |name: &str, per_million: f64| {
+        let thousandths = per_million * 1000.0;
+        let nanos = thousandths.round();
+        let exact = per_million.is_finite() && (0.0..=MAX_PRICE_NANOS as f64).contains(&nanos);
+        (exact && (thousandths - nanos).abs() < 1e-6).then_some(nanos as u64).ok_or_else(|| {
+            problem(
+                format!("{field}.{name}"),
+                format!("{per_million} is not a price per million tokens: 0 to 1000, at most three decimals"),
+            )
+        })
+    };
+    Ok(Price {
+        input_nanos: per_token("input_per_million", p.input_per_million)?,
+        output_nanos: per_token("output_per_million", p.output_per_million)?,
+    })
+}
+
 fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
     let named = [
         ("tokens_per_minute", l.tokens_per_minute),
@@ -566,6 +615,9 @@ fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
         ("requests_per_minute", l.requests_per_minute),
         ("max_concurrency", l.max_concurrency),
         ("tokens_per_day", l.tokens_per_day),
+        ("tokens_per_month", l.tokens_per_month),
+        ("cost_per_day", l.cost_per_day.map(|m| m.0)),
+        ("cost_per_month", l.cost_per_month.map(|m| m.0)),
     ];
     for (name, value) in named {
         if value == Some(0) {
@@ -590,8 +642,20 @@ fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Prob
         ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
         ("max_concurrency", child.max_concurrency, parent.max_concurrency),
         ("tokens_per_day", child.tokens_per_day, parent.tokens_per_day),
+        ("tokens_per_month", child.tokens_per_month, parent.tokens_per_month),
     ];
     for (name, mine, theirs) in pairs {
+        if let (Some(mine), Some(theirs)) = (mine, theirs)
+            && mine > theirs
+        {
+            return Err(problem(format!("{field}.{name}"), format!("{mine} is above the tenant's {theirs}")));
+        }
+    }
+    let money = [
+        ("cost_per_day", child.cost_per_day, parent.cost_per_day),
+        ("cost_per_month", child.cost_per_month, parent.cost_per_month),
+    ];
+    for (name, mine, theirs) in money {
         if let (Some(mine), Some(theirs)) = (mine, theirs)
             && mine > theirs
         {

@@ -3,7 +3,7 @@
 //! parsed here, once, into enums; nothing above matches a script's text.
 
 use super::{Reply, Script, Store, StoreError, keys, scripts::Scripts};
-use crate::config::{ExpiredUsage, LedgerTerms, Limits, Priority};
+use crate::config::{ExpiredUsage, LedgerTerms, Limits, Price, Priority};
 
 fn expired_usage_lua(e: ExpiredUsage) -> &'static str {
     match e {
@@ -21,6 +21,10 @@ pub struct ScopeLimits {
     pub requests_per_ms: f64,
     pub max_concurrency: u64,
     pub daily_budget: u64,
+    pub monthly_budget: u64,
+    /// Budgets in money, in nanos.
+    pub daily_cost: u64,
+    pub monthly_cost: u64,
 }
 
 impl From<&Limits> for ScopeLimits {
@@ -32,6 +36,9 @@ impl From<&Limits> for ScopeLimits {
             requests_per_ms: l.requests_per_ms(),
             max_concurrency: l.max_concurrency.unwrap_or(0),
             daily_budget: l.tokens_per_day.unwrap_or(0),
+            monthly_budget: l.tokens_per_month.unwrap_or(0),
+            daily_cost: l.cost_per_day.map_or(0, |m| m.0),
+            monthly_cost: l.cost_per_month.map_or(0, |m| m.0),
         }
     }
 }
@@ -84,6 +91,8 @@ pub struct ReserveCall<'a> {
     pub tier: Priority,
     /// The usage ledger the hold is entered in when it settles; `None`: there is none.
     pub ledger: Option<LedgerTerms>,
+    /// The model's price (zero when it has none): the hold is charged its cost.
+    pub price: Price,
 }
 
 /// What the limits would have said of a hold made in shadow.
@@ -214,13 +223,33 @@ pub struct Headroom {
     pub requests: Option<Window>,
 }
 
+/// Which budget is spent: tokens or money, for the UTC day or the calendar month.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Budget {
+    DayTokens,
+    DayCost,
+    MonthTokens,
+    MonthCost,
+}
+
+impl Budget {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Budget::DayTokens => "daily token budget",
+            Budget::DayCost => "daily cost budget",
+            Budget::MonthTokens => "monthly token budget",
+            Budget::MonthCost => "monthly cost budget",
+        }
+    }
+}
+
 /// Which limit a reserve script refused on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     TokenRate,
     RequestRate,
     Concurrency,
-    Budget,
+    Budget(Budget),
     /// The idempotency key has made its most reserves.
     Attempts,
     /// The idempotency key was first used for a different request.
@@ -235,7 +264,10 @@ impl Refusal {
             "token_rate" => Refusal::TokenRate,
             "request_rate" => Refusal::RequestRate,
             "concurrency" => Refusal::Concurrency,
-            "budget" => Refusal::Budget,
+            "budget" => Refusal::Budget(Budget::DayTokens),
+            "cost_budget" => Refusal::Budget(Budget::DayCost),
+            "monthly_budget" => Refusal::Budget(Budget::MonthTokens),
+            "monthly_cost_budget" => Refusal::Budget(Budget::MonthCost),
             "attempts" => Refusal::Attempts,
             "conflict" => Refusal::Conflict,
             "unsatisfiable" => Refusal::Unsatisfiable,
@@ -336,6 +368,8 @@ pub struct Usage {
     pub model: Option<String>,
     /// The output part of what was held (the rest was the prompt estimate), when known.
     pub output_held: Option<u64>,
+    /// What the usage cost at the model's price when the hold was made (nanos; 0 unpriced).
+    pub cost_nanos: u64,
 }
 
 /// The store's answer to a commit.
@@ -540,7 +574,7 @@ impl<S: Store> Protocol<S> {
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(6).saturating_add(21));
+        let mut args = Vec::with_capacity(call.scopes.len().saturating_mul(9).saturating_add(23));
         args.extend([
             call.id.to_string(),
             keys::record_prefix(tenant),
@@ -563,6 +597,8 @@ impl<S: Store> Protocol<S> {
             call.user.unwrap_or("").to_string(),
             call.tier.as_str().to_string(),
             call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
+            call.price.input_nanos.to_string(),
+            call.price.output_nanos.to_string(),
         ]);
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
@@ -573,6 +609,9 @@ impl<S: Store> Protocol<S> {
                 limits.requests_per_ms.to_string(),
                 limits.max_concurrency.to_string(),
                 limits.daily_budget.to_string(),
+                limits.monthly_budget.to_string(),
+                limits.daily_cost.to_string(),
+                limits.monthly_cost.to_string(),
             ]);
         }
         let script = &self.scripts.reserve;
@@ -757,6 +796,7 @@ impl<S: Store> Protocol<S> {
                 overrun: r.uint(5)?,
                 model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
                 output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
+                cost_nanos: r.uint(9).unwrap_or(0),
             }),
             _ => return Err(r.bad()),
         })

@@ -42,6 +42,35 @@ pub struct Scope {
     pub rt: u64,
     pub d: Option<u64>,
     pub du: u64,
+    pub dc: u64,
+    pub mo: Option<u64>,
+    pub mu: u64,
+    pub mc: u64,
+}
+
+/// The UTC calendar month of a day number, as year x 12 + month - 1 (as common.lua's month_of).
+pub fn month_of(day: u64) -> u64 {
+    let z = day as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y * 12 + m - 1) as u64
+}
+
+/// The day number a month (as [`month_of`] numbers it) starts on.
+pub fn month_start(month: u64) -> u64 {
+    let (y, m) = ((month / 12) as i64, (month % 12 + 1) as i64);
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    (era * 146_097 + doe - 719_468) as u64
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +101,10 @@ pub struct Hold {
     /// The model the request named, and the output part of its hold (what commit reports).
     pub model: String,
     pub output_held: u64,
+    /// The model's price per input and output token, the cost held and the cost charged (nanos).
+    pub price: (u64, u64),
+    pub cost_held: u64,
+    pub cost_charged: u64,
 }
 
 /// An idempotency key.
@@ -125,6 +158,8 @@ pub struct Model {
     pub leases: BTreeMap<String, BTreeSet<(u64, String)>>,
     pub keys: BTreeMap<(String, String), Key>,
     pub pool: Pool,
+    /// Each priced model's price per input and output token (nanos).
+    pub prices: BTreeMap<String, (u64, u64)>,
     /// Calls made, for a replay's "last call" identity.
     calls: u64,
 }
@@ -163,6 +198,7 @@ impl Model {
             leases: BTreeMap::new(),
             keys: BTreeMap::new(),
             pool: Pool::default(),
+            prices: BTreeMap::new(),
             calls: 0,
         }
     }
@@ -205,37 +241,56 @@ impl Model {
         }
     }
 
-    fn refund(&mut self, keys: &[String], amount: u64, day: u64, now: u64) {
-        if amount == 0 {
+    /// The day's and the month's usage of tokens (cost) move by `amount` when they are those of
+    /// `day`; a charge on a new day (month) starts its count (as common.lua's adjust).
+    fn move_usage(s: &mut Scope, cost: bool, amount: i64, day: u64) {
+        if amount == 0 || s.d.is_none() {
             return;
         }
+        let add = |v: u64| (v as i64 + amount).max(0) as u64;
+        if s.d == Some(day) {
+            if cost { s.dc = add(s.dc) } else { s.du = add(s.du) }
+        } else if amount > 0 {
+            s.d = Some(day);
+            (s.du, s.dc) = (0, 0);
+            if cost { s.dc = amount as u64 } else { s.du = amount as u64 }
+        }
+        let month = month_of(day);
+        if s.mo == Some(month) {
+            if cost { s.mc = add(s.mc) } else { s.mu = add(s.mu) }
+        } else if amount > 0 {
+            s.mo = Some(month);
+            (s.mu, s.mc) = (0, 0);
+            if cost { s.mc = amount as u64 } else { s.mu = amount as u64 }
+        }
+    }
+
+    /// Moves each scope by `tokens` and `cost` (debt when positive, a refund when negative).
+    fn adjust(&mut self, keys: &[String], tokens: i64, cost: i64, tokens_day: u64, cost_day: u64, now: u64) {
         for k in keys {
-            self.move_tokens(k, amount as f64, now);
-            if let Some(s) = self.scopes.get_mut(k)
-                && s.d == Some(day)
-            {
-                s.du = s.du.saturating_sub(amount);
+            if tokens != 0 {
+                self.move_tokens(k, -(tokens as f64), now);
+            }
+            if let Some(s) = self.scopes.get_mut(k) {
+                Self::move_usage(s, false, tokens, tokens_day);
+                Self::move_usage(s, true, cost, cost_day);
             }
         }
     }
 
-    fn charge(&mut self, keys: &[String], amount: u64, now: u64) {
-        if amount == 0 {
-            return;
+    fn refund(&mut self, keys: &[String], tokens: u64, cost: u64, day: u64, now: u64) {
+        if tokens > 0 || cost > 0 {
+            self.adjust(keys, -(tokens as i64), -(cost as i64), day, day, now);
         }
+    }
+
+    /// A settled hold moves from what it charged to what it should: refunds to its day, charges
+    /// to today.
+    fn settle(&mut self, keys: &[String], tokens: i64, cost: i64, day: u64, now: u64) {
         let today = now / DAY_MS;
-        for k in keys {
-            self.move_tokens(k, -(amount as f64), now);
-            if let Some(s) = self.scopes.get_mut(k) {
-                match s.d {
-                    Some(d) if d == today => s.du += amount,
-                    Some(_) => {
-                        s.d = Some(today);
-                        s.du = amount;
-                    }
-                    None => {}
-                }
-            }
+        let on = |delta: i64| if delta < 0 { day } else { today };
+        if tokens != 0 || cost != 0 {
+            self.adjust(keys, tokens, cost, on(tokens), on(cost), now);
         }
     }
 
@@ -256,13 +311,14 @@ impl Model {
 
     fn expire(&mut self, id: &str, now: u64) {
         let h = self.holds[id].clone();
-        let mut charged = h.charged;
+        let (mut charged, mut cost) = (h.charged, h.cost_charged);
         if h.slot && h.policy == ExpiredUsage::Refund {
-            self.refund(&h.scopes, h.charged, h.day, now);
-            charged = 0;
+            self.refund(&h.scopes, h.charged, h.cost_charged, h.day, now);
+            (charged, cost) = (0, 0);
         }
         let h = self.holds.get_mut(id).unwrap();
         h.charged = charged;
+        h.cost_charged = cost;
         h.state = State::Settled(Settled::Expired);
         h.slot = false;
         self.close(id, now);
@@ -350,10 +406,13 @@ impl Model {
         let rules = self.rules[&ask.tenant].clone();
         let scopes = self.scope_keys(ask);
         let hold = ask.prompt + ask.max_tokens;
+        let cost = self.cost(&ask.model, ask.prompt, ask.max_tokens);
         // Plan: what can never fit is refused before any store call.
         for (_, l) in &scopes {
-            let largest = [l.token_capacity, l.daily_budget].into_iter().filter(|&n| n > 0).min();
-            if largest.is_some_and(|largest| hold > largest) {
+            let largest =
+                [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
+            let dearest = [l.daily_cost, l.monthly_cost].into_iter().filter(|&n| n > 0).min();
+            if largest.is_some_and(|largest| hold > largest) || dearest.is_some_and(|d| cost > d) {
                 return Decision::Denied(Denial::now(Reason::Unsatisfiable, ""));
             }
         }
@@ -383,6 +442,11 @@ impl Model {
         decision
     }
 
+    /// What tokens of a model cost at its price (nanos; 0 unpriced).
+    fn cost(&self, model: &str, prompt: u64, output: u64) -> u64 {
+        self.prices.get(model).map_or(0, |(i, o)| prompt * i + output * o)
+    }
+
     fn tenant_reserve(
         &mut self,
         ask: &Ask,
@@ -393,7 +457,10 @@ impl Model {
     ) -> Decision {
         let rules = self.rules[&ask.tenant].clone();
         let hold = ask.prompt + ask.max_tokens;
+        let price = self.prices.get(&ask.model).copied().unwrap_or((0, 0));
+        let cost = ask.prompt * price.0 + ask.max_tokens * price.1;
         let today = now / DAY_MS;
+        let month = month_of(today);
         self.sweep(&ask.tenant, now, delivered);
 
         // Read and refill every scope.
@@ -404,6 +471,9 @@ impl Model {
             r: f64,
             c: u64,
             du: u64,
+            dc: u64,
+            mu: u64,
+            mc: u64,
         }
         let reads: Vec<Read> = scope_keys
             .iter()
@@ -424,6 +494,9 @@ impl Model {
                     },
                     c: self.in_flight(key),
                     du: if s.d == Some(today) { s.du } else { 0 },
+                    dc: if s.d == Some(today) { s.dc } else { 0 },
+                    mu: if s.mo == Some(month) { s.mu } else { 0 },
+                    mc: if s.mo == Some(month) { s.mc } else { 0 },
                 }
             })
             .collect();
@@ -522,8 +595,19 @@ impl Model {
                 });
                 deny(Reason::Concurrency, ms);
             }
+            let tomorrow = ((today + 1) * DAY_MS - now) as f64;
+            let next_month = (month_start(month + 1) * DAY_MS - now) as f64;
             if s.l.daily_budget > 0 && s.du + hold > s.l.daily_budget {
-                deny(Reason::Budget, ((today + 1) * DAY_MS - now) as f64);
+                deny(Reason::Budget, tomorrow);
+            }
+            if s.l.daily_cost > 0 && cost > 0 && s.dc + cost > s.l.daily_cost {
+                deny(Reason::Budget, tomorrow);
+            }
+            if s.l.monthly_budget > 0 && s.mu + hold > s.l.monthly_budget {
+                deny(Reason::Budget, next_month);
+            }
+            if s.l.monthly_cost > 0 && cost > 0 && s.mc + cost > s.l.monthly_cost {
+                deny(Reason::Budget, next_month);
             }
         }
         if let Some((reason, wait)) = verdict {
@@ -539,6 +623,10 @@ impl Model {
             let scope = self.scopes.entry(s.key.clone()).or_default();
             scope.d = Some(today);
             scope.du = s.du + hold;
+            scope.dc = s.dc + cost;
+            scope.mo = Some(month);
+            scope.mu = s.mu + hold;
+            scope.mc = s.mc + cost;
             if s.l.token_capacity > 0 {
                 scope.t = Some(s.t - hold as f64);
                 scope.tt = now;
@@ -583,6 +671,9 @@ impl Model {
                 pool: (ask.model == "m").then(|| self.pool_name.clone()),
                 model: ask.model.clone(),
                 output_held: hold - ask.prompt,
+                price,
+                cost_held: cost,
+                cost_charged: cost,
             },
         );
         self.leases.entry(ask.tenant.clone()).or_default().insert((now + rules.lease_ms, id.clone()));
@@ -646,11 +737,8 @@ impl Model {
         }
         let h = self.holds[id].clone();
         let used = prompt + output;
-        if used < h.charged {
-            self.refund(&h.scopes, h.charged - used, h.day, now);
-        } else {
-            self.charge(&h.scopes, used - h.charged, now);
-        }
+        let cost = prompt * h.price.0 + output * h.price.1;
+        self.settle(&h.scopes, used as i64 - h.charged as i64, cost as i64 - h.cost_charged as i64, h.day, now);
         let late = h.state == State::Settled(Settled::Expired);
         let usage = Usage {
             late,
@@ -662,10 +750,12 @@ impl Model {
             overrun: used.saturating_sub(h.held),
             model: Some(h.model.clone()),
             output_held: Some(h.output_held),
+            cost_nanos: cost,
         };
         let rec = self.holds.get_mut(id).unwrap();
         rec.state = State::Settled(if late { Settled::LateCommitted } else { Settled::Committed });
         rec.charged = used;
+        rec.cost_charged = cost;
         rec.slot = false;
         rec.usage = Some(usage.clone());
         self.close(id, now);
@@ -681,11 +771,12 @@ impl Model {
             Err(Some(s)) => ReleaseOutcome::Settled(s),
             Ok(()) => {
                 let h = self.holds[id].clone();
-                self.refund(&h.scopes, h.charged, h.day, now);
+                self.refund(&h.scopes, h.charged, h.cost_charged, h.day, now);
                 let rec = self.holds.get_mut(id).unwrap();
                 rec.state = State::Settled(Settled::Released);
                 rec.refunded_on_release = h.charged;
                 rec.charged = 0;
+                rec.cost_charged = 0;
                 rec.slot = false;
                 self.close(id, now);
                 ReleaseOutcome::Released { refunded: h.charged, repeated: false }
