@@ -67,6 +67,18 @@ fn check_config_says_when_the_policy_leases() {
 }
 
 #[test]
+fn check_config_says_the_budgets_over_months_and_in_money() {
+    let text = "models:\n  m: { max_output_tokens: 100, price: { input_per_million: 2.5, output_per_million: 10 } }\n\
+                tenants:\n  acme:\n    limits: { tokens_per_month: 90000000, cost_per_day: 12.5, cost_per_month: 250 }\n";
+    let policy = Policy::parse("money.yaml", text).unwrap();
+    let summary = policy.summary();
+    assert!(summary.contains("90000000 tokens/month, 12.5 a day, 250 a month"), "{summary}");
+    let price = policy.models["m"].price.unwrap();
+    assert_eq!((price.input_nanos, price.output_nanos), (2_500, 10_000), "nanos per token");
+    assert_eq!(policy.tenants["acme"].limits.cost_per_day.unwrap().0, 12_500_000_000);
+}
+
+#[test]
 fn check_config_says_where_the_ledger_goes() {
     let text = "ledger: { max_len: 5000, file: /var/lib/tollgate/ledger.jsonl }\nmodels:\n  m: { max_output_tokens: 100 }\n";
     let summary = Policy::parse("ledger.yaml", text).unwrap().summary();

@@ -292,6 +292,56 @@ mod scenarios {
         }
     }
 
+    /// Milliseconds from `now` to the start of the next UTC calendar month.
+    fn to_next_month(now: u64) -> u64 {
+        let month = support::model::month_of(now / 86_400_000);
+        support::model::month_start(month + 1) * 86_400_000 - now
+    }
+
+    pub async fn the_monthly_budget_resets_at_the_start_of_the_month<S: Store>(h: Harness<S>) {
+        let november = admitted(&h.reserve(0, 600).await).reservation_id.clone();
+        let no = denied(&h.reserve(0, 600).await).clone();
+        assert_eq!(no.reason, Reason::Budget);
+        assert!(no.message.contains("monthly token budget of scope tenant"), "{no:?}");
+        let wait = no.retry_after_ms.unwrap();
+        if !h.exact_time() {
+            let now = tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock);
+            assert!(wait.abs_diff(to_next_month(now)) < 5_000, "{wait} vs {}", to_next_month(now));
+            return;
+        }
+        // The manual clock starts at noon on 29 November: December is a day and a half away.
+        assert_eq!(wait, 36 * 3_600_000);
+        h.advance(24 * 3_600_000).await;
+        assert_eq!(denied(&h.reserve(0, 600).await).reason, Reason::Budget, "a new day is not a new month");
+        h.advance(12 * 3_600_000).await;
+        let december = admitted(&h.reserve(0, 600).await).reservation_id.clone();
+        // November's hold gives its tokens back to November only: December's 600 stay counted.
+        h.admission.release(&november).await.unwrap();
+        assert_eq!(h.tenant_scope().await.num("mu"), 600.0);
+        assert_eq!(denied(&h.reserve(0, 600).await).reason, Reason::Budget);
+        h.admission.commit(&december, 0, 100).await.unwrap();
+        assert_eq!(h.tenant_scope().await.num("mu"), 100.0, "a December commit refunds December");
+    }
+
+    /// Model `m` costs 1,000 nanos an input token and 3,000 an output token; the budget is 0.001.
+    pub async fn a_budget_in_money_holds_the_worst_case_and_charges_the_actual<S: Store>(h: Harness<S>) {
+        let first = admitted(&h.reserve(100, 200).await).reservation_id.clone();
+        let no = denied(&h.reserve(100, 200).await).clone();
+        assert_eq!(no.reason, Reason::Budget, "700,000 held, 700,000 more asked, 1,000,000 in all");
+        assert!(no.message.contains("daily cost budget of scope tenant"), "{no:?}");
+        assert!(no.retry_after_ms.unwrap() <= 86_400_000);
+        let c = h.admission.commit(&first, 100, 50).await.unwrap();
+        assert_eq!(c.usage().unwrap().cost_nanos, 250_000, "100 x 1,000 + 50 x 3,000");
+        let second = admitted(&h.reserve(100, 200).await).reservation_id.clone();
+        let c = h.admission.commit(&second, 100, 400).await.unwrap();
+        assert_eq!(c.usage().unwrap().cost_nanos, 1_300_000, "an overrun costs what it used");
+        assert_eq!(h.tenant_scope().await.num("dc"), 1_550_000.0);
+        assert_eq!(denied(&h.reserve(1, 1).await).reason, Reason::Budget, "spent past the budget");
+        let never = denied(&h.reserve(100, 400).await).clone();
+        assert_eq!(never.reason, Reason::Unsatisfiable, "1,300,000 can never fit 1,000,000: {never:?}");
+        assert!(never.message.contains("may cost 0.0013"), "{never:?}");
+    }
+
     pub async fn the_request_rate_is_limited<S: Store>(h: Harness<S>) {
         let first = h.reserve(1, 1).await;
         let requests = admitted(&first).headroom.requests.unwrap();
@@ -835,6 +885,8 @@ mod scenarios {
             ("prompt_tokens", "10"),
             ("output_tokens", "20"),
             ("reserved_tokens", "100"),
+            ("cost_nanos", "70000"),
+            ("reserved_cost_nanos", "280000"),
         ] {
             assert_eq!(first[field], value, "{field} of {first:?}");
         }
@@ -892,6 +944,8 @@ mod scenarios {
     pub const LEASE_REFUND: &str = "lease_ttl_ms: 300\nexpired_usage: refund\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 1\n";
     pub const SCOPED: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 2000\ndefault_user:\n  tokens_per_minute: 60\n  burst_tokens: 500\nmodels:\n  other:\n    tokens_per_minute: 60\n    burst_tokens: 400\n";
     pub const DAILY: &str = "limits:\n  tokens_per_day: 1000\n";
+    pub const MONTHLY: &str = "limits:\n  tokens_per_month: 1000\n";
+    pub const MONEY: &str = "limits:\n  cost_per_day: 0.001\n";
     pub const DAILY_AND_BUCKET: &str =
         "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  tokens_per_day: 1000\n";
     pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";
@@ -932,6 +986,8 @@ macro_rules! conformance {
             scenario!(a_retried_request_is_a_new_attempt, BUCKET);
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
             scenario!(the_daily_budget_resets_at_midnight_utc, DAILY);
+            scenario!(the_monthly_budget_resets_at_the_start_of_the_month, MONTHLY);
+            scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);

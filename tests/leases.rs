@@ -227,6 +227,15 @@ macro_rules! leasing {
                 let body = format!("leasing:\n  window_ms: 250\n{TOP_SEPARATOR}strict: true\nlimits:\n{SLOW}");
                 scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
             }
+
+            /// Budgets over a month or in money are kept at the store only.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn tenants_with_monthly_or_money_budgets_bypass_leasing() {
+                for budget in ["tokens_per_month: 1000000", "cost_per_day: 100"] {
+                    let body = format!("leasing:\n  window_ms: 250\n{TOP_SEPARATOR}limits:\n{SLOW}  {budget}\n");
+                    scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
+                }
+            }
         }
     };
 }

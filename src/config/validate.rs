@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, Price, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, Money, Price, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
     StoreSettings, TenantPolicy, TlsSettings,
 };
 
@@ -616,9 +616,12 @@ fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
         ("max_concurrency", l.max_concurrency),
         ("tokens_per_day", l.tokens_per_day),
         ("tokens_per_month", l.tokens_per_month),
-        ("cost_per_day", l.cost_per_day.map(|m| m.0)),
-        ("cost_per_month", l.cost_per_month.map(|m| m.0)),
     ];
+    for (name, money) in [("cost_per_day", l.cost_per_day), ("cost_per_month", l.cost_per_month)] {
+        if money == Some(Money(0)) {
+            return Err(problem(format!("{field}.{name}"), "must be above 0 (leave it out for no limit)"));
+        }
+    }
     for (name, value) in named {
         if value == Some(0) {
             return Err(problem(format!("{field}.{name}"), "must be at least 1 (leave it out for no limit)"));

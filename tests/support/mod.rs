@@ -53,7 +53,8 @@ pub const POOL_SEPARATOR: &str = "---pool---";
 /// Separates extra `defaults:` lines from the rest: `"<defaults>\n---defaults---\n<body>"`.
 pub const DEFAULTS_SEPARATOR: &str = "---defaults---";
 
-/// A whole policy around one tenant's YAML body (as under `tenants.<t>:`) and, when the body
+/// A whole policy around one tenant's YAML body (model `m` priced at 1 and 3 per million input and
+/// output tokens, `other` at 2 and 6) (as under `tenants.<t>:`) and, when the body
 /// carries a [`POOL_SEPARATOR`], one pool (as under `pools.<p>:`) that serves model `m`. Lines
 /// before a [`DEFAULTS_SEPARATOR`] go under `defaults:`.
 pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String {
@@ -72,7 +73,8 @@ pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String 
     };
     format!(
         "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n{defaults}{pools}\
-         models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n{served_by}  other:\n    max_output_tokens: 100000\n\
+         models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n    price: {{ input_per_million: 1, output_per_million: 3 }}\n\
+         {served_by}  other:\n    max_output_tokens: 100000\n    price: {{ input_per_million: 2, output_per_million: 6 }}\n\
          tenants:\n  {tenant}:\n{}",
         indent(tenant_body)
     )
