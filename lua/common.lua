@@ -148,8 +148,9 @@ end
 -- A scope as the admission scripts see it: its limits, from six ARGV numbers after `b` (token
 -- capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget; 0
 -- meaning no such limit) and, when `long` is given, three after `long` (tokens per month, cost
--- per day, cost per month); and its counters refilled to `now`. Reads; writes nothing.
-local function read_scope(key, args, b, now, today, long)
+-- per day, cost per month); and its counters refilled to `now` (`month`: today's). Reads; writes
+-- nothing.
+local function read_scope(key, args, b, now, today, month, long)
   local s = {
     key = key,
     tcap = tonumber(args[b + 1]),
@@ -177,7 +178,7 @@ local function read_scope(key, args, b, now, today, long)
   if tonumber(v[6]) == today then
     s.du, s.dc = tonumber(v[7]) or 0, tonumber(v[8]) or 0
   end
-  if tonumber(v[9]) == month_of(today) then
+  if tonumber(v[9]) == month then
     s.mu, s.mc = tonumber(v[10]) or 0, tonumber(v[11]) or 0
   end
   return s
@@ -223,9 +224,9 @@ end
 
 -- Takes `tokens` (costing `cost`), `requests` and `slots` from scope `s` (as read_scope left it)
 -- and keeps the scope alive for `idle` ms.
-local function take(s, tokens, cost, requests, slots, today, now, idle)
-  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens, 'dc', s.dc + cost, 'mo', month_of(today), 'mu',
-    s.mu + tokens, 'mc', s.mc + cost }
+local function take(s, tokens, cost, requests, slots, today, month, now, idle)
+  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens, 'dc', s.dc + cost, 'mo', month, 'mu', s.mu + tokens,
+    'mc', s.mc + cost }
   -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
   -- debt, never below minus the capacity, as with adjust below.
   if s.tcap > 0 then
@@ -277,6 +278,7 @@ end
 -- charge on a new day (month) starts its count. A scope hash that has expired (idle longer than
 -- its TTL) is not recreated: an idle bucket is full anyway.
 local function adjust(keys, tokens, cost, tokens_day, cost_day, now)
+  local tokens_month, cost_month = month_of(tokens_day), month_of(cost_day)
   for _, k in ipairs(keys) do
     local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr', 'd', 'du', 'dc', 'mo', 'mu', 'mc')
     local f = {}
@@ -287,27 +289,33 @@ local function adjust(keys, tokens, cost, tokens_day, cost_day, now)
     end
     local u = { d = tonumber(v[5]), du = tonumber(v[6]) or 0, dc = tonumber(v[7]) or 0, mo = tonumber(v[8]),
       mu = tonumber(v[9]) or 0, mc = tonumber(v[10]) or 0 }
-    if u.d then
-      local function move(per_day, per_month, amount, day)
-        if amount == 0 then
-          return
-        end
-        if u.d == day then
-          u[per_day] = math.max(0, u[per_day] + amount)
-        elseif amount > 0 then
-          u.d, u.du, u.dc = day, 0, 0
-          u[per_day] = amount
-        end
-        local month = month_of(day)
-        if u.mo == month then
-          u[per_month] = math.max(0, u[per_month] + amount)
-        elseif amount > 0 then
-          u.mo, u.mu, u.mc = month, 0, 0
-          u[per_month] = amount
-        end
+    local moved = false
+    local function move(per_day, per_month, amount, day, month)
+      if amount == 0 then
+        return
       end
-      move('du', 'mu', tokens, tokens_day)
-      move('dc', 'mc', cost, cost_day)
+      if u.d == day then
+        u[per_day] = math.max(0, u[per_day] + amount)
+        moved = true
+      elseif amount > 0 then
+        u.d, u.du, u.dc = day, 0, 0
+        u[per_day] = amount
+        moved = true
+      end
+      if u.mo == month then
+        u[per_month] = math.max(0, u[per_month] + amount)
+        moved = true
+      elseif amount > 0 then
+        u.mo, u.mu, u.mc = month, 0, 0
+        u[per_month] = amount
+        moved = true
+      end
+    end
+    if u.d then
+      move('du', 'mu', tokens, tokens_day, tokens_month)
+      move('dc', 'mc', cost, cost_day, cost_month)
+    end
+    if moved then
       for _, name in ipairs({ 'd', 'du', 'dc', 'mo', 'mu', 'mc' }) do
         if u[name] then
           f[#f + 1] = name

@@ -50,6 +50,7 @@ local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 6, 8, 17
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
+local month = month_of(today)
 
 -- (A hold without a record is entered under no terms: leasing runs without a ledger.)
 local swept = sweep(leases, holds, prefix, batch, now, { key = KEYS[5], terms = '' })
@@ -92,7 +93,7 @@ end
 local scopes = {}
 local reason, where, wait = '', 0, -1
 for i = 1, n do
-  local s = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, today)
+  local s = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, today, month)
   scopes[i] = s
   local a = args[i]
   check_scope(s, a[11], 0, a[12], a[13], leases, wait_cap, now, today, function(why, ms)
@@ -126,7 +127,7 @@ for i, s in ipairs(scopes) do
     if s.cmax > 0 then
       taken = math.max(a[13], math.min(a[16], s.cmax - s.c))
     end
-    take(s, tokens, 0, requests, taken, today, now, idle)
+    take(s, tokens, 0, requests, taken, today, month, now, idle)
   end
   granted[#granted + 1] = { tokens, requests, taken }
   slots[i] = a[10] + taken

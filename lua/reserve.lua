@@ -88,6 +88,7 @@ local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 23, 9
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
+local month = month_of(today)
 
 -- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
 -- nothing, not even the sweep: it answers as the first run did, below.
@@ -108,7 +109,7 @@ end
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
   local b = FIRST_ARG + (i - FIRST_SCOPE) * PER_SCOPE
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, b, now, today, b + 6)
+  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, b, now, today, month, b + 6)
 end
 
 -- An earlier hold answered again: charges nothing.
@@ -207,7 +208,7 @@ end
 -- 7. Hold: charge every scope, write the record, index its lease.
 local names = {}
 for _, s in ipairs(scopes) do
-  take(s, hold, cost, 1, 1, today, now, idle)
+  take(s, hold, cost, 1, 1, today, month, now, idle)
   names[#names + 1] = s.key
 end
 

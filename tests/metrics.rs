@@ -49,7 +49,7 @@ fn reserve(tenant: &str, prompt: u64, max: u64) -> ReserveRequest {
 async fn a_scrape_counts_what_happened() {
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let policy = format!(
-        "server:\n  admin_listen: {admin}\nmodels:\n  m: {{ max_output_tokens: 100 }}\n\
+        "server:\n  admin_listen: {admin}\nmodels:\n  m: {{ max_output_tokens: 100, price: {{ input_per_million: 1, output_per_million: 3 }} }}\n\
          tenants:\n  acme:\n    lease_ttl_ms: 50\n    limits: {{ tokens_per_minute: 60, burst_tokens: 500 }}\n\
          default_tenant:\n  limits: {{ tokens_per_minute: 60000 }}\n"
     );
@@ -101,6 +101,7 @@ async fn a_scrape_counts_what_happened() {
     let reserved = committed.reserved_tokens + released.reserved_tokens + expiring.reserved_tokens;
     assert_eq!(value(&s, "tollgate_tokens_total{event=\"reserved\",tenant=\"acme\"}"), reserved as f64);
     assert_eq!(value(&s, "tollgate_tokens_total{event=\"committed\",tenant=\"acme\"}"), 50.0);
+    assert_eq!(value(&s, "tollgate_cost_total{tenant=\"acme\"}"), 110_000.0, "20 x 1,000 + 30 x 3,000 nanos");
     // Refunded: the commit's 100 - 50, and the release's whole hold.
     assert_eq!(
         value(&s, "tollgate_tokens_total{event=\"refunded\",tenant=\"acme\"}"),

@@ -920,7 +920,7 @@ impl<S: Store> Admission<S> {
         if u.duplicate || !self.metrics.enabled() {
             return;
         }
-        self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun);
+        self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun, u.cost_nanos);
         if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
             (counted, &u.model, u.output_held, u.late)
         {

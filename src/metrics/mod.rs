@@ -106,6 +106,7 @@ pub struct Metrics {
     decision_duration: Histogram<f64>,
     degraded: Counter<u64>,
     tokens: Counter<u64>,
+    cost: Counter<u64>,
     holds: Counter<u64>,
     usage_ratio: Histogram<f64>,
     estimate_ratio: Histogram<f64>,
@@ -177,6 +178,11 @@ impl Metrics {
                 .u64_counter("tollgate.degraded.decisions")
                 .with_description("Decisions made while the store was unreachable, by the tenant's on_store_error mode")
                 .with_unit("{decision}")
+                .build(),
+            cost: meter
+                .u64_counter("tollgate.cost")
+                .with_description("What commits charged in money at the models' prices, in nanos of the policy's currency")
+                .with_unit("{nano}")
                 .build(),
             tokens: meter
                 .u64_counter("tollgate.tokens")
@@ -294,11 +300,14 @@ impl Metrics {
     }
 
     /// A hold settled by a commit: its state, and where its tokens went.
-    pub fn committed(&self, tenant: &str, late: bool, used: u64, held: u64, refunded: u64, overrun: u64) {
+    pub fn committed(&self, tenant: &str, late: bool, used: u64, held: u64, refunded: u64, overrun: u64, cost: u64) {
         if !self.enabled {
             return;
         }
         let tenant = self.tenant(tenant);
+        if cost > 0 {
+            self.cost.add(cost, std::slice::from_ref(&tenant));
+        }
         let state = if late { "late_committed" } else { "committed" };
         self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state)]);
         for (event, n) in [("committed", used), ("refunded", refunded), ("overrun", overrun)] {
