@@ -24,8 +24,16 @@ use crate::store::redis::RedisStore;
 use crate::store::{Reply, Script, Store, StoreError, keys};
 
 /// Fields whose values are whole numbers, written as JSON numbers.
-const NUMBERS: [&str; 6] =
-    ["prompt_tokens", "output_tokens", "reserved_tokens", "charged_tokens", "reserved_at_ms", "settled_at_ms"];
+const NUMBERS: [&str; 8] = [
+    "prompt_tokens",
+    "output_tokens",
+    "reserved_tokens",
+    "charged_tokens",
+    "cost_nanos",
+    "reserved_cost_nanos",
+    "reserved_at_ms",
+    "settled_at_ms",
+];
 
 /// One entry as a JSON object: `entry` is its stream id, then its fields; empty values are `null`.
 pub fn entry_json<'a>(entry: &str, fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {

@@ -906,6 +906,7 @@ mod scenarios {
             for (w, x) in written.iter().zip(&ledger) {
                 assert_eq!((w["id"].as_str(), w["outcome"].as_str()), (Some(x["id"].as_str()), Some(x["outcome"].as_str())));
                 assert_eq!(w["charged_tokens"].as_u64(), Some(at(x, "charged_tokens")), "numbers are numbers: {w}");
+                assert_eq!(w["cost_nanos"].as_u64(), Some(at(x, "cost_nanos")), "{w}");
             }
             assert_eq!(written[1]["user"], serde_json::Value::Null, "an empty field is null: {}", written[1]);
         }

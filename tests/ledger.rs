@@ -83,6 +83,7 @@ async fn reads_every_tenants_stream_once(backend: Backend) {
         (Some(10), Some(20), Some(30)),
         "{x}"
     );
+    assert_eq!((x["cost_nanos"].as_u64(), x["reserved_cost_nanos"].as_u64()), (Some(70_000), Some(280_000)), "{x}");
     assert_eq!((x["tenant"].as_str(), x["model"].as_str(), x["user"].is_null()), (Some(tenants[0]), Some("m"), true));
     assert!(x["entry"].as_str().unwrap().contains('-'), "the stream entry id: {x}");
     assert_eq!(by_id[ids[1].as_str()]["outcome"], "released");
