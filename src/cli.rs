@@ -792,8 +792,12 @@ async fn ledger_run(args: LedgerArgs) -> Result<crate::ledger::Drained, LedgerRu
         (None, None, None) => return Err(LedgerRunError::NoStore),
     };
     let consumer = args.consumer.unwrap_or_else(host_name);
-    let settings =
-        crate::ledger::ReaderSettings { group: args.group, consumer, batch: args.batch, claim_idle_ms: args.claim_idle_ms };
+    let settings = crate::ledger::ReaderSettings {
+        group: args.group,
+        consumer,
+        batch: args.batch,
+        claim_idle_ms: args.claim_idle_ms,
+    };
     let store = RedisStore::connect(&target, options).await?;
     let reader = crate::ledger::Reader::new(store.clone(), settings).await?;
     let shutdown = CancellationToken::new();

@@ -181,8 +181,13 @@ impl Reader {
     /// those were trimmed.
     async fn read_batch(&self, stream: &str, from: &str) -> Result<(Vec<(String, String)>, u64), StoreError> {
         let s = &self.settings;
-        let args =
-            vec![s.group.clone(), s.consumer.clone(), s.batch.to_string(), from.to_string(), s.claim_idle_ms.to_string()];
+        let args = vec![
+            s.group.clone(),
+            s.consumer.clone(),
+            s.batch.to_string(),
+            from.to_string(),
+            s.claim_idle_ms.to_string(),
+        ];
         let reply = self.store.eval(&self.read, vec![stream.to_string()], args).await?;
         let bad = || StoreError::BadReply { script: self.read.name, reply: reply.clone() };
         let Reply::Array(items) = &reply else { return Err(bad()) };

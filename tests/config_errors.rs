@@ -80,7 +80,8 @@ fn check_config_says_the_budgets_over_months_and_in_money() {
 
 #[test]
 fn check_config_says_where_the_ledger_goes() {
-    let text = "ledger: { max_len: 5000, file: /var/lib/tollgate/ledger.jsonl }\nmodels:\n  m: { max_output_tokens: 100 }\n";
+    let text =
+        "ledger: { max_len: 5000, file: /var/lib/tollgate/ledger.jsonl }\nmodels:\n  m: { max_output_tokens: 100 }\n";
     let summary = Policy::parse("ledger.yaml", text).unwrap().summary();
     assert!(
         summary.contains(

@@ -904,7 +904,10 @@ mod scenarios {
             let written: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
             assert_eq!(written.len(), ledger.len(), "every entry is in the file: {lines}");
             for (w, x) in written.iter().zip(&ledger) {
-                assert_eq!((w["id"].as_str(), w["outcome"].as_str()), (Some(x["id"].as_str()), Some(x["outcome"].as_str())));
+                assert_eq!(
+                    (w["id"].as_str(), w["outcome"].as_str()),
+                    (Some(x["id"].as_str()), Some(x["outcome"].as_str()))
+                );
                 assert_eq!(w["charged_tokens"].as_u64(), Some(at(x, "charged_tokens")), "numbers are numbers: {w}");
                 assert_eq!(w["cost_nanos"].as_u64(), Some(at(x, "cost_nanos")), "{w}");
             }

@@ -13,11 +13,11 @@ use serde_json::Value;
 use support::procs::{Envoy, TempDir, Tollgate, tollgate_cmd};
 use support::upstream::post;
 use support::{Backend, Harness, admitted};
+use tokio_util::sync::CancellationToken;
 use tollgate::sim::backend::{self, SimConfig, SimStats};
 use tollgate::sim::lengths::OutputLengths;
 use tollgate::store::redis::RedisStore;
 use tollgate::store::{Reply, Script, Store, keys};
-use tokio_util::sync::CancellationToken;
 
 const LEDGER: &str = "ledger:\n  retention_ms: 600000\n---top---\nlimits: { tokens_per_minute: 60000 }\n";
 
@@ -138,7 +138,9 @@ async fn what_was_read_and_not_acknowledged_is_written_again(backend: Backend) {
     let more = admitted(&a.reserve(1, 1).await).reservation_id.clone();
     a.admission.release(&more).await.unwrap();
     read_without_ack(&a, &group, "c0").await;
-    assert!(read_once(backend, &["--group", &group, "--consumer", "c2", "--claim-idle-ms", "600000"], &tenants).is_empty());
+    assert!(
+        read_once(backend, &["--group", &group, "--consumer", "c2", "--claim-idle-ms", "600000"], &tenants).is_empty()
+    );
     tokio::time::sleep(Duration::from_millis(20)).await;
     let lines = read_once(backend, &["--group", &group, "--consumer", "c2", "--claim-idle-ms", "10"], &tenants);
     assert_eq!(lines.iter().map(|v| v["id"].as_str().unwrap()).collect::<Vec<_>>(), vec![more.as_str()]);
@@ -243,7 +245,8 @@ async fn an_entry_trimmed_before_its_acknowledgement_is_counted_lost() {
     read_without_ack(&h, &group, "c1").await;
     let trim = Script::new("trim", "return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0)".to_string());
     h.admission.protocol().store().eval(&trim, vec![keys::ledger(&h.tenant)], vec![]).await.unwrap();
-    let mut args = vec!["ledger".to_string(), "--once".into(), "--group".into(), group, "--consumer".into(), "c1".into()];
+    let mut args =
+        vec!["ledger".to_string(), "--once".into(), "--group".into(), group, "--consumer".into(), "c1".into()];
     args.extend(store_args(Backend::Redis));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = tollgate_cmd(&args, Duration::from_secs(30));

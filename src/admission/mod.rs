@@ -384,12 +384,7 @@ impl<S: Store> Admission<S> {
             {
                 return Err(Denial::now(
                     Unsatisfiable,
-                    format!(
-                        "request may cost {} but scope {}'s budget is {}",
-                        Money(cheapest),
-                        s.label,
-                        Money(budget)
-                    ),
+                    format!("request may cost {} but scope {}'s budget is {}", Money(cheapest), s.label, Money(budget)),
                 ));
             }
         }
@@ -920,7 +915,7 @@ impl<S: Store> Admission<S> {
         if u.duplicate || !self.metrics.enabled() {
             return;
         }
-        self.metrics.committed(tenant, u.late, u.used, u.held, u.refunded, u.overrun, u.cost_nanos);
+        self.metrics.committed(tenant, u);
         if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
             (counted, &u.model, u.output_held, u.late)
         {

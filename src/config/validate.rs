@@ -9,8 +9,8 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, Money, Price, MetricsSettings, ModelPolicy, Policy, PoolPolicy, ServerSettings, StoreChoice,
-    StoreSettings, TenantPolicy, TlsSettings,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, MetricsSettings, ModelPolicy, Money,
+    Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy, TlsSettings,
 };
 
 type Problem = (String, String);

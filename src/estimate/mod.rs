@@ -45,7 +45,13 @@ mod tests {
 
     #[test]
     fn bytes_round_up_to_whole_tokens() {
-        let m = ModelPolicy { max_output_tokens: 512, bytes_per_token: 4.0, max_prompt_tokens: 1000, pool: None, price: None };
+        let m = ModelPolicy {
+            max_output_tokens: 512,
+            bytes_per_token: 4.0,
+            max_prompt_tokens: 1000,
+            pool: None,
+            price: None,
+        };
         assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m), 3);
         assert_eq!(prompt_tokens(PromptSize::Tokens(7), &m), 7);
         assert_eq!(output_reservation(None, &m), 512);

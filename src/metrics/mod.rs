@@ -17,6 +17,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, ObservableGauge};
 
 use crate::config::Policy;
+use crate::store::Usage;
 
 /// The label a tenant outside the bounded set is counted under.
 pub const OTHER_TENANT: &str = "other";
@@ -300,13 +301,14 @@ impl Metrics {
     }
 
     /// A hold settled by a commit: its state, and where its tokens went.
-    pub fn committed(&self, tenant: &str, late: bool, used: u64, held: u64, refunded: u64, overrun: u64, cost: u64) {
+    pub fn committed(&self, tenant: &str, u: &Usage) {
         if !self.enabled {
             return;
         }
         let tenant = self.tenant(tenant);
-        if cost > 0 {
-            self.cost.add(cost, std::slice::from_ref(&tenant));
+        let &Usage { late, used, held, refunded, overrun, cost_nanos, .. } = u;
+        if cost_nanos > 0 {
+            self.cost.add(cost_nanos, std::slice::from_ref(&tenant));
         }
         let state = if late { "late_committed" } else { "committed" };
         self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state)]);

@@ -20,8 +20,8 @@ pub mod scripts;
 use std::future::Future;
 
 pub use protocol::{
-    Amounts, Budget, CommitOutcome, Counted, EstimateView, Forwarded, Headroom, KeyCall, KeyRepeat, Learning, LeaseCall,
-    LeaseOutcome, LeaseReply, LeaseScope, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol, Refusal,
+    Amounts, Budget, CommitOutcome, Counted, EstimateView, Forwarded, Headroom, KeyCall, KeyRepeat, Learning,
+    LeaseCall, LeaseOutcome, LeaseReply, LeaseScope, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol, Refusal,
     ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled, ThrottleCall, Usage,
     Window,
 };

@@ -149,9 +149,9 @@ pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
     let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
     // A ledger on the embedded store is a file: the scenario's `ledger:` section gets one.
-    let ledger_file = top.contains("ledger:").then(|| {
-        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ledger-{tenant}.jsonl"))
-    });
+    let ledger_file = top
+        .contains("ledger:")
+        .then(|| std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ledger-{tenant}.jsonl")));
     let top = match &ledger_file {
         Some(f) => top.replace("ledger:\n", &format!("ledger:\n  file: {}\n", f.display())),
         None => top.to_string(),

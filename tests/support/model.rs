@@ -409,8 +409,7 @@ impl Model {
         let cost = self.cost(&ask.model, ask.prompt, ask.max_tokens);
         // Plan: what can never fit is refused before any store call.
         for (_, l) in &scopes {
-            let largest =
-                [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
+            let largest = [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
             let dearest = [l.daily_cost, l.monthly_cost].into_iter().filter(|&n| n > 0).min();
             if largest.is_some_and(|largest| hold > largest) || dearest.is_some_and(|d| cost > d) {
                 return Decision::Denied(Denial::now(Reason::Unsatisfiable, ""));

@@ -40,10 +40,13 @@ enum Value {
 /// A stream entry's id: milliseconds and a sequence within them.
 type StreamId = (u64, u64);
 
+/// A stream entry's fields and values, in order.
+type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// A stream: entries in id order, and the last id given (ids only grow, even past trimming).
 #[derive(Debug, Default)]
 struct Stream {
-    entries: std::collections::BTreeMap<StreamId, Vec<(Vec<u8>, Vec<u8>)>>,
+    entries: std::collections::BTreeMap<StreamId, Fields>,
     last: StreamId,
 }
 
@@ -376,7 +379,10 @@ impl Keyspace {
                 if lo <= hi {
                     for (id, fields) in st.entries.range(lo..=hi) {
                         let flat = fields.iter().flat_map(|(f, v)| [Resp::Bulk(f.clone()), Resp::Bulk(v.clone())]);
-                        out.push(Resp::Array(vec![Resp::Bulk(format_id(*id).into_bytes()), Resp::Array(flat.collect())]));
+                        out.push(Resp::Array(vec![
+                            Resp::Bulk(format_id(*id).into_bytes()),
+                            Resp::Array(flat.collect()),
+                        ]));
                     }
                 }
                 Ok(Resp::Array(out))
@@ -418,7 +424,7 @@ impl Keyspace {
         if pairs.is_empty() || pairs.len() % 2 != 0 {
             return Err(arity_error());
         }
-        let fields: Vec<(Vec<u8>, Vec<u8>)> = pairs.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+        let fields: Fields = pairs.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
         let entry = self.entry_or_insert(now, &a[0], || Value::Stream(Stream::default()));
         let Value::Stream(st) = &mut entry.value else { return Err(wrongtype()) };
         let id = if now > st.last.0 { (now, 0) } else { (st.last.0, st.last.1 + 1) };
