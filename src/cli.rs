@@ -46,6 +46,9 @@ pub enum Command {
         /// Overrides server.listen from the policy.
         #[arg(long)]
         listen: Option<SocketAddr>,
+        /// Overrides server.health_listen from the policy (health alone, for the kubelet's probes).
+        #[arg(long)]
+        health_listen: Option<SocketAddr>,
         #[command(flatten)]
         tls: TlsFlags,
         /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
@@ -76,10 +79,68 @@ pub enum Command {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,
     },
+    /// Add tollgate and its Envoy to the pods of Kubernetes workloads (Deployment, StatefulSet,
+    /// DaemonSet, ReplicaSet, Job, Pod) read from a file or stdin; write the YAML to stdout.
+    Inject(InjectArgs),
     /// Write the usage ledger out as JSON lines on stdout: every tenant's ledger stream on Redis
     /// or a Redis Cluster, read through a consumer group, each entry acknowledged once written
     /// (at least once; keep the last line per reservation id).
     Ledger(LedgerArgs),
+}
+
+/// What `tollgate inject` reads and adds.
+#[derive(Debug, clap::Args)]
+pub struct InjectArgs {
+    /// Kubernetes YAML, one or more documents; `-` or nothing: stdin.
+    pub file: Option<PathBuf>,
+    /// tollgate's image.
+    #[arg(long, default_value = concat!("tollgate:", env!("CARGO_PKG_VERSION")))]
+    pub image: String,
+    /// Envoy's image.
+    #[arg(long, default_value = "envoyproxy/envoy:v1.40.0")]
+    pub envoy_image: String,
+    /// The ConfigMap that holds policy.yaml.
+    #[arg(long, default_value = "tollgate-policy")]
+    pub policy_config_map: String,
+    /// The application's port, for pods that neither annotate it (tollgate.io/app-port) nor
+    /// declare one (the first container's first port).
+    #[arg(long)]
+    pub app_port: Option<u16>,
+    /// Envoy's port on the pod's network: point the Service here.
+    #[arg(long, default_value_t = 8080)]
+    pub proxy_port: u16,
+}
+
+/// `tollgate inject`: the YAML, injected, on stdout; nothing on stdout when a document is refused.
+pub fn inject(args: InjectArgs) -> ExitCode {
+    let text = match args.file.as_deref().filter(|f| f.as_os_str() != "-") {
+        Some(file) => std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display())),
+        None => std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read stdin: {e}")),
+    };
+    let options = crate::inject::Options {
+        image: args.image,
+        envoy_image: args.envoy_image,
+        policy_config_map: args.policy_config_map,
+        app_port: args.app_port,
+        proxy_port: args.proxy_port,
+    };
+    match text.and_then(|t| crate::inject::inject(&t, &options).map_err(|e| e.to_string())) {
+        Ok(out) => {
+            use std::io::Write;
+            let mut stdout = std::io::stdout().lock();
+            match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("tollgate inject: cannot write: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("tollgate inject: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Where `tollgate ledger` reads, and as whom.

@@ -37,6 +37,7 @@ pub mod cli;
 pub mod config;
 pub mod estimate;
 pub mod grpc;
+pub mod inject;
 pub mod ledger;
 pub mod metrics;
 pub mod reload;

@@ -48,7 +48,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async move {
         match cli.command {
-            Command::Serve { config, listen, tls, otlp_endpoint, log } => {
+            Command::Serve { config, listen, health_listen, tls, otlp_endpoint, log } => {
                 let _telemetry = match tollgate::telemetry::init(&log, otlp_endpoint.as_deref()) {
                     Ok(t) => t,
                     Err(e) => {
@@ -57,7 +57,12 @@ fn main() -> ExitCode {
                     }
                 };
                 let result = async {
-                    let adjust: tollgate::reload::Adjust = Arc::new(move |p: &mut Policy| tls.apply(p));
+                    let adjust: tollgate::reload::Adjust = Arc::new(move |p: &mut Policy| {
+                        if health_listen.is_some() {
+                            p.server.health_listen = health_listen;
+                        }
+                        tls.apply(p)
+                    });
                     let mut policy = Policy::load(&config)?;
                     adjust(&mut policy)?;
                     let policy = Arc::new(policy);
@@ -85,6 +90,7 @@ fn main() -> ExitCode {
             }
             Command::SimLoad(args) => cli::sim_load(args).await,
             Command::BenchFloor { listen } => cli::bench_floor(listen).await,
+            Command::Inject(args) => cli::inject(args),
             Command::Ledger(args) => {
                 let _telemetry = tollgate::telemetry::init("warn", None);
                 cli::ledger(args).await
