@@ -109,21 +109,38 @@ pub struct InjectArgs {
     /// Envoy's port on the pod's network: point the Service here.
     #[arg(long, default_value_t = 8080)]
     pub proxy_port: u16,
+    /// Serve the same injection as a mutating admission webhook (AdmissionReview v1, HTTPS)
+    /// instead of reading YAML.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"], conflicts_with = "file")]
+    pub serve: bool,
+    /// With --serve: where the webhook listens.
+    #[arg(long, default_value = "0.0.0.0:8443")]
+    pub listen: SocketAddr,
+    /// With --serve: the webhook's certificate (PEM), reread when it changes.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// With --serve: its private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// `tollgate inject`: the YAML, injected, on stdout; nothing on stdout when a document is refused.
-pub fn inject(args: InjectArgs) -> ExitCode {
+/// With `--serve`, the webhook until SIGTERM.
+pub async fn inject(args: InjectArgs) -> ExitCode {
+    if args.serve {
+        return match inject_webhook(args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("tollgate inject --serve: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let text = match args.file.as_deref().filter(|f| f.as_os_str() != "-") {
         Some(file) => std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display())),
         None => std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read stdin: {e}")),
     };
-    let options = crate::inject::Options {
-        image: args.image,
-        envoy_image: args.envoy_image,
-        policy_config_map: args.policy_config_map,
-        app_port: args.app_port,
-        proxy_port: args.proxy_port,
-    };
+    let options = inject_options(&args);
     match text.and_then(|t| crate::inject::inject(&t, &options).map_err(|e| e.to_string())) {
         Ok(out) => {
             use std::io::Write;
@@ -141,6 +158,29 @@ pub fn inject(args: InjectArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn inject_options(args: &InjectArgs) -> crate::inject::Options {
+    crate::inject::Options {
+        image: args.image.clone(),
+        envoy_image: args.envoy_image.clone(),
+        policy_config_map: args.policy_config_map.clone(),
+        app_port: args.app_port,
+        proxy_port: args.proxy_port,
+    }
+}
+
+async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
+    let tls = TlsSettings::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref(), None, &[])
+        .map_err(|e| e.to_string())?
+        .ok_or("--serve needs --tls-cert and --tls-key")?;
+    let live = crate::grpc::tls::LiveTls::load(&tls).map_err(|e| e.to_string())?;
+    let listener = TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    tracing::info!(listen = %args.listen, "injecting pods as a mutating admission webhook");
+    let shutdown = CancellationToken::new();
+    cancel_on_signal(shutdown.clone());
+    crate::webhook::serve(listener, live, Arc::new(inject_options(&args)), shutdown).await;
+    Ok(())
 }
 
 /// Where `tollgate ledger` reads, and as whom.

@@ -44,6 +44,7 @@ pub mod reload;
 pub mod sim;
 pub mod store;
 pub mod telemetry;
+pub mod webhook;
 
 /// Generated protobuf types of tollgate's own API.
 pub mod proto {

@@ -90,7 +90,10 @@ fn main() -> ExitCode {
             }
             Command::SimLoad(args) => cli::sim_load(args).await,
             Command::BenchFloor { listen } => cli::bench_floor(listen).await,
-            Command::Inject(args) => cli::inject(args),
+            Command::Inject(args) => {
+                let _telemetry = tollgate::telemetry::init("info", None);
+                cli::inject(args).await
+            }
             Command::Ledger(args) => {
                 let _telemetry = tollgate::telemetry::init("warn", None);
                 cli::ledger(args).await

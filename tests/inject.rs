@@ -6,13 +6,12 @@
 
 mod support;
 
-use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_yaml::Value;
-use support::procs::{Tollgate, free_port, tollgate_bin, tollgate_cmd, wait_for_port};
+use support::procs::{Tollgate, free_port, tollgate_cmd, tollgate_with_stdin, wait_for_port};
 
 fn fixture() -> String {
     std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/inject/workloads.yaml")).unwrap()
@@ -20,17 +19,9 @@ fn fixture() -> String {
 
 /// `tollgate inject` with `input` on stdin: (success, stdout, stderr).
 fn inject(input: &str, args: &[&str]) -> (bool, String, String) {
-    let mut child = Command::new(tollgate_bin())
-        .arg("inject")
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+    let mut all = vec!["inject"];
+    all.extend_from_slice(args);
+    tollgate_with_stdin(&all, input)
 }
 
 fn docs(text: &str) -> Vec<Value> {

@@ -169,6 +169,25 @@ pub fn tollgate_cmd(args: &[&str], limit: Duration) -> Output {
     }
 }
 
+/// Runs `tollgate` with `input` on stdin: (success, stdout, stderr).
+pub fn tollgate_with_stdin(args: &[&str], input: &str) -> (bool, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(tollgate_bin())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn tollgate");
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_string();
+    // Written from a thread of its own, so a large output cannot stall a large input.
+    let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
+}
+
 pub fn envoy_bin() -> String {
     std::env::var("TOLLGATE_TEST_ENVOY")
         .expect("TOLLGATE_TEST_ENVOY is not set: run the suite with `bash scripts/test`, which installs Envoy")
