@@ -175,7 +175,8 @@ async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .ok_or("--serve needs --tls-cert and --tls-key")?;
     let live = crate::grpc::tls::LiveTls::load(&tls).map_err(|e| e.to_string())?;
-    let listener = TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    let listener =
+        TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     tracing::info!(listen = %args.listen, "injecting pods as a mutating admission webhook");
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());

@@ -91,11 +91,12 @@ fn patch(pod: &Value, options: &Options) -> Result<Option<Vec<Value>>, String> {
     }
     let after: serde_yaml::Value = serde_yaml::from_str(&injected).map_err(|e| e.to_string())?;
     let after = serde_json::to_value(&after).map_err(|e| e.to_string())?;
-    let ops = [("/spec/initContainers", &after["spec"]["initContainers"]), ("/spec/volumes", &after["spec"]["volumes"])]
-        .into_iter()
-        .chain([("/metadata/annotations", &after["metadata"]["annotations"])])
-        .map(|(path, value)| json!({ "op": "add", "path": path, "value": value }))
-        .collect();
+    let ops =
+        [("/spec/initContainers", &after["spec"]["initContainers"]), ("/spec/volumes", &after["spec"]["volumes"])]
+            .into_iter()
+            .chain([("/metadata/annotations", &after["metadata"]["annotations"])])
+            .map(|(path, value)| json!({ "op": "add", "path": path, "value": value }))
+            .collect();
     Ok(Some(ops))
 }
 

@@ -133,3 +133,18 @@ fn the_example_policy_is_valid() {
     assert_eq!(policy.store.choice, StoreChoice::Embedded);
     assert!(policy.default_tenant.is_some());
 }
+
+/// Every manifest in deploy/ is valid against the Kubernetes schemas (strict: no unknown field).
+#[test]
+fn every_manifest_passes_the_kubernetes_schemas() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml") && !p.to_string_lossy().ends_with("policy.yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    let refs: Vec<&Path> = files.iter().map(std::path::PathBuf::as_path).collect();
+    support::procs::kube_validate(&refs);
+}

@@ -214,3 +214,14 @@ fn serve_takes_the_health_port_from_the_command_line() {
     let mut tollgate = Tollgate::start_with("models:\n  m: { max_output_tokens: 10 }\n", &["--health-listen", &health]);
     wait_for_port(health.parse().unwrap(), Duration::from_secs(10), "tollgate's health port", &mut tollgate.child);
 }
+
+/// What inject writes is valid against the Kubernetes schemas (strict: no unknown field), for
+/// every kind it injects.
+#[test]
+fn injected_manifests_pass_the_kubernetes_schemas() {
+    let (ok, out, err) = inject(&fixture(), &[]);
+    assert!(ok, "{err}");
+    let dir = support::procs::TempDir::new("inject-schemas");
+    let file = dir.write("injected.yaml", &out);
+    support::procs::kube_validate(&[file.as_path()]);
+}

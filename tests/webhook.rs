@@ -40,7 +40,16 @@ impl Webhook {
         let server = ca.server(&dir, "injector", &[SERVER_NAME]);
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let mut child = Command::new(tollgate_bin())
-            .args(["inject", "--serve", "--listen", &addr.to_string(), "--tls-cert", server.cert(), "--tls-key", server.key()])
+            .args([
+                "inject",
+                "--serve",
+                "--listen",
+                &addr.to_string(),
+                "--tls-cert",
+                server.cert(),
+                "--tls-key",
+                server.key(),
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -99,7 +108,10 @@ impl Webhook {
         let (status, body) = self.request("POST", &review.to_string()).await;
         assert_eq!(status, 200, "{body}");
         let answer: Value = serde_json::from_str(&body).unwrap();
-        assert_eq!((answer["apiVersion"].as_str(), answer["kind"].as_str()), (Some("admission.k8s.io/v1"), Some("AdmissionReview")));
+        assert_eq!(
+            (answer["apiVersion"].as_str(), answer["kind"].as_str()),
+            (Some("admission.k8s.io/v1"), Some("AdmissionReview"))
+        );
         let response = answer["response"].clone();
         assert_eq!(response["uid"], "705ab4f5-6393-11e8-b7cc-42010a800002", "the request's uid");
         assert_eq!(response["allowed"], true, "a pod is never refused: {response}");
@@ -202,4 +214,47 @@ async fn what_is_not_an_admission_review_is_answered_400() {
     assert!(body.contains("no request.uid"), "{body}");
     let (status, _) = webhook.request("GET", "").await;
     assert_eq!(status, 405);
+}
+
+/// deploy/webhook.yaml wires what this file tests: the configuration calls the Service, on the
+/// path and port the injector serves, with the CA cert-manager issues for the Service's name; it
+/// selects opted-in namespaces and opted-in pods, never both for one pod, never a disabled one.
+#[test]
+fn the_deployed_webhook_calls_the_injector_it_deploys() {
+    let text =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/webhook.yaml")).unwrap();
+    let docs: Vec<serde_yaml::Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
+    let find = |kind: &str| docs.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("no {kind}"));
+    let (config, service, deployment, certificate) =
+        (find("MutatingWebhookConfiguration"), find("Service"), find("Deployment"), find("Certificate"));
+    let namespace = service["metadata"]["namespace"].as_str().unwrap();
+    let service_name = service["metadata"]["name"].as_str().unwrap();
+    assert_eq!(
+        config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].as_str(),
+        Some(format!("{namespace}/{}", certificate["metadata"]["name"].as_str().unwrap()).as_str())
+    );
+    assert_eq!(certificate["spec"]["dnsNames"][0].as_str(), Some(format!("{service_name}.{namespace}.svc").as_str()));
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let args: Vec<&str> = container["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(&args[..2], ["inject", "--serve"]);
+    assert!(args.contains(&"--listen=0.0.0.0:8443"));
+    assert_eq!(service["spec"]["ports"][0]["targetPort"], "webhook");
+    assert_eq!(container["ports"][0]["containerPort"], 8443);
+    let secret = deployment["spec"]["template"]["spec"]["volumes"][0]["secret"]["secretName"].as_str();
+    assert_eq!(secret, certificate["spec"]["secretName"].as_str(), "the injector mounts the certificate's secret");
+    let webhooks = config["webhooks"].as_sequence().unwrap();
+    assert_eq!(webhooks.len(), 2);
+    for w in webhooks {
+        let client = &w["clientConfig"]["service"];
+        assert_eq!((client["name"].as_str(), client["namespace"].as_str()), (Some(service_name), Some(namespace)));
+        assert_eq!(client["port"], service["spec"]["ports"][0]["port"]);
+        assert_eq!(w["admissionReviewVersions"][0], "v1");
+        assert_eq!(w["rules"][0]["resources"][0], "pods");
+    }
+    let (by_namespace, by_pod) = (&webhooks[0], &webhooks[1]);
+    assert_eq!(by_namespace["namespaceSelector"]["matchLabels"]["tollgate.io/inject"], "enabled");
+    assert_eq!(by_namespace["objectSelector"]["matchExpressions"][0]["values"][0], "disabled");
+    assert_eq!(by_pod["objectSelector"]["matchLabels"]["tollgate.io/inject"], "enabled");
+    assert_eq!(by_pod["namespaceSelector"]["matchExpressions"][0]["values"][0], "enabled", "never called twice");
 }

@@ -188,6 +188,22 @@ pub fn tollgate_with_stdin(args: &[&str], input: &str) -> (bool, String, String)
     (out.status.success(), String::from_utf8(out.stdout).unwrap(), String::from_utf8(out.stderr).unwrap())
 }
 
+/// Validates Kubernetes manifests against the official schemas, offline and strictly (unknown
+/// fields are errors): kubernetes-validate, installed from PyPI by `scripts/test`. Kinds it has no
+/// schema for (cert-manager's, Prometheus Operator's) pass with a warning. Panics with its report.
+pub fn kube_validate(files: &[&Path]) {
+    let bin = std::env::var("TOLLGATE_TEST_KUBE_VALIDATE").expect(
+        "TOLLGATE_TEST_KUBE_VALIDATE is not set: run the suite with `bash scripts/test`, which installs kubernetes-validate",
+    );
+    let out = Command::new(bin).args(["--strict", "--quiet"]).args(files).output().expect("kubernetes-validate runs");
+    assert!(
+        out.status.success(),
+        "kubernetes-validate refused {files:?}:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn envoy_bin() -> String {
     std::env::var("TOLLGATE_TEST_ENVOY")
         .expect("TOLLGATE_TEST_ENVOY is not set: run the suite with `bash scripts/test`, which installs Envoy")
