@@ -214,6 +214,9 @@ pub struct LedgerArgs {
     /// How often to look again when not --once (ms).
     #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(10..))]
     pub poll_ms: u64,
+    /// How often to look for new tenants' streams when not --once (ms; a SCAN of every primary).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub rescan_ms: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -905,7 +908,8 @@ async fn ledger_run(args: LedgerArgs) -> Result<crate::ledger::Drained, LedgerRu
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     let mut out = std::io::stdout().lock();
-    let drained = reader.follow(&mut out, args.once, Duration::from_millis(args.poll_ms), shutdown).await;
+    let (poll, rescan) = (Duration::from_millis(args.poll_ms), Duration::from_millis(args.rescan_ms));
+    let drained = reader.follow(&mut out, args.once, poll, rescan, shutdown).await;
     store.close().await;
     Ok(drained?)
 }

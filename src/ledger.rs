@@ -217,26 +217,47 @@ impl Reader {
 
     /// Drains every ledger stream once.
     pub async fn pass(&self, out: &mut impl Write) -> Result<Drained, LedgerError> {
+        let streams = self.streams().await?;
+        self.drain_all(&streams, out).await
+    }
+
+    async fn drain_all(&self, streams: &[String], out: &mut impl Write) -> Result<Drained, LedgerError> {
         let mut drained = Drained::default();
-        for stream in self.streams().await? {
-            drained += self.drain(&stream, out).await?;
+        for stream in streams {
+            drained += self.drain(stream, out).await?;
         }
         Ok(drained)
     }
 
     /// Drains every stream, then again every `poll`, until `shutdown` (after the pass in
-    /// progress) or, with `once`, after the first pass. A pass that fails is logged and retried
-    /// at the next poll unless `once`.
+    /// progress) or, with `once`, after the first pass. The streams are looked for again (a
+    /// `SCAN` of every primary) every `rescan`, so new tenants are picked up without scanning the
+    /// keyspace at every poll. A pass that fails is logged and retried at the next poll unless
+    /// `once`.
     pub async fn follow(
         &self,
         out: &mut impl Write,
         once: bool,
         poll: Duration,
+        rescan: Duration,
         shutdown: CancellationToken,
     ) -> Result<Drained, LedgerError> {
         let mut total = Drained::default();
+        let mut known: Option<(Vec<String>, tokio::time::Instant)> = None;
         loop {
-            match self.pass(out).await {
+            let streams = match known.take() {
+                Some((streams, at)) if at.elapsed() < rescan => Ok((streams, at)),
+                _ => self.streams().await.map(|s| (s, tokio::time::Instant::now())),
+            };
+            let pass = match streams {
+                Ok((streams, at)) => {
+                    let drained = self.drain_all(&streams, out).await;
+                    known = Some((streams, at));
+                    drained
+                }
+                Err(e) => Err(e.into()),
+            };
+            match pass {
                 Ok(d) => total += d,
                 Err(e) if once => return Err(e),
                 Err(LedgerError::Write(e)) => return Err(LedgerError::Write(e)),

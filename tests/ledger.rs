@@ -255,3 +255,55 @@ async fn an_entry_trimmed_before_its_acknowledgement_is_counted_lost() {
     assert!(!String::from_utf8_lossy(&out.stdout).contains(&h.tenant), "nothing written for it");
     assert!(stderr.contains("1 lost to trimming"), "{stderr}");
 }
+
+/// Without --once the reader keeps going: a tenant that appears after it started is found at the
+/// next rescan and its entries are written as they come; SIGTERM ends it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reader_follows_new_tenants_until_sigterm() {
+    use std::io::BufRead;
+    let group = unique_group();
+    let mut child = std::process::Command::new(support::procs::tollgate_bin())
+        .args(["ledger", "--group", &group, "--poll-ms", "50", "--rescan-ms", "100"])
+        .args(store_args(Backend::Redis))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (lines, seen) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if lines.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A tenant the reader has never seen.
+    let h = harness(Backend::Redis).await;
+    let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+    h.admission.commit(&id, 1, 1).await.unwrap();
+    let start = Instant::now();
+    let found = loop {
+        match seen.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) if line.contains(&id) => break Some(line),
+            _ if start.elapsed() > Duration::from_secs(10) => break None,
+            _ => {}
+        }
+    };
+    let line = found.unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("the reader never wrote {id}")
+    });
+    assert!(line.contains("\"committed\""), "{line}");
+    std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "the reader did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status:?}");
+}
