@@ -65,6 +65,19 @@ fn the_redis_overlay_runs_replicas_that_share_its_redis() {
     let service = find(&docs, "Service", "redis").expect("its Service");
     assert_eq!(service["spec"]["selector"]["app"], redis["spec"]["template"]["metadata"]["labels"]["app"]);
     assert_eq!(service["spec"]["ports"][0]["port"], 6379);
+    // Its policy keeps a ledger, and a reader writes it out from the very ConfigMap the pods mount.
+    assert!(policy.ledger.is_some(), "the Redis overlay keeps a usage ledger");
+    let reader = find(&docs, "Deployment", "tollgate-ledger").expect("the ledger reader");
+    let spec = &reader["spec"]["template"]["spec"];
+    let args: Vec<&str> =
+        spec["containers"][0]["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(&args[..3], ["ledger", "--config", "/etc/tollgate/policy.yaml"]);
+    assert!(!args.contains(&"--once"), "it keeps reading");
+    let mounted = |d: &Value| {
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_sequence().unwrap();
+        volumes.iter().find(|v| v["name"] == "policy").unwrap()["configMap"]["name"].clone()
+    };
+    assert_eq!(mounted(reader), mounted(deployment));
     // The policy the overlay replaces is the one rendered: one policy ConfigMap, no stale base one.
     let policies = docs
         .iter()
@@ -91,6 +104,8 @@ fn the_single_file_example_is_the_redis_overlay() {
         spec
     };
     assert_eq!(pod(rendered), pod(by_hand));
+    let reader = |docs: &[Value]| pod(find(docs, "Deployment", "tollgate-ledger").unwrap());
+    assert_eq!(reader(&docs), reader(&example), "the ledger reader");
     let data =
         |name: &str, key: &str| find(&example, "ConfigMap", name).unwrap()["data"][key].as_str().unwrap().to_string();
     assert_eq!(envoy, data("envoy-config", "envoy.yaml"));
