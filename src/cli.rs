@@ -177,7 +177,9 @@ async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
     let live = crate::grpc::tls::LiveTls::load(&tls).map_err(|e| e.to_string())?;
     let listener =
         TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    tracing::info!(listen = %args.listen, "injecting pods as a mutating admission webhook");
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    // On stderr as a plain line, so that whoever started it (on port 0, say) can read where.
+    eprintln!("tollgate inject: serving the webhook on https://{bound}");
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
     crate::webhook::serve(listener, live, Arc::new(inject_options(&args)), shutdown).await;

@@ -14,7 +14,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use serde_json::{Value, json};
 use support::certs::Ca;
-use support::procs::{TempDir, free_port, tollgate_bin, wait_for_port};
+use support::procs::{TempDir, tollgate_bin};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const SERVER_NAME: &str = "tollgate-injector.tollgate.svc";
@@ -38,23 +38,38 @@ impl Webhook {
         let dir = TempDir::new("webhook");
         let ca = Ca::new(&dir, "cluster-ca");
         let server = ca.server(&dir, "injector", &[SERVER_NAME]);
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        // Port 0: the webhook says where it listens, so no other test's server can be mistaken
+        // for it.
         let mut child = Command::new(tollgate_bin())
             .args([
                 "inject",
                 "--serve",
                 "--listen",
-                &addr.to_string(),
+                "127.0.0.1:0",
                 "--tls-cert",
                 server.cert(),
                 "--tls-key",
                 server.key(),
             ])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        wait_for_port(addr, Duration::from_secs(10), "the webhook", &mut child);
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("https://").nth(1) {
+                    let _ = tx.send(addr.trim().to_string());
+                }
+            }
+        });
+        let addr: SocketAddr = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("the webhook did not say where it listens: {:?}", child.try_wait()))
+            .parse()
+            .unwrap();
         Webhook { child, addr, ca: ca.cert.clone(), _dir: dir }
     }
 
