@@ -230,7 +230,8 @@ async fn a_providers_429_throttles_its_pool_until_its_retry_after() {
         assert!(start.elapsed() < Duration::from_secs(5), "the pool was never throttled\n{}", tollgate.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert_eq!(v.share, 0.5);
+    // Halved by the 429, and recovering at 0.05 a second from then: a slow look sees a little more.
+    assert!((0.5..0.52).contains(&v.share), "{v:?}");
     assert!((1..=3000).contains(&v.resumes_in_ms), "the provider's Retry-After: {v:?}");
     // Until then the pool admits nothing new: a 503 with the time left, not a trip to the provider.
     let r = post(envoy.port, CHAT, &[TENANT], body).await;
