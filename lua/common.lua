@@ -270,6 +270,32 @@ local function headroom(scopes, take_tokens, take_requests)
   return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
 end
 
+-- A scope's usage counters, per day (`d`: `du` tokens, `dc` cost) and per month (`mo`: `mu`,
+-- `mc`), as adjust holds them in `u`. `which`: 1 tokens, 2 cost.
+local DAY_USAGE, MONTH_USAGE = { 'du', 'dc' }, { 'mu', 'mc' }
+
+-- One period's counter moved by `amount` when the period is `at`; a charge (`amount` > 0) in a
+-- new period starts that period's counters. True when anything moved.
+local function count_period(u, period, fields, which, amount, at)
+  if u[period] == at then
+    u[fields[which]] = math.max(0, u[fields[which]] + amount)
+  elseif amount > 0 then
+    u[period], u[fields[1]], u[fields[2]] = at, 0, 0
+    u[fields[which]] = amount
+  else
+    return false
+  end
+  return true
+end
+
+local function count_usage(u, which, amount, day, month)
+  if amount == 0 then
+    return false
+  end
+  local by_day = count_period(u, 'd', DAY_USAGE, which, amount, day)
+  return count_period(u, 'mo', MONTH_USAGE, which, amount, month) or by_day
+end
+
 -- Moves each scope by `tokens` and `cost` (debt when positive, a refund when negative), one read
 -- and one write a scope. The bucket moves from its level now: refilled first, so a full bucket's
 -- refill (which it could not hold) never pays debt; never above its capacity, never below minus
@@ -290,30 +316,9 @@ local function adjust(keys, tokens, cost, tokens_day, cost_day, now)
     local u = { d = tonumber(v[5]), du = tonumber(v[6]) or 0, dc = tonumber(v[7]) or 0, mo = tonumber(v[8]),
       mu = tonumber(v[9]) or 0, mc = tonumber(v[10]) or 0 }
     local moved = false
-    local function move(per_day, per_month, amount, day, month)
-      if amount == 0 then
-        return
-      end
-      if u.d == day then
-        u[per_day] = math.max(0, u[per_day] + amount)
-        moved = true
-      elseif amount > 0 then
-        u.d, u.du, u.dc = day, 0, 0
-        u[per_day] = amount
-        moved = true
-      end
-      if u.mo == month then
-        u[per_month] = math.max(0, u[per_month] + amount)
-        moved = true
-      elseif amount > 0 then
-        u.mo, u.mu, u.mc = month, 0, 0
-        u[per_month] = amount
-        moved = true
-      end
-    end
     if u.d then
-      move('du', 'mu', tokens, tokens_day, tokens_month)
-      move('dc', 'mc', cost, cost_day, cost_month)
+      moved = count_usage(u, 1, tokens, tokens_day, tokens_month)
+      moved = count_usage(u, 2, cost, cost_day, cost_month) or moved
     end
     if moved then
       for _, name in ipairs({ 'd', 'du', 'dc', 'mo', 'mu', 'mc' }) do

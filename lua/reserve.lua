@@ -224,10 +224,23 @@ if min_samples > 0 then
   learn_into = KEYS[4]
 end
 local ks = table.concat(names, ' ')
-redis.call('HSET', KEYS[2], 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts,
-  'dy', today, 'ks', ks, 'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile,
-  'oh', output, 'es', estimated, 'md', model, 'tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms,
-  'pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
+local record = { 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts, 'dy', today, 'ks', ks,
+  'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output, 'es', estimated,
+  'md', model }
+-- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
+-- record without them reads as free: see load).
+local function also(...)
+  for _, v in ipairs({ ... }) do
+    record[#record + 1] = v
+  end
+end
+if ledger.terms ~= '' then
+  also('tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms)
+end
+if price_in > 0 or price_out > 0 then
+  also('pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
+end
+redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 redis.call('PEXPIRE', leases, idle)

@@ -48,19 +48,27 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>, shutdown: Can
             () = shutdown.cancelled() => return,
         };
         let registry = Arc::clone(&registry);
-        let done = shutdown.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let response = answer(&req, &registry);
-                async move { Ok::<_, Infallible>(response) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                () = done.cancelled() => connection.as_mut().graceful_shutdown(),
-            }
-            let _ = connection.await;
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let response = answer(&req, &registry);
+            async move { Ok::<_, Infallible>(response) }
         });
+        tokio::spawn(serve_http1(TokioIo::new(stream), service, shutdown.clone()));
     }
+}
+
+/// Serves one HTTP/1.1 connection until the client closes it, or until `done`, after which the
+/// request in progress is answered and the connection closed.
+pub(crate) async fn serve_http1<I, S>(io: I, service: S, done: CancellationToken)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<Full<Bytes>>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    let connection = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+    tokio::pin!(connection);
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = done.cancelled() => connection.as_mut().graceful_shutdown(),
+    }
+    let _ = connection.await;
 }

@@ -174,7 +174,7 @@ async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
     let tls = TlsSettings::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref(), None, &[])
         .map_err(|e| e.to_string())?
         .ok_or("--serve needs --tls-cert and --tls-key")?;
-    let live = crate::grpc::tls::LiveTls::load(&tls).map_err(|e| e.to_string())?;
+    let live = crate::grpc::tls::LiveTls::load_for(&tls, crate::grpc::tls::Alpn::Http1).map_err(|e| e.to_string())?;
     let listener =
         TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
@@ -517,8 +517,7 @@ pub async fn serve(
     registry: Arc<Registry>,
     watched: Option<Watched>,
 ) -> Result<(), RunError> {
-    let options =
-        RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
+    let options = RedisOptions::from(&policy.store);
     let b = policy.store.breaker;
     let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
     let metrics = registry.metrics(&policy);
@@ -561,8 +560,7 @@ struct Served {
 
 async fn bench_decision(args: DecisionArgs) -> Result<crate::bench::decision::DecisionTimes, RunError> {
     let policy = Arc::new(Policy::load(&args.config)?);
-    let options =
-        RedisOptions { connect_timeout: policy.store.connect_timeout, command_timeout: policy.store.command_timeout };
+    let options = RedisOptions::from(&policy.store);
     match policy.store.choice.clone() {
         StoreChoice::Embedded => decide_on(EmbeddedStore::new()?, policy, args).await,
         StoreChoice::Redis { url } => {
@@ -881,10 +879,7 @@ async fn ledger_run(args: LedgerArgs) -> Result<crate::ledger::Drained, LedgerRu
     let (target, options) = match (&args.config, args.redis_url, args.redis_cluster) {
         (Some(file), _, _) => {
             let policy = Policy::load(file)?;
-            let options = RedisOptions {
-                connect_timeout: policy.store.connect_timeout,
-                command_timeout: policy.store.command_timeout,
-            };
+            let options = RedisOptions::from(&policy.store);
             match policy.store.choice {
                 StoreChoice::Redis { url } => (RedisTarget::Single(url), options),
                 StoreChoice::Cluster { nodes } => (RedisTarget::Cluster(nodes), options),

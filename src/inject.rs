@@ -121,6 +121,15 @@ fn documents(text: &str) -> Vec<(&str, &str)> {
 
 type Refusal = (String, String);
 
+/// One pod (as the API server sends it to the webhook), injected; `None` when it stays as it is
+/// (already injected); the reason when inject refuses it.
+pub fn inject_pod(mut pod: Value, options: &Options) -> Result<Option<Value>, String> {
+    if let Some(m) = pod.as_mapping_mut() {
+        m.insert("kind".into(), "Pod".into());
+    }
+    inject_document(pod, options).map_err(|(_, why)| why)
+}
+
 /// The document with tollgate injected, or `None` when it stays as it is.
 fn inject_document(mut doc: Value, options: &Options) -> Result<Option<Value>, Refusal> {
     let kind = doc.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();

@@ -28,7 +28,8 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
-use crate::grpc::tls::LiveTls;
+use crate::admin::serve_http1;
+use crate::grpc::tls::{HANDSHAKE_TIMEOUT, LiveTls};
 use crate::inject::{self, Options};
 
 /// The opt-in and opt-out annotation or label.
@@ -36,7 +37,6 @@ pub const INJECT: &str = "tollgate.io/inject";
 /// The largest AdmissionReview accepted (a pod with its spec is a few KiB; the API server's own
 /// limit on objects is 1.5 MiB).
 const MAX_BODY: usize = 3 * 1024 * 1024;
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The answer to one AdmissionReview body, or why it is not one.
 pub fn review(body: &[u8], options: &Options) -> Result<Value, String> {
@@ -77,26 +77,17 @@ fn opted_out(pod: &Value) -> bool {
 /// The JSON patch that injects this pod, or `None` when it needs none (already injected). Each
 /// field inject changes is set whole (`add` replaces a member that exists).
 fn patch(pod: &Value, options: &Options) -> Result<Option<Vec<Value>>, String> {
-    let mut as_yaml: serde_yaml::Value = serde_yaml::to_value(pod).map_err(|e| e.to_string())?;
-    if let Some(m) = as_yaml.as_mapping_mut() {
-        m.insert("kind".into(), "Pod".into());
-    }
-    let text = serde_yaml::to_string(&as_yaml).map_err(|e| e.to_string())?;
-    let injected = inject::inject(&text, options).map_err(|e| match e {
-        inject::InjectError::Refused { why, .. } => why,
-        inject::InjectError::Yaml { why, .. } => why,
-    })?;
-    if injected == text {
-        return Ok(None);
-    }
-    let after: serde_yaml::Value = serde_yaml::from_str(&injected).map_err(|e| e.to_string())?;
+    let as_yaml: serde_yaml::Value = serde_yaml::to_value(pod).map_err(|e| e.to_string())?;
+    let Some(after) = inject::inject_pod(as_yaml, options)? else { return Ok(None) };
     let after = serde_json::to_value(&after).map_err(|e| e.to_string())?;
-    let ops =
-        [("/spec/initContainers", &after["spec"]["initContainers"]), ("/spec/volumes", &after["spec"]["volumes"])]
-            .into_iter()
-            .chain([("/metadata/annotations", &after["metadata"]["annotations"])])
-            .map(|(path, value)| json!({ "op": "add", "path": path, "value": value }))
-            .collect();
+    let ops = [
+        ("/spec/initContainers", &after["spec"]["initContainers"]),
+        ("/spec/volumes", &after["spec"]["volumes"]),
+        ("/metadata/annotations", &after["metadata"]["annotations"]),
+    ]
+    .into_iter()
+    .map(|(path, value)| json!({ "op": "add", "path": path, "value": value }))
+    .collect();
     Ok(Some(ops))
 }
 
@@ -126,22 +117,7 @@ async fn answer(req: Request<Incoming>, options: &Options) -> Response<Full<Byte
 
 /// Serves the webhook on `listener` until `shutdown`.
 pub async fn serve(listener: TcpListener, tls: Arc<LiveTls>, options: Arc<Options>, shutdown: CancellationToken) {
-    let reload = {
-        let (tls, stop) = (Arc::clone(&tls), shutdown.clone());
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(Duration::from_secs(10));
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = ticks.tick() => {
-                        let tls = Arc::clone(&tls);
-                        let _ = tokio::task::spawn_blocking(move || tls.refresh()).await;
-                    }
-                    () = stop.cancelled() => return,
-                }
-            }
-        })
-    };
+    let reload = tls.watch(Duration::from_secs(10), shutdown.clone());
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -153,9 +129,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<LiveTls>, options: Arc<Option
             },
             () = shutdown.cancelled() => break,
         };
-        let mut config = (*tls.current()).clone();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
-        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let acceptor = TlsAcceptor::from(tls.current());
         let (options, done) = (Arc::clone(&options), shutdown.clone());
         tokio::spawn(async move {
             let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
@@ -167,13 +141,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<LiveTls>, options: Arc<Option
                 let options = Arc::clone(&options);
                 async move { Ok::<_, Infallible>(answer(req, &options).await) }
             });
-            let connection = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => return,
-                () = done.cancelled() => connection.as_mut().graceful_shutdown(),
-            }
-            let _ = connection.await;
+            serve_http1(TokioIo::new(stream), service, done).await;
         });
     }
     reload.abort();

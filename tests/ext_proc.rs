@@ -18,7 +18,6 @@ use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, ReleaseRequest, RenewRequest, ReserveRequest};
 use tollgate::sim::backend::{self, SimConfig, SimStats};
 use tollgate::sim::formats::Text;
-use tollgate::sim::lengths::OutputLengths;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
                       pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\
@@ -61,19 +60,7 @@ impl Stack {
 
     async fn start_with(decode_tokens_per_second: f64, text: Text, edit: impl FnOnce(String) -> String) -> Stack {
         let tollgate = Tollgate::start(POLICY);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let config = SimConfig {
-            slots: 4,
-            prefill_tokens_per_second: 1_000_000.0,
-            decode_tokens_per_second,
-            lengths: OutputLengths::Fixed(40),
-            tollgate: None,
-            text,
-            ..SimConfig::default()
-        };
-        let shutdown = CancellationToken::new();
-        tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+        let (port, shutdown) = support::sim_backend(decode_tokens_per_second, text).await;
         let envoy = Envoy::start_edited(tollgate.addr, port, edit);
         Stack { tollgate, envoy, shutdown: Some(shutdown), _upstream: None }
     }
@@ -458,19 +445,8 @@ async fn a_client_that_leaves_before_the_response_is_charged_the_prompt() {
 async fn a_commit_that_could_not_reach_redis_lands_when_it_answers_again() {
     let redis = OwnRedis::start(free_port());
     let tollgate = Tollgate::start(&format!("store:\n  redis_url: redis://127.0.0.1:{}\n{POLICY}", redis.port));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
     // 40 tokens at 20 a second: the stream takes two seconds.
-    let config = SimConfig {
-        slots: 4,
-        prefill_tokens_per_second: 1_000_000.0,
-        decode_tokens_per_second: 20.0,
-        lengths: OutputLengths::Fixed(40),
-        tollgate: None,
-        ..SimConfig::default()
-    };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let (port, shutdown) = support::sim_backend(20.0, Text::Tok).await;
     let envoy = Envoy::start(tollgate.addr, port);
     let response = tokio::spawn(post(envoy.port, CHAT, &[TENANT], chat(true, true)));
     tokio::time::sleep(Duration::from_millis(700)).await;

@@ -13,9 +13,6 @@ use serde_json::Value;
 use support::procs::{Envoy, TempDir, Tollgate, tollgate_cmd};
 use support::upstream::post;
 use support::{Backend, Harness, admitted};
-use tokio_util::sync::CancellationToken;
-use tollgate::sim::backend::{self, SimConfig, SimStats};
-use tollgate::sim::lengths::OutputLengths;
 use tollgate::store::redis::RedisStore;
 use tollgate::store::{Reply, Script, Store, keys};
 
@@ -183,18 +180,7 @@ async fn the_embedded_ledger_file_bills_what_the_responses_said() {
         file.display()
     );
     let tollgate = Tollgate::start(&policy);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let config = SimConfig {
-        slots: 4,
-        prefill_tokens_per_second: 1_000_000.0,
-        decode_tokens_per_second: 10_000.0,
-        lengths: OutputLengths::Fixed(40),
-        tollgate: None,
-        ..SimConfig::default()
-    };
-    let shutdown = CancellationToken::new();
-    tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let (port, shutdown) = support::sim_backend(10_000.0, tollgate::sim::formats::Text::Tok).await;
     let envoy = Envoy::start(tollgate.addr, port);
     let chat = |stream: bool| {
         format!(

@@ -67,9 +67,23 @@ fn certificates(field: &'static str, path: &Path) -> Result<Vec<CertificateDer<'
     Ok(certs)
 }
 
-/// The rustls configuration `settings` describe, with its files read and checked: a certificate
-/// that does not match its key, a CA file without a usable certificate, and the like stop the start.
+/// The rustls configuration `settings` describe, for gRPC (HTTP/2), with its files read and
+/// checked: a certificate that does not match its key, a CA file without a usable certificate, and
+/// the like stop the start.
 pub fn server_config(settings: &TlsSettings) -> Result<Arc<ServerConfig>, TlsError> {
+    server_config_for(settings, Alpn::H2)
+}
+
+/// The protocol a TLS port speaks, as it tells clients in the handshake (ALPN).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alpn {
+    /// gRPC.
+    H2,
+    /// Plain HTTP/1.1 (the admission webhook).
+    Http1,
+}
+
+fn server_config_for(settings: &TlsSettings, alpn: Alpn) -> Result<Arc<ServerConfig>, TlsError> {
     let provider = Arc::new(ring::default_provider());
     let chain = certificates("cert", &settings.cert)?;
     let key = PrivateKeyDer::from_pem_file(&settings.key).map_err(|e| TlsError::new("key", &settings.key, e))?;
@@ -93,14 +107,17 @@ pub fn server_config(settings: &TlsSettings) -> Result<Arc<ServerConfig>, TlsErr
     let mut config = builder
         .with_single_cert(chain, key)
         .map_err(|e| TlsError::new("key", &settings.key, format!("does not go with server.tls.cert: {e}")))?;
-    // gRPC is HTTP/2.
-    config.alpn_protocols = vec![b"h2".to_vec()];
+    config.alpn_protocols = match alpn {
+        Alpn::H2 => vec![b"h2".to_vec()],
+        Alpn::Http1 => vec![b"http/1.1".to_vec()],
+    };
     Ok(Arc::new(config))
 }
 
 /// The TLS configuration in force, rebuilt when its files change.
 pub struct LiveTls {
     settings: TlsSettings,
+    alpn: Alpn,
     config: RwLock<Arc<ServerConfig>>,
     seen: Mutex<Vec<Option<Seen>>>,
 }
@@ -112,11 +129,34 @@ impl std::fmt::Debug for LiveTls {
 }
 
 impl LiveTls {
-    /// Reads the files; an error names the field.
+    /// Reads the files, for gRPC; an error names the field.
     pub fn load(settings: &TlsSettings) -> Result<Arc<LiveTls>, TlsError> {
+        LiveTls::load_for(settings, Alpn::H2)
+    }
+
+    /// Reads the files, for a port speaking `alpn`.
+    pub fn load_for(settings: &TlsSettings, alpn: Alpn) -> Result<Arc<LiveTls>, TlsError> {
         let seen = LiveTls::stamps(settings);
-        let config = server_config(settings)?;
-        Ok(Arc::new(LiveTls { settings: settings.clone(), config: RwLock::new(config), seen: Mutex::new(seen) }))
+        let config = server_config_for(settings, alpn)?;
+        Ok(Arc::new(LiveTls { settings: settings.clone(), alpn, config: RwLock::new(config), seen: Mutex::new(seen) }))
+    }
+
+    /// Looks at the files every `every` (off the async workers: reading them blocks) until `stop`.
+    pub fn watch(self: &Arc<Self>, every: Duration, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let live = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {
+                        let live = Arc::clone(&live);
+                        let _ = tokio::task::spawn_blocking(move || live.refresh()).await;
+                    }
+                    () = stop.cancelled() => return,
+                }
+            }
+        })
     }
 
     fn stamps(settings: &TlsSettings) -> Vec<Option<Seen>> {
@@ -142,7 +182,7 @@ impl LiveTls {
             }
             *last = now;
         }
-        match server_config(&self.settings) {
+        match server_config_for(&self.settings, self.alpn) {
             Ok(config) => {
                 *self.config.write().unwrap_or_else(PoisonError::into_inner) = config;
                 tracing::info!(cert = %self.settings.cert.display(), "TLS files changed: new handshakes use them");
@@ -234,21 +274,7 @@ pub fn incoming(
     let (tx, rx) = mpsc::channel(MAX_HANDSHAKES);
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
     if let Some(every) = live.settings.reload {
-        let (live, stop) = (Arc::clone(&live), stop.clone());
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = ticks.tick() => {
-                        // Reading and parsing the files is blocking work.
-                        let live = Arc::clone(&live);
-                        let _ = tokio::task::spawn_blocking(move || live.refresh()).await;
-                    }
-                    () = stop.cancelled() => return,
-                }
-            }
-        });
+        live.watch(every, stop.clone());
     }
     tokio::spawn(async move {
         let mut tcp = super::server::incoming(listener);

@@ -29,6 +29,12 @@ pub struct RedisOptions {
     pub command_timeout: Duration,
 }
 
+impl From<&crate::config::StoreSettings> for RedisOptions {
+    fn from(store: &crate::config::StoreSettings) -> Self {
+        RedisOptions { connect_timeout: store.connect_timeout, command_timeout: store.command_timeout }
+    }
+}
+
 impl Default for RedisOptions {
     fn default() -> Self {
         RedisOptions { connect_timeout: Duration::from_secs(3), command_timeout: Duration::from_millis(500) }

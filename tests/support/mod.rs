@@ -27,6 +27,30 @@ use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 use tollgate::store::{Protocol, Reply, Script, Store, keys};
 
+/// The simulated backend on a free loopback port, committing nothing itself (Envoy commits from
+/// its responses): four slots, an instant prefill, `decode_tokens_per_second` per sequence, 40
+/// output tokens in `text`. Its port, and the token that stops it.
+pub async fn sim_backend(
+    decode_tokens_per_second: f64,
+    text: tollgate::sim::formats::Text,
+) -> (u16, tokio_util::sync::CancellationToken) {
+    use tollgate::sim::backend::{self, SimConfig, SimStats};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let config = SimConfig {
+        slots: 4,
+        prefill_tokens_per_second: 1_000_000.0,
+        decode_tokens_per_second,
+        lengths: tollgate::sim::lengths::OutputLengths::Fixed(40),
+        tollgate: None,
+        text,
+        ..SimConfig::default()
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(backend::serve(listener, config, shutdown.clone(), Arc::new(SimStats::default())));
+    (port, shutdown)
+}
+
 pub fn redis_url() -> String {
     std::env::var("TOLLGATE_TEST_REDIS_URL")
         .expect("TOLLGATE_TEST_REDIS_URL is not set: run the suite with `bash scripts/test`, which starts Redis")
