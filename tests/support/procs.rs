@@ -7,9 +7,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// A free port on 127.0.0.1 (bound, read, released).
+/// A loopback port free now, and never one this test binary handed out before: two calls in a
+/// row (a server's main and admin ports) cannot get the same port, which the OS may well give
+/// twice once the first probe is closed.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    for _ in 0..1000 {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(port) {
+            return port;
+        }
+    }
+    panic!("no loopback port this test binary has not used already in 1,000 tries");
 }
 
 /// An HTTP/1.1 GET (the admin port's `/metrics`): the status line and the body.
