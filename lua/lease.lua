@@ -18,7 +18,7 @@
 --
 -- ARGV[1] the replica's member in the lease index ('@' .. replica)
 -- ARGV[2] record key prefix (for the sweep)       ARGV[3] lease (ms): how long the record lives unrenewed
--- ARGV[4] idle TTL of scope hashes and index (ms) ARGV[5] sweep batch
+-- ARGV[4] idle TTL of scope hashes and index (ms)  ARGV[5] sweep batch
 -- ARGV[6] cap on the concurrency Retry-After (ms)
 -- ARGV[7] end | keep: end drops the record when the replica holds no slot (it is leaving the tenant)
 -- then seventeen numbers per scope, in KEYS order:
@@ -27,7 +27,7 @@
 --   tokens returned (negative: debt charged), the day they were drawn on, tokens returned to the
 --   bucket only (refunds of holds drawn on an earlier day), requests returned, slots held after
 --   the return (absolute);
---   tokens, requests and slots needed; tokens, requests and slots wanted.
+--   tokens needed, requests needed, slots needed; tokens wanted, requests wanted, slots wanted.
 --
 -- Reply: {granted (1|0), reason, scope index (1-based), retry after ms, day,
 --         remaining tokens, token limit, token reset ms, remaining requests, request limit,

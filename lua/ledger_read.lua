@@ -5,7 +5,8 @@
 -- ARGV[1] the consumer group (made at the stream's start when it does not exist yet)
 -- ARGV[2] this consumer
 -- ARGV[3] most entries to return
--- ARGV[4] '0': this consumer's entries read but not acknowledged | '>': entries nobody has read
+-- ARGV[4] where to read: '0', this consumer's entries read but not acknowledged; '>', entries
+--         nobody has read
 -- ARGV[5] entries another consumer left unacknowledged this long (ms) become this one's (0: never);
 --         looked at with '0' only
 --

@@ -29,7 +29,8 @@
 -- ARGV[18] the tenant          ARGV[19] the user ('' when none)          ARGV[20] the tier
 -- ARGV[21] the usage ledger's terms, "<max entries> <retention ms>", or '' when there is none
 --          (kept on the record: the hold is entered under the terms it was made with)
--- ARGV[22] the model's price per input token, ARGV[23] per output token (nanos; 0: free)
+-- ARGV[22] the model's price per input token (nanos; 0: free)
+-- ARGV[23] the model's price per output token (nanos; 0: free)
 -- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos)

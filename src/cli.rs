@@ -1,33 +1,14 @@
-//! The command line: its arguments, and what each subcommand does (the binary's `main` only
-//! parses, starts the runtime and dispatches).
+//! The command line, and nothing else: every subcommand's arguments as clap reads them. `main`
+//! parses them and dispatches, `serve` to [`crate::app`], the rest to the tools' runners.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
-use crate::admission::Admission;
-use crate::bench::burst::{self, BurstOptions};
-use crate::bench::sweep::{self, SweepOptions};
-use crate::bench::{BenchOptions, Control};
-use crate::config::{ConfigError, Policy, StoreChoice, TlsSettings};
-use crate::grpc::server::{ServeError, serve as serve_grpc};
-use crate::metrics::Metrics;
-use crate::metrics::exposition::Registry;
-use crate::metrics::store::Measured;
-use crate::sim::backend::{self, SimConfig};
-use crate::sim::lengths::OutputLengths;
-use crate::sim::load;
-use crate::store::breaker::{Breaker, BreakerSettings};
-use crate::store::embedded::EmbeddedStore;
-use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
-use crate::store::{Protocol, Store, StoreError};
+use crate::app::ServeOptions;
+use crate::config::{ConfigError, Policy, TlsSettings};
 
 #[derive(Debug, Parser)]
 #[command(name = "tollgate", version, about = "Token-based admission for LLM inference, as an Envoy ext_authz sidecar")]
@@ -39,33 +20,15 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Serve Envoy's Authorization, tollgate's Admission, health and reflection on one port.
-    Serve {
-        /// The policy file (YAML).
-        #[arg(long, short)]
-        config: PathBuf,
-        /// Overrides server.listen from the policy.
-        #[arg(long)]
-        listen: Option<SocketAddr>,
-        /// Overrides server.health_listen from the policy (health alone, for the kubelet's probes).
-        #[arg(long)]
-        health_listen: Option<SocketAddr>,
-        #[command(flatten)]
-        tls: TlsFlags,
-        /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
-        #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
-        otlp_endpoint: Option<String>,
-        /// Log filter, as for RUST_LOG.
-        #[arg(long, default_value = "info")]
-        log: String,
-    },
+    Serve(ServeArgs),
     /// Validate a policy file and print what it enforces.
     CheckConfig {
         /// The policy file (YAML).
         file: PathBuf,
     },
     /// Open-loop load: full Check + Commit cycles at a fixed rate against a running tollgate;
-    /// latency counted from each cycle's scheduled send time. `bench burst` runs seed 000's
-    /// worst-case versus adaptive reservation experiment instead.
+    /// latency counted from each cycle's scheduled send time. `bench burst` runs the burst experiment
+    /// instead: worst-case versus adaptive output reservation.
     Bench(Box<BenchArgs>),
     /// A simulated OpenAI-compatible inference backend: slots, a FIFO queue, prefill and decode
     /// speeds, log-normal output lengths; commits its usage to tollgate.
@@ -86,6 +49,43 @@ pub enum Command {
     /// or a Redis Cluster, read through a consumer group, each entry acknowledged once written
     /// (at least once; keep the last line per reservation id).
     Ledger(LedgerArgs),
+}
+
+/// `tollgate serve`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The policy file (YAML).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Overrides server.listen from the policy.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Overrides server.health_listen from the policy (health alone, for the kubelet's probes).
+    #[arg(long)]
+    pub health_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub tls: TlsFlags,
+    /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Log filter, as for RUST_LOG.
+    #[arg(long, default_value = "info")]
+    pub log: String,
+}
+
+impl ServeArgs {
+    /// What `serve` runs with: the flags that override the policy become a function applied to
+    /// every policy loaded, the first and each one reloaded.
+    pub fn options(self) -> ServeOptions {
+        let ServeArgs { config, listen, health_listen, tls, otlp_endpoint, log: _ } = self;
+        let adjust: crate::reload::Adjust = Arc::new(move |p: &mut Policy| {
+            if health_listen.is_some() {
+                p.server.health_listen = health_listen;
+            }
+            tls.apply(p)
+        });
+        ServeOptions { config, listen, adjust, otlp_endpoint }
+    }
 }
 
 /// What `tollgate inject` reads and adds.
@@ -122,68 +122,6 @@ pub struct InjectArgs {
     /// With --serve: its private key (PEM).
     #[arg(long)]
     pub tls_key: Option<PathBuf>,
-}
-
-/// `tollgate inject`: the YAML, injected, on stdout; nothing on stdout when a document is refused.
-/// With `--serve`, the webhook until SIGTERM.
-pub async fn inject(args: InjectArgs) -> ExitCode {
-    if args.serve {
-        return match inject_webhook(args).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("tollgate inject --serve: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let text = match args.file.as_deref().filter(|f| f.as_os_str() != "-") {
-        Some(file) => std::fs::read_to_string(file).map_err(|e| format!("cannot read {}: {e}", file.display())),
-        None => std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read stdin: {e}")),
-    };
-    let options = inject_options(&args);
-    match text.and_then(|t| crate::inject::inject(&t, &options).map_err(|e| e.to_string())) {
-        Ok(out) => {
-            use std::io::Write;
-            let mut stdout = std::io::stdout().lock();
-            match stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("tollgate inject: cannot write: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Err(e) => {
-            eprintln!("tollgate inject: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn inject_options(args: &InjectArgs) -> crate::inject::Options {
-    crate::inject::Options {
-        image: args.image.clone(),
-        envoy_image: args.envoy_image.clone(),
-        policy_config_map: args.policy_config_map.clone(),
-        app_port: args.app_port,
-        proxy_port: args.proxy_port,
-    }
-}
-
-async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
-    let tls = TlsSettings::from_flags(args.tls_cert.as_deref(), args.tls_key.as_deref(), None, &[])
-        .map_err(|e| e.to_string())?
-        .ok_or("--serve needs --tls-cert and --tls-key")?;
-    let live = crate::grpc::tls::LiveTls::load_for(&tls, crate::grpc::tls::Alpn::Http1).map_err(|e| e.to_string())?;
-    let listener =
-        TcpListener::bind(args.listen).await.map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    let bound = listener.local_addr().map_err(|e| e.to_string())?;
-    // On stderr as a plain line, so that whoever started it (on port 0, say) can read where.
-    eprintln!("tollgate inject: serving the webhook on https://{bound}");
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    crate::webhook::serve(listener, live, Arc::new(inject_options(&args)), shutdown).await;
-    Ok(())
 }
 
 /// Where `tollgate ledger` reads, and as whom.
@@ -448,475 +386,4 @@ impl TlsFlags {
         }
         Ok(())
     }
-}
-
-/// Why `serve` stopped with an error.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Tls(#[from] crate::grpc::tls::TlsError),
-    #[error(transparent)]
-    Metrics(#[from] crate::metrics::exposition::ExporterError),
-    #[error(transparent)]
-    Serve(#[from] ServeError),
-}
-
-/// The ports `serve` answers on, and the TLS the main one speaks.
-pub struct Listeners {
-    pub main: TcpListener,
-    pub tls: Option<Arc<crate::grpc::tls::LiveTls>>,
-    pub health: Option<TcpListener>,
-    /// `/metrics`, with `server.admin_listen`.
-    pub admin: Option<TcpListener>,
-}
-
-/// Reads the TLS files, then binds the policy's (or the override's) address, and the health and
-/// admin addresses if there are any. All are bound before anything is served, so a client (or a
-/// probe, or a scraper) that finds the main port open finds every port open.
-pub async fn bind(policy: &Policy, listen: Option<SocketAddr>) -> Result<Listeners, RunError> {
-    let tls = policy.server.tls.as_ref().map(crate::grpc::tls::LiveTls::load).transpose()?;
-    let addr = listen.unwrap_or(policy.server.listen);
-    if policy.server.unauthenticated_beyond_loopback(addr) {
-        tracing::warn!(
-            %addr,
-            "Admission (Commit, Release, Renew, Reserve) is open to every client that reaches this address: \
-             bind to loopback beside Envoy, or set server.tls with client_ca and allowed_clients"
-        );
-    }
-    let bind = |addr: SocketAddr| async move {
-        TcpListener::bind(addr).await.map_err(|source| RunError::Bind { addr, source })
-    };
-    let health = match policy.server.health_listen {
-        Some(addr) => Some(bind(addr).await?),
-        None => None,
-    };
-    let admin = match policy.server.admin_listen {
-        Some(addr) => Some(bind(addr).await?),
-        None => None,
-    };
-    Ok(Listeners { main: bind(addr).await?, tls, health, admin })
-}
-
-/// Connects the policy's store, loads the scripts, and serves on `listeners` until `shutdown`,
-/// recording into `registry`. Redis is called through a circuit breaker: a Redis that keeps
-/// failing is not waited on. Every store call is timed.
-pub async fn serve(
-    policy: Arc<Policy>,
-    listeners: Listeners,
-    shutdown: CancellationToken,
-    registry: Arc<Registry>,
-    watched: Option<Watched>,
-) -> Result<(), RunError> {
-    let options = RedisOptions::from(&policy.store);
-    let b = policy.store.breaker;
-    let breaker = BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open };
-    let metrics = registry.metrics(&policy);
-    let meter = registry.meter();
-    let served = Served { listeners, shutdown, registry, metrics: metrics.clone(), watched };
-    match policy.store.choice.clone() {
-        StoreChoice::Embedded => {
-            let clock = Arc::new(crate::store::clock::SystemClock);
-            let store = match policy.ledger.as_ref().and_then(|l| l.file.as_deref()) {
-                Some(file) => EmbeddedStore::with_ledger_file(clock, file)?,
-                None => EmbeddedStore::with_clock(clock)?,
-            };
-            run_on(Measured::new(store, metrics, &meter), policy, served).await
-        }
-        StoreChoice::Redis { url } => {
-            let store = RedisStore::connect(&RedisTarget::Single(url), options).await?;
-            run_on(Measured::new(Breaker::new(store, breaker), metrics, &meter), policy, served).await
-        }
-        StoreChoice::Cluster { nodes } => {
-            let store = RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?;
-            run_on(Measured::new(Breaker::new(store, breaker), metrics, &meter), policy, served).await
-        }
-    }
-}
-
-/// The policy file `serve` reloads, and what it does to each policy it loads.
-pub struct Watched {
-    pub path: PathBuf,
-    pub adjust: crate::reload::Adjust,
-}
-
-/// What `serve` serves on, records into, and reloads.
-struct Served {
-    listeners: Listeners,
-    shutdown: CancellationToken,
-    registry: Arc<Registry>,
-    metrics: Metrics,
-    watched: Option<Watched>,
-}
-
-async fn bench_decision(args: DecisionArgs) -> Result<crate::bench::decision::DecisionTimes, RunError> {
-    let policy = Arc::new(Policy::load(&args.config)?);
-    let options = RedisOptions::from(&policy.store);
-    match policy.store.choice.clone() {
-        StoreChoice::Embedded => decide_on(EmbeddedStore::new()?, policy, args).await,
-        StoreChoice::Redis { url } => {
-            decide_on(RedisStore::connect(&RedisTarget::Single(url), options).await?, policy, args).await
-        }
-        StoreChoice::Cluster { nodes } => {
-            decide_on(RedisStore::connect(&RedisTarget::Cluster(nodes), options).await?, policy, args).await
-        }
-    }
-}
-
-async fn decide_on<S: Store>(
-    store: S,
-    policy: Arc<Policy>,
-    args: DecisionArgs,
-) -> Result<crate::bench::decision::DecisionTimes, RunError> {
-    let admission = Arc::new(Admission::new(policy, Protocol::new(store).await?));
-    let done = CancellationToken::new();
-    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(done.clone()));
-    let times = crate::bench::decision::run(admission, &args.tenants, &args.model, args.warmup, args.calls).await;
-    done.cancel();
-    let _ = leasing.await;
-    Ok(times)
-}
-
-async fn run_on<S: Store>(store: S, policy: Arc<Policy>, served: Served) -> Result<(), RunError> {
-    let Served { listeners, shutdown, registry, metrics, watched } = served;
-    let poll = policy.server.policy_poll;
-    let protocol = Protocol::new(store).await?;
-    let drain = policy.server.drain_timeout;
-    let addr = listeners.main.local_addr().ok();
-    let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
-    let admin_addr = listeners.admin.as_ref().and_then(|l| l.local_addr().ok());
-    let tls = policy.server.tls.as_ref().map_or_else(|| "plaintext".to_string(), |t| t.describe());
-    tracing::info!(?addr, ?health, admin = ?admin_addr, %tls, store = ?policy.store.choice, "tollgate serving");
-    let admission = Arc::new(Admission::new(policy, protocol).with_metrics(metrics));
-    // Lease windows, heartbeats and the admin port run until the server has drained.
-    let drained = CancellationToken::new();
-    // The registry lives as long as the server: its last reference going flushes OTLP.
-    let admin = listeners.admin.map(|l| tokio::spawn(crate::admin::serve(l, Arc::clone(&registry), drained.clone())));
-    // The policy file is watched until shutdown: no reload while draining.
-    let watching = watched
-        .map(|w| tokio::spawn(crate::reload::watch(w.path, poll, Arc::clone(&admission), w.adjust, shutdown.clone())));
-    let leasing = tokio::spawn(Arc::clone(&admission).run_leases(drained.clone()));
-    // The replica count that on_store_error: local shares limits by.
-    let heartbeat = {
-        let admission = Arc::clone(&admission);
-        let done = drained.clone();
-        tokio::spawn(async move { admission.run_heartbeat(done).await })
-    };
-    let served = serve_grpc(listeners.main, listeners.tls, listeners.health, admission, shutdown, drain).await;
-    drained.cancel();
-    let _ = heartbeat.await;
-    if let Some(admin) = admin {
-        let _ = admin.await;
-    }
-    if let Some(watching) = watching {
-        let _ = watching.await;
-    }
-    if leasing.await.is_err() {
-        tracing::warn!("the lease task ended abnormally; unreturned slices stay charged until their lease");
-    }
-    drop(registry);
-    served?;
-    tracing::info!("tollgate stopped");
-    Ok(())
-}
-
-impl From<BurstArgs> for BurstOptions {
-    fn from(a: BurstArgs) -> Self {
-        BurstOptions {
-            target: a.target,
-            worst_tenant: a.worst_tenant,
-            adaptive_tenant: a.adaptive_tenant,
-            model: a.model,
-            requests: a.requests,
-            learn: a.learn,
-            prompt_tokens: a.prompt_tokens,
-            max_tokens: a.max_tokens,
-            median: a.median,
-            sigma: a.sigma,
-            seed: a.seed,
-        }
-    }
-}
-
-impl From<&SimBackendArgs> for SimConfig {
-    fn from(a: &SimBackendArgs) -> Self {
-        SimConfig {
-            slots: a.slots,
-            prefill_tokens_per_second: a.prefill_tps,
-            decode_tokens_per_second: a.decode_tps,
-            lengths: match a.output_fixed {
-                Some(n) => OutputLengths::Fixed(n),
-                None => OutputLengths::LogNormal { median: a.output_median, sigma: a.output_sigma },
-            },
-            seed: a.seed,
-            tollgate: a.tollgate.clone(),
-            renew_every: Duration::from_millis(a.renew_every_ms),
-            text: match a.text {
-                SimText::Tok => crate::sim::formats::Text::Tok,
-                SimText::Words => crate::sim::formats::Text::Words,
-            },
-            ..SimConfig::default()
-        }
-    }
-}
-
-impl CycleArgs {
-    fn sweep_options(self) -> SweepOptions {
-        SweepOptions {
-            base: BenchOptions {
-                target: self.target,
-                http: self.http,
-                stream: self.stream,
-                last_byte: self.last_byte,
-                rate: 0,
-                duration: Duration::from_secs(self.seconds),
-                warmup: Duration::from_secs(self.warmup_seconds),
-                tenants: self.tenants,
-                model: self.model,
-                connections: self.connections,
-                store_stats: self.store_stats,
-                quota: self.quota,
-            },
-            rates: self.rates,
-            runs: self.runs,
-            p99_target: Duration::from_secs_f64(self.p99_target_ms.max(0.0) / 1000.0),
-            spread_bound: self.spread_bound,
-        }
-    }
-}
-
-/// `tollgate bench` and `tollgate bench burst`.
-pub async fn bench(args: BenchArgs) -> ExitCode {
-    if let Some(BenchKind::Decision(d)) = args.kind {
-        return match bench_decision(d).await {
-            Ok(times) => {
-                println!("{times}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("tollgate: bench decision: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    if let Some(BenchKind::Burst(burst)) = args.kind {
-        let options = BurstOptions::from(burst);
-        return match burst::run(&options).await {
-            Ok(report) => {
-                println!(
-                    "burst of {} requests, prompt {} tokens, max_tokens {}; output lengths log-normal (median {}, sigma {}) capped at max_tokens; {} learning cycles first\n",
-                    options.requests,
-                    options.prompt_tokens,
-                    options.max_tokens,
-                    options.median,
-                    options.sigma,
-                    options.learn
-                );
-                print!("{report}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("tollgate: bench burst: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let json = args.cycle.json.clone();
-    let options = args.cycle.sweep_options();
-    let control = Arc::new(Control::default());
-    let stopper = control.clone();
-    tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            eprintln!("\nCtrl-C: finishing the cycles in flight, then reporting what ran");
-            stopper.stop.store(true, Ordering::Relaxed);
-        }
-    });
-    let report = match sweep::sweep(&options, control).await {
-        Ok(report) => report,
-        Err(e) => {
-            eprintln!("tollgate: bench: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    print!("{}", report.markdown());
-    if let Some(path) = json {
-        let text = serde_json::to_string_pretty(&report).unwrap_or_default();
-        if let Err(e) = std::fs::write(&path, text) {
-            eprintln!("tollgate: bench: cannot write {}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
-    }
-    ExitCode::SUCCESS
-}
-
-/// `tollgate sim-backend`: serves until SIGTERM or SIGINT.
-pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
-    let config = SimConfig::from(&args);
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let listener = match TcpListener::bind(args.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("tollgate: sim-backend cannot listen on {}: {e}", args.listen);
-            return ExitCode::FAILURE;
-        }
-    };
-    match backend::serve(listener, config, shutdown, Default::default()).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tollgate: sim-backend: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `tollgate bench-floor`: serves until a signal.
-pub async fn bench_floor(listen: SocketAddr) -> ExitCode {
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let listener = match TcpListener::bind(listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("tollgate: bench-floor cannot listen on {listen}: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match crate::bench::floor::serve(listener, shutdown).await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("tollgate: bench-floor: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `tollgate sim-load`: the mixed load, then its table.
-pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
-    let plan = load::LoadPlan {
-        target: args.target,
-        duration: Duration::from_secs(args.seconds),
-        timeout: Duration::from_millis(args.timeout_ms),
-        classes: load::mixed(args.interactive_rate, args.standard_rate, args.batch_rate),
-    };
-    let reports = load::run(&plan).await;
-    print!("{}", load::table(&reports));
-    ExitCode::SUCCESS
-}
-
-/// Kubernetes sends SIGTERM to stop a pod; a terminal sends SIGINT. Either cancels `shutdown`.
-/// The handlers are installed before this returns, so call it before the port opens: a signal
-/// that arrives once the process is seen to listen is always a drain, never the default kill.
-pub fn cancel_on_signal(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let listen = |kind: SignalKind, name: &'static str| match signal(kind) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::warn!("cannot listen for {name}: {e}");
-            None
-        }
-    };
-    let (mut interrupt, mut terminate) =
-        (listen(SignalKind::interrupt(), "SIGINT"), listen(SignalKind::terminate(), "SIGTERM"));
-    // SIGHUP reloads the policy (crate::reload). Its default action ends the process, so it is
-    // taken over from the start: one that arrives before the watcher listens is only missed.
-    let _ = listen(SignalKind::hangup(), "SIGHUP");
-    tokio::spawn(async move {
-        // A signal that cannot be listened for (or whose stream ends) never fires.
-        let received = |s: Option<tokio::signal::unix::Signal>| async move {
-            if let Some(mut s) = s
-                && s.recv().await.is_some()
-            {
-                return;
-            }
-            std::future::pending::<()>().await
-        };
-        tokio::select! {
-            () = received(interrupt.take()) => tracing::info!("SIGINT: draining"),
-            () = received(terminate.take()) => tracing::info!("SIGTERM: draining"),
-        }
-        shutdown.cancel();
-    });
-}
-
-/// `tollgate ledger`: drains the ledger streams to stdout.
-pub async fn ledger(args: LedgerArgs) -> ExitCode {
-    match ledger_run(args).await {
-        Ok(d) => {
-            eprintln!("tollgate ledger: {} entries written, {} lost to trimming", d.written, d.lost);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("tollgate ledger: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum LedgerRunError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("name a store: --config, --redis-url or --redis-cluster")]
-    NoStore,
-    #[error("the embedded store writes its ledger to ledger.file{0}: there is no stream to read")]
-    Embedded(String),
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Ledger(#[from] crate::ledger::LedgerError),
-}
-
-async fn ledger_run(args: LedgerArgs) -> Result<crate::ledger::Drained, LedgerRunError> {
-    let (target, options) = match (&args.config, args.redis_url, args.redis_cluster) {
-        (Some(file), _, _) => {
-            let policy = Policy::load(file)?;
-            let options = RedisOptions::from(&policy.store);
-            match policy.store.choice {
-                StoreChoice::Redis { url } => (RedisTarget::Single(url), options),
-                StoreChoice::Cluster { nodes } => (RedisTarget::Cluster(nodes), options),
-                StoreChoice::Embedded => {
-                    let file = policy.ledger.and_then(|l| l.file).map(|f| format!(" ({})", f.display()));
-                    return Err(LedgerRunError::Embedded(file.unwrap_or_default()));
-                }
-            }
-        }
-        (None, Some(url), _) => (RedisTarget::Single(url), RedisOptions::default()),
-        (None, None, Some(nodes)) => (RedisTarget::Cluster(nodes), RedisOptions::default()),
-        (None, None, None) => return Err(LedgerRunError::NoStore),
-    };
-    let consumer = args.consumer.unwrap_or_else(host_name);
-    let settings = crate::ledger::ReaderSettings {
-        group: args.group,
-        consumer,
-        batch: args.batch,
-        claim_idle_ms: args.claim_idle_ms,
-    };
-    let store = RedisStore::connect(&target, options).await?;
-    let reader = crate::ledger::Reader::new(store.clone(), settings).await?;
-    let shutdown = CancellationToken::new();
-    cancel_on_signal(shutdown.clone());
-    let mut out = std::io::stdout().lock();
-    let (poll, rescan) = (Duration::from_millis(args.poll_ms), Duration::from_millis(args.rescan_ms));
-    let drained = reader.follow(&mut out, args.once, poll, rescan, shutdown).await;
-    store.close().await;
-    Ok(drained?)
-}
-
-/// This host's name, for a consumer name that survives restarts (a pod's name in Kubernetes).
-fn host_name() -> String {
-    std::env::var("HOSTNAME")
-        .ok()
-        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "tollgate-ledger".to_string())
 }

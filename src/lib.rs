@@ -7,23 +7,37 @@
 //!
 //! # Layout
 //!
-//! - [`admin`]: the admin HTTP port (`/metrics`).
-//! - [`cli`]: the command line (`serve`, `check-config`, `bench`).
-//! - [`bench`]: the open-loop load generator for full Check + Commit cycles.
+//! From the bottom up: a module imports only from those above it in this list, so the imports
+//! draw no circle (`tests/layers.rs` holds the code to this list).
+//!
 //! - [`config`]: YAML policy → validated, typed policy; strict, with errors that name the field.
-//! - [`admission`]: attributes + policy + store → [`admission::Decision`]. Knows nothing of gRPC.
+//!   Imports nothing else from the crate.
+//! - [`hold`]: the protocol's nouns, no I/O: the reservation id, limits and headroom, refusals,
+//!   how each phase answered, a ledger entry's JSON line.
+//! - [`proto`]: tollgate's own API, generated (with the descriptors reflection serves).
+//! - [`store`]: the store trait; `keys` (the one module that builds keys); the scripts and one
+//!   codec per script (`phase`); the embedded and Redis stores, the breaker, the one store choice
+//!   (`backend`) and the observer that times every call.
+//! - [`llm`]: what tollgate reads of LLM traffic, no I/O: request bodies, a response's usage (or
+//!   a meter of what it generated), and how a response ended → the hold's settlement.
 //! - [`estimate`]: how many tokens to hold: the prompt estimate and the output reservation.
-//! - [`store`]: the store trait, the one module that builds keys, the scripts, and the embedded
-//!   and Redis stores.
-//! - [`grpc`]: the edge. `authz` (Envoy `Check` → attributes), `admission` (the Admission
-//!   service), `response` (decision → `CheckResponse`: the one place for status, headers, body),
-//!   `server` (the tower stack, health, reflection, graceful shutdown).
 //! - [`metrics`]: the instruments (decisions, latency, the books, the store), their Prometheus
-//!   exposition for the admin port, and the store wrapper that times every script call.
+//!   exposition for the admin port, and the store observer that times every script call.
+//! - [`admission`]: attributes + policy + store → [`admission::Decision`], by phase (plan,
+//!   reserve, leasing, store down, settle). Knows nothing of gRPC.
 //! - [`reload`]: live policy: the file watched (and SIGHUP), validated, swapped whole.
-//! - [`sim`]: a simulated inference backend (`sim-backend`) and an HTTP load of request classes
-//!   (`sim-load`), for tests, the demo and the benchmark.
+//! - [`grpc`]: the edge. `authz` (Envoy `Check` → attributes), `ext_proc` (commit from the
+//!   response), `admission` (the Admission service), `response` (decision → `CheckResponse`: the
+//!   one place for status, headers, body), `headers` (every header name once), `server` (the
+//!   tower stack, health, reflection, graceful shutdown), `tls`.
+//! - [`admin`]: the admin HTTP port (`/metrics`).
 //! - [`telemetry`]: tracing, and OpenTelemetry export when an endpoint is configured.
+//! - [`app`]: `serve` assembled once: policy and overrides, the store, Admission, the background
+//!   tasks under one tracker, the server, the drain.
+//! - [`cli`]: the command line (clap only).
+//! - [`tools`]: beside the sidecar, never imported by it: the load generator and benchmarks, the
+//!   simulated backend and load, `inject` and its webhook, the ledger reader, and each tool
+//!   subcommand's runner.
 //!
 //! The protocol itself lives in `lua/` and exists once: both stores run those scripts.
 
@@ -32,19 +46,18 @@
 
 pub mod admin;
 pub mod admission;
-pub mod bench;
+pub mod app;
 pub mod cli;
 pub mod config;
 pub mod estimate;
 pub mod grpc;
-pub mod inject;
-pub mod ledger;
+pub mod hold;
+pub mod llm;
 pub mod metrics;
 pub mod reload;
-pub mod sim;
 pub mod store;
 pub mod telemetry;
-pub mod webhook;
+pub mod tools;
 
 /// Generated protobuf types of tollgate's own API.
 pub mod proto {

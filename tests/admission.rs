@@ -78,11 +78,6 @@ async fn the_hold_is_the_prompt_estimate_plus_the_output_ceiling() {
 }
 
 #[tokio::test]
-async fn the_stated_maximum_token_count_is_the_same_in_config_and_admission() {
-    assert_eq!(tollgate::admission::MAX_TOKEN_COUNT, tollgate::config::MAX_TOKEN_COUNT);
-}
-
-#[tokio::test]
 async fn the_expiry_index_stays_bounded_by_the_live_keys_over_ten_thousand_cycles() {
     let store = EmbeddedStore::new().unwrap();
     let policy =

@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::procs::Tollgate;
-use tollgate::bench::burst::{self, BurstOptions};
-use tollgate::bench::{self, BenchOptions};
 use tollgate::proto::OutputEstimateRequest;
 use tollgate::proto::admission_client::AdmissionClient;
-use tollgate::sim::backend::{self as sim, SimConfig, SimStats};
+use tollgate::tools::bench::burst::{self, BurstOptions};
+use tollgate::tools::bench::{self, BenchOptions};
+use tollgate::tools::sim::backend::{self as sim, SimConfig, SimStats};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cycle_benchmark_sends_its_whole_schedule() {
@@ -130,7 +130,7 @@ async fn the_stream_mode_measures_the_time_to_the_first_byte() {
         slots: 64,
         prefill_tokens_per_second: 1e9,
         decode_tokens_per_second: 500.0,
-        lengths: tollgate::sim::lengths::OutputLengths::Fixed(200),
+        lengths: tollgate::tools::sim::lengths::OutputLengths::Fixed(200),
         ..SimConfig::default()
     };
     let (report, _) = through_envoy(config, true, 20, Duration::from_millis(100)).await;
@@ -220,7 +220,7 @@ async fn the_decision_benchmark_times_every_call_in_process() {
     let admission =
         Arc::new(Admission::new(Arc::new(policy), Protocol::new(EmbeddedStore::new().unwrap()).await.unwrap()));
     let tenants = vec!["a".to_string(), "b".to_string()];
-    let t = tollgate::bench::decision::run(admission.clone(), &tenants, "m", 100, 1_000).await;
+    let t = tollgate::tools::bench::decision::run(admission.clone(), &tenants, "m", 100, 1_000).await;
     assert_eq!((t.calls, t.admitted), (1_000, 1_000), "{t}");
     assert!(t.p50 <= t.p99 && t.p99 <= t.p999 && t.p999 <= t.max, "{t}");
     assert_eq!(admission.leased_holds("a").0, 0, "every hold was committed");

@@ -1,4 +1,4 @@
-//! Seed 001's scenario through real Envoy and the simulated backend: steady interactive traffic
+//! The capacity-admission scenario (interactive chat against a batch flood) through real Envoy and the simulated backend: steady interactive traffic
 //! plus a flood of long batch requests. With capacity admission, interactive requests keep their
 //! p99 within their deadline and the flood is refused with 503 (queue_full / deadline), not 429.
 //! With only tenant quotas, the flood queues in the backend and interactive p99 grows past the
@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use support::procs::{Envoy, TempDir, Tollgate, free_port, tollgate_bin, wait_for_port};
-use tollgate::sim::load::{self, Class, ClassReport, LoadPlan};
+use tollgate::tools::sim::load::{self, Class, ClassReport, LoadPlan};
 
 const DEADLINE_MS: u64 = 600;
 

@@ -10,7 +10,8 @@ use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
 use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
-use tollgate::store::{Counted, ReleaseOutcome, RenewOutcome, Store, keys};
+use tollgate::hold::{Counted, ReleaseOutcome, RenewOutcome};
+use tollgate::store::{Store, keys};
 
 /// Scenarios, each generic over the store.
 mod scenarios {

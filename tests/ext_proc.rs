@@ -16,8 +16,8 @@ use support::upstream::{Upstream, post};
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, ReleaseRequest, RenewRequest, ReserveRequest};
-use tollgate::sim::backend::{self, SimConfig, SimStats};
-use tollgate::sim::formats::Text;
+use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
+use tollgate::tools::sim::formats::Text;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
                       pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\

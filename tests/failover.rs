@@ -135,7 +135,7 @@ async fn a_primary_killed_under_load_fails_over_to_its_replica() {
     }
     // The tenant on another primary is metered, except while the client reconnects: fred's
     // cluster router reconnects as a whole, so until the replica is promoted every tenant's
-    // calls wait or fail, and each tenant's mode applies (README, "When Redis fails").
+    // calls wait or fail, and each tenant's mode applies (docs/failure-modes.md, "When Redis fails").
     for s in &far_seen {
         let outage = s.at + s.took > killed && s.at < promoted + Duration::from_secs(1);
         assert!(s.metered() || (outage && s.reason() == "store_unavailable"), "{far}: {s:?}\n{log}");

@@ -27,9 +27,10 @@ use proptest::prelude::*;
 use support::Harness;
 use tollgate::admission::{Attributes, Decision};
 use tollgate::config::Policy;
+use tollgate::hold::{CommitOutcome, ReleaseOutcome, RenewOutcome};
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
-use tollgate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, keys};
+use tollgate::store::keys;
 
 const REPLICAS: usize = 3;
 const LEASE_MS: u64 = 5_000;

@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use support::{Harness, TOP_SEPARATOR, admitted, denied};
 use tollgate::admission::Reason;
-use tollgate::store::{CommitOutcome, Counted, ReleaseOutcome, Reply, Script, Store, StoreError, keys};
+use tollgate::hold::{CommitOutcome, Counted, ReleaseOutcome};
+use tollgate::store::{Reply, Script, Store, StoreError, keys};
 
 /// Counts the calls of each script that reach the store.
 #[derive(Clone)]

@@ -180,7 +180,7 @@ async fn the_embedded_ledger_file_bills_what_the_responses_said() {
         file.display()
     );
     let tollgate = Tollgate::start(&policy);
-    let (port, shutdown) = support::sim_backend(10_000.0, tollgate::sim::formats::Text::Tok).await;
+    let (port, shutdown) = support::sim_backend(10_000.0, tollgate::tools::sim::formats::Text::Tok).await;
     let envoy = Envoy::start(tollgate.addr, port);
     let chat = |stream: bool| {
         format!(

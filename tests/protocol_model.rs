@@ -28,10 +28,11 @@ use support::{Backend, Harness};
 use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
+use tollgate::hold::Headroom;
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
-use tollgate::store::{Headroom, Store, keys};
+use tollgate::store::{Store, keys};
 
 /// One step of a sequence.
 #[derive(Debug, Clone)]
@@ -249,7 +250,7 @@ impl<S: Store + Clone> World<S> {
                 let mut expected = self.model.commit(&id, *prompt, *output, now);
                 let got = if *twice {
                     // The first run charged; the re-sent one answers with its stored result.
-                    if let tollgate::store::CommitOutcome::Committed(u) = &mut expected {
+                    if let tollgate::hold::CommitOutcome::Committed(u) = &mut expected {
                         u.duplicate = true;
                     }
                     self.twice.admission.commit(&id, *prompt, *output).await
@@ -262,8 +263,8 @@ impl<S: Store + Clone> World<S> {
                 let Some(id) = self.pick(*hold) else { return };
                 let mut expected = self.model.release(&id, now);
                 let got = if *twice {
-                    if let tollgate::store::ReleaseOutcome::Released { refunded, .. } = expected {
-                        expected = tollgate::store::ReleaseOutcome::Released { refunded, repeated: true };
+                    if let tollgate::hold::ReleaseOutcome::Released { refunded, .. } = expected {
+                        expected = tollgate::hold::ReleaseOutcome::Released { refunded, repeated: true };
                     }
                     self.twice.admission.release(&id).await
                 } else {

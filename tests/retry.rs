@@ -10,7 +10,7 @@ use support::faults::{Fault, Faulty};
 use support::{Harness, admitted};
 use tokio_util::sync::CancellationToken;
 use tollgate::admission::retry::{Retries, Settlement};
-use tollgate::admission::usage::Measured;
+use tollgate::llm::usage::Measured;
 use tollgate::store::Store;
 
 const BODY: &str = "limits: { tokens_per_minute: 6000, max_concurrency: 4 }\n";
@@ -18,7 +18,7 @@ const BODY: &str = "limits: { tokens_per_minute: 6000, max_concurrency: 4 }\n";
 /// The state of a hold, read by a renew (which the faults below never touch).
 async fn state<S: Store>(h: &Harness<S>, id: &str) -> &'static str {
     match h.admission.renew(id, 0).await.unwrap() {
-        tollgate::store::RenewOutcome::Renewed { .. } => "reserved",
+        tollgate::hold::RenewOutcome::Renewed { .. } => "reserved",
         other => other.state(),
     }
 }

@@ -16,8 +16,8 @@ use support::procs::Tollgate;
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, ReserveRequest};
-use tollgate::sim::backend::{self, SimConfig, SimStats};
-use tollgate::sim::lengths::OutputLengths;
+use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
+use tollgate::tools::sim::lengths::OutputLengths;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096 }\ntenants:\n  acme:\n    lease_ttl_ms: 300\n    limits: { max_concurrency: 100 }\n";
 

@@ -1,7 +1,7 @@
 //! What admission answers. The reason table lives here, once: each reason's HTTP status and
 //! whether retrying can ever help. `grpc::response` turns a [`Decision`] into headers and a body.
 
-use crate::store::Headroom;
+use crate::hold::Headroom;
 
 /// Why a request was refused. Distinct reasons, because one 429 for everything tells a client to
 /// retry when retrying is hopeless, and tells a proxy that a saturated backend is a quota problem.

@@ -1,5 +1,5 @@
 //! `on_store_error: local`: while the store cannot be reached, each replica admits within its share
-//! of each rate limit, from memory (seed 004's default degraded mode).
+//! of each rate limit, from memory (the distributed rate-limiting design's default degraded mode).
 //!
 //! A replica's share of a scope is `limit × factor ÷ replicas`, for both its token bucket and its
 //! request bucket (capacity and refill alike). The replicas count themselves through the store
@@ -11,14 +11,14 @@
 //! never committed, so its hold, prompt plus ceiling, is what it is charged here). A scope's buckets
 //! start full at its first local admission and refill at the share's rate between outages, so a
 //! store that flaps never hands out a fresh burst each time it answers; nothing learned locally is
-//! written back (seed 004: counters are never repaired by hand).
+//! written back (as that design has it: counters are never repaired by hand).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::store::{Refusal, ScopeLimits};
+use crate::hold::{Refusal, ScopeLimits};
 
 /// Local buckets kept at most; past it, all are dropped and start full again (a bound on memory
 /// under many tenants, at the cost of one refill's worth of admission).

@@ -19,8 +19,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::usage::Measured;
 use super::{Admission, AdmissionError};
+use crate::llm::usage::Measured;
 use crate::store::Store;
 
 /// Settlements the queue keeps at most, waiting and being retried (each at most this many).

@@ -7,12 +7,13 @@ use tonic::{Request, Response, Status};
 
 use crate::admission::{Admission, AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use crate::estimate::PromptSize;
+use crate::hold::{CommitOutcome, ReleaseOutcome, RenewOutcome};
 use crate::proto::admission_server;
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
     PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
-use crate::store::{CommitOutcome, ReleaseOutcome, RenewOutcome, Store};
+use crate::store::Store;
 
 #[derive(Debug)]
 pub struct AdmissionService<S> {

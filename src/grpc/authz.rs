@@ -9,19 +9,12 @@ use envoy_types::pb::envoy::service::auth::v3::{
 use tonic::{Request, Response, Status};
 
 use super::response::check_response;
-use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason, body};
+use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason};
 use crate::estimate::PromptSize;
+use crate::llm::body;
 use crate::store::Store;
 
-/// Envoy sets this when it sent only the first bytes of the body.
-const PARTIAL_BODY_HEADER: &str = "x-envoy-auth-partial-body";
-/// Names the model when the body cannot: OpenAI's Python SDK sends `messages` before `model`, so a
-/// body cut at `max_request_bytes` may end before the model. Used only when the body has none. It
-/// cannot be checked against the model the backend will read past the cut, so a trusted filter
-/// must set it, never a client.
-pub const MODEL_HEADER: &str = "x-tollgate-model";
-/// tollgate's own header namespace: a client's values under it never reach the backend.
-const OWN_PREFIX: &str = "x-tollgate-";
+use super::headers::{self, OWN_PREFIX, PARTIAL_BODY};
 
 /// The `envoy.service.auth.v3.Authorization` service.
 #[derive(Debug)]
@@ -134,39 +127,40 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     };
 
     let body_bytes: &[u8] = if http.raw_body.is_empty() { http.body.as_bytes() } else { &http.raw_body };
-    let partial = header(http, PARTIAL_BODY_HEADER)?.is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let partial = header(http, PARTIAL_BODY)?.is_some_and(|v| v.eq_ignore_ascii_case("true"));
     let fields = body::parse(body_bytes, partial).map_err(|e| invalid(e.0))?;
     // The whole body's size: content-length, or a size Envoy reports beyond the bytes it sent
     // (a size equal to what was sent says nothing about what was cut).
     let seen = u64::try_from(body_bytes.len()).unwrap_or(u64::MAX);
-    let declared = number("content-length")?.or(u64::try_from(http.size).ok().filter(|&n| n > seen));
+    let declared = number(headers::CONTENT_LENGTH)?.or(u64::try_from(http.size).ok().filter(|&n| n > seen));
     let prompt = match declared {
         // A chunked body, cut short: its size is unknown, so the worst case is held.
         None if partial => PromptSize::Unknown,
         declared => PromptSize::Bytes(declared.unwrap_or(0).max(seen)),
     };
 
-    let model = match (fields.model, text(MODEL_HEADER)?) {
+    let model = match (fields.model, text(headers::MODEL)?) {
         (Some(model), _) | (None, Some(model)) => Some(model),
         (None, None) if partial => {
             return Err(invalid(format!(
-                "no model in the first {} bytes of the body Envoy sent; send {MODEL_HEADER}, put \"model\" first, \
+                "no model in the first {} bytes of the body Envoy sent; send {}, put \"model\" first, \
                  or raise the ext_authz filter's max_request_bytes",
-                body_bytes.len()
+                body_bytes.len(),
+                headers::MODEL
             )));
         }
         (None, None) => None,
     };
-    let priority = text("x-priority")?.map(|p| p.parse()).transpose().map_err(invalid)?;
+    let priority = text(headers::PRIORITY)?.map(|p| p.parse()).transpose().map_err(invalid)?;
     Ok(Attributes {
         tenant: text(tenant_header)?,
-        user: text("x-user-id")?,
+        user: text(headers::USER)?,
         model,
         priority,
         // 0 is "none given", as on Admission/Reserve: the tenant's default applies.
-        deadline_ms: number("x-request-deadline-ms")?.filter(|&ms| ms > 0),
+        deadline_ms: number(headers::DEADLINE)?.filter(|&ms| ms > 0),
         // A retried HTTP request reaches the backend too: a new attempt with its own hold.
-        idempotency: text("idempotency-key")?.map(|key| IdempotencyKey { key, repeat: KeyRepeat::NewAttempt }),
+        idempotency: text(headers::IDEMPOTENCY_KEY)?.map(|key| IdempotencyKey { key, repeat: KeyRepeat::NewAttempt }),
         prompt,
         max_tokens: fields.max_tokens,
         stream: fields.stream,

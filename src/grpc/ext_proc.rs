@@ -5,17 +5,8 @@
 //! model, which `Check` added), the response headers and the response body as it streams, in
 //! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
-//! [`crate::admission::usage`]), renews the lease while a long stream runs, and when the response
-//! ends settles the hold:
-//!
-//! | the response | settled as |
-//! |---|---|
-//! | 2xx | committed: its reported usage, else metered |
-//! | 429 or 5xx before any output | released: nothing was generated (a 429 also throttles the pool: [`Admission::upstream_refused`]) |
-//! | 429 or 5xx after output | committed: what was generated |
-//! | other 4xx | committed with the usage it reports, else released |
-//! | cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far |
-//! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) |
+//! [`crate::llm::usage`]), renews the lease while a long stream runs, and when the response ends
+//! settles the hold by how the response ended ([`crate::llm::settlement`] has the rules).
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
 //! tollgate leaves the hold to it; a route whose backends all commit turns the filter off
@@ -48,14 +39,13 @@ use tonic::{Request, Response, Status, Streaming};
 
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
-use super::response::{AUTHZ_NAMESPACE, MODEL_FIELD, MODEL_HEADER, RESERVATION_FIELD, RESERVATION_HEADER};
+use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, MODEL_FIELD, RESERVATION, RESERVATION_FIELD};
 use crate::admission::retry::{Retries, Settlement};
-use crate::admission::usage::{Measured, Meter};
-use crate::admission::{Admission, AdmissionError, ids};
+use crate::admission::{Admission, AdmissionError};
+use crate::hold::id as ids;
+use crate::llm::settlement::{self, Ending, Verdict};
+use crate::llm::usage::{Measured, Meter};
 use crate::store::Store;
-
-/// Response header by which a backend says it commits itself.
-pub const COMMIT_HEADER: &str = "x-tollgate-commit";
 
 /// The `envoy.service.ext_proc.v3.ExternalProcessor` service.
 #[derive(Debug)]
@@ -100,13 +90,6 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(out))))
     }
-}
-
-/// How a response ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ending {
-    Complete,
-    CutShort,
 }
 
 /// One request's response, as tollgate follows it.
@@ -156,7 +139,7 @@ impl Exchange {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
                 if self.reservation.is_none() {
-                    self.learn(header(&headers, RESERVATION_HEADER), header(&headers, MODEL_HEADER), admission);
+                    self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
                 }
                 Reply::RequestHeaders(HeadersResponse::default())
             }
@@ -169,7 +152,7 @@ impl Exchange {
                 {
                     tracing::warn!(error = %e, reservation = %id, "throttling the pool after a provider 429 failed");
                 }
-                self.caller_commits |= header(&headers, COMMIT_HEADER) == Some("caller");
+                self.caller_commits |= header(&headers, COMMIT) == Some("caller");
                 let policy = admission.policy();
                 let bytes_per_token = self
                     .model
@@ -177,7 +160,7 @@ impl Exchange {
                     .and_then(|m| policy.models.get(m))
                     .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
                 self.meter = Some(Meter::new(
-                    header(&headers, "content-type"),
+                    header(&headers, headers::CONTENT_TYPE),
                     header(&headers, "content-encoding"),
                     bytes_per_token,
                 ));
@@ -239,26 +222,10 @@ impl Exchange {
         if self.caller_commits {
             return;
         }
-        let status = self.status.unwrap_or(0);
-        let Some(meter) = &mut self.meter else {
-            // Cut short before any response: the request reached the backend, which read its
-            // prompt and generated nothing the client saw; the prompt held is charged.
-            commit(admission, &self.retries, id, Measured::Metered { output: 0 }, ending).await;
-            return;
-        };
-        let saw_output = meter.saw_output();
-        let measured = meter.measured();
-        let charge = match (status, measured) {
-            (200..=299, _) => true,
-            (429 | 500..=599, _) => saw_output,
-            (_, Measured::Exact { .. }) => true,
-            _ => false,
-        };
-        if !charge {
-            release(admission, &self.retries, id).await;
-            return;
+        match settlement::verdict(self.status, self.meter.as_mut()) {
+            Verdict::Commit(measured) => commit(admission, &self.retries, id, measured, ending).await,
+            Verdict::Release => release(admission, &self.retries, id).await,
         }
-        commit(admission, &self.retries, id, measured, ending).await;
     }
 }
 
@@ -306,10 +273,10 @@ async fn release<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str
 /// A provider's Retry-After: `retry-after-ms`, or `retry-after` in whole seconds (an HTTP date is
 /// not read: no wait is assumed).
 fn retry_after_ms(headers: &HeaderMap) -> Option<u64> {
-    if let Some(ms) = header(headers, "retry-after-ms").and_then(|v| v.trim().parse::<u64>().ok()) {
+    if let Some(ms) = header(headers, headers::RETRY_AFTER_MS).and_then(|v| v.trim().parse::<u64>().ok()) {
         return Some(ms);
     }
-    header(headers, "retry-after").and_then(|v| v.trim().parse::<u64>().ok()).map(|s| s.saturating_mul(1000))
+    header(headers, headers::RETRY_AFTER).and_then(|v| v.trim().parse::<u64>().ok()).map(|s| s.saturating_mul(1000))
 }
 
 /// A string field of forwarded metadata.

@@ -14,27 +14,11 @@ use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use crate::admission::{Decision, Denial};
-use crate::store::Headroom;
+use crate::hold::Headroom;
 
-/// Upstream: the reservation the backend commits against.
-pub const RESERVATION_HEADER: &str = "x-tollgate-reservation";
-/// Upstream: how many tokens the hold took.
-pub const RESERVED_TOKENS_HEADER: &str = "x-tollgate-reserved-tokens";
-pub const REASON_HEADER: &str = "x-tollgate-reason";
-/// Upstream: admitted without a hold (the store was down and the tenant fails open).
-pub const UNMETERED_HEADER: &str = "x-tollgate-unmetered";
-/// Upstream and to the client: the tenant is in shadow and its limits would have refused the
-/// request, for this reason; it was admitted (and held) anyway.
-pub const SHADOW_HEADER: &str = "x-tollgate-shadow";
-/// Upstream: the model the hold was made for, which the commit from the response meters by.
-pub const MODEL_HEADER: &str = "x-tollgate-model";
-
-/// The dynamic metadata namespace Envoy files a Check's `dynamic_metadata` under (an ext_proc
-/// filter can forward it to tollgate with `metadata_options`).
-pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
-/// Fields of that metadata: the reservation and the model, as in the upstream headers.
-pub const RESERVATION_FIELD: &str = "reservation";
-pub const MODEL_FIELD: &str = "model";
+use super::headers::{
+    self, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD, RESERVED_TOKENS, SHADOW,
+};
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
 const RPC_OK: i32 = 0;
@@ -47,15 +31,15 @@ pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckRespon
     match decision {
         Decision::Admitted(a) => {
             let mut upstream = vec![
-                header(RESERVATION_HEADER, a.reservation_id.clone()),
-                header(RESERVED_TOKENS_HEADER, a.reserved_tokens.to_string()),
-                header(MODEL_HEADER, a.model.clone()),
+                header(RESERVATION, a.reservation_id.clone()),
+                header(RESERVED_TOKENS, a.reserved_tokens.to_string()),
+                header(headers::MODEL, a.model.clone()),
             ];
             let mut downstream = rate_limit_headers(&a.headroom);
             // In shadow: what the limits would have refused, for the backend and the client alike.
             if let Some(would) = a.shadow {
-                upstream.push(header(SHADOW_HEADER, would.code().to_string()));
-                downstream.push(header(SHADOW_HEADER, would.code().to_string()));
+                upstream.push(header(SHADOW, would.code().to_string()));
+                downstream.push(header(SHADOW, would.code().to_string()));
             }
             let mut response = admitted(upstream, downstream, client_own);
             // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
@@ -70,7 +54,7 @@ pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckRespon
             response
         }
         Decision::Unmetered => {
-            admitted(vec![header(UNMETERED_HEADER, "store_unavailable".to_string())], Vec::new(), client_own)
+            admitted(vec![header(headers::UNMETERED, "store_unavailable".to_string())], Vec::new(), client_own)
         }
         Decision::Denied(d) => denied(d),
     }
@@ -97,15 +81,15 @@ fn admitted(
 
 fn denied(d: &Denial) -> CheckResponse {
     let mut headers = vec![
-        header(REASON_HEADER, d.reason.code().to_string()),
-        header("content-type", "application/json".to_string()),
+        header(REASON, d.reason.code().to_string()),
+        header(headers::CONTENT_TYPE, "application/json".to_string()),
     ];
     match d.retry_after_ms {
         Some(ms) => {
-            headers.push(header("retry-after", retry_after_seconds(ms).to_string()));
-            headers.push(header("retry-after-ms", ms.to_string()));
+            headers.push(header(headers::RETRY_AFTER, retry_after_seconds(ms).to_string()));
+            headers.push(header(headers::RETRY_AFTER_MS, ms.to_string()));
         }
-        None if !d.reason.retryable() => headers.push(header("x-should-retry", "false".to_string())),
+        None if !d.reason.retryable() => headers.push(header(headers::SHOULD_RETRY, "false".to_string())),
         None => {}
     }
     headers.extend(rate_limit_headers(&d.headroom));
@@ -145,9 +129,9 @@ fn rate_limit_headers(h: &Headroom) -> Vec<HeaderValueOption> {
     let mut out = Vec::new();
     for (kind, window) in [("tokens", h.tokens), ("requests", h.requests)] {
         if let Some(w) = window {
-            out.push(header(&format!("x-ratelimit-limit-{kind}"), w.limit.to_string()));
-            out.push(header(&format!("x-ratelimit-remaining-{kind}"), w.remaining.max(0).to_string()));
-            out.push(header(&format!("x-ratelimit-reset-{kind}"), duration_text(w.reset_ms)));
+            out.push(header(&format!("{RATELIMIT_PREFIX}limit-{kind}"), w.limit.to_string()));
+            out.push(header(&format!("{RATELIMIT_PREFIX}remaining-{kind}"), w.remaining.max(0).to_string()));
+            out.push(header(&format!("{RATELIMIT_PREFIX}reset-{kind}"), duration_text(w.reset_ms)));
         }
     }
     out
@@ -199,7 +183,7 @@ mod tests {
             assert_eq!(denied.status.as_ref().unwrap().code, i32::from(reason.http_status()));
             let h = headers(&r);
             let get = |k: &str| h.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
-            assert_eq!(get(REASON_HEADER), Some(reason.code()));
+            assert_eq!(get(REASON), Some(reason.code()));
             if reason.retryable() {
                 assert_eq!(get("retry-after"), Some("2"), "{reason:?}: 1500 ms rounds up to 2 s");
                 assert_eq!(get("retry-after-ms"), Some("1500"));
@@ -214,11 +198,11 @@ mod tests {
 
     #[test]
     fn an_unmetered_admission_carries_no_reservation_not_even_a_forged_one() {
-        let forged = [RESERVATION_HEADER.to_string(), UNMETERED_HEADER.to_string(), "x-tollgate-model".to_string()];
+        let forged = [RESERVATION.to_string(), headers::UNMETERED.to_string(), "x-tollgate-model".to_string()];
         let r = check_response(&Decision::Unmetered, &forged);
-        assert_eq!(headers(&r), vec![(UNMETERED_HEADER.to_string(), "store_unavailable".to_string())]);
+        assert_eq!(headers(&r), vec![(headers::UNMETERED.to_string(), "store_unavailable".to_string())]);
         let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { panic!() };
-        assert_eq!(ok.headers_to_remove, vec![RESERVATION_HEADER.to_string(), "x-tollgate-model".to_string()]);
+        assert_eq!(ok.headers_to_remove, vec![RESERVATION.to_string(), "x-tollgate-model".to_string()]);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, ObservableGauge};
 
 use crate::config::Policy;
-use crate::store::Usage;
+use crate::hold::Usage;
 
 /// The label a tenant outside the bounded set is counted under.
 pub const OTHER_TENANT: &str = "other";

@@ -4,7 +4,7 @@
 //! the part between the first `{` and the next `}`, so all of a tenant's scopes, holds and indexes
 //! land on one slot and one script can touch them atomically. That is why a tenant id may not
 //! contain `{`, `}` (it would move or break the tag) or `:` (the separator below); see
-//! [`crate::admission::ids`].
+//! [`crate::hold::id`].
 //!
 //! ```text
 //! tg:{acme}:s:t              tenant scope (token bucket, request bucket, in flight, day usage)
@@ -22,7 +22,7 @@
 //!
 //! Backend pools are shared by every tenant, so their keys carry the pool's own tag and live on
 //! their own slot; capacity admission touches them in a separate script (see
-//! [`crate::admission`] for the ordering that keeps the two key spaces consistent):
+//! admission's reserve phase for the ordering that keeps the two key spaces consistent):
 //!
 //! ```text
 //! tg:pool:{gpu-a}:s          pool state: holds outstanding, their work (slot-ms), their KV tokens

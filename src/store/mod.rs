@@ -1,30 +1,37 @@
 //! Where the counters live. The protocol itself is the Lua in `lua/`; a store only has to run a
 //! script atomically against its keyspace. [`Store`] is that one capability, and [`Protocol`] turns
-//! the four phases into typed calls over any store, so the argument and reply layouts exist once.
+//! the phases into typed calls over any store, one codec per script ([`phase`]), so the argument
+//! and reply layouts exist once. The nouns those calls speak are [`crate::hold`]'s.
 //!
 //! - [`embedded`]: the same scripts on an in-process Lua 5.1 over an in-memory keyspace (one replica,
 //!   no Redis), with an injectable clock.
 //! - [`redis`]: Redis or Redis Cluster through fred, scripts loaded at start and called by SHA.
+//! - [`observed`]: a store whose every call is timed and shown to an observer (the metrics).
+//! - [`backend`]: the store a policy names, opened (the one place that choice is made), Redis
+//!   behind a [`breaker`].
 
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+pub mod backend;
 pub mod breaker;
 pub mod clock;
 pub mod embedded;
 pub mod keys;
+pub mod observed;
+pub mod phase;
 mod protocol;
 pub mod redis;
 pub mod scripts;
 
 use std::future::Future;
 
-pub use protocol::{
-    Amounts, Budget, CommitOutcome, Counted, EstimateView, Forwarded, Headroom, KeyCall, KeyRepeat, Learning,
-    LeaseCall, LeaseOutcome, LeaseReply, LeaseScope, PoolCall, PoolOutcome, PoolRefusal, PoolView, Protocol, Refusal,
-    ReleaseOutcome, RenewOutcome, ReserveCall, ReserveOutcome, ReserveReply, ScopeLimits, Settled, ThrottleCall, Usage,
-    Window,
-};
+pub use phase::estimate::EstimateView;
+pub use phase::lease::{LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
+pub use phase::pool::{PoolCall, PoolOutcome, PoolView, ThrottleCall};
+pub use phase::reserve::{KeyCall, ReserveCall, ReserveReply};
+pub use phase::settle::Learning;
+pub use protocol::Protocol;
 pub use scripts::Script;
 
 /// A reply from a script, in Redis's reply types (what a Lua return value converts to).

@@ -8,6 +8,8 @@ use fred::prelude::{
     ClientLike, Config, ConnectionConfig, LuaInterface, PerformanceConfig, ReconnectPolicy, ServerConfig,
 };
 use fred::types::Value;
+use fred::types::scan::ScanType;
+use futures_util::StreamExt;
 
 use super::{Reply, Script, Store, StoreError};
 
@@ -101,6 +103,22 @@ impl RedisStore {
     /// The underlying client, for tests that inspect keys directly.
     pub fn client(&self) -> &fred::prelude::Client {
         &self.client
+    }
+
+    /// Every stream key matching `pattern`, on every primary: a `SCAN` (of each Cluster node).
+    pub async fn scan_streams(&self, pattern: &str) -> Result<Vec<String>, StoreError> {
+        let client = &self.client;
+        let found: Vec<_> = if client.is_clustered() {
+            client.scan_cluster_buffered(pattern, Some(1000), Some(ScanType::Stream)).collect().await
+        } else {
+            client.scan_buffered(pattern, Some(1000), Some(ScanType::Stream)).collect().await
+        };
+        let mut streams = Vec::with_capacity(found.len());
+        for key in found {
+            let key = key.map_err(|e| StoreError::Unavailable(format!("cannot scan for streams: {e}")))?;
+            streams.push(key.as_str_lossy().into_owned());
+        }
+        Ok(streams)
     }
 
     /// Closes the connections.

@@ -32,16 +32,16 @@ use tollgate::store::{Protocol, Reply, Script, Store, keys};
 /// output tokens in `text`. Its port, and the token that stops it.
 pub async fn sim_backend(
     decode_tokens_per_second: f64,
-    text: tollgate::sim::formats::Text,
+    text: tollgate::tools::sim::formats::Text,
 ) -> (u16, tokio_util::sync::CancellationToken) {
-    use tollgate::sim::backend::{self, SimConfig, SimStats};
+    use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     let config = SimConfig {
         slots: 4,
         prefill_tokens_per_second: 1_000_000.0,
         decode_tokens_per_second,
-        lengths: tollgate::sim::lengths::OutputLengths::Fixed(40),
+        lengths: tollgate::tools::sim::lengths::OutputLengths::Fixed(40),
         tollgate: None,
         text,
         ..SimConfig::default()

@@ -12,12 +12,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tollgate::admission::{Admitted, Decision, Denial, Reason};
 use tollgate::config::{ExpiredUsage, PoolPolicy, Priority};
-use tollgate::store::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
+use tollgate::hold::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
 
 pub const DAY_MS: u64 = 86_400_000;
 
 /// One scope's limits, as the reserve script takes them (0: no such limit).
-pub use tollgate::store::ScopeLimits as Limits;
+pub use tollgate::hold::ScopeLimits as Limits;
 
 /// What the model knows of a tenant's policy.
 #[derive(Debug, Clone)]
@@ -526,7 +526,7 @@ impl Model {
         let refuse = |reason: Reason| {
             Decision::Denied(Denial {
                 retry_after_ms: None,
-                headroom: tollgate::store::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
                 ..Denial::now(reason, "")
             })
         };
@@ -561,7 +561,7 @@ impl Model {
                         reserved_tokens: held,
                         attempts: k.made + 1,
                         replayed: true,
-                        headroom: tollgate::store::Headroom { tokens, requests },
+                        headroom: tollgate::hold::Headroom { tokens, requests },
                         shadow: None,
                     });
                 }
@@ -612,7 +612,7 @@ impl Model {
         if let Some((reason, wait)) = verdict {
             return Decision::Denied(Denial {
                 retry_after_ms: Some(wait),
-                headroom: tollgate::store::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
                 ..Denial::now(reason, "")
             });
         }
@@ -683,7 +683,7 @@ impl Model {
             reserved_tokens: hold,
             attempts,
             replayed: false,
-            headroom: tollgate::store::Headroom { tokens, requests },
+            headroom: tollgate::hold::Headroom { tokens, requests },
             shadow: None,
         })
     }

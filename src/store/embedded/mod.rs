@@ -8,6 +8,7 @@
 //! server worker thread.
 
 mod keyspace;
+mod ledger_file;
 
 use std::collections::HashMap;
 use std::sync::{Arc, mpsc};
@@ -79,9 +80,9 @@ impl EmbeddedStore {
     }
 
     /// A store on the given clock whose usage ledger is also appended to `ledger_file`, as JSON
-    /// lines (see [`crate::ledger`]).
+    /// lines (see [`crate::hold::ledger`]).
     pub fn with_ledger_file(clock: Arc<dyn Clock>, ledger_file: &std::path::Path) -> Result<Self, StoreError> {
-        let sink = crate::ledger::file_sink(ledger_file).map_err(|e| {
+        let sink = ledger_file::file_sink(ledger_file).map_err(|e| {
             StoreError::Unavailable(format!("cannot open the ledger file {}: {e}", ledger_file.display()))
         })?;
         EmbeddedStore::open(clock, Some(sink))

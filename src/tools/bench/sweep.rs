@@ -1,7 +1,7 @@
 //! A sweep of offered rates, several runs each, and the capacity the service can defend: the
 //! highest rate up to which every rate's p99 stays under a target in every run, with the p99 moving
 //! less than a bound between runs (its spread, max/min), without errors, at the offered rate.
-//! Seed 000 puts the claim where the spread closes, not where the service still survives, and so
+//! The reserve/commit/expire design puts the claim where the spread closes, not where the service still survives, and so
 //! does this: a rate whose tail moves more between two runs of the same binary than across the
 //! sweep describes the machine, not the service.
 

@@ -29,7 +29,7 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use report::{QuotaFigures, Report};
 
-use crate::sim::lengths::{OutputLengths, Sampler};
+use crate::tools::sim::lengths::{OutputLengths, Sampler};
 
 use crate::proto::CommitRequest;
 use crate::proto::admission_client::AdmissionClient;
@@ -373,7 +373,7 @@ fn reservation_of(response: &CheckResponse) -> Option<String> {
             .headers
             .iter()
             .filter_map(|h| h.header.as_ref())
-            .find(|h| h.key == crate::grpc::response::RESERVATION_HEADER)
+            .find(|h| h.key == crate::grpc::headers::RESERVATION)
             .map(|h| h.value.clone()),
         _ => None,
     }

@@ -1,4 +1,4 @@
-//! `tollgate bench burst`: seed 000's experiment on the real gateway. A burst of requests arrives
+//! `tollgate bench burst`: the reserve/commit/expire design's burst experiment on the real gateway. A burst of requests arrives
 //! at once against one budget; how many does it admit when each holds the caller's worst case
 //! (`max_tokens`), and how many when each holds a learned quantile of past outputs, and what does
 //! the learned hold cost in overrun (tokens used beyond their hold)?
@@ -18,7 +18,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::proto::admission_client::AdmissionClient;
 use crate::proto::{CommitRequest, ReserveRequest};
-use crate::sim::lengths::{OutputLengths, Sampler};
+use crate::tools::sim::lengths::{OutputLengths, Sampler};
 
 /// What to run.
 #[derive(Debug, Clone)]

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::serve_http1;
 use crate::grpc::tls::{HANDSHAKE_TIMEOUT, LiveTls};
-use crate::inject::{self, Options};
+use crate::tools::inject::{self, Options};
 
 /// The opt-in and opt-out annotation or label.
 pub const INJECT: &str = "tollgate.io/inject";

@@ -30,7 +30,7 @@ pub const GRPC_PORT: u16 = 50051;
 pub const HEALTH_PORT: u16 = 50052;
 pub const ENVOY_ADMIN_PORT: u16 = 9901;
 
-const ENVOY_BOOTSTRAP: &str = include_str!("../envoy/envoy.yaml");
+const ENVOY_BOOTSTRAP: &str = include_str!("../../envoy/envoy.yaml");
 
 /// What inject adds.
 #[derive(Debug, Clone)]

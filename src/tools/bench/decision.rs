@@ -13,7 +13,8 @@ use envoy_types::pb::envoy::service::auth::v3::authorization_server::Authorizati
 use super::{RequestMix, check_request, reservation_of};
 use crate::admission::Admission;
 use crate::grpc::authz::AuthzService;
-use crate::store::{Counted, Store};
+use crate::hold::Counted;
+use crate::store::Store;
 
 /// Percentiles of the timed decisions.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -15,12 +15,12 @@ use tonic::{Request, Response, Status};
 
 use crate::admission::{Admitted, Decision};
 use crate::grpc::response::check_response;
+use crate::hold::Headroom;
 use crate::proto::admission_server::{Admission, AdmissionServer};
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
     PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
-use crate::store::Headroom;
 
 /// Answers without work.
 #[derive(Debug, Clone, Copy, Default)]

@@ -14,8 +14,12 @@
 // any bound, so the crate's token-arithmetic lint does not apply here.
 #![allow(clippy::arithmetic_side_effects)]
 
+mod streams;
+
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap};
+
+use streams::Stream;
 
 /// A command's reply, as Redis would send it.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,19 +39,6 @@ enum Value {
     Hash(Hash),
     ZSet(ZSet),
     Stream(Stream),
-}
-
-/// A stream entry's id: milliseconds and a sequence within them.
-type StreamId = (u64, u64);
-
-/// A stream entry's fields and values, in order.
-type Fields = Vec<(Vec<u8>, Vec<u8>)>;
-
-/// A stream: entries in id order, and the last id given (ids only grow, even past trimming).
-#[derive(Debug, Default)]
-struct Stream {
-    entries: std::collections::BTreeMap<StreamId, Fields>,
-    last: StreamId,
 }
 
 /// Where appended stream entries go besides the keyspace: `(key, id, fields)`.
@@ -348,45 +339,9 @@ impl Keyspace {
             "ZRANGE" => self.zrange(now, a),
             "ZRANGEBYSCORE" => self.zrangebyscore(now, a),
             "XADD" => self.xadd(now, a),
-            "XTRIM" => {
-                arity(a, 4)?;
-                if !a[1].eq_ignore_ascii_case(b"MINID") || &a[2][..] != b"~" && &a[2][..] != b"=" {
-                    return Err("ERR syntax error (embedded XTRIM takes only MINID ~|= id)".into());
-                }
-                let min = stream_id(&a[3])?;
-                Ok(Resp::Int(match self.stream_mut(now, &a[0])? {
-                    Some(st) => {
-                        let keep = st.entries.split_off(&min);
-                        let trimmed = std::mem::replace(&mut st.entries, keep).len();
-                        trimmed as i64
-                    }
-                    None => 0,
-                }))
-            }
-            "XLEN" => {
-                arity(a, 1)?;
-                Ok(Resp::Int(self.stream_mut(now, &a[0])?.map_or(0, |st| st.entries.len() as i64)))
-            }
-            "XRANGE" => {
-                arity(a, 3)?;
-                let bound = |v: &[u8], open: StreamId| match v {
-                    b"-" | b"+" => Ok(open),
-                    v => stream_id(v),
-                };
-                let (lo, hi) = (bound(&a[1], (0, 0))?, bound(&a[2], (u64::MAX, u64::MAX))?);
-                let Some(st) = self.stream_mut(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
-                let mut out = Vec::new();
-                if lo <= hi {
-                    for (id, fields) in st.entries.range(lo..=hi) {
-                        let flat = fields.iter().flat_map(|(f, v)| [Resp::Bulk(f.clone()), Resp::Bulk(v.clone())]);
-                        out.push(Resp::Array(vec![
-                            Resp::Bulk(format_id(*id).into_bytes()),
-                            Resp::Array(flat.collect()),
-                        ]));
-                    }
-                }
-                Ok(Resp::Array(out))
-            }
+            "XTRIM" => self.xtrim(now, a),
+            "XLEN" => self.xlen(now, a),
+            "XRANGE" => self.xrange(now, a),
             other => Err(format!("ERR unknown command '{other}' (not implemented by the embedded store)")),
         }
     }
@@ -404,50 +359,6 @@ impl Keyspace {
         self.entries.insert(a[0].clone(), Entry { value: Value::Str(a[1].clone()), expires_at: None });
         self.set_expiry(&a[0], expiry);
         Ok(Resp::Status("OK"))
-    }
-
-    /// `XADD key [MAXLEN [~|=] n] * field value ...`: the id is the clock's millisecond, and a
-    /// sequence within it.
-    fn xadd(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
-        let (max_len, rest) = match a.get(1) {
-            Some(w) if w.eq_ignore_ascii_case(b"MAXLEN") => match a.get(2).map(Vec::as_slice) {
-                Some(b"~" | b"=") => (Some(a.get(3).ok_or_else(arity_error)?), &a[4..]),
-                _ => (Some(a.get(2).ok_or_else(arity_error)?), &a[3..]),
-            },
-            _ => (None, a.get(1..).ok_or_else(arity_error)?),
-        };
-        let max_len = max_len.map(|n| int_arg(n).and_then(positive)).transpose()?;
-        if rest.first().map(Vec::as_slice) != Some(b"*") {
-            return Err("ERR syntax error (embedded XADD takes only * as the id)".into());
-        }
-        let pairs = &rest[1..];
-        if pairs.is_empty() || pairs.len() % 2 != 0 {
-            return Err(arity_error());
-        }
-        let fields: Fields = pairs.chunks(2).map(|p| (p[0].clone(), p[1].clone())).collect();
-        let entry = self.entry_or_insert(now, &a[0], || Value::Stream(Stream::default()));
-        let Value::Stream(st) = &mut entry.value else { return Err(wrongtype()) };
-        let id = if now > st.last.0 { (now, 0) } else { (st.last.0, st.last.1 + 1) };
-        st.last = id;
-        st.entries.insert(id, fields.clone());
-        if let Some(max) = max_len {
-            while st.entries.len() as u64 > max {
-                st.entries.pop_first();
-            }
-        }
-        let id = format_id(id);
-        if let Some(sink) = &mut self.sink {
-            sink(&a[0], &id, &fields);
-        }
-        Ok(Resp::Bulk(id.into_bytes()))
-    }
-
-    fn stream_mut(&mut self, now: u64, key: &[u8]) -> Result<Option<&mut Stream>, String> {
-        match self.live(now, key).map(|e| &mut e.value) {
-            None => Ok(None),
-            Some(Value::Stream(st)) => Ok(Some(st)),
-            Some(_) => Err(wrongtype()),
-        }
     }
 
     fn zrange(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
@@ -544,18 +455,6 @@ impl Keyspace {
     }
 }
 
-fn format_id((ms, seq): StreamId) -> String {
-    format!("{ms}-{seq}")
-}
-
-/// A stream id, `ms` or `ms-seq`.
-fn stream_id(v: &[u8]) -> Result<StreamId, String> {
-    let bad = || "ERR Invalid stream ID specified as stream command argument".to_string();
-    let text = std::str::from_utf8(v).map_err(|_| bad())?;
-    let (ms, seq) = text.split_once('-').unwrap_or((text, "0"));
-    Ok((ms.parse().map_err(|_| bad())?, seq.parse().map_err(|_| bad())?))
-}
-
 fn push_member(out: &mut Vec<Resp>, score: &Score, member: &[u8], with_scores: bool) {
     out.push(Resp::Bulk(member.to_vec()));
     if with_scores {
@@ -609,70 +508,4 @@ fn bound_arg(v: &[u8]) -> Result<f64, String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cmd(ks: &mut Keyspace, now: u64, parts: &[&str]) -> CmdResult {
-        let args: Vec<Vec<u8>> = parts.iter().map(|p| p.as_bytes().to_vec()).collect();
-        ks.command(now, &args)
-    }
-
-    fn bulk(s: &str) -> Resp {
-        Resp::Bulk(s.as_bytes().to_vec())
-    }
-
-    #[test]
-    fn keys_expire_lazily_and_by_purge() {
-        let mut ks = Keyspace::default();
-        cmd(&mut ks, 0, &["SET", "a", "1", "PX", "100"]).unwrap();
-        cmd(&mut ks, 0, &["HSET", "h", "f", "v"]).unwrap();
-        cmd(&mut ks, 0, &["PEXPIRE", "h", "50"]).unwrap();
-        assert_eq!(cmd(&mut ks, 99, &["GET", "a"]), Ok(bulk("1")));
-        assert_eq!(cmd(&mut ks, 100, &["GET", "a"]), Ok(Resp::Nil));
-        assert_eq!(ks.len(), 1);
-        ks.purge_expired(60, 10);
-        assert!(ks.is_empty());
-    }
-
-    #[test]
-    fn the_expiry_index_is_bounded_by_the_live_keys() {
-        let mut ks = Keyspace::default();
-        for i in 0..10_000u64 {
-            let key = format!("k{}", i % 7);
-            cmd(&mut ks, i, &["HSET", &key, "f", "v"]).unwrap();
-            cmd(&mut ks, i, &["PEXPIRE", &key, "60000"]).unwrap();
-            cmd(&mut ks, i, &["SET", "s", "1", "PX", "60000"]).unwrap();
-            if i % 3 == 0 {
-                cmd(&mut ks, i, &["DEL", &key]).unwrap();
-            }
-            assert!(ks.expiry_index_len() <= ks.len(), "cycle {i}: {} > {}", ks.expiry_index_len(), ks.len());
-        }
-        assert!(ks.len() <= 8);
-    }
-
-    #[test]
-    fn sorted_set_ranges_follow_redis() {
-        let mut ks = Keyspace::default();
-        for (s, m) in [("30", "c"), ("10", "a"), ("20", "b")] {
-            cmd(&mut ks, 0, &["ZADD", "z", s, m]).unwrap();
-        }
-        assert_eq!(
-            cmd(&mut ks, 0, &["ZRANGEBYSCORE", "z", "-inf", "20", "LIMIT", "0", "1"]),
-            Ok(Resp::Array(vec![bulk("a")]))
-        );
-        assert_eq!(
-            cmd(&mut ks, 0, &["ZRANGE", "z", "0", "0", "WITHSCORES"]),
-            Ok(Resp::Array(vec![bulk("a"), bulk("10")]))
-        );
-        assert_eq!(cmd(&mut ks, 0, &["ZREM", "z", "a", "b", "c"]), Ok(Resp::Int(3)));
-        assert!(ks.is_empty(), "an emptied sorted set is deleted, as in Redis");
-    }
-
-    #[test]
-    fn wrong_type_and_unknown_commands_are_errors() {
-        let mut ks = Keyspace::default();
-        cmd(&mut ks, 0, &["SET", "s", "1"]).unwrap();
-        assert!(cmd(&mut ks, 0, &["HGET", "s", "f"]).unwrap_err().starts_with("WRONGTYPE"));
-        assert!(cmd(&mut ks, 0, &["FLUSHALL"]).is_err());
-    }
-}
+mod tests;

@@ -27,7 +27,7 @@ const MAX_EVENT_LINE: usize = 1 << 20;
 
 /// What a response used, as far as it says: exact counts it reported, or the output metered from
 /// the text that passed (bytes per token) with the prompt that was held at admission.
-pub use crate::store::Counted as Measured;
+pub use crate::hold::Counted as Measured;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Format {

@@ -2,7 +2,7 @@
 //!
 //! `<tenant>:<random>` or, when capacity admission holds work in a backend pool,
 //! `<tenant>:<pool>:<random>`: the id carries every leg of the hold, so nothing else need be sent.
-//! A hold leased from this replica's slice (see [`super::lease`]) lives in the replica's memory and
+//! A hold leased from a replica's slice (see `admission::lease`) lives in the replica's memory and
 //! says which replica: `<tenant>[:<pool>]:<random>@<replica>`.
 //! The random part is 128 bits from the operating system's randomness, because knowing an id is
 //! all it takes to commit or release a hold: it must not be guessable from any other id.

@@ -1,71 +1,23 @@
-//! The usage ledger, read out. The scripts that settle holds append one entry per settled hold to
-//! the tenant's ledger stream (`lua/common.lua` lists the fields), so billing reads what the
-//! counters charged, in the same atomic step. This module turns entries into JSON lines: as the
-//! embedded store appends them (its ledger file), and as `tollgate ledger` reads them from Redis
-//! through a consumer group.
+//! `tollgate ledger`: the usage ledger, read out. The scripts that settle holds append one entry
+//! per settled hold to the tenant's ledger stream (`lua/common.lua` lists the fields), so billing
+//! reads what the counters charged, in the same atomic step. This reads those streams from Redis
+//! through a consumer group and writes each entry as a JSON line ([`crate::hold::ledger`], the
+//! line the embedded store's ledger file writes too).
 //!
 //! Delivery is at least once: an entry is acknowledged only after its line is written and flushed,
 //! so a reader that stops in between writes it again next time. A consumer keeps one row per
 //! reservation id (`id`), the last one it saw winning: that makes a repeat harmless, and lets a
 //! `late_committed` entry replace the `expired` entry of the same hold.
 
-use std::borrow::Cow;
 use std::io::Write;
-use std::path::Path;
 use std::time::Duration;
 
-use fred::prelude::ClientLike;
-use fred::types::scan::ScanType;
-use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::store::embedded::LedgerSink;
+use crate::hold::ledger::entry_json;
+use crate::store::phase::ledger::{From, LedgerStreams};
 use crate::store::redis::RedisStore;
-use crate::store::{Reply, Script, Store, StoreError, keys};
-
-/// Fields whose values are whole numbers, written as JSON numbers.
-const NUMBERS: [&str; 8] = [
-    "prompt_tokens",
-    "output_tokens",
-    "reserved_tokens",
-    "charged_tokens",
-    "cost_nanos",
-    "reserved_cost_nanos",
-    "reserved_at_ms",
-    "settled_at_ms",
-];
-
-/// One entry as a JSON object: `entry` is its stream id, then its fields; empty values are `null`.
-pub fn entry_json<'a>(entry: &str, fields: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut map = serde_json::Map::new();
-    map.insert("entry".into(), entry.into());
-    for (field, value) in fields {
-        let value = match value {
-            "" => serde_json::Value::Null,
-            v if NUMBERS.contains(&field) => v.parse::<u64>().map_or_else(|_| v.into(), Into::into),
-            v => v.into(),
-        };
-        map.insert(field.into(), value);
-    }
-    serde_json::Value::Object(map).to_string()
-}
-
-/// The embedded store's ledger: every entry appended to `path` as a JSON line, in one write, as the
-/// script that settles the hold runs. A write that fails is logged; the entry stays in the store's
-/// stream (and its counters are charged all the same).
-pub fn file_sink(path: &Path) -> std::io::Result<LedgerSink> {
-    let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-    let shown = path.display().to_string();
-    Ok(Box::new(move |_key, id, fields| {
-        let fields: Vec<(Cow<'_, str>, Cow<'_, str>)> =
-            fields.iter().map(|(f, v)| (String::from_utf8_lossy(f), String::from_utf8_lossy(v))).collect();
-        let mut line = entry_json(id, fields.iter().map(|(f, v)| (f.as_ref(), v.as_ref())));
-        line.push('\n');
-        if let Err(e) = file.write_all(line.as_bytes()) {
-            tracing::error!(file = %shown, error = %e, entry = %line.trim_end(), "cannot append to the ledger file");
-        }
-    }))
-}
+use crate::store::{StoreError, keys};
 
 /// How `tollgate ledger` reads.
 #[derive(Debug, Clone)]
@@ -107,39 +59,20 @@ pub enum LedgerError {
 
 /// Reads every tenant's ledger stream on a Redis or a Redis Cluster.
 pub struct Reader {
-    store: RedisStore,
-    read: Script,
-    ack: Script,
+    streams: LedgerStreams<RedisStore>,
     settings: ReaderSettings,
 }
 
 impl Reader {
     pub async fn new(store: RedisStore, settings: ReaderSettings) -> Result<Self, StoreError> {
-        let read = Script::new("ledger_read", include_str!("../lua/ledger_read.lua").to_string());
-        let ack = Script::new("ledger_ack", include_str!("../lua/ledger_ack.lua").to_string());
-        store.load(&read).await?;
-        store.load(&ack).await?;
-        Ok(Reader { store, read, ack, settings })
+        Ok(Reader { streams: LedgerStreams::new(store).await?, settings })
     }
 
     /// Every tenant's ledger stream: a `SCAN` of every primary for stream keys of the ledger's
     /// pattern.
     pub async fn streams(&self) -> Result<Vec<String>, StoreError> {
-        let client = self.store.client();
-        let pattern = keys::LEDGER_PATTERN;
-        let found: Vec<_> = if client.is_clustered() {
-            client.scan_cluster_buffered(pattern, Some(1000), Some(ScanType::Stream)).collect().await
-        } else {
-            client.scan_buffered(pattern, Some(1000), Some(ScanType::Stream)).collect().await
-        };
-        let mut streams = Vec::with_capacity(found.len());
-        for key in found {
-            let key = key.map_err(|e| StoreError::Unavailable(format!("cannot scan for ledger streams: {e}")))?;
-            let key = key.as_str_lossy().into_owned();
-            if keys::ledger_tenant(&key).is_some() {
-                streams.push(key);
-            }
-        }
+        let mut streams = self.streams.store().scan_streams(keys::LEDGER_PATTERN).await?;
+        streams.retain(|key| keys::ledger_tenant(key).is_some());
         streams.sort();
         streams.dedup();
         Ok(streams)
@@ -150,7 +83,7 @@ impl Reader {
     /// nobody has read. Each batch is flushed before it is acknowledged.
     pub async fn drain(&self, stream: &str, out: &mut impl Write) -> Result<Drained, LedgerError> {
         let mut drained = Drained::default();
-        for from in ["0", ">"] {
+        for from in [From::Pending, From::New] {
             loop {
                 let (batch, lost) = self.read_batch(stream, from).await?;
                 if batch.is_empty() {
@@ -161,9 +94,8 @@ impl Reader {
                     out.write_all(b"\n")?;
                 }
                 out.flush()?;
-                let mut args = vec![self.settings.group.clone()];
-                args.extend(batch.iter().map(|(id, _)| id.clone()));
-                self.store.eval(&self.ack, vec![stream.to_string()], args).await?;
+                let group = &self.settings.group;
+                self.streams.ack(stream, group, batch.iter().map(|(id, _)| id.clone())).await?;
                 let n = u64::try_from(batch.len()).unwrap_or(u64::MAX);
                 drained += Drained { written: n.saturating_sub(lost), lost };
                 if n < u64::from(self.settings.batch) {
@@ -179,39 +111,23 @@ impl Reader {
 
     /// One read: (entry id, JSON line, or empty for an entry trimmed meanwhile), and how many of
     /// those were trimmed.
-    async fn read_batch(&self, stream: &str, from: &str) -> Result<(Vec<(String, String)>, u64), StoreError> {
+    async fn read_batch(&self, stream: &str, from: From) -> Result<(Vec<(String, String)>, u64), StoreError> {
         let s = &self.settings;
-        let args = vec![
-            s.group.clone(),
-            s.consumer.clone(),
-            s.batch.to_string(),
-            from.to_string(),
-            s.claim_idle_ms.to_string(),
-        ];
-        let reply = self.store.eval(&self.read, vec![stream.to_string()], args).await?;
-        let bad = || StoreError::BadReply { script: self.read.name, reply: reply.clone() };
-        let Reply::Array(items) = &reply else { return Err(bad()) };
-        let mut batch = Vec::with_capacity(items.len() / 2);
+        let entries = self.streams.read(stream, &s.group, &s.consumer, s.batch, from, s.claim_idle_ms).await?;
         let mut lost = 0_u64;
-        for pair in items.chunks(2) {
-            let [Reply::Text(id), fields] = pair else { return Err(bad()) };
-            let fields = match fields {
-                Reply::Array(f) => f,
-                Reply::Nil => &Vec::new(),
-                _ => return Err(bad()),
-            };
-            if fields.is_empty() {
-                lost = lost.saturating_add(1);
-                batch.push((id.clone(), String::new()));
-                continue;
-            }
-            let mut flat = Vec::with_capacity(fields.len());
-            for f in fields {
-                flat.push(f.as_text().ok_or_else(bad)?);
-            }
-            let line = entry_json(id, flat.chunks(2).filter_map(|p| Some((*p.first()?, *p.get(1)?))));
-            batch.push((id.clone(), line));
-        }
+        let batch = entries
+            .into_iter()
+            .map(|(id, fields)| match fields {
+                Some(fields) => {
+                    let line = entry_json(&id, fields.iter().map(|(f, v)| (f.as_str(), v.as_str())));
+                    (id, line)
+                }
+                None => {
+                    lost = lost.saturating_add(1);
+                    (id, String::new())
+                }
+            })
+            .collect();
         Ok((batch, lost))
     }
 

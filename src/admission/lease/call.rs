@@ -1,0 +1,163 @@
+//! One lease call: made ready from the slices (what to give back, what to ask for), sent, and its
+//! reply applied to the slices.
+
+use super::slice::{Blocked, Slice, signed};
+use super::{Ask, Followups, Leases, TenantLease};
+use crate::hold::{Amounts, DAY_MS, Refusal};
+use crate::store::{LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
+
+/// A lease call made ready: its scopes, when it is sent, and the tenant's lease and idle TTL.
+struct Prepared {
+    scopes: Vec<LeaseScope>,
+    sent_at: u64,
+    lease_ms: u64,
+    idle_ttl_ms: u64,
+}
+
+impl Leases {
+    /// Builds a lease call for the tenant: every slice it has (or, for a miss, the asking
+    /// request's scopes), giving back what is free beyond each slice's target, and asking for the
+    /// target again (at least what `ask` needs).
+    fn prepare(&self, t: &TenantLease, ask: Option<&Ask<'_>>, ending: bool) -> Prepared {
+        let now = self.clock.now_ms();
+        let today = now / DAY_MS;
+        let share = self.settings.max_share;
+        let mut s = t.lock();
+        s.last_call = now;
+        let lapsed = now >= s.valid_until;
+        let day = s.day;
+        if let Some(ask) = ask {
+            for a in &ask.scopes {
+                // The limits of this decision's policy (a reload may have changed them).
+                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day, share)).limits = a.limits;
+            }
+        }
+        let keys: Vec<String> = match ask {
+            Some(ask) => ask.scopes.iter().map(|a| a.key.to_string()).collect(),
+            None => s.slices.keys().cloned().collect(),
+        };
+        let mut scopes = Vec::with_capacity(keys.len());
+        for key in keys {
+            let Some(slice) = s.slices.get_mut(&key) else { continue };
+            if lapsed {
+                // The store may have settled the record, and these slots with it.
+                slice.slots_free = 0;
+            }
+            let mut target = if ending { Amounts::default() } else { slice.target(share) };
+            if let Some(ask) = ask {
+                // A miss draws ahead (four of this request), within the share; the need, below,
+                // may ask for more, which the asking request then takes at once.
+                let cap = slice.share_cap(share);
+                target.tokens = target.tokens.max(ask.hold.saturating_mul(4).min(cap.tokens));
+                target.requests = target.requests.max(4.min(cap.requests));
+                target.slots = target.slots.max(1);
+            }
+            if slice.day != today {
+                // Free tokens of another day go back to it; the new day draws its own.
+                target.tokens = if ask.is_some() { target.tokens } else { 0 };
+                slice.stale_refund = slice.stale_refund.saturating_add(u64::try_from(slice.tokens.max(0)).unwrap_or(0));
+                slice.tokens = slice.tokens.min(0);
+            }
+            let keep_tokens = slice.tokens.clamp(0, signed(target.tokens));
+            let back_tokens =
+                slice.tokens.saturating_sub(keep_tokens).saturating_add(signed(std::mem::take(&mut slice.surplus)));
+            let keep_requests = slice.requests.min(target.requests);
+            let back_requests = slice.requests.saturating_sub(keep_requests);
+            let keep_slots = slice.slots_free.min(target.slots);
+            let mut need = Amounts::default();
+            if let Some(ask) = ask {
+                if slice.limits_tokens() {
+                    need.tokens = ask.hold.saturating_sub(u64::try_from(keep_tokens).unwrap_or(0));
+                }
+                need.requests = u64::from(slice.limits_requests() && keep_requests == 0);
+                need.slots = u64::from(slice.limits_slots() && keep_slots == 0);
+            }
+            let want = Amounts {
+                tokens: target.tokens.saturating_sub(u64::try_from(keep_tokens).unwrap_or(0)).max(need.tokens),
+                requests: target.requests.saturating_sub(keep_requests).max(need.requests),
+                slots: target.slots.saturating_sub(keep_slots).max(need.slots),
+            };
+            let want = if slice.limits_tokens() { want } else { Amounts { tokens: 0, ..want } };
+            scopes.push(LeaseScope {
+                key: key.clone(),
+                limits: slice.limits,
+                back_tokens,
+                back_day: slice.day,
+                back_bucket_tokens: std::mem::take(&mut slice.stale_refund),
+                back_requests,
+                held_slots: slice.slots_used.saturating_add(keep_slots),
+                need,
+                want,
+            });
+            slice.tokens = keep_tokens;
+            slice.requests = keep_requests;
+            slice.slots_free = keep_slots;
+        }
+        Prepared { scopes, sent_at: now, lease_ms: s.tp.lease_ttl_ms, idle_ttl_ms: s.tp.idle_ttl_ms }
+    }
+
+    /// Applies a lease call's reply. Returns the refusal, if the store refused the asking request.
+    fn apply(
+        &self,
+        t: &TenantLease,
+        scopes: &[LeaseScope],
+        sent_at: u64,
+        reply: &LeaseReply,
+    ) -> Option<(usize, Refusal, u64)> {
+        let now = self.clock.now_ms();
+        let mut s = t.lock();
+        s.valid_until = sent_at.saturating_add(s.tp.lease_ttl_ms);
+        s.stale = false;
+        s.day = reply.day;
+        s.headroom = reply.headroom;
+        match &reply.outcome {
+            LeaseOutcome::Granted(granted) => {
+                for (scope, g) in scopes.iter().zip(granted) {
+                    if let Some(slice) = s.slices.get_mut(&scope.key) {
+                        slice.tokens = slice.tokens.saturating_add(signed(g.tokens));
+                        slice.requests = slice.requests.saturating_add(g.requests);
+                        slice.slots_free = slice.slots_free.saturating_add(g.slots);
+                        slice.day = reply.day;
+                        slice.blocked = None;
+                    }
+                }
+                None
+            }
+            LeaseOutcome::Refused { reason, scope, retry_after_ms } => {
+                let window = self.settings.window_ms;
+                if let Some(slice) = scopes.get(*scope).and_then(|sc| s.slices.get_mut(&sc.key)) {
+                    let until = now.saturating_add((*retry_after_ms).clamp(1, window));
+                    let retry_at = now.saturating_add(*retry_after_ms);
+                    slice.blocked = Some(Blocked { until, retry_at, reason: *reason });
+                }
+                Some((*scope, *reason, *retry_after_ms))
+            }
+        }
+    }
+
+    /// One lease call for the tenant, for `ask` (a miss) or for the window's upkeep (`None`).
+    pub async fn call<S: crate::store::Store>(
+        &self,
+        protocol: &crate::store::Protocol<S>,
+        tenant: &str,
+        t: &TenantLease,
+        ask: Option<&Ask<'_>>,
+        ending: bool,
+        policy: (u32, u64),
+    ) -> Result<(Option<(usize, Refusal, u64)>, Followups), crate::store::StoreError> {
+        let Prepared { scopes, sent_at, lease_ms, idle_ttl_ms } = self.prepare(t, ask, ending);
+        let call = LeaseCall {
+            tenant,
+            replica: &self.replica,
+            lease_ms,
+            idle_ttl_ms,
+            sweep_batch: policy.0,
+            concurrency_retry_cap_ms: policy.1,
+            ending,
+            scopes,
+        };
+        let reply = protocol.lease(&call).await?;
+        let refused = self.apply(t, &call.scopes, sent_at, &reply);
+        Ok((refused, Followups { forwarded: reply.forwarded, released: reply.swept }))
+    }
+}

@@ -1,0 +1,208 @@
+//! The holds a replica admitted from its slices: live, and settled (remembered to answer a
+//! repeated or late commit the way the store's retained records do).
+
+use super::{Leases, State};
+use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Settled, Usage};
+
+/// Settled holds remembered per tenant, to answer a repeated commit or release the way the store's
+/// retained records do; past this many, the oldest are forgotten (a repeat then finds nothing and
+/// charges nothing).
+const MAX_CLOSED: usize = 100_000;
+
+#[derive(Debug, Clone)]
+pub(super) struct LocalHold {
+    pub(super) scopes: Vec<String>,
+    pub(super) held: u64,
+    pub(super) prompt: u64,
+    pub(super) day: u64,
+    /// The hold's own terms, fixed when it was taken (a policy reload does not change them).
+    pub(super) lease_until: u64,
+    pub(super) refund_on_expiry: bool,
+    pub(super) model: String,
+}
+
+#[derive(Debug, Clone)]
+pub(super) enum Closed {
+    Committed(Usage),
+    Released {
+        refunded: u64,
+    },
+    /// Expired; a late commit reconciles against `charged`.
+    Expired {
+        hold: LocalHold,
+        charged: u64,
+    },
+}
+
+impl Closed {
+    pub(super) fn settled(&self) -> Settled {
+        match self {
+            Closed::Committed(u) if u.late => Settled::LateCommitted,
+            Closed::Committed(_) => Settled::Committed,
+            Closed::Released { .. } => Settled::Released,
+            Closed::Expired { .. } => Settled::Expired,
+        }
+    }
+}
+
+impl State {
+    pub(super) fn close(&mut self, id: &str, closed: Closed, now: u64, retention_ms: u64) {
+        self.closed.insert(id.to_string(), closed);
+        self.closed_order.push_back((now.saturating_add(retention_ms), id.to_string()));
+        while self.closed_order.len() > MAX_CLOSED {
+            if let Some((_, old)) = self.closed_order.pop_front() {
+                self.closed.remove(&old);
+            }
+        }
+    }
+
+    pub(super) fn forget_closed(&mut self, now: u64) {
+        while let Some((until, _)) = self.closed_order.front() {
+            if *until > now {
+                break;
+            }
+            if let Some((_, id)) = self.closed_order.pop_front() {
+                self.closed.remove(&id);
+            }
+        }
+    }
+
+    /// Settles a hold whose lease ran out: the slot comes back; the tokens stay charged, or come
+    /// back, by the tenant's expired-usage policy. Returns what stays charged.
+    pub(super) fn expire(&mut self, hold: &LocalHold) -> u64 {
+        let refund = hold.refund_on_expiry;
+        for key in &hold.scopes {
+            if let Some(slice) = self.slices.get_mut(key) {
+                slice.free_slot();
+                if refund {
+                    slice.refund(hold.held, hold.day);
+                }
+            }
+        }
+        if refund { 0 } else { hold.held }
+    }
+
+    /// Charges `used` against `charged` in every scope of the hold: the difference comes back or
+    /// is debt.
+    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: u64, used: u64) {
+        for key in &hold.scopes {
+            if let Some(slice) = self.slices.get_mut(key) {
+                if used < charged {
+                    slice.refund(charged.saturating_sub(used), hold.day);
+                } else {
+                    slice.overrun(used.saturating_sub(charged));
+                }
+            }
+        }
+    }
+
+    /// Settles the hold `id` as expired if its lease has passed, so that what is left in `holds`
+    /// is live.
+    pub(super) fn expire_if_due(&mut self, id: &str, now: u64, retention_ms: u64) {
+        if self.holds.get(id).is_some_and(|h| now >= h.lease_until)
+            && let Some(hold) = self.holds.remove(id)
+        {
+            let charged = self.expire(&hold);
+            self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
+        }
+    }
+}
+
+impl Leases {
+    /// Commits a leased hold of this replica.
+    pub fn commit(&self, tenant: &str, id: &str, counted: Counted) -> CommitOutcome {
+        let Some(t) = self.existing(tenant) else { return CommitOutcome::NotFound };
+        let now = self.clock.now_ms();
+        let retention = self.retention_ms;
+        let mut s = t.lock();
+        s.active = true;
+        let metered = !matches!(counted, Counted::Exact { .. });
+        let used = |hold: &LocalHold| match counted {
+            Counted::Exact { prompt, output } => prompt.saturating_add(output),
+            Counted::Metered { output } => hold.prompt.saturating_add(output),
+            Counted::AsHeld => hold.held,
+        };
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.remove(id) {
+            let used = used(&hold);
+            for key in &hold.scopes {
+                if let Some(slice) = s.slices.get_mut(key) {
+                    slice.free_slot();
+                }
+            }
+            s.reconcile(&hold, hold.held, used);
+            let usage = usage(&hold, used, false, metered);
+            s.close(id, Closed::Committed(usage.clone()), now, retention);
+            return CommitOutcome::Committed(usage);
+        }
+        match s.closed.get(id).cloned() {
+            Some(Closed::Committed(u)) => CommitOutcome::Committed(Usage { duplicate: true, ..u }),
+            Some(Closed::Released { .. }) => CommitOutcome::Released,
+            Some(Closed::Expired { hold, charged }) => {
+                let used = used(&hold);
+                s.reconcile(&hold, charged, used);
+                let usage = usage(&hold, used, true, metered);
+                s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
+                CommitOutcome::Committed(usage)
+            }
+            None => CommitOutcome::NotFound,
+        }
+    }
+
+    /// Releases a leased hold of this replica: every token back, the slot free.
+    pub fn release(&self, tenant: &str, id: &str) -> ReleaseOutcome {
+        let Some(t) = self.existing(tenant) else { return ReleaseOutcome::NotFound };
+        let now = self.clock.now_ms();
+        let retention = self.retention_ms;
+        let mut s = t.lock();
+        s.active = true;
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.remove(id) {
+            for key in &hold.scopes {
+                if let Some(slice) = s.slices.get_mut(key) {
+                    slice.free_slot();
+                    slice.refund(hold.held, hold.day);
+                }
+            }
+            s.close(id, Closed::Released { refunded: hold.held }, now, retention);
+            return ReleaseOutcome::Released { refunded: hold.held, repeated: false };
+        }
+        match s.closed.get(id) {
+            Some(Closed::Released { refunded }) => ReleaseOutcome::Released { refunded: *refunded, repeated: true },
+            Some(closed) => ReleaseOutcome::Settled(closed.settled()),
+            None => ReleaseOutcome::NotFound,
+        }
+    }
+
+    /// Extends a leased hold's lease to `lease_ms` from now.
+    pub fn renew(&self, tenant: &str, id: &str, lease_ms: u64) -> RenewOutcome {
+        let Some(t) = self.existing(tenant) else { return RenewOutcome::NotFound };
+        let now = self.clock.now_ms();
+        let retention = self.retention_ms;
+        let mut s = t.lock();
+        s.active = true;
+        let valid_until = s.valid_until;
+        s.expire_if_due(id, now, retention);
+        if let Some(hold) = s.holds.get_mut(id) {
+            hold.lease_until = now.saturating_add(lease_ms).min(valid_until);
+            return RenewOutcome::Renewed { lease_remaining_ms: hold.lease_until.saturating_sub(now) };
+        }
+        s.closed.get(id).map_or(RenewOutcome::NotFound, |closed| RenewOutcome::Settled(closed.settled()))
+    }
+}
+
+fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
+    Usage {
+        late,
+        duplicate: false,
+        metered,
+        used,
+        held: hold.held,
+        refunded: hold.held.saturating_sub(used),
+        overrun: used.saturating_sub(hold.held),
+        model: Some(hold.model.clone()),
+        output_held: Some(hold.held.saturating_sub(hold.prompt)),
+        // Leased holds are not priced: a tenant with a budget in money decides at the store.
+        cost_nanos: 0,
+    }
+}

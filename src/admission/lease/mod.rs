@@ -1,0 +1,393 @@
+//! Leasing: most decisions never leave the process.
+//!
+//! With `leasing` in the policy, a replica draws a *slice* of each scope it serves from the store
+//! (tokens, request permits, concurrency slots: `lua/lease.lua`) and decides from it in memory.
+//! A hold admitted from a slice lives in this replica's memory, under an id that names the
+//! replica; its commit, release and renewal settle against the slice, with no store call.
+//!
+//! Once per window, for each tenant it serves, the replica gives back what it did not use beyond
+//! what it expects to need, draws again sized by its own recent rate (never more than
+//! `max_share` of a scope), renews its lease record, and picks up operations other replicas
+//! forwarded for its holds. A request its slice cannot cover makes a call of its own (a miss),
+//! asking for at least what that request needs; a scope the store refused answers from memory
+//! until the refusal's wait, or one window, has passed.
+//!
+//! # What it promises
+//!
+//! What a replica draws is charged to the scope when it is drawn, as a hold is. So the store's
+//! counters always include every slice, and leasing never admits what a single store would have
+//! refused: no overshoot, per scope, at any moment. What it can do is refuse what a single store
+//! would have admitted, while other replicas sit on unused slices: at most one slice per other
+//! replica, each at most `max_share` of the scope and returned within a window.
+//!
+//! Tokens a replica drew are charged until it gives them back: if it dies, they stay charged (its
+//! in-flight requests ran, and missing usage is not zero usage), and its concurrency slots come
+//! back when its lease record runs out (the tenant's lease TTL), as a dead client's holds do.
+//!
+//! # Bounds on what this replica believes
+//!
+//! The record's lease is counted from when a call was *sent*, so this replica stops deciding
+//! from its slices no later than the store would settle its record. Slots are stated absolutely
+//! in every call, so a lost reply corrects itself; tokens and permits of a lost reply stay
+//! charged, never spent twice.
+
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
+mod call;
+mod holds;
+mod slice;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use crate::config::{ExpiredUsage, Leasing, TenantPolicy};
+use crate::hold::{DAY_MS, Forwarded, Headroom, Refusal, ScopeLimits};
+use crate::store::clock::Clock;
+use holds::{Closed, LocalHold};
+use slice::Slice;
+
+/// Windows a tenant may stay idle (nothing held, nothing settled to remember, nothing asked)
+/// before the replica leaves it.
+const IDLE_WINDOWS: u32 = 4;
+
+/// One scope of a request, as leasing needs it.
+#[derive(Debug, Clone)]
+pub(super) struct AskScope<'a> {
+    pub key: &'a str,
+    pub limits: ScopeLimits,
+}
+
+/// A request to decide from the slices.
+#[derive(Debug)]
+pub(super) struct Ask<'a> {
+    pub id: &'a str,
+    pub model: &'a str,
+    pub scopes: Vec<AskScope<'a>>,
+    pub hold: u64,
+    pub prompt: u64,
+}
+
+/// A decision from memory.
+#[derive(Debug)]
+pub(super) enum Local {
+    Admitted {
+        headroom: Headroom,
+    },
+    /// The store refused this scope (index into the ask's scopes) a moment ago.
+    Refused {
+        scope: usize,
+        reason: Refusal,
+        retry_after_ms: u64,
+    },
+    /// The slices cannot cover it: a lease call must.
+    Miss,
+}
+
+/// What a lease call left for the caller to finish: ops to apply here, pool legs to release.
+#[derive(Debug, Default)]
+pub(super) struct Followups {
+    pub forwarded: Vec<(String, Forwarded)>,
+    /// Ids whose pool legs are to be released: store holds the sweep settled, local holds expired.
+    pub released: Vec<String>,
+}
+
+/// This replica's slices and leased holds, per tenant.
+pub(super) struct Leases {
+    pub replica: String,
+    pub settings: Leasing,
+    clock: Arc<dyn Clock>,
+    retention_ms: u64,
+    tenants: RwLock<HashMap<String, Arc<TenantLease>>>,
+}
+
+impl std::fmt::Debug for Leases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leases")
+            .field("replica", &self.replica)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One tenant's slices on this replica.
+pub(super) struct TenantLease {
+    state: Mutex<State>,
+    /// One lease call at a time per tenant: concurrent misses wait for it, then look again.
+    pub calls: tokio::sync::Mutex<()>,
+}
+
+struct State {
+    tp: Arc<TenantPolicy>,
+    slices: HashMap<String, Slice>,
+    holds: HashMap<String, LocalHold>,
+    closed: HashMap<String, Closed>,
+    closed_order: VecDeque<(u64, String)>,
+    /// The store's day at the last call.
+    day: u64,
+    /// Until when (this replica's clock) its lease record is surely live in the store.
+    valid_until: u64,
+    /// The store's view of the tightest scope at the last call, for the rate-limit headers.
+    headroom: Headroom,
+    active: bool,
+    idle_windows: u32,
+    /// The replica left the tenant: this state is no longer the tenant's, and decides nothing.
+    left: bool,
+    /// When this replica last sent a lease call for the tenant (its clock).
+    last_call: u64,
+    /// The policy changed since the last call: decide nothing from the slices until a call has
+    /// drawn them again under the new limits.
+    stale: bool,
+}
+
+impl Leases {
+    pub fn new(replica: String, settings: Leasing, clock: Arc<dyn Clock>, retention_ms: u64) -> Self {
+        Leases { replica, settings, clock, retention_ms, tenants: RwLock::new(HashMap::new()) }
+    }
+
+    /// The tenant's lease state, made on first use.
+    pub fn tenant(&self, tenant: &str, tp: &Arc<TenantPolicy>) -> Arc<TenantLease> {
+        if let Some(t) = self.tenants.read().unwrap_or_else(|p| p.into_inner()).get(tenant) {
+            return Arc::clone(t);
+        }
+        let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(tenants.entry(tenant.to_string()).or_insert_with(|| {
+            Arc::new(TenantLease {
+                state: Mutex::new(State {
+                    tp: Arc::clone(tp),
+                    slices: HashMap::new(),
+                    holds: HashMap::new(),
+                    closed: HashMap::new(),
+                    closed_order: VecDeque::new(),
+                    day: self.clock.now_ms() / DAY_MS,
+                    valid_until: 0,
+                    headroom: Headroom::default(),
+                    active: true,
+                    idle_windows: 0,
+                    left: false,
+                    last_call: 0,
+                    stale: false,
+                }),
+                calls: tokio::sync::Mutex::new(()),
+            })
+        }))
+    }
+
+    /// A reloaded policy: each tenant's slices are drawn again under its new terms at the next
+    /// decision (which misses, and calls), and its new lease terms apply to holds taken from now
+    /// on. A tenant the policy no longer names keeps its terms until its holds are settled.
+    pub fn policy_changed(&self, policy: &crate::config::Policy) {
+        for (name, t) in self.tenants.read().unwrap_or_else(|p| p.into_inner()).iter() {
+            let mut s = t.lock();
+            if let Some(tp) = policy.tenant(name) {
+                s.tp = Arc::clone(tp);
+            }
+            s.stale = true;
+        }
+    }
+
+    fn existing(&self, tenant: &str) -> Option<Arc<TenantLease>> {
+        self.tenants.read().unwrap_or_else(|p| p.into_inner()).get(tenant).cloned()
+    }
+
+    /// Every tenant this replica holds slices of.
+    pub fn tenant_names(&self) -> Vec<String> {
+        self.tenants.read().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+
+    /// Decides `ask` from the slices, or says a lease call must.
+    pub fn try_admit(&self, t: &TenantLease, ask: &Ask<'_>) -> Local {
+        let now = self.clock.now_ms();
+        let mut s = t.lock();
+        s.active = true;
+        if now >= s.valid_until || s.left || s.stale {
+            return Local::Miss;
+        }
+        for (i, scope) in ask.scopes.iter().enumerate() {
+            let Some(slice) = s.slices.get(scope.key) else { return Local::Miss };
+            if slice.covers(ask.hold) {
+                continue;
+            }
+            return match slice.blocked {
+                Some(b) if b.until > now => {
+                    Local::Refused { scope: i, reason: b.reason, retry_after_ms: b.retry_at.saturating_sub(now).max(1) }
+                }
+                _ => Local::Miss,
+            };
+        }
+        let mut tightest: Option<i64> = None;
+        for scope in &ask.scopes {
+            if let Some(slice) = s.slices.get_mut(scope.key) {
+                slice.take(ask.hold);
+                if slice.limits_tokens() {
+                    tightest = Some(tightest.map_or(slice.tokens, |t| t.min(slice.tokens)));
+                }
+            }
+        }
+        let hold = LocalHold {
+            scopes: ask.scopes.iter().map(|a| a.key.to_string()).collect(),
+            held: ask.hold,
+            prompt: ask.prompt,
+            day: s.day,
+            // Never past the replica's own lease record: the store frees its slots then.
+            lease_until: now.saturating_add(s.tp.lease_ttl_ms).min(s.valid_until),
+            refund_on_expiry: s.tp.expired_usage == ExpiredUsage::Refund,
+            model: ask.model.to_string(),
+        };
+        s.holds.insert(ask.id.to_string(), hold);
+        // The store's view at the last call, and what this replica holds free besides.
+        let mut headroom = s.headroom;
+        if let (Some(w), Some(free)) = (headroom.tokens.as_mut(), tightest) {
+            w.remaining = w.remaining.saturating_add(free.max(0));
+        }
+        Local::Admitted { headroom }
+    }
+
+    /// The window's upkeep for one tenant: settles holds whose lease passed, forgets old settled
+    /// holds, and says whether a call is due (anything held, asked, or to give back) and whether
+    /// the replica is leaving the tenant. Returns the ids of the holds it expired.
+    pub fn upkeep(&self, t: &TenantLease) -> (Vec<String>, Option<bool>) {
+        let now = self.clock.now_ms();
+        let retention = self.retention_ms;
+        let mut s = t.lock();
+        let due: Vec<String> = s.holds.iter().filter(|(_, h)| now >= h.lease_until).map(|(id, _)| id.clone()).collect();
+        for id in &due {
+            if let Some(hold) = s.holds.remove(id) {
+                let charged = s.expire(&hold);
+                s.close(id, Closed::Expired { hold, charged }, now, retention);
+            }
+        }
+        s.forget_closed(now);
+        for slice in s.slices.values_mut() {
+            slice.taken_before = std::mem::take(&mut slice.taken);
+        }
+        let active = std::mem::replace(&mut s.active, false) || !due.is_empty();
+        if active || !s.holds.is_empty() {
+            s.idle_windows = 0;
+            return (due, Some(false));
+        }
+        let holding = s
+            .slices
+            .values()
+            .any(|sl| sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0 || sl.surplus > 0);
+        if !s.closed.is_empty() {
+            // Settled holds can still be committed late, from another replica too: keep the lease
+            // record, and look for forwarded operations, a few times a lease.
+            let poll = now.saturating_sub(s.last_call) >= s.tp.lease_ttl_ms / 4;
+            return (due, (holding || poll).then_some(false));
+        }
+        s.idle_windows = s.idle_windows.saturating_add(1);
+        if s.idle_windows >= IDLE_WINDOWS {
+            return (due, Some(true));
+        }
+        (due, holding.then_some(false))
+    }
+
+    /// Forgets a tenant the replica left (its last call gave everything back).
+    pub fn leave(&self, tenant: &str) {
+        let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = tenants.get(tenant) {
+            let mut s = t.lock();
+            if s.holds.is_empty() && !s.active {
+                s.left = true;
+                drop(s);
+                tenants.remove(tenant);
+            }
+        }
+    }
+
+    /// How many holds this replica keeps in memory for the tenant, live and settled.
+    pub fn held(&self, tenant: &str) -> (usize, usize) {
+        self.existing(tenant).map_or((0, 0), |t| {
+            let s = t.lock();
+            (s.holds.len(), s.closed.len())
+        })
+    }
+}
+
+impl TenantLease {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Policy;
+    use crate::hold::{RenewOutcome, Settled};
+    use crate::store::clock::ManualClock;
+
+    const START: u64 = 1_795_953_600_000;
+
+    fn leases(clock: &ManualClock) -> (Leases, Arc<TenantPolicy>) {
+        let policy = Policy::parse(
+            "t.yaml",
+            "leasing: { window_ms: 250, max_share: 0.1 }\nmodels:\n  m: { max_output_tokens: 100 }\n\
+             tenants:\n  acme: { lease_ttl_ms: 4000, limits: { tokens_per_minute: 60000, burst_tokens: 10000, max_concurrency: 10 } }\n",
+        )
+        .unwrap();
+        let tp = Arc::clone(&policy.tenants["acme"]);
+        (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000), tp)
+    }
+
+    fn limits(tp: &TenantPolicy) -> ScopeLimits {
+        ScopeLimits::from(&tp.limits)
+    }
+
+    /// A slice that holds `tokens` and `slots` free, as a lease call would have left it.
+    fn stock(t: &TenantLease, tp: &TenantPolicy, tokens: i64, slots: u64, valid_until: u64) {
+        let mut s = t.lock();
+        let mut slice = Slice::new(limits(tp), START / DAY_MS, 0.1);
+        slice.tokens = tokens;
+        slice.slots_free = slots;
+        s.slices.insert("scope".into(), slice);
+        s.valid_until = valid_until;
+    }
+
+    fn ask<'a>(id: &'a str, tp: &TenantPolicy, hold: u64) -> Ask<'a> {
+        Ask { id, model: "m", scopes: vec![AskScope { key: "scope", limits: limits(tp) }], hold, prompt: 0 }
+    }
+
+    #[test]
+    fn a_refund_beyond_the_share_is_given_back_not_spent() {
+        let clock = ManualClock::new(START);
+        let (_, tp) = leases(&clock);
+        let mut slice = Slice::new(limits(&tp), 7, 0.1);
+        assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
+        slice.tokens = 900;
+        slice.refund(300, 7);
+        assert_eq!((slice.tokens, slice.surplus), (1_000, 200));
+        slice.refund(50, 6);
+        assert_eq!(slice.stale_refund, 50, "a hold of another day refunds the bucket only");
+    }
+
+    #[test]
+    fn a_leased_hold_never_outlives_its_replicas_lease_record() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 1_000, 5, START + 1_500);
+        assert!(matches!(leases.try_admit(&t, &ask("h1", &tp, 100)), Local::Admitted { .. }));
+        assert_eq!(t.lock().holds["h1"].lease_until, START + 1_500, "not START + 4,000");
+        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Renewed { lease_remaining_ms: 1_500 });
+        clock.advance_ms(1_500);
+        assert!(matches!(leases.try_admit(&t, &ask("h2", &tp, 100)), Local::Miss), "the lease lapsed");
+        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
+    }
+
+    #[test]
+    fn a_replica_with_only_settled_holds_polls_four_times_a_lease() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 0, 0, START + 4_000);
+        t.lock().closed.insert("done".into(), Closed::Released { refunded: 1 });
+        t.lock().last_call = START;
+        leases.upkeep(&t); // the window the tenant was created in: active
+        clock.advance_ms(999);
+        assert_eq!(leases.upkeep(&t).1, None, "nothing to give back, polled a moment ago");
+        clock.advance_ms(1);
+        assert_eq!(leases.upkeep(&t).1, Some(false), "a quarter of the 4,000 ms lease since the last call");
+    }
+}

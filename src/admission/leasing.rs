@@ -1,0 +1,166 @@
+//! Decisions from this replica's slices (`lease`), and the lease windows that keep them.
+
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
+use std::sync::Arc;
+
+use super::lease::{self, Local};
+use super::plan::Plan;
+use super::reserve::{Tidy, refusal_reason, store_unavailable};
+use super::{Admission, Admitted, Decision, Denial, Reason};
+use crate::config::Policy;
+use crate::hold::{Forwarded, Headroom};
+use crate::store::{Store, StoreError};
+
+impl<S: Store> Admission<S> {
+    /// Quota from this replica's slices: a hit decides from memory; a miss makes one lease call
+    /// (one at a time per tenant: a miss that waited for another's call looks again first).
+    pub(super) async fn leased_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+        let Some(leases) = &self.leases else { return self.tenant_leg(plan, tidy).await };
+        let ask = plan.ask();
+        let t = leases.tenant(&plan.tenant, &plan.tp);
+        match leases.try_admit(&t, &ask) {
+            Local::Miss => {}
+            local => return self.leased_decision(plan, local),
+        }
+        let _one_call = t.calls.lock().await;
+        // The tenant may have been left (and made anew) while this waited.
+        let t = leases.tenant(&plan.tenant, &plan.tp);
+        match leases.try_admit(&t, &ask) {
+            Local::Miss => {}
+            local => return self.leased_decision(plan, local),
+        }
+        match leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, sweep_args(&plan.policy)).await {
+            Ok((refused, followups)) => {
+                self.follow_up(followups).await;
+                match refused {
+                    Some((scope, reason, retry_after_ms)) => {
+                        self.leased_decision(plan, Local::Refused { scope, reason, retry_after_ms })
+                    }
+                    None => match leases.try_admit(&t, &ask) {
+                        // Granted but not covered: only if the policy changed under it; the store decides.
+                        Local::Miss => self.tenant_leg(plan, tidy).await,
+                        local => self.leased_decision(plan, local),
+                    },
+                }
+            }
+            Err(e) => {
+                tidy.store_failed = true;
+                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+            }
+        }
+    }
+
+    /// A decision from the slices, as a [`Decision`].
+    pub(super) fn leased_decision(&self, plan: &Plan, local: Local) -> Decision {
+        match local {
+            Local::Admitted { headroom } => Decision::Admitted(Admitted {
+                reservation_id: plan.id.clone(),
+                model: plan.model.clone(),
+                reserved_tokens: plan.prompt.saturating_add(plan.ceiling),
+                attempts: 1,
+                replayed: false,
+                headroom,
+                shadow: None,
+            }),
+            Local::Refused { scope, reason, retry_after_ms } => {
+                let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
+                let (reason, message) = refusal_reason(reason, label, plan.policy.max_attempts);
+                let retry_after_ms = reason.retryable().then_some(retry_after_ms);
+                Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
+            }
+            Local::Miss => Decision::Denied(Denial::now(Reason::StoreUnavailable, "no lease could decide the request")),
+        }
+    }
+
+    /// After a lease call: apply what other replicas forwarded for this replica's holds, and take
+    /// settled holds' pool legs off their pools.
+    pub(super) async fn follow_up(&self, f: lease::Followups) {
+        self.apply_forwarded(f.forwarded).await;
+        self.release_swept_pool_legs(&f.released).await;
+    }
+
+    pub(super) async fn apply_forwarded(&self, forwarded: Vec<(String, Forwarded)>) {
+        for (id, op) in forwarded {
+            let result = match op {
+                Forwarded::Commit(counted) => self.commit_counted(&id, counted).await.map(|o| o.state()),
+                Forwarded::Release => self.release(&id).await.map(|o| o.state()),
+                Forwarded::Renew { lease_ms } => self.renew(&id, lease_ms).await.map(|o| o.state()),
+            };
+            match result {
+                Ok(state) => tracing::debug!(reservation = %id, state, "applied a forwarded operation"),
+                Err(e) => tracing::warn!(reservation = %id, error = %e, "a forwarded operation failed"),
+            }
+        }
+    }
+
+    /// One window of leasing: for every tenant this replica serves, settle leased holds whose
+    /// lease passed, give back what it will not use, draw for the next window, and apply forwarded
+    /// operations. `ending` gives everything back (shutdown). Run by [`Admission::run_leases`];
+    /// public so tests can drive it on a manual clock. Returns the first failed call's error (the
+    /// others were still made): the slices it concerned stay as they were until their lease lapses.
+    pub async fn lease_tick(&self, ending: bool) -> Result<(), StoreError> {
+        let Some(leases) = &self.leases else { return Ok(()) };
+        let mut failed = None;
+        let policy = self.policy();
+        for tenant in leases.tenant_names() {
+            let Some(tp) = policy.tenant(&tenant).cloned() else { continue };
+            let t = leases.tenant(&tenant, &tp);
+            let one_call = t.calls.lock().await;
+            let (mut released, due) = leases.upkeep(&t);
+            if due.is_some() || ending {
+                let leaving = ending || due == Some(true);
+                // Forwarded operations settle holds and free what they held: a leaving replica
+                // gives that back with a second call.
+                for _ in 0..2 {
+                    match leases.call(&self.protocol, &tenant, &t, None, leaving, sweep_args(&policy)).await {
+                        Ok((_, f)) => {
+                            released.extend(f.released);
+                            let applied = !f.forwarded.is_empty();
+                            self.apply_forwarded(f.forwarded).await;
+                            if !(applied && leaving) {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(tenant = %tenant, error = %e, "lease call failed; slices kept until the lease lapses");
+                            failed.get_or_insert(e);
+                            break;
+                        }
+                    }
+                }
+                if leaving && !ending {
+                    leases.leave(&tenant);
+                }
+            }
+            drop(one_call);
+            self.release_swept_pool_legs(&released).await;
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Runs the lease windows until `shutdown`, then gives back every slice.
+    pub async fn run_leases(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let Some(window) = self.leases.as_ref().map(|l| l.settings.window_ms) else { return };
+        let mut ticks = tokio::time::interval(std::time::Duration::from_millis(window));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {
+                    // Failures are logged per tenant; the next window tries again.
+                    let _ = self.lease_tick(false).await;
+                }
+                () = shutdown.cancelled() => break,
+            }
+        }
+        if self.lease_tick(true).await.is_err() {
+            tracing::warn!("some slices could not be given back at shutdown: they stay charged until their lease");
+        }
+    }
+}
+
+/// What a lease call's sweep takes from the policy: its batch, and the cap on a concurrency wait.
+fn sweep_args(policy: &Policy) -> (u32, u64) {
+    (policy.sweep_batch, policy.concurrency_retry_ms)
+}

@@ -1,0 +1,355 @@
+//! The reserve phase: the pool leg, then the tenant leg (or a decision from the slices), then
+//! tidying up.
+//!
+//! # Two key spaces
+//!
+//! A tenant's keys share the tenant's hash tag; a backend pool is shared by every tenant, so its
+//! keys carry the pool's tag and, on a Redis Cluster, may live on another node. No one script can
+//! touch both, so a reserve runs two legs, in this order:
+//!
+//! 1. **Pool leg** (`pool_reserve.lua`): refuse with `deadline` or `queue_full`, or hold the
+//!    request's predicted work in the pool under the new reservation id.
+//! 2. **Tenant leg** (`reserve.lua`): refuse on quota, or hold the tokens.
+//! 3. If the tenant leg did not hold this id (refused, failed, or returned an earlier hold for the
+//!    same idempotency key), **release the pool leg** (`pool_release.lua`).
+//!
+//! So a tenant is never charged for a request the pool refuses, and pool capacity held for a
+//! request the tenant refused is given back at once. A leg whose store call failed may still have
+//! run (the reply, not the call, may be what was lost), so it is released too. If the process dies
+//! between 1 and 3, the pool hold's lease (the tenant's lease TTL) reclaims it. Commit and Release
+//! settle the tenant leg first, then release the pool leg by id; pool release is idempotent, so a
+//! repeated commit (which retries a pool release the first could not make), a hold already swept,
+//! or a retry after a crash between the two changes nothing. Renew extends the pool lease only
+//! after the tenant hold was renewed.
+//!
+//! # Nobody waiting
+//!
+//! A caller may give up while the legs run (Envoy's ext_authz timeout, a gRPC deadline): tonic then
+//! drops the call's future. The legs therefore run on a task of their own, to completion, and hand
+//! their decision over a channel; a hold whose decision nobody received is released at once, since
+//! the request it was for will never reach the backend.
+
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+
+use super::lease::Local;
+use super::plan::{Plan, PoolLeg};
+use super::{Admission, Admitted, Attributes, Decision, Denial, Priority, Reason, ids};
+use crate::config::Policy;
+use crate::hold::{PoolRefusal, Refusal, ReserveOutcome};
+use crate::metrics::{Decided, Outcome};
+use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
+
+impl<S: Store> Admission<S> {
+    /// The reserve phase. The legs run to completion even if the caller stops waiting, and a hold
+    /// whose decision nobody received is released (see the module's "Nobody waiting").
+    pub async fn reserve(self: &Arc<Self>, a: &Attributes) -> Decision {
+        let start = std::time::Instant::now();
+        let policy = self.policy();
+        let decision = self.decide(&policy, a).await;
+        self.record(&policy, a, &decision, start.elapsed());
+        decision
+    }
+
+    /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
+    /// policy serves (any other name a client sent is `other`), the tier, the reason.
+    pub(super) fn record(&self, policy: &Policy, a: &Attributes, decision: &Decision, took: std::time::Duration) {
+        if !self.metrics.enabled() {
+            return;
+        }
+        let tenant = a.tenant.as_deref().or(policy.anonymous_tenant.as_deref()).unwrap_or("");
+        let tp = policy.tenant(tenant);
+        let tier = match tp {
+            Some(tp) => a.priority.unwrap_or(tp.default_priority).min(tp.max_priority),
+            None => a.priority.unwrap_or(Priority::Standard),
+        };
+        let model = a.model.as_deref().map(|m| if policy.models.contains_key(m) { m } else { "other" });
+        let (outcome, reason) = match decision {
+            Decision::Admitted(admitted) => {
+                if !admitted.replayed {
+                    self.metrics.reserved(tenant, admitted.reserved_tokens);
+                }
+                match admitted.shadow {
+                    Some(would) => (Outcome::Shadow, would.code()),
+                    None => (Outcome::Admitted, "ok"),
+                }
+            }
+            Decision::Unmetered => (Outcome::Unmetered, "ok"),
+            Decision::Denied(d) => (Outcome::Denied, d.reason.code()),
+        };
+        self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took });
+    }
+
+    pub(super) async fn decide(self: &Arc<Self>, policy: &Arc<Policy>, a: &Attributes) -> Decision {
+        let plan = match self.plan(policy, a) {
+            Ok(plan) => plan,
+            Err(denial) => return Decision::Denied(denial),
+        };
+        // A lease hit decides here, from memory: no store call, no task, nothing to cancel.
+        if let (Some(leases), true, None) = (&self.leases, plan.leased, &plan.pool) {
+            let t = leases.tenant(&plan.tenant, &plan.tp);
+            match leases.try_admit(&t, &plan.ask()) {
+                Local::Miss => {}
+                local => return self.leased_decision(&plan, local),
+            }
+        }
+        let (answer, decision) = oneshot::channel();
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            let mut tidy = Tidy::default();
+            let decided = this.hold(&plan, &mut tidy).await;
+            let sent = answer.send(decided);
+            // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
+            // second timeout to it).
+            this.tidy(&plan, tidy).await;
+            if let Err(Decision::Admitted(undelivered)) = sent
+                && !undelivered.replayed
+            {
+                tracing::debug!(reservation = %undelivered.reservation_id, "nobody received the hold; releasing it");
+                this.give_back(&plan, &undelivered.reservation_id).await;
+            }
+        });
+        decision.await.unwrap_or_else(|_| {
+            Decision::Denied(Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision"))
+        })
+    }
+
+    pub(super) async fn hold(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+        if let Some(leg) = &plan.pool
+            && let Err(denial) = self.pool_leg(plan, leg).await
+        {
+            return match denial.reason {
+                Reason::StoreUnavailable => {
+                    // The call may have run and only its reply been lost.
+                    tidy.pool_leg = true;
+                    self.on_store_error(plan, denial)
+                }
+                _ => Decision::Denied(denial),
+            };
+        }
+        let decision = if plan.leased { self.leased_leg(plan, tidy).await } else { self.tenant_leg(plan, tidy).await };
+        let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == plan.id);
+        if let Some(leg) = &plan.pool
+            && !holds_this_id
+        {
+            // The pool gives the work back before a refusal is answered, as the refusal says; after
+            // a store failure it is tidied up later, so the answer does not wait on the store twice.
+            if tidy.store_failed {
+                tidy.pool_leg = true;
+            } else {
+                self.release_pool_leg(&leg.name, &plan.id).await;
+            }
+        }
+        decision
+    }
+
+    /// What a decision left to tidy up, once it has been answered.
+    pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
+        if tidy.hold
+            && let Err(e) = self.protocol.release(&plan.tenant, &plan.id).await
+        {
+            tracing::warn!(error = %e, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
+        }
+        if let Some(leg) = &plan.pool
+            && tidy.pool_leg
+        {
+            self.release_pool_leg(&leg.name, &plan.id).await;
+        }
+    }
+
+    /// Capacity: can the pool start and finish this request in time? Holds its work if so.
+    pub(super) async fn pool_leg(&self, plan: &Plan, leg: &PoolLeg) -> Result<(), Denial> {
+        let pool = &leg.pool;
+        let call = PoolCall {
+            pool: &leg.name,
+            id: &plan.id,
+            work_ms: leg.work_ms,
+            kv_tokens: leg.kv_tokens,
+            lease_ms: plan.tp.lease_ttl_ms,
+            idle_ttl_ms: pool.idle_ttl_ms,
+            sweep_batch: plan.policy.sweep_batch,
+            slots: pool.max_sequences,
+            tier_slots: pool.slots_for(leg.tier),
+            max_queue_delay_ms: pool.max_queue_delay_ms,
+            tier_kv_tokens: pool.kv_for(leg.tier),
+            deadline_ms: plan.deadline_ms,
+            recover_per_ms: pool.upstream_throttle.map_or(0.0, |t| t.recover_per_ms),
+        };
+        match self.protocol.pool_reserve(&call).await {
+            Ok(PoolOutcome::Admitted { .. }) => Ok(()),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::Deadline, start_delay_ms, .. }) => Err(Denial::now(
+                Reason::Deadline,
+                format!(
+                    "predicted to finish in {} ms (start in {start_delay_ms} ms on pool {}), past the {} ms deadline",
+                    start_delay_ms.saturating_add(leg.work_ms),
+                    leg.name,
+                    plan.deadline_ms.unwrap_or(0)
+                ),
+            )),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::Throttled, retry_after_ms, .. }) => Err(Denial {
+                retry_after_ms: Some(retry_after_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!("pool {} is throttled: its provider refused with a Retry-After", leg.name),
+                )
+            }),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {
+                retry_after_ms: Some(retry_after_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!(
+                        "pool {} is full for {} requests (predicted start in {start_delay_ms} ms)",
+                        leg.name,
+                        leg.tier.as_str()
+                    ),
+                )
+            }),
+            Err(e) => Err(store_unavailable(&e, &plan.tenant)),
+        }
+    }
+
+    /// Quota: every scope of the tenant must pass.
+    pub(super) async fn tenant_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+        let policy = &plan.policy;
+        let call = ReserveCall {
+            tenant: &plan.tenant,
+            model: &plan.model,
+            id: &plan.id,
+            prompt_tokens: plan.prompt,
+            output_ceiling: plan.ceiling,
+            adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
+            lease_ms: plan.tp.lease_ttl_ms,
+            idle_ttl_ms: plan.tp.idle_ttl_ms,
+            retention_ms: policy.record_retention_ms,
+            expired_usage: plan.tp.expired_usage,
+            sweep_batch: policy.sweep_batch,
+            idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {
+                key: &k.key,
+                repeat: k.repeat,
+                fingerprint,
+            }),
+            max_attempts: policy.max_attempts,
+            concurrency_retry_cap_ms: policy.concurrency_retry_ms,
+            scopes: plan.scopes.iter().map(|s| (s.key.clone(), s.limits)).collect(),
+            shadow: plan.tp.shadow,
+            user: plan.user.as_deref(),
+            tier: plan.tier,
+            ledger: policy.ledger.as_ref().map(|l| l.terms),
+            price: plan.price,
+        };
+        let outcome = match self.protocol.reserve(&call).await {
+            Ok(ReserveReply { outcome, swept }) => {
+                self.release_swept_pool_legs(&swept).await;
+                Ok(outcome)
+            }
+            Err(e) => Err(e),
+        };
+        match outcome {
+            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed, shadowed }) => {
+                if let Some(output) = estimated_output
+                    && plan.pool.is_some()
+                {
+                    self.remember_estimate(&plan.tenant, &plan.model, output);
+                }
+                // In shadow, what the limits would have said, as the reason a denial would carry.
+                let shadow = shadowed.map(|w| {
+                    let scope = plan.scopes.get(w.scope).map_or("?", |s| s.label.as_str());
+                    refusal_reason(w.reason, scope, policy.max_attempts).0
+                });
+                Decision::Admitted(Admitted {
+                    reservation_id: id,
+                    model: plan.model.clone(),
+                    reserved_tokens: held,
+                    attempts,
+                    replayed,
+                    headroom,
+                    shadow,
+                })
+            }
+            Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
+                let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
+                let (reason, message) = refusal_reason(reason, scope, policy.max_attempts);
+                let retry_after_ms = reason.retryable().then_some(retry_after_ms);
+                Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
+            }
+            Err(e) => {
+                // The script may have run and only its reply been lost: give back what it may hold.
+                tidy.hold = true;
+                tidy.store_failed = true;
+                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+            }
+        }
+    }
+
+    /// The tenant leg's sweep settled these expired holds; their pool legs live on other slots and
+    /// are taken off here, so pool work leaves with its hold rather than with the pool's own sweep.
+    pub(super) async fn release_swept_pool_legs(&self, swept: &[String]) {
+        for id in swept {
+            let Some(r) = ids::parse_reservation_id(id) else { continue };
+            self.metrics.expired(r.tenant);
+            if let Some(pool) = r.pool {
+                self.release_pool_leg(pool, id).await;
+            }
+        }
+    }
+
+    /// Releases a hold this call made but nobody received: both legs.
+    pub(super) async fn give_back(&self, plan: &Plan, id: &str) {
+        if let (Some(leases), true) = (&self.leases, plan.leased) {
+            leases.release(&plan.tenant, id);
+        } else if let Err(e) = self.protocol.release(&plan.tenant, id).await {
+            tracing::warn!(error = %e, reservation = id, "release of an undelivered hold failed; its lease will reclaim it");
+        }
+        if let Some(leg) = &plan.pool {
+            self.release_pool_leg(&leg.name, id).await;
+        }
+    }
+
+    /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
+    pub(super) async fn release_pool_leg(&self, pool: &str, id: &str) {
+        if let Err(e) = self.protocol.pool_release(pool, id).await {
+            tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it");
+        }
+    }
+}
+
+/// The reason and message of a store refusal on `scope`.
+pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, String) {
+    match refusal {
+        Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
+        Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
+        Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
+        Refusal::Budget(b) => (Reason::Budget, format!("{} of scope {scope} is spent", b.describe())),
+        Refusal::Attempts => {
+            (Reason::InvalidRequest, format!("idempotency key has made its most reserves ({max_attempts})"))
+        }
+        Refusal::Conflict => (
+            Reason::InvalidRequest,
+            "idempotency key was first used for a different request (user, model or size)".to_string(),
+        ),
+        Refusal::Unsatisfiable => {
+            (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
+        }
+    }
+}
+
+pub(super) fn store_unavailable(e: &StoreError, tenant: &str) -> Denial {
+    tracing::error!(error = %e, tenant, "store call failed; failing closed");
+    Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
+}
+
+/// Store calls a decision leaves behind after a store failure, made once it is answered: a
+/// decision waits on a failing store once, never twice.
+#[derive(Debug, Default)]
+pub(super) struct Tidy {
+    /// A store call of the tenant leg failed.
+    pub(super) store_failed: bool,
+    /// Release the tenant leg's hold: its reserve failed, and may have run all the same.
+    pub(super) hold: bool,
+    /// Release the pool leg's hold: its call failed, or the tenant leg's did.
+    pub(super) pool_leg: bool,
+}

@@ -1,0 +1,183 @@
+//! Commit, renew and release: each routed to where its hold lives, read from its id (the store,
+//! this replica's slice, or another replica's, which it is forwarded to), then the pool leg.
+
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
+use super::lease::Leases;
+use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
+use crate::hold::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome};
+use crate::metrics::Estimate;
+use crate::store::{Learning, Store};
+
+impl<S: Store> Admission<S> {
+    /// The commit phase: reconcile a hold against the usage its caller reports, then free its pool
+    /// work.
+    pub async fn commit(
+        &self,
+        reservation_id: &str,
+        prompt: u64,
+        output: u64,
+    ) -> Result<CommitOutcome, AdmissionError> {
+        self.commit_counted(reservation_id, Counted::Exact { prompt, output }).await
+    }
+
+    /// The commit phase, with counts reported or metered.
+    pub async fn commit_counted(
+        &self,
+        reservation_id: &str,
+        counted: Counted,
+    ) -> Result<CommitOutcome, AdmissionError> {
+        let (prompt, output) = match counted {
+            Counted::Exact { prompt, output } => (prompt, output),
+            Counted::Metered { output } => (0, output),
+            Counted::AsHeld => (0, 0),
+        };
+        for (what, value) in [("prompt_tokens", prompt), ("completion_tokens", output)] {
+            if value > MAX_TOKEN_COUNT {
+                return Err(AdmissionError::TooLarge { what, value });
+            }
+        }
+        let r = parse_id(reservation_id)?;
+        let outcome = match self.home(&r) {
+            Home::Store => {
+                let policy = self.policy();
+                let learning = policy.tenant(r.tenant).and_then(|tp| {
+                    tp.adaptive_output
+                        .map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
+                });
+                let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
+                self.record_commit(r.tenant, &outcome, counted);
+                outcome
+            }
+            Home::Slice(leases) => {
+                let outcome = leases.commit(r.tenant, reservation_id, counted);
+                self.record_commit(r.tenant, &outcome, counted);
+                outcome
+            }
+            Home::Replica(replica) => {
+                match self.forward(&r, replica, reservation_id, Forwarded::Commit(counted)).await? {
+                    true => CommitOutcome::Forwarded,
+                    false => CommitOutcome::NotFound,
+                }
+            }
+        };
+        // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
+        // call may have settled the tenant leg and failed to reach the pool. Idempotent.
+        if let Some(pool) = r.pool
+            && outcome != CommitOutcome::NotFound
+        {
+            self.release_pool_leg(pool, reservation_id).await;
+        }
+        Ok(outcome)
+    }
+
+    /// Counts a commit that settled a hold now (not a repeat of an earlier one), and, when the
+    /// counts were reported, how far each estimate behind the hold was from them: the output
+    /// reservation and the prompt estimate, per tenant and model.
+    pub(super) fn record_commit(&self, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
+        let CommitOutcome::Committed(u) = outcome else { return };
+        if u.duplicate || !self.metrics.enabled() {
+            return;
+        }
+        self.metrics.committed(tenant, u);
+        if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
+            (counted, &u.model, u.output_held, u.late)
+        {
+            let policy = self.policy();
+            let model = if policy.models.contains_key(model) { model.as_str() } else { "other" };
+            let prompt_held = u.held.saturating_sub(output_held);
+            self.metrics.token_usage(tenant, model, prompt, output);
+            self.metrics.estimated(tenant, model, Estimate::Output, output, output_held);
+            self.metrics.estimated(tenant, model, Estimate::Prompt, prompt, prompt_held);
+        }
+    }
+
+    /// Extends a live hold's lease by `lease_ms` (0 = the tenant's lease TTL; never more than it).
+    pub async fn renew(&self, reservation_id: &str, lease_ms: u64) -> Result<RenewOutcome, AdmissionError> {
+        let r = parse_id(reservation_id)?;
+        let policy = self.policy();
+        let Some(tp) = policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
+        let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
+        let outcome = match self.home(&r) {
+            Home::Store => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
+            Home::Slice(leases) => leases.renew(r.tenant, reservation_id, lease),
+            Home::Replica(replica) => {
+                match self.forward(&r, replica, reservation_id, Forwarded::Renew { lease_ms: lease }).await? {
+                    true => RenewOutcome::Forwarded,
+                    false => RenewOutcome::NotFound,
+                }
+            }
+        };
+        if let Some(pool) = r.pool {
+            match outcome {
+                RenewOutcome::Renewed { .. } => {
+                    if let Some(p) = policy.pools.get(pool) {
+                        self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
+                    }
+                }
+                // Settled (perhaps expired by this very call): its pool leg goes too.
+                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id).await,
+                // The owner renews the pool leg when it applies the renewal.
+                RenewOutcome::NotFound | RenewOutcome::Forwarded => {}
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Gives a hold back without usage, and its pool work with it.
+    pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
+        let r = parse_id(reservation_id)?;
+        let outcome = match self.home(&r) {
+            Home::Store => self.protocol.release(r.tenant, reservation_id).await?,
+            Home::Slice(leases) => leases.release(r.tenant, reservation_id),
+            Home::Replica(replica) => match self.forward(&r, replica, reservation_id, Forwarded::Release).await? {
+                true => ReleaseOutcome::Forwarded,
+                false => ReleaseOutcome::NotFound,
+            },
+        };
+        if let ReleaseOutcome::Released { refunded, repeated: false } = outcome {
+            self.metrics.released(r.tenant, refunded);
+        }
+        if let Some(pool) = r.pool
+            && outcome != ReleaseOutcome::NotFound
+        {
+            self.release_pool_leg(pool, reservation_id).await;
+        }
+        Ok(outcome)
+    }
+
+    /// Where the hold an id names lives: the one answer commit, renew and release route by.
+    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>) -> Home<'a> {
+        match (r.replica, &self.leases) {
+            (None, _) => Home::Store,
+            (Some(replica), Some(leases)) if leases.replica == replica => Home::Slice(leases),
+            (Some(replica), _) => Home::Replica(replica),
+        }
+    }
+
+    /// Leaves an operation on another replica's leased hold for that replica. False when the
+    /// replica no longer holds a lease on the tenant: it stopped, and its holds settle as expired.
+    async fn forward(
+        &self,
+        r: &ids::ReservationRef<'_>,
+        replica: &str,
+        id: &str,
+        op: Forwarded,
+    ) -> Result<bool, AdmissionError> {
+        let policy = self.policy();
+        let Some(tp) = policy.tenant(r.tenant) else { return Ok(false) };
+        Ok(self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?)
+    }
+}
+
+/// Where a hold lives, read from its id.
+enum Home<'a> {
+    /// In the store: its scripts settle it.
+    Store,
+    /// In this replica's slices: settled in memory, no store call.
+    Slice(&'a Leases),
+    /// In another replica's slices: the operation is left for that replica (`lease_forward.lua`),
+    /// which applies it within one lease window.
+    Replica(&'a str),
+}

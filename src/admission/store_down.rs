@@ -1,0 +1,89 @@
+//! When the store cannot be reached: each tenant's `on_store_error` refuses, admits unmetered, or
+//! admits within this replica's share of its limits (`local`), the share counted by heartbeats.
+
+// Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
+#![warn(clippy::arithmetic_side_effects)]
+
+use super::plan::Plan;
+use super::reserve::refusal_reason;
+use super::{Admission, AdmissionError, Decision, Denial};
+use crate::config::OnStoreError;
+use crate::metrics::Outcome;
+use crate::store::Store;
+
+/// How often a replica says it is alive, and how long it counts after its last heartbeat.
+pub const HEARTBEAT_MS: u64 = 1_000;
+pub const HEARTBEAT_TTL_MS: u64 = 3 * HEARTBEAT_MS;
+
+impl<S: Store> Admission<S> {
+    /// Says this replica is alive, and counts the replicas on the store, for `on_store_error:
+    /// local`; returns the count. A store that does not answer keeps the last count.
+    pub async fn heartbeat(&self) -> Result<u64, AdmissionError> {
+        let replicas = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS).await?;
+        self.local.counted(replicas);
+        Ok(replicas)
+    }
+
+    /// The replicas this one last counted.
+    pub fn replicas(&self) -> u64 {
+        self.local.replicas()
+    }
+
+    /// Heartbeats every [`HEARTBEAT_MS`] until `shutdown`.
+    pub async fn run_heartbeat(&self, shutdown: tokio_util::sync::CancellationToken) {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_millis(HEARTBEAT_MS));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {
+                    if let Err(e) = self.heartbeat().await {
+                        tracing::debug!(error = %e, replicas = self.replicas(), "heartbeat failed; keeping the last count");
+                    }
+                }
+                () = shutdown.cancelled() => break,
+            }
+        }
+    }
+
+    /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.
+    pub(super) fn on_store_error(&self, plan: &Plan, denial: Denial) -> Decision {
+        let decision = self.by_store_down_mode(plan, denial);
+        let outcome = match &decision {
+            Decision::Admitted(_) => Outcome::Admitted,
+            Decision::Unmetered => Outcome::Unmetered,
+            Decision::Denied(_) => Outcome::Denied,
+        };
+        self.metrics.degraded(&plan.tenant, plan.tp.on_store_error.as_str(), outcome);
+        decision
+    }
+
+    pub(super) fn by_store_down_mode(&self, plan: &Plan, denial: Denial) -> Decision {
+        match plan.tp.on_store_error {
+            OnStoreError::FailClosed => Decision::Denied(denial),
+            OnStoreError::FailOpen => {
+                tracing::warn!(tenant = %plan.tenant, "store unavailable; admitting unmetered (fail_open)");
+                Decision::Unmetered
+            }
+            OnStoreError::Local => {
+                let scopes = plan.scopes.iter().map(|s| (s.key.as_str(), &s.limits));
+                match self.local.admit(scopes, plan.prompt.saturating_add(plan.ceiling), std::time::Instant::now()) {
+                    Ok(()) => {
+                        tracing::debug!(tenant = %plan.tenant, "store unavailable; admitted within the local share");
+                        Decision::Unmetered
+                    }
+                    Err(refusal) => {
+                        let scope = plan.scopes.get(refusal.scope).map_or("?", |s| s.label.as_str());
+                        let (reason, message) = refusal_reason(refusal.reason, scope, plan.policy.max_attempts);
+                        Decision::Denied(Denial {
+                            retry_after_ms: Some(refusal.retry_after_ms),
+                            ..Denial::now(
+                                reason,
+                                format!("{message}: this replica's share while the store is unreachable"),
+                            )
+                        })
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! Every header name tollgate reads or writes, once, with what it means. HTTP header names are
+//! case-insensitive; Envoy hands them over lower-cased, and these are written so.
+
+// What a request carries in (Envoy's Check).
+
+/// The caller's user within its tenant: a scope of its own when the policy limits users.
+pub const USER: &str = "x-user-id";
+/// The claimed tier: `critical`, `standard` or `sheddable` (capped by the tenant's `max_priority`).
+pub const PRIORITY: &str = "x-priority";
+/// How long the caller will wait, in ms from now: capacity admission refuses what cannot finish.
+pub const DEADLINE: &str = "x-request-deadline-ms";
+/// Groups the attempts of one request; a retried Check is a new attempt with a hold of its own.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The whole body's size, when Envoy sent only its first bytes.
+pub const CONTENT_LENGTH: &str = "content-length";
+pub const CONTENT_TYPE: &str = "content-type";
+/// Envoy sets this when it sent only the first bytes of the body.
+pub const PARTIAL_BODY: &str = "x-envoy-auth-partial-body";
+
+// tollgate's own namespace: a client's values under it never reach the backend.
+
+/// The prefix of every header tollgate sets.
+pub const OWN_PREFIX: &str = "x-tollgate-";
+/// Upstream: the reservation the backend commits against.
+pub const RESERVATION: &str = "x-tollgate-reservation";
+/// Upstream: how many tokens the hold took.
+pub const RESERVED_TOKENS: &str = "x-tollgate-reserved-tokens";
+/// To the client: why a request was refused (a reason code).
+pub const REASON: &str = "x-tollgate-reason";
+/// Upstream: admitted without a hold (the store was down and the tenant fails open).
+pub const UNMETERED: &str = "x-tollgate-unmetered";
+/// Upstream and to the client: the tenant is in shadow and its limits would have refused the
+/// request, for this reason; it was admitted (and held) anyway.
+pub const SHADOW: &str = "x-tollgate-shadow";
+/// Upstream: the model the hold was made for, which the commit from the response meters by. On
+/// a request, set by a trusted filter (never a client), it names the model when the body cannot:
+/// OpenAI's Python SDK sends `messages` before `model`, so a body cut at `max_request_bytes` may
+/// end before the model. Used only when the body names none.
+pub const MODEL: &str = "x-tollgate-model";
+/// Response: the backend says it commits itself (`caller`), so ext_proc leaves the hold to it.
+pub const COMMIT: &str = "x-tollgate-commit";
+
+// Retry hints, on a refusal to the client and read from a provider's 429.
+
+/// Whole seconds, rounded up.
+pub const RETRY_AFTER: &str = "retry-after";
+/// The same in milliseconds.
+pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+/// `false` where retrying cannot help (OpenAI's and Anthropic's SDKs read it).
+pub const SHOULD_RETRY: &str = "x-should-retry";
+/// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}`: the tightest scope's window.
+pub const RATELIMIT_PREFIX: &str = "x-ratelimit-";
+
+// Envoy's dynamic metadata.
+
+/// The namespace Envoy files a Check's `dynamic_metadata` under (an ext_proc filter can forward it
+/// to tollgate with `metadata_options`).
+pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
+/// Fields of that metadata: the reservation and the model, as in the upstream headers.
+pub const RESERVATION_FIELD: &str = "reservation";
+pub const MODEL_FIELD: &str = "model";

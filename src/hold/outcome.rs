@@ -1,0 +1,172 @@
+//! How each phase answered: a reserve's verdict, what a commit was told and what it charged, how a
+//! renew or release found the hold, and the operations one replica leaves for another.
+
+use super::limits::Headroom;
+use super::refusal::{Refusal, WouldRefuse};
+
+/// The store's verdict on a reserve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    Admitted {
+        id: String,
+        held: u64,
+        attempts: u32,
+        headroom: Headroom,
+        /// The output part of the hold when it came from the estimate.
+        estimated_output: Option<u64>,
+        /// An idempotency key gave back its earlier live hold: nothing new was charged.
+        replayed: bool,
+        /// In shadow, the refusal the limits would have made.
+        shadowed: Option<WouldRefuse>,
+    },
+    Denied {
+        reason: Refusal,
+        /// Index into the scopes the reserve was called with of the scope that refused.
+        scope: usize,
+        retry_after_ms: u64,
+        headroom: Headroom,
+    },
+}
+
+/// A state a hold has been settled in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    Committed,
+    LateCommitted,
+    Released,
+    Expired,
+}
+
+impl Settled {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Settled::Committed => "committed",
+            Settled::LateCommitted => "late_committed",
+            Settled::Released => "released",
+            Settled::Expired => "expired",
+        }
+    }
+}
+
+/// What a commit is told was used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counted {
+    /// Counts the response (or the caller) reported.
+    Exact { prompt: u64, output: u64 },
+    /// Counted by tollgate from the text that passed; the prompt is the one held at admission.
+    Metered { output: u64 },
+    /// Not countable (a compressed body, a format tollgate does not read): the hold is charged as
+    /// it was made, prompt and output.
+    AsHeld,
+}
+
+/// What a commit charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    /// The hold had expired before its usage arrived.
+    pub late: bool,
+    /// An earlier commit of this id charged it; this is that commit's result.
+    pub duplicate: bool,
+    /// The counts charged were metered by tollgate, not reported.
+    pub metered: bool,
+    pub used: u64,
+    pub held: u64,
+    pub refunded: u64,
+    pub overrun: u64,
+    /// The model the request named (none for a hold whose record predates it).
+    pub model: Option<String>,
+    /// The output part of what was held (the rest was the prompt estimate), when known.
+    pub output_held: Option<u64>,
+    /// What the usage cost at the model's price when the hold was made (nanos; 0 unpriced).
+    pub cost_nanos: u64,
+}
+
+/// The store's answer to a commit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommitOutcome {
+    Committed(Usage),
+    /// The hold was released; it cannot be committed, and nothing was charged.
+    Released,
+    NotFound,
+    /// A leased hold of another replica: the commit was left for it, which applies it within one
+    /// lease window.
+    Forwarded,
+}
+
+impl CommitOutcome {
+    /// `committed`, `late_committed`, `released` or `not_found`, as the API names them.
+    pub fn state(&self) -> &'static str {
+        match self {
+            CommitOutcome::Committed(u) if u.late => "late_committed",
+            CommitOutcome::Committed(_) => "committed",
+            CommitOutcome::Released => "released",
+            CommitOutcome::NotFound => "not_found",
+            CommitOutcome::Forwarded => "forwarded",
+        }
+    }
+
+    pub fn usage(&self) -> Option<&Usage> {
+        match self {
+            CommitOutcome::Committed(u) => Some(u),
+            _ => None,
+        }
+    }
+}
+
+/// The store's answer to a renew.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RenewOutcome {
+    Renewed {
+        lease_remaining_ms: u64,
+    },
+    /// Too late: the hold was already settled (or expired as this call found it).
+    Settled(Settled),
+    NotFound,
+    /// Left for the replica that holds the leased hold.
+    Forwarded,
+}
+
+impl RenewOutcome {
+    pub fn state(&self) -> &'static str {
+        match self {
+            RenewOutcome::Renewed { .. } => "reserved",
+            RenewOutcome::Settled(s) => s.as_str(),
+            RenewOutcome::NotFound => "not_found",
+            RenewOutcome::Forwarded => "forwarded",
+        }
+    }
+}
+
+/// The store's answer to a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// Released; `repeated` when an earlier call did it (the refund is that call's, given once).
+    Released {
+        refunded: u64,
+        repeated: bool,
+    },
+    /// Settled otherwise before this call (or expired as this call found it).
+    Settled(Settled),
+    NotFound,
+    /// Left for the replica that holds the leased hold.
+    Forwarded,
+}
+
+impl ReleaseOutcome {
+    pub fn state(&self) -> &'static str {
+        match self {
+            ReleaseOutcome::Released { .. } => "released",
+            ReleaseOutcome::Settled(s) => s.as_str(),
+            ReleaseOutcome::NotFound => "not_found",
+            ReleaseOutcome::Forwarded => "forwarded",
+        }
+    }
+}
+
+/// An operation on a leased hold that reached another replica, handed to the one that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forwarded {
+    Commit(Counted),
+    Release,
+    Renew { lease_ms: u64 },
+}

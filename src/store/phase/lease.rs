@@ -1,0 +1,253 @@
+//! A replica's scripts: `lease.lua` (its slices of a tenant's scopes), `lease_forward.lua` (an
+//! operation on its leased hold left by another replica) and `heartbeat.lua` (how many replicas
+//! are alive).
+
+use super::reserve::push_limits;
+use super::{Argv, Fields};
+use crate::hold::{Amounts, Counted, Forwarded, Headroom, Refusal, ScopeLimits};
+use crate::store::{Protocol, Reply, Store, StoreError, keys};
+
+/// `lease.lua`'s fixed `ARGV`, in order.
+pub(crate) const ARGV: [&str; 7] = [
+    "the replica's member in the lease index",
+    "record key prefix",
+    "lease (ms)",
+    "idle TTL",
+    "sweep batch",
+    "cap on the concurrency Retry-After",
+    "end | keep",
+];
+
+/// Then these, per scope, in `KEYS` order.
+pub(crate) const SCOPE_ARGV: [&str; 17] = [
+    "token capacity",
+    "tokens per ms",
+    "request capacity",
+    "requests per ms",
+    "max concurrency",
+    "daily budget",
+    "tokens returned",
+    "the day they were drawn on",
+    "tokens returned to the bucket only",
+    "requests returned",
+    "slots held after the return",
+    "tokens needed",
+    "requests needed",
+    "slots needed",
+    "tokens wanted",
+    "requests wanted",
+    "slots wanted",
+];
+
+/// `lease_forward.lua`'s `ARGV`, in order.
+pub(crate) const FORWARD_ARGV: [&str; 3] = ["reservation id", "the operation", "TTL of the forwarded operations"];
+
+/// `heartbeat.lua`'s `ARGV`, in order.
+pub(crate) const HEARTBEAT_ARGV: [&str; 2] = ["this replica", "how long a replica counts"];
+
+/// One scope of a lease call: what the replica gives back, the slots it keeps, and what it asks for.
+#[derive(Debug, Clone)]
+pub struct LeaseScope {
+    pub key: String,
+    pub limits: ScopeLimits,
+    /// Tokens given back (negative: debt its holds ran up, charged now).
+    pub back_tokens: i64,
+    /// The day the tokens given back were drawn on (they come off that day's usage only).
+    pub back_day: u64,
+    /// Tokens given back to the bucket only: refunds of holds drawn on an earlier day, whose
+    /// budget that day keeps.
+    pub back_bucket_tokens: u64,
+    pub back_requests: u64,
+    /// Slots the replica holds after its return: the slots of its live holds.
+    pub held_slots: u64,
+    /// At least this, or nothing: what the request that asked needs beyond the slice it has.
+    pub need: Amounts,
+    /// As much as this, as far as the scope has it.
+    pub want: Amounts,
+}
+
+/// One lease call of a replica on one tenant's scopes.
+#[derive(Debug, Clone)]
+pub struct LeaseCall<'a> {
+    pub tenant: &'a str,
+    pub replica: &'a str,
+    /// How long the lease record lives unrenewed: the tenant's hold lease.
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub sweep_batch: u32,
+    pub concurrency_retry_cap_ms: u64,
+    /// The replica leaves the tenant: drop its record if it holds no slot.
+    pub ending: bool,
+    pub scopes: Vec<LeaseScope>,
+}
+
+/// The store's answer to a lease call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseReply {
+    pub outcome: LeaseOutcome,
+    /// The store's day number (UTC days since the epoch).
+    pub day: u64,
+    pub headroom: Headroom,
+    /// Operations other replicas forwarded for this replica's holds, now this replica's to apply.
+    pub forwarded: Vec<(String, Forwarded)>,
+    /// Ids of expired store holds the sweep settled (their pool legs are still to be released).
+    pub swept: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// Drawn, per scope in call order.
+    Granted(Vec<Amounts>),
+    /// Nothing drawn: a scope cannot give what the asking request needs.
+    Refused { reason: Refusal, scope: usize, retry_after_ms: u64 },
+}
+
+impl<S: Store> Protocol<S> {
+    /// A replica's lease call on one tenant (see `lua/lease.lua`).
+    pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseReply, StoreError> {
+        let tenant = call.tenant;
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(5));
+        keys.extend([
+            keys::leases(tenant),
+            keys::holds(tenant),
+            keys::lease_record(tenant, call.replica),
+            keys::forwarded(tenant, call.replica),
+            keys::ledger(tenant),
+        ]);
+        let mut a = Argv::grouped("lease", &ARGV, &SCOPE_ARGV, call.scopes.len());
+        a.push("the replica's member in the lease index", keys::lease_member(call.replica));
+        a.push("record key prefix", keys::record_prefix(tenant));
+        a.push("lease (ms)", call.lease_ms.to_string());
+        a.push("idle TTL", call.idle_ttl_ms.to_string());
+        a.push("sweep batch", call.sweep_batch.to_string());
+        a.push("cap on the concurrency Retry-After", call.concurrency_retry_cap_ms.to_string());
+        a.push("end | keep", if call.ending { "end" } else { "keep" }.to_string());
+        for s in &call.scopes {
+            keys.push(s.key.clone());
+            push_limits(&mut a, &s.limits);
+            a.push("tokens returned", s.back_tokens.to_string());
+            a.push("the day they were drawn on", s.back_day.to_string());
+            a.push("tokens returned to the bucket only", s.back_bucket_tokens.to_string());
+            a.push("requests returned", s.back_requests.to_string());
+            a.push("slots held after the return", s.held_slots.to_string());
+            a.push("tokens needed", s.need.tokens.to_string());
+            a.push("requests needed", s.need.requests.to_string());
+            a.push("slots needed", s.need.slots.to_string());
+            a.push("tokens wanted", s.want.tokens.to_string());
+            a.push("requests wanted", s.want.requests.to_string());
+            a.push("slots wanted", s.want.slots.to_string());
+        }
+        let script = &self.scripts.lease;
+        let reply = self.store.eval(script, keys, a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        let outcome = match r.uint(0)? {
+            1 => {
+                let Some(Reply::Array(rows)) = r.get(11) else { return Err(r.bad()) };
+                let granted = rows
+                    .iter()
+                    .map(|row| match row {
+                        Reply::Array(n) => {
+                            let at = |i: usize| n.get(i).and_then(Reply::as_int).and_then(|v| u64::try_from(v).ok());
+                            Some(Amounts { tokens: at(0)?, requests: at(1)?, slots: at(2)? })
+                        }
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| r.bad())?;
+                if granted.len() != call.scopes.len() {
+                    return Err(r.bad());
+                }
+                LeaseOutcome::Granted(granted)
+            }
+            0 => LeaseOutcome::Refused { reason: r.refusal(1)?, scope: r.scope(2)?, retry_after_ms: r.uint(3)? },
+            _ => return Err(r.bad()),
+        };
+        let ops = r.texts(12)?;
+        let forwarded = ops
+            .chunks(2)
+            .filter_map(|pair| match pair {
+                [id, op] => match decode(op) {
+                    Some(f) => Some((id.clone(), f)),
+                    None => {
+                        tracing::warn!(reservation = %id, op = %op, "a forwarded operation could not be read; dropped");
+                        None
+                    }
+                },
+                _ => None,
+            })
+            .collect();
+        Ok(LeaseReply {
+            outcome,
+            day: r.uint(4)?,
+            headroom: Headroom { tokens: r.window([5, 6, 7])?, requests: r.window([8, 9, 10])? },
+            forwarded,
+            swept: r.texts(13)?,
+        })
+    }
+
+    /// Leaves an operation on a leased hold for the replica that holds it. `Ok(false)`: that
+    /// replica holds no lease on the tenant any more (it stopped; its holds settle as expired).
+    pub async fn forward(
+        &self,
+        tenant: &str,
+        replica: &str,
+        id: &str,
+        op: Forwarded,
+        ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let script = &self.scripts.lease_forward;
+        let keys = vec![keys::forwarded(tenant, replica), keys::lease_record(tenant, replica)];
+        let mut a = Argv::new("lease_forward", &FORWARD_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        a.push("the operation", encode(op));
+        a.push("TTL of the forwarded operations", ttl_ms.to_string());
+        let reply = self.store.eval(script, keys, a.finish()).await?;
+        match reply.as_text() {
+            Some("forwarded") => Ok(true),
+            Some("gone") => Ok(false),
+            _ => Err(StoreError::BadReply { script: script.name, reply }),
+        }
+    }
+
+    /// Says this replica is alive (for `ttl_ms`), and returns how many replicas are.
+    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64) -> Result<u64, StoreError> {
+        let script = &self.scripts.heartbeat;
+        let mut a = Argv::new("heartbeat", &HEARTBEAT_ARGV, 0);
+        a.push("this replica", replica.to_string());
+        a.push("how long a replica counts", ttl_ms.to_string());
+        let reply = self.store.eval(script, vec![keys::replicas()], a.finish()).await?;
+        match reply {
+            Reply::Int(n) => u64::try_from(n).map_err(|_| StoreError::BadReply { script: script.name, reply }),
+            reply => Err(StoreError::BadReply { script: script.name, reply }),
+        }
+    }
+}
+
+/// A forwarded operation as `lease_forward.lua` keeps it:
+/// `commit <prompt|-> <output|-> exact|metered`, `release` or `renew <ms>`.
+fn encode(op: Forwarded) -> String {
+    let count = |n: Option<u64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
+    match op {
+        Forwarded::Commit(Counted::Exact { prompt, output }) => format!("commit {prompt} {output} exact"),
+        Forwarded::Commit(Counted::Metered { output }) => format!("commit - {} metered", count(Some(output))),
+        Forwarded::Commit(Counted::AsHeld) => "commit - - metered".to_string(),
+        Forwarded::Release => "release".to_string(),
+        Forwarded::Renew { lease_ms } => format!("renew {lease_ms}"),
+    }
+}
+
+fn decode(op: &str) -> Option<Forwarded> {
+    let words: Vec<&str> = op.split(' ').collect();
+    let count = |w: &str| if w == "-" { Ok(None) } else { w.parse::<u64>().map(Some) };
+    Some(match words.as_slice() {
+        ["release"] => Forwarded::Release,
+        ["renew", ms] => Forwarded::Renew { lease_ms: ms.parse().ok()? },
+        ["commit", prompt, output, measure] => match (count(prompt).ok()?, count(output).ok()?, *measure) {
+            (Some(prompt), Some(output), "exact") => Forwarded::Commit(Counted::Exact { prompt, output }),
+            (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
+            (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
+            _ => return None,
+        },
+        _ => return None,
+    })
+}

@@ -1,0 +1,308 @@
+//! One codec per script: each file owns a script's `KEYS`/`ARGV` encoding and its reply decoding,
+//! beside the typed call it serves, so the layout each `lua/*.lua` header documents is written in
+//! Rust once. Every codec names its arguments in a `const` list, in `ARGV` order; a push under the
+//! wrong name fails in debug builds, and a test here holds each list against its script's
+//! `-- ARGV[n]` header lines, so a shifted position fails by name, not by behaviour.
+//!
+//! - [`reserve`]: `reserve.lua`, the admission phase.
+//! - [`settle`]: `commit.lua`, `renew.lua`, `release.lua`.
+//! - [`lease`]: `lease.lua` and `lease_forward.lua`, a replica's slices; `heartbeat.lua`.
+//! - [`pool`]: the backend pool's scripts.
+//! - [`estimate`]: `estimate.lua`, a tenant's learned output length.
+//! - [`ledger`]: `ledger_read.lua` and `ledger_ack.lua`, the ledger read through a consumer group.
+
+pub mod estimate;
+pub mod lease;
+pub mod ledger;
+pub mod pool;
+pub mod reserve;
+pub mod settle;
+
+use super::{Reply, Script, StoreError};
+use crate::hold::{Budget, Refusal, Settled, Window, WouldRefuse};
+
+/// A script's `ARGV` as a codec builds it: each value pushed under the name the script's header
+/// gives its position. `names` is the fixed part; `group` repeats after it (per scope, per entry).
+pub(crate) struct Argv {
+    script: &'static str,
+    names: &'static [&'static str],
+    group: &'static [&'static str],
+    values: Vec<String>,
+}
+
+impl Argv {
+    pub(crate) fn new(script: &'static str, names: &'static [&'static str], groups: usize) -> Self {
+        Argv::grouped(script, names, &[], groups)
+    }
+
+    pub(crate) fn grouped(
+        script: &'static str,
+        names: &'static [&'static str],
+        group: &'static [&'static str],
+        groups: usize,
+    ) -> Self {
+        let capacity = names.len().saturating_add(group.len().saturating_mul(groups));
+        Argv { script, names, group, values: Vec::with_capacity(capacity) }
+    }
+
+    /// The name the next position has in the script's header.
+    fn expected(&self) -> Option<&'static str> {
+        let at = self.values.len();
+        match self.names.get(at) {
+            Some(name) => Some(name),
+            None => {
+                let into_group = at.saturating_sub(self.names.len());
+                self.group.get(into_group.checked_rem(self.group.len())?).copied()
+            }
+        }
+    }
+
+    pub(crate) fn push(&mut self, name: &'static str, value: String) {
+        debug_assert_eq!(
+            self.expected(),
+            Some(name),
+            "{}: ARGV[{}] is not {name:?}",
+            self.script,
+            self.values.len().saturating_add(1)
+        );
+        self.values.push(value);
+    }
+
+    pub(crate) fn finish(self) -> Vec<String> {
+        debug_assert!(self.values.len() >= self.names.len(), "{}: ARGV stops short", self.script);
+        debug_assert!(
+            self.group.is_empty()
+                || self.values.len().saturating_sub(self.names.len()).is_multiple_of(self.group.len()),
+            "{}: ARGV ends inside a group",
+            self.script
+        );
+        self.values
+    }
+}
+
+/// A script's array reply, read field by field; any field of the wrong shape is a
+/// [`StoreError::BadReply`] naming the script and the whole reply.
+pub(crate) struct Fields<'a> {
+    script: &'static str,
+    reply: &'a Reply,
+    items: &'a [Reply],
+}
+
+impl<'a> Fields<'a> {
+    pub(crate) fn of(script: &Script, reply: &'a Reply) -> Result<Self, StoreError> {
+        match reply {
+            Reply::Array(items) => Ok(Fields { script: script.name, reply, items }),
+            _ => Err(StoreError::BadReply { script: script.name, reply: reply.clone() }),
+        }
+    }
+
+    pub(crate) fn bad(&self) -> StoreError {
+        StoreError::BadReply { script: self.script, reply: self.reply.clone() }
+    }
+
+    pub(crate) fn get(&self, i: usize) -> Option<&'a Reply> {
+        self.items.get(i)
+    }
+
+    pub(crate) fn int(&self, i: usize) -> Result<i64, StoreError> {
+        self.items.get(i).and_then(Reply::as_int).ok_or_else(|| self.bad())
+    }
+
+    /// A count: never negative.
+    pub(crate) fn uint(&self, i: usize) -> Result<u64, StoreError> {
+        u64::try_from(self.int(i)?).map_err(|_| self.bad())
+    }
+
+    pub(crate) fn count(&self, i: usize) -> Result<u32, StoreError> {
+        u32::try_from(self.int(i)?).map_err(|_| self.bad())
+    }
+
+    /// A 0 / 1 field.
+    pub(crate) fn flag(&self, i: usize) -> Result<bool, StoreError> {
+        match self.int(i)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(self.bad()),
+        }
+    }
+
+    pub(crate) fn text(&self, i: usize) -> Result<&'a str, StoreError> {
+        self.items.get(i).and_then(Reply::as_text).ok_or_else(|| self.bad())
+    }
+
+    /// A list of texts. An empty Lua table arrives as an empty array (or, from the embedded
+    /// store, as nothing at all past the last field).
+    pub(crate) fn texts(&self, i: usize) -> Result<Vec<String>, StoreError> {
+        match self.items.get(i) {
+            None => Ok(Vec::new()),
+            Some(Reply::Array(items)) => {
+                items.iter().map(|t| t.as_text().map(str::to_string).ok_or_else(|| self.bad())).collect()
+            }
+            Some(_) => Err(self.bad()),
+        }
+    }
+
+    /// A refusal's reason at `i`, as the scripts name it.
+    pub(crate) fn refusal(&self, i: usize) -> Result<Refusal, StoreError> {
+        refusal(self.text(i)?).ok_or_else(|| self.bad())
+    }
+
+    /// A scope index at `i`: 1-based in Lua, 0-based here.
+    pub(crate) fn scope(&self, i: usize) -> Result<usize, StoreError> {
+        usize::try_from(self.uint(i)?.saturating_sub(1)).map_err(|_| self.bad())
+    }
+
+    /// A settled hold's state at `i`.
+    pub(crate) fn settled(&self, text: &str) -> Result<Settled, StoreError> {
+        settled(text).ok_or_else(|| self.bad())
+    }
+
+    /// `{reason, scope (1-based), retry after ms}`, or an empty table (or nothing) for none.
+    pub(crate) fn would_refuse(&self, i: usize) -> Result<Option<WouldRefuse>, StoreError> {
+        match self.items.get(i) {
+            None => Ok(None),
+            Some(Reply::Array(items)) if items.is_empty() => Ok(None),
+            Some(Reply::Array(items)) => {
+                let inner = Fields { script: self.script, reply: self.reply, items };
+                Ok(Some(WouldRefuse {
+                    reason: inner.refusal(0)?,
+                    scope: inner.scope(1)?,
+                    retry_after_ms: inner.uint(2)?,
+                }))
+            }
+            Some(_) => Err(self.bad()),
+        }
+    }
+
+    /// Remaining / limit / reset at these fields: the scripts send a limit of -1 for "no scope
+    /// limits this".
+    pub(crate) fn window(&self, [remaining, limit, reset]: [usize; 3]) -> Result<Option<Window>, StoreError> {
+        let limit = self.int(limit)?;
+        if limit < 0 {
+            return Ok(None);
+        }
+        Ok(Some(Window {
+            remaining: self.int(remaining)?,
+            limit: limit.unsigned_abs(),
+            reset_ms: self.int(reset)?.max(0).unsigned_abs(),
+        }))
+    }
+}
+
+/// A refusal as the reserve and lease scripts name it.
+fn refusal(s: &str) -> Option<Refusal> {
+    Some(match s {
+        "token_rate" => Refusal::TokenRate,
+        "request_rate" => Refusal::RequestRate,
+        "concurrency" => Refusal::Concurrency,
+        "budget" => Refusal::Budget(Budget::DayTokens),
+        "cost_budget" => Refusal::Budget(Budget::DayCost),
+        "monthly_budget" => Refusal::Budget(Budget::MonthTokens),
+        "monthly_cost_budget" => Refusal::Budget(Budget::MonthCost),
+        "attempts" => Refusal::Attempts,
+        "conflict" => Refusal::Conflict,
+        "unsatisfiable" => Refusal::Unsatisfiable,
+        _ => return None,
+    })
+}
+
+/// A settled record's state, as the scripts write it.
+fn settled(s: &str) -> Option<Settled> {
+    Some(match s {
+        "committed" => Settled::Committed,
+        "late_committed" => Settled::LateCommitted,
+        "released" => Settled::Released,
+        "expired" => Settled::Expired,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+// Offsets into a script's own header text, which the test reads whole.
+#[allow(clippy::arithmetic_side_effects)]
+mod tests {
+    use super::*;
+
+    /// Every codec's argument list, with the script whose header it follows.
+    const CODECS: [(&str, &str, &[&str], &[&str]); 15] = [
+        ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
+        ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
+        ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
+        ("release.lua", include_str!("../../../lua/release.lua"), &settle::RELEASE_ARGV, &[]),
+        ("lease.lua", include_str!("../../../lua/lease.lua"), &lease::ARGV, &lease::SCOPE_ARGV),
+        ("lease_forward.lua", include_str!("../../../lua/lease_forward.lua"), &lease::FORWARD_ARGV, &[]),
+        ("heartbeat.lua", include_str!("../../../lua/heartbeat.lua"), &lease::HEARTBEAT_ARGV, &[]),
+        ("pool_reserve.lua", include_str!("../../../lua/pool_reserve.lua"), &pool::RESERVE_ARGV, &[]),
+        ("pool_release.lua", include_str!("../../../lua/pool_release.lua"), &pool::RELEASE_ARGV, &[]),
+        ("pool_renew.lua", include_str!("../../../lua/pool_renew.lua"), &pool::RENEW_ARGV, &[]),
+        ("pool_throttle.lua", include_str!("../../../lua/pool_throttle.lua"), &pool::THROTTLE_ARGV, &[]),
+        ("pool_status.lua", include_str!("../../../lua/pool_status.lua"), &pool::STATUS_ARGV, &[]),
+        ("estimate.lua", include_str!("../../../lua/estimate.lua"), &estimate::ARGV, &[]),
+        ("ledger_read.lua", include_str!("../../../lua/ledger_read.lua"), &ledger::READ_ARGV, &[]),
+        ("ledger_ack.lua", include_str!("../../../lua/ledger_ack.lua"), &ledger::ACK_ARGV, &ledger::ACK_GROUP),
+    ];
+
+    /// The header: the comment lines before the first line of code.
+    fn header(source: &str) -> Vec<&str> {
+        source.lines().take_while(|l| l.starts_with("--") || l.trim().is_empty()).collect()
+    }
+
+    /// Each `ARGV[n]` the header names with its description: the text after it, up to the next
+    /// `ARGV[` on the line or the line's end. `ARGV[2..]` (a repeated tail) is not a position.
+    fn positions(header: &[&str]) -> Vec<(usize, String)> {
+        let mut found = Vec::new();
+        for line in header {
+            let mut rest = *line;
+            let mut first = true;
+            while let Some(at) = rest.find("ARGV[") {
+                // A position is declared first on its line or after a column gap; elsewhere,
+                // `ARGV[n]` is a mention inside another entry's description.
+                let declared =
+                    (first && rest[..at].trim_start_matches('-').trim().is_empty()) || rest[..at].ends_with("  ");
+                first = false;
+                let after = &rest[at + 5..];
+                let Some(close) = after.find(']') else { break };
+                let next = after[close + 1..].find("ARGV[").map_or(after.len(), |n| n + close + 1);
+                if let (true, Ok(n)) = (declared, after[..close].parse::<usize>()) {
+                    found.push((n, after[close + 1..next].trim().to_string()));
+                }
+                rest = &after[close + 1..];
+            }
+        }
+        found
+    }
+
+    #[test]
+    fn every_argument_name_is_the_one_its_script_header_gives_its_position() {
+        for (file, source, names, group) in CODECS {
+            let header = header(source);
+            let positions = positions(&header);
+            let numbers: Vec<usize> = positions.iter().map(|(n, _)| *n).collect();
+            assert_eq!(numbers, (1..=names.len()).collect::<Vec<_>>(), "{file}: the header's ARGV positions");
+            for ((n, description), name) in positions.iter().zip(names.iter()) {
+                assert!(
+                    description.starts_with(name),
+                    "{file}: ARGV[{n}] is {description:?} in the header, but the codec pushes {name:?} there"
+                );
+            }
+            // A repeated group is listed after the fixed part, its names in order.
+            let text = header.join(" ").replace("--", " ");
+            let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+            let mut from = text.rfind(&format!("ARGV[{}]", names.len())).unwrap_or(0);
+            for name in group {
+                match text[from..].find(name) {
+                    Some(at) => from += at + name.len(),
+                    None => panic!("{file}: the repeated argument {name:?} is not in the header, in order"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "ARGV[2] is not")]
+    fn a_push_under_another_name_fails() {
+        let mut argv = Argv::new("reserve", &reserve::ARGV, 0);
+        argv.push("reservation id", String::new());
+        argv.push("prompt tokens", String::new());
+    }
+}

@@ -1,0 +1,194 @@
+//! A backend pool's scripts: `pool_reserve.lua`, `pool_release.lua`, `pool_renew.lua`,
+//! `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
+//! tenant's, so these run apart from the tenant phases (see `admission`'s "Two key spaces").
+
+use super::{Argv, Fields};
+use crate::hold::PoolRefusal;
+use crate::store::{Protocol, Reply, Store, StoreError, keys};
+
+/// `pool_reserve.lua`'s `ARGV`, in order.
+pub(crate) const RESERVE_ARGV: [&str; 12] = [
+    "reservation id",
+    "work",
+    "KV-cache tokens",
+    "lease (ms)",
+    "idle TTL",
+    "sweep batch",
+    "slots of the whole pool",
+    "slots this request's tier may fill",
+    "max queue delay",
+    "KV tokens this tier may fill",
+    "deadline",
+    "recovery per ms",
+];
+
+/// `pool_release.lua`'s `ARGV`.
+pub(crate) const RELEASE_ARGV: [&str; 1] = ["reservation id"];
+
+/// `pool_renew.lua`'s `ARGV`, in order.
+pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
+
+/// `pool_throttle.lua`'s `ARGV`, in order.
+pub(crate) const THROTTLE_ARGV: [&str; 6] = [
+    "the provider's Retry-After",
+    "the factor a refusal multiplies the share by",
+    "the lowest share",
+    "recovery of the share per ms",
+    "cooldown",
+    "idle TTL",
+];
+
+/// `pool_status.lua`'s `ARGV`.
+pub(crate) const STATUS_ARGV: [&str; 1] = ["recovery of the share per ms"];
+
+/// Everything one pool reserve needs.
+#[derive(Debug, Clone)]
+pub struct PoolCall<'a> {
+    pub pool: &'a str,
+    pub id: &'a str,
+    /// Predicted slot time of the request (ms).
+    pub work_ms: u64,
+    pub kv_tokens: u64,
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub sweep_batch: u32,
+    pub slots: u64,
+    pub tier_slots: u64,
+    pub max_queue_delay_ms: u64,
+    /// `None` when the pool sets no KV limit.
+    pub tier_kv_tokens: Option<u64>,
+    pub deadline_ms: Option<u64>,
+    /// Recovery per ms of the share the provider's 429s left the pool (0 without a throttle).
+    pub recover_per_ms: f64,
+}
+
+/// What a pool holds, and how far its provider's 429s throttle it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolView {
+    pub holds: u64,
+    pub work_ms: u64,
+    pub kv_tokens: u64,
+    /// The share of the pool admitted: 1 unthrottled, down to the throttle's lowest.
+    pub share: f64,
+    /// Nothing new is admitted for this long (the provider's Retry-After).
+    pub resumes_in_ms: u64,
+}
+
+/// A provider's refusal as `pool_throttle.lua` takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct ThrottleCall<'a> {
+    pub pool: &'a str,
+    pub retry_after_ms: u64,
+    pub decrease: f64,
+    pub min_share: f64,
+    pub recover_per_ms: f64,
+    pub cooldown_ms: u64,
+    pub idle_ttl_ms: u64,
+}
+
+/// The pool's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolOutcome {
+    Admitted { start_delay_ms: u64, holds: u64, work_ms: u64 },
+    Denied { reason: PoolRefusal, retry_after_ms: u64, start_delay_ms: u64 },
+}
+
+impl<S: Store> Protocol<S> {
+    pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
+        let script = &self.scripts.pool_reserve;
+        let mut a = Argv::new("pool_reserve", &RESERVE_ARGV, 0);
+        a.push("reservation id", call.id.to_string());
+        a.push("work", call.work_ms.to_string());
+        a.push("KV-cache tokens", call.kv_tokens.to_string());
+        a.push("lease (ms)", call.lease_ms.to_string());
+        a.push("idle TTL", call.idle_ttl_ms.to_string());
+        a.push("sweep batch", call.sweep_batch.to_string());
+        a.push("slots of the whole pool", call.slots.to_string());
+        a.push("slots this request's tier may fill", call.tier_slots.to_string());
+        a.push("max queue delay", call.max_queue_delay_ms.to_string());
+        a.push("KV tokens this tier may fill", call.tier_kv_tokens.unwrap_or(0).to_string());
+        a.push("deadline", call.deadline_ms.unwrap_or(0).to_string());
+        a.push("recovery per ms", call.recover_per_ms.to_string());
+        let reply = self.store.eval(script, pool_keys(call.pool), a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        match r.uint(0)? {
+            1 => Ok(PoolOutcome::Admitted { start_delay_ms: r.uint(1)?, holds: r.uint(2)?, work_ms: r.uint(3)? }),
+            0 => {
+                let reason = match r.text(1)? {
+                    "deadline" => PoolRefusal::Deadline,
+                    "queue_full" => PoolRefusal::QueueFull,
+                    "throttled" => PoolRefusal::Throttled,
+                    _ => return Err(r.bad()),
+                };
+                Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
+            }
+            _ => Err(r.bad()),
+        }
+    }
+
+    /// A provider refused a request of this pool: throttle it. Returns the share of the pool left
+    /// and how long admission pauses (ms).
+    pub async fn pool_throttle(&self, call: &ThrottleCall<'_>) -> Result<(f64, u64), StoreError> {
+        let script = &self.scripts.pool_throttle;
+        let mut a = Argv::new("pool_throttle", &THROTTLE_ARGV, 0);
+        a.push("the provider's Retry-After", call.retry_after_ms.to_string());
+        a.push("the factor a refusal multiplies the share by", call.decrease.to_string());
+        a.push("the lowest share", call.min_share.to_string());
+        a.push("recovery of the share per ms", call.recover_per_ms.to_string());
+        a.push("cooldown", call.cooldown_ms.to_string());
+        a.push("idle TTL", call.idle_ttl_ms.to_string());
+        let reply = self.store.eval(script, vec![keys::pool_state(call.pool)], a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok((thousandths(r.uint(0)?), r.uint(1)?))
+    }
+
+    /// What a pool holds and how far it is throttled. Reads only.
+    pub async fn pool_status(&self, pool: &str, recover_per_ms: f64) -> Result<PoolView, StoreError> {
+        let script = &self.scripts.pool_status;
+        let mut a = Argv::new("pool_status", &STATUS_ARGV, 0);
+        a.push("recovery of the share per ms", recover_per_ms.to_string());
+        let reply = self.store.eval(script, vec![keys::pool_state(pool)], a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(PoolView {
+            holds: r.uint(0)?,
+            work_ms: r.uint(1)?,
+            kv_tokens: r.uint(2)?,
+            share: thousandths(r.uint(3)?),
+            resumes_in_ms: r.uint(4)?,
+        })
+    }
+
+    /// Takes a hold off its pool; `false` when the pool did not hold it. Idempotent.
+    pub async fn pool_release(&self, pool: &str, id: &str) -> Result<bool, StoreError> {
+        let script = &self.scripts.pool_release;
+        let mut a = Argv::new("pool_release", &RELEASE_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        let reply = self.store.eval(script, pool_keys(pool), a.finish()).await?;
+        Fields::of(script, &reply)?.flag(0)
+    }
+
+    /// Extends a pool hold's lease; `false` when the pool does not hold it.
+    pub async fn pool_renew(&self, pool: &str, id: &str, lease_ms: u64, idle_ttl_ms: u64) -> Result<bool, StoreError> {
+        let script = &self.scripts.pool_renew;
+        let mut a = Argv::new("pool_renew", &RENEW_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        a.push("new lease", lease_ms.to_string());
+        a.push("idle TTL", idle_ttl_ms.to_string());
+        let reply = self.store.eval(script, pool_keys(pool), a.finish()).await?;
+        match reply {
+            Reply::Int(n @ (0 | 1)) => Ok(n == 1),
+            _ => Err(StoreError::BadReply { script: script.name, reply }),
+        }
+    }
+}
+
+/// A share the scripts send in thousandths (at most 1,000).
+#[allow(clippy::cast_precision_loss)]
+fn thousandths(n: u64) -> f64 {
+    n.min(1_000) as f64 / 1000.0
+}
+
+/// KEYS of the pool scripts that touch holds: the state hash, the holds hash, the lease index.
+fn pool_keys(pool: &str) -> Vec<String> {
+    vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)]
+}

@@ -1,0 +1,194 @@
+//! `reserve.lua`, the admission phase: the call, its `KEYS`/`ARGV`, its reply.
+
+use super::{Argv, Fields};
+use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority};
+use crate::hold::{Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
+use crate::store::{Protocol, Store, StoreError, keys};
+
+/// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
+pub(crate) const ARGV: [&str; 23] = [
+    "reservation id",
+    "record key prefix",
+    "prompt tokens",
+    "lease (ms)",
+    "idle TTL",
+    "retention of settled records",
+    "expired-usage policy",
+    "sweep batch",
+    "what a repeat of the idempotency key means",
+    "most reserves one idempotency key may make",
+    "cap on the concurrency Retry-After",
+    "output ceiling",
+    "adaptive output: samples",
+    "adaptive output: the quantile",
+    "the request's fingerprint",
+    "shadow",
+    "the model the request names",
+    "the tenant",
+    "the user",
+    "the tier",
+    "the usage ledger's terms",
+    "the model's price per input token",
+    "the model's price per output token",
+];
+
+/// Then these, per scope, in `KEYS` order (`0`: no such limit).
+pub(crate) const SCOPE_ARGV: [&str; 9] = [
+    "token capacity",
+    "tokens per ms",
+    "request capacity",
+    "requests per ms",
+    "max concurrency",
+    "daily budget",
+    "monthly budget",
+    "daily cost budget",
+    "monthly cost budget",
+];
+
+/// An idempotency key as the reserve script takes it.
+#[derive(Debug, Clone)]
+pub struct KeyCall<'a> {
+    pub key: &'a str,
+    pub repeat: KeyRepeat,
+    /// The request it stands for (user, model, size); the key is refused for any other.
+    pub fingerprint: &'a str,
+}
+
+/// Everything one reserve needs. Scope keys come from [`keys`]; the tenant's scope is first.
+#[derive(Debug, Clone)]
+pub struct ReserveCall<'a> {
+    pub tenant: &'a str,
+    pub model: &'a str,
+    pub id: &'a str,
+    pub prompt_tokens: u64,
+    /// The output held unless the estimate says less: the request's max_tokens or the model's.
+    pub output_ceiling: u64,
+    /// Learn and reserve the output estimate: (samples needed, quantile); `None` holds the ceiling.
+    pub adaptive: Option<(u64, f64)>,
+    pub lease_ms: u64,
+    pub idle_ttl_ms: u64,
+    pub retention_ms: u64,
+    pub expired_usage: ExpiredUsage,
+    pub sweep_batch: u32,
+    pub idempotency: Option<KeyCall<'a>>,
+    pub max_attempts: u32,
+    pub concurrency_retry_cap_ms: u64,
+    pub scopes: Vec<(String, ScopeLimits)>,
+    /// The tenant's limits are measured, not enforced: a hold they would refuse is made anyway,
+    /// and the reply says what they would have said.
+    pub shadow: bool,
+    /// Who the hold is for, as the ledger enters it.
+    pub user: Option<&'a str>,
+    pub tier: Priority,
+    /// The usage ledger the hold is entered in when it settles; `None`: there is none.
+    pub ledger: Option<LedgerTerms>,
+    /// The model's price (zero when it has none): the hold is charged its cost.
+    pub price: Price,
+}
+
+/// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReserveReply {
+    pub outcome: ReserveOutcome,
+    /// Ids of the expired holds this call settled: their pool legs, on another slot, are still to
+    /// be taken off their pools.
+    pub swept: Vec<String>,
+}
+
+fn expired_usage(e: ExpiredUsage) -> &'static str {
+    match e {
+        ExpiredUsage::ChargeReserved => "charge",
+        ExpiredUsage::Refund => "refund",
+    }
+}
+
+impl<S: Store> Protocol<S> {
+    pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveReply, StoreError> {
+        let tenant = call.tenant;
+        let key = call.idempotency.as_ref();
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(6));
+        keys.push(keys::leases(tenant));
+        keys.push(keys::record(tenant, call.id));
+        keys.push(keys::idempotency(tenant, key.map_or("", |k| k.key)));
+        keys.push(keys::output_estimate(tenant, call.model));
+        keys.push(keys::holds(tenant));
+        keys.push(keys::ledger(tenant));
+        let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
+        let repeat = match key.map(|k| k.repeat) {
+            None => "",
+            Some(KeyRepeat::ReturnHold) => "same",
+            Some(KeyRepeat::NewAttempt) => "new",
+        };
+        let mut a = Argv::grouped("reserve", &ARGV, &SCOPE_ARGV, call.scopes.len());
+        a.push("reservation id", call.id.to_string());
+        a.push("record key prefix", keys::record_prefix(tenant));
+        a.push("prompt tokens", call.prompt_tokens.to_string());
+        a.push("lease (ms)", call.lease_ms.to_string());
+        a.push("idle TTL", call.idle_ttl_ms.to_string());
+        a.push("retention of settled records", call.retention_ms.to_string());
+        a.push("expired-usage policy", expired_usage(call.expired_usage).to_string());
+        a.push("sweep batch", call.sweep_batch.to_string());
+        a.push("what a repeat of the idempotency key means", repeat.to_string());
+        a.push("most reserves one idempotency key may make", call.max_attempts.to_string());
+        a.push("cap on the concurrency Retry-After", call.concurrency_retry_cap_ms.to_string());
+        a.push("output ceiling", call.output_ceiling.to_string());
+        a.push("adaptive output: samples", min_samples.to_string());
+        a.push("adaptive output: the quantile", quantile.to_string());
+        a.push("the request's fingerprint", key.map_or_else(String::new, |k| k.fingerprint.to_string()));
+        a.push("shadow", if call.shadow { "1" } else { "0" }.to_string());
+        a.push("the model the request names", call.model.to_string());
+        a.push("the tenant", tenant.to_string());
+        a.push("the user", call.user.unwrap_or("").to_string());
+        a.push("the tier", call.tier.as_str().to_string());
+        a.push(
+            "the usage ledger's terms",
+            call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
+        );
+        a.push("the model's price per input token", call.price.input_nanos.to_string());
+        a.push("the model's price per output token", call.price.output_nanos.to_string());
+        for (key, limits) in &call.scopes {
+            keys.push(key.clone());
+            push_limits(&mut a, limits);
+            a.push("monthly budget", limits.monthly_budget.to_string());
+            a.push("daily cost budget", limits.daily_cost.to_string());
+            a.push("monthly cost budget", limits.monthly_cost.to_string());
+        }
+        let script = &self.scripts.reserve;
+        let reply = self.store.eval(script, keys, a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        match r.uint(0)? {
+            1 => Ok(ReserveReply {
+                outcome: ReserveOutcome::Admitted {
+                    id: r.text(1)?.to_string(),
+                    held: r.uint(2)?,
+                    attempts: r.count(3)?,
+                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])? },
+                    estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
+                    replayed: r.flag(12)?,
+                    shadowed: r.would_refuse(14)?,
+                },
+                swept: r.texts(13)?,
+            }),
+            0 => Ok(ReserveReply {
+                outcome: ReserveOutcome::Denied {
+                    reason: r.refusal(1)?,
+                    scope: r.scope(2)?,
+                    retry_after_ms: r.uint(3)?,
+                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: None },
+                },
+                swept: r.texts(7)?,
+            }),
+            _ => Err(r.bad()),
+        }
+    }
+}
+
+/// The six limits reserve and lease both send first for a scope, in their order.
+pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
+    a.push("token capacity", l.token_capacity.to_string());
+    a.push("tokens per ms", l.tokens_per_ms.to_string());
+    a.push("request capacity", l.request_capacity.to_string());
+    a.push("requests per ms", l.requests_per_ms.to_string());
+    a.push("max concurrency", l.max_concurrency.to_string());
+    a.push("daily budget", l.daily_budget.to_string());
+}

@@ -1,0 +1,113 @@
+//! The scripts that settle a hold kept in the store: `commit.lua`, `renew.lua`, `release.lua`.
+
+use super::{Argv, Fields};
+use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
+use crate::store::{Protocol, Store, StoreError, keys};
+
+/// `commit.lua`'s `ARGV`, in order.
+pub(crate) const COMMIT_ARGV: [&str; 6] = [
+    "reservation id",
+    "prompt tokens used",
+    "output tokens used",
+    "TTL of the output estimate",
+    "samples the estimate keeps",
+    "exact | metered",
+];
+
+/// `renew.lua`'s `ARGV`, in order.
+pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
+
+/// `release.lua`'s `ARGV`.
+pub(crate) const RELEASE_ARGV: [&str; 1] = ["reservation id"];
+
+/// What a commit teaches the output estimate of a hold that learns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Learning {
+    /// How long the estimate outlives its last commit (ms).
+    pub ttl_ms: u64,
+    /// Samples kept before every count is halved.
+    pub window: u64,
+}
+
+impl<S: Store> Protocol<S> {
+    /// `learning` is `None` when the hold's tenant no longer learns.
+    pub async fn commit(
+        &self,
+        tenant: &str,
+        id: &str,
+        counted: Counted,
+        learning: Option<Learning>,
+    ) -> Result<CommitOutcome, StoreError> {
+        let script = &self.scripts.commit;
+        let (prompt, output, measure) = match counted {
+            Counted::Exact { prompt, output } => (prompt.to_string(), output.to_string(), "exact"),
+            Counted::Metered { output } => (String::new(), output.to_string(), "metered"),
+            Counted::AsHeld => (String::new(), String::new(), "metered"),
+        };
+        let mut a = Argv::new("commit", &COMMIT_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        a.push("prompt tokens used", prompt);
+        a.push("output tokens used", output);
+        a.push("TTL of the output estimate", learning.map_or(0, |l| l.ttl_ms).to_string());
+        a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
+        a.push("exact | metered", measure.to_string());
+        let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "not_found" => CommitOutcome::NotFound,
+            "released" => CommitOutcome::Released,
+            state @ ("committed" | "late_committed") => CommitOutcome::Committed(Usage {
+                late: state == "late_committed",
+                duplicate: r.flag(1)?,
+                metered: r.flag(6)?,
+                used: r.uint(2)?,
+                held: r.uint(3)?,
+                refunded: r.uint(4)?,
+                overrun: r.uint(5)?,
+                model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
+                output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
+                cost_nanos: r.uint(9).unwrap_or(0),
+            }),
+            _ => return Err(r.bad()),
+        })
+    }
+
+    pub async fn renew(
+        &self,
+        tenant: &str,
+        id: &str,
+        lease_ms: u64,
+        idle_ttl_ms: u64,
+    ) -> Result<RenewOutcome, StoreError> {
+        let script = &self.scripts.renew;
+        let mut a = Argv::new("renew", &RENEW_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        a.push("new lease", lease_ms.to_string());
+        a.push("idle TTL", idle_ttl_ms.to_string());
+        let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "reserved" => RenewOutcome::Renewed { lease_remaining_ms: r.uint(1)? },
+            "not_found" => RenewOutcome::NotFound,
+            other => RenewOutcome::Settled(r.settled(other)?),
+        })
+    }
+
+    pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
+        let script = &self.scripts.release;
+        let mut a = Argv::new("release", &RELEASE_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        Ok(match r.text(0)? {
+            "released" => ReleaseOutcome::Released { refunded: r.uint(1)?, repeated: r.flag(2)? },
+            "not_found" => ReleaseOutcome::NotFound,
+            other => ReleaseOutcome::Settled(r.settled(other)?),
+        })
+    }
+}
+
+/// KEYS of commit, renew and release: the record, the lease index, the holds hash, the ledger.
+fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
+    vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant), keys::ledger(tenant)]
+}
