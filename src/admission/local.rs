@@ -18,7 +18,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::hold::{Refusal, ScopeLimits};
+use crate::hold::{Bucket, Refusal, ScopeLimits};
 
 /// Local buckets kept at most; past it, all are dropped and start full again (a bound on memory
 /// under many tenants, at the cost of one refill's worth of admission).
@@ -44,11 +44,13 @@ struct Share {
 impl Share {
     #[allow(clippy::cast_precision_loss)]
     fn of(limits: &ScopeLimits, share: f64) -> Share {
+        let capacity = |b: Option<Bucket>| b.map_or(0.0, |b| b.capacity.get() as f64 * share);
+        let per_ms = |b: Option<Bucket>| b.map_or(0.0, |b| b.per_ms * share);
         Share {
-            token_capacity: limits.token_capacity as f64 * share,
-            tokens_per_ms: limits.tokens_per_ms * share,
-            request_capacity: limits.request_capacity as f64 * share,
-            requests_per_ms: limits.requests_per_ms * share,
+            token_capacity: capacity(limits.tokens),
+            tokens_per_ms: per_ms(limits.tokens),
+            request_capacity: capacity(limits.requests),
+            requests_per_ms: per_ms(limits.requests),
         }
     }
 }
@@ -84,7 +86,7 @@ impl LocalLimits {
         self.replicas.store(replicas.max(1), Ordering::Relaxed);
     }
 
-    /// Admits `tokens` against every scope's local share, all or nothing. Limits of 0 are unset.
+    /// Admits `tokens` against every scope's local share, all or nothing.
     #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     pub fn admit<'a>(
         &self,
@@ -112,21 +114,21 @@ impl LocalLimits {
                 requests: (b.requests + ms * s.requests_per_ms).min(s.request_capacity),
                 at: now,
             };
-            if limits.token_capacity > 0 && b.tokens < tokens as f64 {
+            if limits.tokens.is_some() && b.tokens < tokens as f64 {
                 let retry_after_ms = wait(tokens as f64 - b.tokens, s.tokens_per_ms);
                 return Err(LocalRefusal { scope, reason: Refusal::TokenRate, retry_after_ms });
             }
-            if limits.request_capacity > 0 && b.requests < 1.0 {
+            if limits.requests.is_some() && b.requests < 1.0 {
                 let retry_after_ms = wait(1.0 - b.requests, s.requests_per_ms);
                 return Err(LocalRefusal { scope, reason: Refusal::RequestRate, retry_after_ms });
             }
             refilled.push((key, limits, b));
         }
         for (key, limits, mut b) in refilled {
-            if limits.token_capacity > 0 {
+            if limits.tokens.is_some() {
                 b.tokens -= tokens as f64;
             }
-            if limits.request_capacity > 0 {
+            if limits.requests.is_some() {
                 b.requests -= 1.0;
             }
             all.insert(key.to_string(), b);
@@ -137,18 +139,19 @@ impl LocalLimits {
 
 #[cfg(test)]
 mod tests {
+    use std::num::NonZeroU64;
     use std::time::Duration;
 
     use super::*;
 
+    /// A scope's limits; 0 leaves a bucket out.
     fn limits(tokens_per_minute: u64, burst: u64, requests_per_minute: u64) -> ScopeLimits {
+        let bucket = |capacity: u64, per_minute: u64| {
+            NonZeroU64::new(capacity).map(|capacity| Bucket { capacity, per_ms: per_minute as f64 / 60_000.0 })
+        };
         ScopeLimits {
-            token_capacity: burst,
-            tokens_per_ms: tokens_per_minute as f64 / 60_000.0,
-            request_capacity: requests_per_minute,
-            requests_per_ms: requests_per_minute as f64 / 60_000.0,
-            max_concurrency: 0,
-            daily_budget: 0,
+            tokens: bucket(burst, tokens_per_minute),
+            requests: bucket(requests_per_minute, requests_per_minute),
             ..ScopeLimits::default()
         }
     }

@@ -73,7 +73,7 @@ impl<S> Admission<S> {
                     format!("request needs {hold} tokens but scope {} can never hold more than {largest}", s.label),
                 ));
             }
-            let dearest = [s.limits.daily_cost, s.limits.monthly_cost].into_iter().filter(|&n| n > 0).min();
+            let dearest = s.limits.tightest_cost();
             if let Some(budget) = dearest
                 && cheapest > budget
             {

@@ -203,6 +203,9 @@ impl TlsSettings {
     }
 }
 
+/// Body bytes per token where a model does not say (and for a response whose model is unknown).
+pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
+
 /// What a model costs to admit.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelPolicy {

@@ -151,7 +151,7 @@ fn default_max_prompt_tokens() -> u64 {
 }
 
 fn default_bytes_per_token() -> f64 {
-    4.0
+    super::DEFAULT_BYTES_PER_TOKEN
 }
 
 #[derive(Debug, Deserialize)]

@@ -42,6 +42,7 @@ use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, MODEL_FIELD, RESERVATION, RESERVATION_FIELD};
 use crate::admission::retry::{Retries, Settlement};
 use crate::admission::{Admission, AdmissionError};
+use crate::config::DEFAULT_BYTES_PER_TOKEN;
 use crate::hold::id as ids;
 use crate::llm::settlement::{self, Ending, Verdict};
 use crate::llm::usage::{Measured, Meter};
@@ -254,8 +255,6 @@ fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
     }
 }
 
-/// Bytes per token when the model is not known.
-const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
 
 async fn release<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str) {
     match admission.release(id).await {

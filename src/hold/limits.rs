@@ -1,35 +1,52 @@
 //! A scope's limits as a decision applies them, what a replica's slice holds, and the headroom a
 //! decision leaves (the `x-ratelimit-*` headers).
 
+use std::num::NonZeroU64;
+
 use crate::config::Limits;
 
-/// The limits of one scope as the reserve script takes them; zero means "no such limit".
+/// A token or request bucket: how much it holds, and how fast it refills.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    pub capacity: NonZeroU64,
+    /// Refill per millisecond.
+    pub per_ms: f64,
+}
+
+/// The limits of one scope as a decision applies them; `None` where the scope sets no such limit.
+/// (The scripts take `0` for "none"; only the codec writes it.)
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ScopeLimits {
-    pub token_capacity: u64,
-    pub tokens_per_ms: f64,
-    pub request_capacity: u64,
-    pub requests_per_ms: f64,
-    pub max_concurrency: u64,
-    pub daily_budget: u64,
-    pub monthly_budget: u64,
+    pub tokens: Option<Bucket>,
+    /// Requests: a bucket of one minute's requests, refilled over the minute.
+    pub requests: Option<Bucket>,
+    pub max_concurrency: Option<NonZeroU64>,
+    pub daily_budget: Option<NonZeroU64>,
+    pub monthly_budget: Option<NonZeroU64>,
     /// Budgets in money, in nanos.
-    pub daily_cost: u64,
-    pub monthly_cost: u64,
+    pub daily_cost: Option<NonZeroU64>,
+    pub monthly_cost: Option<NonZeroU64>,
+}
+
+impl ScopeLimits {
+    /// The cheapest budget in money, if any (nanos).
+    pub fn tightest_cost(&self) -> Option<u64> {
+        [self.daily_cost, self.monthly_cost].into_iter().flatten().map(NonZeroU64::get).min()
+    }
 }
 
 impl From<&Limits> for ScopeLimits {
     fn from(l: &Limits) -> Self {
+        let nonzero = |n: Option<u64>| n.and_then(NonZeroU64::new);
+        let bucket = |capacity: Option<u64>, per_ms: f64| nonzero(capacity).map(|capacity| Bucket { capacity, per_ms });
         ScopeLimits {
-            token_capacity: l.token_capacity().unwrap_or(0),
-            tokens_per_ms: l.tokens_per_ms(),
-            request_capacity: l.requests_per_minute.unwrap_or(0),
-            requests_per_ms: l.requests_per_ms(),
-            max_concurrency: l.max_concurrency.unwrap_or(0),
-            daily_budget: l.tokens_per_day.unwrap_or(0),
-            monthly_budget: l.tokens_per_month.unwrap_or(0),
-            daily_cost: l.cost_per_day.map_or(0, |m| m.0),
-            monthly_cost: l.cost_per_month.map_or(0, |m| m.0),
+            tokens: bucket(l.token_capacity(), l.tokens_per_ms()),
+            requests: bucket(l.requests_per_minute, l.requests_per_ms()),
+            max_concurrency: nonzero(l.max_concurrency),
+            daily_budget: nonzero(l.tokens_per_day),
+            monthly_budget: nonzero(l.tokens_per_month),
+            daily_cost: nonzero(l.cost_per_day.map(|m| m.0)),
+            monthly_cost: nonzero(l.cost_per_month.map(|m| m.0)),
         }
     }
 }

@@ -16,7 +16,7 @@ pub mod refusal;
 
 pub use crate::config::MAX_TOKEN_COUNT;
 pub use id::{ReservationRef, parse_reservation_id};
-pub use limits::{Amounts, Headroom, ScopeLimits, Window};
+pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Window};
 pub use outcome::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage};
 pub use refusal::{Budget, KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
 

@@ -16,8 +16,36 @@ use tollgate::hold::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Set
 
 pub const DAY_MS: u64 = 86_400_000;
 
-/// One scope's limits, as the reserve script takes them (0: no such limit).
-pub use tollgate::hold::ScopeLimits as Limits;
+/// One scope's limits, as the reserve script takes them (0: no such limit), read from the policy
+/// the way `config::Limits` defines them: the model keeps the scripts' own convention.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Limits {
+    pub token_capacity: u64,
+    pub tokens_per_ms: f64,
+    pub request_capacity: u64,
+    pub requests_per_ms: f64,
+    pub max_concurrency: u64,
+    pub daily_budget: u64,
+    pub monthly_budget: u64,
+    pub daily_cost: u64,
+    pub monthly_cost: u64,
+}
+
+impl From<&tollgate::config::Limits> for Limits {
+    fn from(l: &tollgate::config::Limits) -> Self {
+        Limits {
+            token_capacity: l.token_capacity().unwrap_or(0),
+            tokens_per_ms: l.tokens_per_ms(),
+            request_capacity: l.requests_per_minute.unwrap_or(0),
+            requests_per_ms: l.requests_per_ms(),
+            max_concurrency: l.max_concurrency.unwrap_or(0),
+            daily_budget: l.tokens_per_day.unwrap_or(0),
+            monthly_budget: l.tokens_per_month.unwrap_or(0),
+            daily_cost: l.cost_per_day.map_or(0, |m| m.0),
+            monthly_cost: l.cost_per_month.map_or(0, |m| m.0),
+        }
+    }
+}
 
 /// What the model knows of a tenant's policy.
 #[derive(Debug, Clone)]

@@ -1,5 +1,7 @@
 //! A replica's slice of one scope: what it holds free, what it took, what the store refused.
 
+use std::num::NonZeroU64;
+
 use crate::hold::{Amounts, Refusal, ScopeLimits};
 
 #[derive(Debug, Clone)]
@@ -54,15 +56,15 @@ impl Slice {
     }
 
     pub(super) fn limits_tokens(&self) -> bool {
-        self.limits.token_capacity > 0 || self.limits.daily_budget > 0
+        self.limits.tokens.is_some() || self.limits.daily_budget.is_some()
     }
 
     pub(super) fn limits_requests(&self) -> bool {
-        self.limits.request_capacity > 0
+        self.limits.requests.is_some()
     }
 
     pub(super) fn limits_slots(&self) -> bool {
-        self.limits.max_concurrency > 0
+        self.limits.max_concurrency.is_some()
     }
 
     pub(super) fn covers(&self, hold: u64) -> bool {
@@ -120,16 +122,13 @@ impl Slice {
     /// scope does not limit.
     pub(super) fn share_cap(&self, share: f64) -> Amounts {
         let l = &self.limits;
-        let tokens = match (l.token_capacity, l.daily_budget) {
-            (0, 0) => 0,
-            (0, b) => share_of(b, share),
-            (t, 0) => share_of(t, share),
-            (t, b) => share_of(t.min(b), share),
-        };
+        // Tokens are bounded by the bucket and the day's budget, whichever is smaller.
+        let tokens = [l.tokens.map(|b| b.capacity), l.daily_budget].into_iter().flatten().min();
+        let share_of = |n: Option<NonZeroU64>| n.map_or(0, |n| share_of(n.get(), share));
         Amounts {
-            tokens,
-            requests: if self.limits_requests() { share_of(l.request_capacity, share) } else { 0 },
-            slots: if self.limits_slots() { share_of(l.max_concurrency, share) } else { 0 },
+            tokens: share_of(tokens),
+            requests: share_of(l.requests.map(|b| b.capacity)),
+            slots: share_of(l.max_concurrency),
         }
     }
 

@@ -2,7 +2,9 @@
 
 use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority};
-use crate::hold::{Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
+use std::num::NonZeroU64;
+
+use crate::hold::{Bucket, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
@@ -149,9 +151,9 @@ impl<S: Store> Protocol<S> {
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);
-            a.push("monthly budget", limits.monthly_budget.to_string());
-            a.push("daily cost budget", limits.daily_cost.to_string());
-            a.push("monthly cost budget", limits.monthly_cost.to_string());
+            a.push("monthly budget", or_zero(limits.monthly_budget));
+            a.push("daily cost budget", or_zero(limits.daily_cost));
+            a.push("monthly cost budget", or_zero(limits.monthly_cost));
         }
         let script = &self.scripts.reserve;
         let reply = self.store.eval(script, keys, a.finish()).await?;
@@ -185,10 +187,17 @@ impl<S: Store> Protocol<S> {
 
 /// The six limits reserve and lease both send first for a scope, in their order.
 pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
-    a.push("token capacity", l.token_capacity.to_string());
-    a.push("tokens per ms", l.tokens_per_ms.to_string());
-    a.push("request capacity", l.request_capacity.to_string());
-    a.push("requests per ms", l.requests_per_ms.to_string());
-    a.push("max concurrency", l.max_concurrency.to_string());
-    a.push("daily budget", l.daily_budget.to_string());
+    let capacity = |b: Option<Bucket>| or_zero(b.map(|b| b.capacity));
+    let per_ms = |b: Option<Bucket>| b.map_or(0.0, |b| b.per_ms).to_string();
+    a.push("token capacity", capacity(l.tokens));
+    a.push("tokens per ms", per_ms(l.tokens));
+    a.push("request capacity", capacity(l.requests));
+    a.push("requests per ms", per_ms(l.requests));
+    a.push("max concurrency", or_zero(l.max_concurrency));
+    a.push("daily budget", or_zero(l.daily_budget));
+}
+
+/// A limit as the scripts take it: `0` for none (the one place that sentinel is written).
+fn or_zero(limit: Option<NonZeroU64>) -> String {
+    limit.map_or(0, NonZeroU64::get).to_string()
 }
