@@ -255,7 +255,6 @@ fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
     }
 }
 
-
 async fn release<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str) {
     match admission.release(id).await {
         Ok(outcome) => {
