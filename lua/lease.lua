@@ -1,4 +1,4 @@
--- lease.lua: a replica's lease on one tenant's scopes (leasing; see src/admission/lease.rs). A
+-- lease.lua: a replica's lease on one tenant's scopes (leasing; see src/admission/lease/). A
 -- replica draws slices of a scope's token bucket, request bucket and concurrency slots here, then
 -- decides from them in its own memory. What it draws is charged to the scope at once, exactly as
 -- holds are, so the scope's counters always include every slice: leasing can refuse a request
@@ -8,19 +8,29 @@
 -- One call, atomically: settle the tenant's expired holds and dead leases (the sweep); take back
 -- what the replica returns; set the slots it holds; then draw, all or nothing against what the
 -- request that asked needs. The returns apply whatever the call decides: the replica stopped
--- using them when it sent the call. Slots are stated absolutely, so a lost reply corrects itself
--- on the next call; a lost reply's tokens and permits stay charged (never spent twice).
+-- using them when it sent the call. Slots are stated absolutely.
+--
+-- Safe to run twice: each call carries the replica's sequence number, and the store keeps what the
+-- last call answered (KEYS[6]). A re-send of that call (the client lost its reply) changes nothing
+-- and answers as the first run did, so a replica that does not know whether its call ran sends the
+-- same call again until it has the answer. The forwarded operations a call hands over are kept
+-- with its answer, so a re-send hands them over again: a lost reply delays them, never loses them.
+-- (A replica sends a new call only once it has applied the last one's answer.)
 --
 -- KEYS[1]   the tenant's lease index        KEYS[2] the tenant's holds hash
 -- KEYS[3]   this replica's lease record     KEYS[4] operations forwarded to this replica
 -- KEYS[5]   the tenant's usage ledger (for holds the sweep settles)
--- KEYS[6..] the scope hashes
+-- KEYS[6]   this replica's last lease call on the tenant: sq (its sequence number), out (what it
+--           granted or why it refused), dy (the day it ran on), sw (the holds its sweep settled),
+--           op (the forwarded operations it handed over)
+-- KEYS[7..] the scope hashes
 --
 -- ARGV[1] the replica's member in the lease index ('@' .. replica)
 -- ARGV[2] record key prefix (for the sweep)       ARGV[3] lease (ms): how long the record lives unrenewed
 -- ARGV[4] idle TTL of scope hashes and index (ms)  ARGV[5] sweep batch
 -- ARGV[6] cap on the concurrency Retry-After (ms)
 -- ARGV[7] end | keep: end drops the record when the replica holds no slot (it is leaving the tenant)
+-- ARGV[8] the call's sequence number: a re-send carries the number of the call it repeats
 -- then seventeen numbers per scope, in KEYS order:
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --   (0 meaning no such limit);
@@ -33,7 +43,8 @@
 --         remaining tokens, token limit, token reset ms, remaining requests, request limit,
 --         request reset ms, {tokens, requests, slots granted per scope}, {id, op, ...}, swept}
 --   (reason '' when granted; a refusal grants nothing and writes nothing but the returns and the
---    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over)
+--    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over; a
+--    re-send answers the first run's grants, day, ops and swept, with the headroom as it is now)
 
 local leases = KEYS[1]
 local holds = KEYS[2]
@@ -46,21 +57,58 @@ local idle = tonumber(ARGV[4])
 local batch = tonumber(ARGV[5])
 local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 6, 8, 17
+local last_call = KEYS[6]
+local seq = ARGV[8]
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 9, 17
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
 local month = month_of(today)
+local n = #KEYS - FIRST_SCOPE + 1
+
+local function read_scopes(day)
+  local scopes = {}
+  for i = 1, n do
+    scopes[i] = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, day,
+      month_of(day))
+  end
+  return scopes
+end
+
+-- 0. A re-send of the last call: its answer again, and nothing changed.
+local last = redis.call('HMGET', last_call, 'sq', 'out', 'dy', 'sw', 'op')
+if last[1] == seq then
+  local day = tonumber(last[3])
+  local out = split(last[2])
+  local ok, reason, where, wait, granted = 1, '', 0, -1, {}
+  if out[1] == 'refused' then
+    ok, reason, where, wait = 0, out[2], tonumber(out[3]), tonumber(out[4])
+  end
+  for i = 1, n do
+    local g = {}
+    for j = 1, 3 do
+      g[j] = tonumber(out[1 + (i - 1) * 3 + j]) or 0
+    end
+    granted[i] = ok == 1 and g or { 0, 0, 0 }
+  end
+  local ops = {}
+  for line in string.gmatch(last[5] or '', '[^\n]+') do
+    ops[#ops + 1] = line
+  end
+  local rem, lim, reset, rrem, rlim, rreset = headroom(read_scopes(today), 0, 0)
+  return { ok, reason, where, wait, day, rem, lim, reset, rrem, rlim, rreset, granted, ops,
+    split(last[4] or '') }
+end
 
 -- (A hold without a record is entered under no terms: leasing runs without a ledger.)
 local swept = sweep(leases, holds, prefix, batch, now, { key = KEYS[5], terms = '' })
+-- Handed over: kept below with this call's answer, for a re-send of it.
 local ops = redis.call('HGETALL', forwarded)
 if #ops > 0 then
   redis.call('DEL', forwarded)
 end
 
 -- 1. Returns.
-local n = #KEYS - FIRST_SCOPE + 1
 local args = {}
 for i = 1, n do
   local key = KEYS[FIRST_SCOPE + i - 1]
@@ -90,11 +138,10 @@ for i = 1, n do
 end
 
 -- 2. Read every scope as the returns left it, and check what the asking request needs.
-local scopes = {}
+local scopes = read_scopes(today)
 local reason, where, wait = '', 0, -1
 for i = 1, n do
-  local s = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, today, month)
-  scopes[i] = s
+  local s = scopes[i]
   local a = args[i]
   check_scope(s, a[11], 0, a[12], a[13], leases, wait_cap, now, today, function(why, ms)
     ms = math.max(1, math.ceil(ms))
@@ -153,6 +200,21 @@ else
   redis.call('ZADD', leases, now + lease, member)
   redis.call('PEXPIRE', leases, idle)
 end
+
+-- 5. What this call answered, for a re-send of it.
+local out
+if reason == '' then
+  local flat = { 'granted' }
+  for _, g in ipairs(granted) do
+    flat[#flat + 1] = g[1] .. ' ' .. g[2] .. ' ' .. g[3]
+  end
+  out = table.concat(flat, ' ')
+else
+  out = 'refused ' .. reason .. ' ' .. where .. ' ' .. wait
+end
+redis.call('HSET', last_call, 'sq', seq, 'out', out, 'dy', today, 'sw', table.concat(swept, ' '), 'op',
+  table.concat(ops, '\n'))
+redis.call('PEXPIRE', last_call, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
 local ok = 1

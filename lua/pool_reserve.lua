@@ -1,7 +1,7 @@
 -- pool_reserve.lua: the capacity leg of admission. Settles a bounded batch of the pool's expired
 -- holds, predicts when the new request would start and finish, and either refuses it or holds its
 -- work. Runs before the tenant leg (reserve.lua), so a tenant is never charged for a request the
--- pool refuses; see src/admission/mod.rs for the ordering across the two key spaces.
+-- pool refuses; see src/admission/reserve.rs for the ordering across the two key spaces.
 --
 -- KEYS[1] the pool's state hash
 -- KEYS[2] the pool's holds hash

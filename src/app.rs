@@ -173,7 +173,11 @@ async fn serve_admission<S: Store>(
         async move { admission.run_heartbeat(done).await }
     });
     let drain = policy.server.drain_timeout;
-    let served = serve_grpc(listeners.main, listeners.tls, listeners.health, admission, shutdown, drain).await;
+    let served =
+        serve_grpc(listeners.main, listeners.tls, listeners.health, Arc::clone(&admission), shutdown, drain).await;
+    // Reserves whose callers left finish (and give back what nobody received) before the slices
+    // are returned.
+    admission.finish_tasks().await;
     drained.cancel();
     tasks.close();
     if leasing.await.is_err() {

@@ -21,7 +21,7 @@ use tollgate::tools::sim::formats::Text;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
                       pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\
-                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n  probe:\n    limits: { tokens_per_minute: 60, burst_tokens: 100000 }\n";
+                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n  queued:\n    lease_ttl_ms: 600\n    limits: { max_concurrency: 1 }\n  probe:\n    limits: { tokens_per_minute: 60, burst_tokens: 100000 }\n";
 const CHAT: &str = "/v1/chat/completions";
 
 /// tollgate, the simulated backend (committing nothing itself) and Envoy in front.
@@ -237,6 +237,34 @@ async fn a_stream_longer_than_its_lease_is_renewed_while_it_flows() {
     // Committed, not late_committed: the lease never ran out while the stream flowed.
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
     assert_eq!((c.state.as_str(), c.used_tokens), ("committed", prompt + output));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_pending_longer_than_its_lease_keeps_its_hold() {
+    // The backend answers after 2 s, three leases of 600 ms, and sends nothing before: the hold
+    // is renewed by time, so its slot stays taken and it is committed, not late.
+    let stack = Stack::with_test_upstream().await;
+    let tenant = ("x-tenant-id", "queued");
+    let pending = [tenant, ("x-test-delay-ms", "2000"), ("x-test-skip-commit", "1"), ("x-test-silent-commit", "1")];
+    let body = chat(false, false);
+    let port = stack.envoy.port;
+    let first = tokio::spawn({
+        let body = body.clone();
+        async move { post(port, CHAT, &pending, body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let second = post(port, CHAT, &[tenant], body).await;
+    assert_eq!(
+        (second.status, second.header("x-tollgate-reason")),
+        (429, Some("concurrency")),
+        "the pending request still holds the one slot: {second:?}\n{}",
+        stack.diagnostics()
+    );
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 200, "{first:?}");
+    let id = first.header("x-test-reservation").unwrap().to_string();
+    let c = stack.charged(&id).await;
+    assert_eq!(c.state, "committed", "not late: {c:?}");
 }
 
 /// An Anthropic Messages or OpenAI Responses request through Envoy: the sim reports 50 prompt

@@ -43,8 +43,20 @@ fn imports(module: &str) -> BTreeMap<String, String> {
             let mut rest = code;
             while let Some(at) = rest.find("crate::") {
                 rest = &rest[at + "crate::".len()..];
-                let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
-                if name != module && !name.is_empty() {
+                // `crate::name` or `crate::{a, b::c}`: the first segment of each path.
+                let names: Vec<String> = match rest.strip_prefix('{') {
+                    Some(group) => group
+                        .split('}')
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .map(|path| {
+                            path.trim().chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()
+                        })
+                        .collect(),
+                    None => vec![rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect()],
+                };
+                for name in names.into_iter().filter(|name| name != module && !name.is_empty()) {
                     found.entry(name).or_insert_with(|| format!("{}:{}", path.display(), n + 1));
                 }
             }

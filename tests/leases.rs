@@ -188,6 +188,69 @@ mod scenarios {
         assert!(admitted(&leased).reservation_id.contains('@'), "{leased:?}");
     }
 
+    /// A client re-sends a command whose connection dropped after it was written: every lease call
+    /// here runs twice. The second run is a re-send of the first and changes nothing, so the
+    /// returns, the debt and the draws count once: the day's usage is what was used.
+    pub async fn a_re_sent_lease_call_counts_once<S: Store + Clone>(h: Harness<S>) {
+        use support::faults::Resend;
+        let r = h.wrapped(|s| Resend { inner: s, scripts: &["lease"] }).await;
+        let mut used = 0.0;
+        for round in 0..3 {
+            for _ in 0..3 {
+                let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
+                r.admission.commit(&id, 10, 20).await.unwrap();
+                used += 30.0;
+            }
+            // And one overrun: 300 used of a 100 hold, debt the next call charges.
+            let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
+            r.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 290 }).await.unwrap();
+            used += 300.0;
+            r.admission.lease_tick(round == 2).await.unwrap();
+        }
+        let scope = r.tenant_scope().await;
+        assert_eq!(scope.num("du"), used, "the day's usage is what was used, once: {scope:?}");
+        let charged = 10_000.0 - scope.num("t");
+        assert!((used - 1.0..=used).contains(&charged), "{used} used, {charged} charged");
+        assert_eq!(scope.fields.get("c").map(String::as_str), Some("0"), "every slot back: {scope:?}");
+    }
+
+    /// A lease call that never reaches the store (an open breaker, a timeout) loses nothing it
+    /// carried: the debt of an overrun and the tokens it gave back go with the next call.
+    pub async fn a_failed_lease_call_loses_no_debt<S: Store + Clone>(h: Harness<S>) {
+        use support::faults::{Fault, Queued};
+        let faults = Queued::new(h.admission.protocol().store().clone(), "lease");
+        let r = h.wrapped(|_| faults.clone()).await;
+        let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
+        let c = r.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 4_990 }).await.unwrap();
+        assert_eq!(c.usage().map(|u| u.overrun), Some(4_900));
+        faults.next(Fault::Unreachable(1));
+        assert!(r.admission.lease_tick(false).await.is_err(), "the window's call never reached the store");
+        r.admission.lease_tick(true).await.unwrap();
+        let scope = r.tenant_scope().await;
+        assert_eq!(scope.num("du"), 5_000.0, "5,000 used, 5,000 charged: {scope:?}");
+    }
+
+    /// A lease call that ran but whose answer was lost loses neither what it gave back nor the
+    /// operations other replicas forwarded: the re-send answers as the call did, and the
+    /// operations stay in the store until the owner says it applied them.
+    pub async fn a_lost_lease_answer_loses_no_forwarded_commit<S: Store + Clone>(h: Harness<S>) {
+        use support::faults::{Fault, Queued};
+        let faults = Queued::new(h.admission.protocol().store().clone(), "lease");
+        let owner = h.wrapped(|_| faults.clone()).await;
+        let other = h.wrapped(|s| s).await;
+        let id = admitted(&owner.reserve(10, 90).await).reservation_id.clone();
+        assert_eq!(other.admission.commit(&id, 10, 20).await.unwrap(), CommitOutcome::Forwarded);
+        faults.next(Fault::LostReply);
+        assert!(owner.admission.lease_tick(false).await.is_err(), "the answer was lost");
+        owner.admission.lease_tick(false).await.unwrap();
+        let again = owner.admission.commit(&id, 10, 20).await.unwrap();
+        assert!(again.usage().is_some_and(|u| u.duplicate && u.used == 30 && !u.late), "committed once: {again:?}");
+        owner.admission.lease_tick(true).await.unwrap();
+        other.admission.lease_tick(true).await.unwrap();
+        let scope = owner.tenant_scope().await;
+        assert_eq!(scope.num("du"), 30.0, "the forwarded commit charged once: {scope:?}");
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
@@ -221,6 +284,9 @@ macro_rules! leasing {
             scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);
             scenario!(a_refusal_is_remembered_for_its_wait, SLOW);
             scenario!(an_overrun_of_a_leased_hold_is_debt_in_the_store, SLOW);
+            scenario!(a_re_sent_lease_call_counts_once, SLOW);
+            scenario!(a_failed_lease_call_loses_no_debt, SLOW);
+            scenario!(a_lost_lease_answer_loses_no_forwarded_commit, SLOW);
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
-//! Settlements tollgate makes itself (the commit from the response) that could not reach the store
-//! are retried until they land, on every store; what is still queued when tollgate stops is tried
-//! once more and then left to the holds' leases.
+//! Settlements tollgate makes itself (the commit from the response; the clean-up of a reserve
+//! nobody received) that could not reach the store are retried until they land, on every store;
+//! what is still queued when tollgate stops is tried once more and then left to the holds' leases.
 
 mod support;
 
@@ -72,6 +72,45 @@ async fn what_the_store_never_takes_is_left_to_the_lease<S: Store + Clone>(h: Ha
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(3), worker).await.expect("the worker stops").unwrap();
     assert_eq!(state(&faulty, &a.reservation_id).await, "reserved");
+}
+
+/// A reserve whose reply was lost ran all the same: its hold is given back, and when the store
+/// does not take that release either (a stall, an open breaker), the retry queue gives it back once
+/// the store answers, instead of leaving it charged and its slot held for the lease.
+async fn a_reserve_nobody_received_leaves_no_ghost_hold<S: Store + Clone>(h: Harness<S>) {
+    use support::faults::Queued;
+    let releases = Queued::new(h.admission.protocol().store().clone(), "release");
+    let reserves = Queued::new(releases.clone(), "reserve");
+    let r = h.wrapped(|_| reserves.clone()).await;
+    let stop = CancellationToken::new();
+    let worker = r.admission.run_retries(stop.clone()).expect("the admission's own retry worker");
+    reserves.next(Fault::LostReply);
+    releases.next(Fault::Unreachable(1));
+    releases.next(Fault::Unreachable(1));
+    let d = r.reserve(100, 50).await;
+    // (Answered by the tenant's store-down mode: no hold of the store's reached the caller.)
+    assert!(!matches!(d, tollgate::admission::Decision::Admitted(_)), "{d:?}");
+    let gone = r.eventually(Duration::from_secs(10), || async { r.in_flight().await == 0.0 }).await;
+    assert!(gone, "the hold the lost reply made is still held");
+    let charged = 6_000.0 - r.tenant_scope().await.num("t");
+    assert!(charged < 1.0, "{charged} tokens still charged");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), worker).await.expect("the worker stops").unwrap();
+}
+
+#[tokio::test]
+async fn embedded_a_reserve_nobody_received_leaves_no_ghost_hold() {
+    a_reserve_nobody_received_leaves_no_ghost_hold(support::embedded(BODY).await).await;
+}
+
+#[tokio::test]
+async fn redis_a_reserve_nobody_received_leaves_no_ghost_hold() {
+    a_reserve_nobody_received_leaves_no_ghost_hold(support::redis(BODY).await).await;
+}
+
+#[tokio::test]
+async fn cluster_a_reserve_nobody_received_leaves_no_ghost_hold() {
+    a_reserve_nobody_received_leaves_no_ghost_hold(support::cluster(BODY).await).await;
 }
 
 #[tokio::test]

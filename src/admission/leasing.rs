@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::lease::{self, Local};
+use super::lease::{self, Called, Local};
 use super::plan::Plan;
 use super::reserve::{Tidy, refusal_reason, store_unavailable};
 use super::{Admission, Admitted, Decision, Denial, Reason};
@@ -31,15 +31,25 @@ impl<S: Store> Admission<S> {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),
         }
-        match leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, sweep_args(&plan.policy)).await {
-            Ok((refused, followups)) => {
+        // A call whose answer was lost goes first; then this request's own.
+        let mut called =
+            leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, sweep_args(&plan.policy)).await;
+        if let Ok(c) = &mut called
+            && c.resent
+        {
+            self.follow_up(std::mem::take(&mut c.followups)).await;
+            called = leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, sweep_args(&plan.policy)).await;
+        }
+        match called {
+            Ok(Called { refused, followups, .. }) => {
                 self.follow_up(followups).await;
                 match refused {
                     Some((scope, reason, retry_after_ms)) => {
                         self.leased_decision(plan, Local::Refused { scope, reason, retry_after_ms })
                     }
                     None => match leases.try_admit(&t, &ask) {
-                        // Granted but not covered: only if the policy changed under it; the store decides.
+                        // Granted but not covered: only if the policy changed under it, or an
+                        // earlier call went again in its place; the store decides.
                         Local::Miss => self.tenant_leg(plan, tidy).await,
                         local => self.leased_decision(plan, local),
                     },
@@ -81,6 +91,8 @@ impl<S: Store> Admission<S> {
         self.release_swept_pool_legs(&f.released).await;
     }
 
+    /// Applies operations other replicas left for this replica's holds. (Before the replica's next
+    /// lease call: the store keeps them with the answer that handed them over only until then.)
     pub(super) async fn apply_forwarded(&self, forwarded: Vec<(String, Forwarded)>) {
         for (id, op) in forwarded {
             let result = match op {
@@ -99,7 +111,8 @@ impl<S: Store> Admission<S> {
     /// lease passed, give back what it will not use, draw for the next window, and apply forwarded
     /// operations. `ending` gives everything back (shutdown). Run by [`Admission::run_leases`];
     /// public so tests can drive it on a manual clock. Returns the first failed call's error (the
-    /// others were still made): the slices it concerned stay as they were until their lease lapses.
+    /// others were still made): that call stays pending, and goes again, as it was, before the
+    /// tenant's next call.
     pub async fn lease_tick(&self, ending: bool) -> Result<(), StoreError> {
         let Some(leases) = &self.leases else { return Ok(()) };
         let mut failed = None;
@@ -113,18 +126,19 @@ impl<S: Store> Admission<S> {
                 let leaving = ending || due == Some(true);
                 // Forwarded operations settle holds and free what they held: a leaving replica
                 // gives that back with a second call.
-                for _ in 0..2 {
+                // (And a call whose answer was lost goes again first.)
+                for _ in 0..3 {
                     match leases.call(&self.protocol, &tenant, &t, None, leaving, sweep_args(&policy)).await {
-                        Ok((_, f)) => {
+                        Ok(Called { followups: f, resent, .. }) => {
                             released.extend(f.released);
                             let applied = !f.forwarded.is_empty();
                             self.apply_forwarded(f.forwarded).await;
-                            if !(applied && leaving) {
+                            if !(resent || applied && leaving) {
                                 break;
                             }
                         }
                         Err(e) => {
-                            tracing::warn!(tenant = %tenant, error = %e, "lease call failed; slices kept until the lease lapses");
+                            tracing::warn!(tenant = %tenant, error = %e, "lease call failed; it is sent again, as it was, before the next");
                             failed.get_or_insert(e);
                             break;
                         }

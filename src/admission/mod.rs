@@ -36,6 +36,8 @@ mod store_down;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 
+use tokio_util::task::TaskTracker;
+
 pub use decision::{Admitted, Decision, Denial, Reason};
 
 use crate::config::Policy;
@@ -108,6 +110,13 @@ pub struct Admission<S> {
     replica: String,
     /// Admission from memory while the store is unreachable (`on_store_error: local`).
     local: LocalLimits,
+    /// Settlements that could not reach the store, for the retry worker; its inbox until the worker
+    /// takes it ([`Admission::run_retries`]).
+    retries: retry::Retries,
+    retry_inbox: std::sync::Mutex<Option<retry::Inbox>>,
+    /// The reserves running on tasks of their own (see the reserve phase's "Nobody waiting"):
+    /// the drain waits for them, so a hold nobody received is given back before the process ends.
+    tasks: TaskTracker,
     metrics: Metrics,
 }
 
@@ -134,6 +143,7 @@ impl<S: Store> Admission<S> {
             .leasing
             .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
         let local = LocalLimits::new(policy.store.local_factor);
+        let (retries, retry_inbox) = retry::Retries::new();
         Admission {
             policy: RwLock::new(policy),
             protocol,
@@ -141,6 +151,9 @@ impl<S: Store> Admission<S> {
             leases,
             replica,
             local,
+            retries,
+            retry_inbox: std::sync::Mutex::new(Some(retry_inbox)),
+            tasks: TaskTracker::new(),
             metrics: Metrics::disabled(),
         }
     }
@@ -181,6 +194,31 @@ impl<S: Store> Admission<S> {
         }
         self.metrics.policy_loaded(&new);
         kept
+    }
+
+    /// Keeps a settlement whose store call failed, for the retry worker.
+    pub fn retry(&self, settlement: retry::Settlement) {
+        self.retries.push(settlement);
+    }
+
+    /// Runs the worker that retries what [`Admission::retry`] kept, until `shutdown` (then one
+    /// last try). `None` if it already runs.
+    pub fn run_retries(
+        self: &Arc<Self>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>>
+    where
+        S: Store,
+    {
+        let inbox = self.retry_inbox.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take()?;
+        Some(retry::Retries::run(Arc::clone(self), inbox, shutdown))
+    }
+
+    /// Waits for every reserve still running on its own task (their callers may be gone), once no
+    /// new one can start: the server has drained.
+    pub async fn finish_tasks(&self) {
+        self.tasks.close();
+        self.tasks.wait().await;
     }
 
     /// The metrics this admission records into.

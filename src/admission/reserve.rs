@@ -38,7 +38,8 @@ use tokio::sync::oneshot;
 
 use super::lease::Local;
 use super::plan::{Plan, PoolLeg};
-use super::{Admission, Admitted, Attributes, Decision, Denial, Priority, Reason, ids};
+use super::retry::Settlement;
+use super::{Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Priority, Reason, ids};
 use crate::config::Policy;
 use crate::hold::{PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
@@ -99,7 +100,7 @@ impl<S: Store> Admission<S> {
         }
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let mut tidy = Tidy::default();
             let decided = this.hold(&plan, &mut tidy).await;
             let sent = answer.send(decided);
@@ -149,16 +150,32 @@ impl<S: Store> Admission<S> {
 
     /// What a decision left to tidy up, once it has been answered.
     pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
-        if tidy.hold
-            && let Err(e) = self.protocol.release(&plan.tenant, &plan.id).await
-        {
-            tracing::warn!(error = %e, reservation = %plan.id, "release after a failed reserve failed; its lease will reclaim it");
+        self.give_back_legs(&plan.id, tidy.hold, tidy.pool_leg && plan.pool.is_some()).await;
+    }
+
+    /// Gives back legs of a hold nobody will use, now or, when the store does not answer, through
+    /// the retry queue until it does: a stalled store leaves no hold charged for its lease.
+    async fn give_back_legs(&self, id: &str, tenant_leg: bool, pool_leg: bool) {
+        if !(tenant_leg || pool_leg) {
+            return;
         }
-        if let Some(leg) = &plan.pool
-            && tidy.pool_leg
-        {
-            self.release_pool_leg(&leg.name, &plan.id).await;
+        if let Err(e) = self.abandon(id, tenant_leg, pool_leg).await {
+            tracing::warn!(error = %e, reservation = id, "giving back a hold nobody received failed; retrying");
+            self.retry(Settlement::Abandon { id: id.to_string(), tenant_leg, pool_leg });
         }
+    }
+
+    /// Gives back what a reserve made under `id` and nobody received: the tenant leg in the store,
+    /// the pool leg, or both. Safe to repeat.
+    pub(super) async fn abandon(&self, id: &str, tenant_leg: bool, pool_leg: bool) -> Result<(), AdmissionError> {
+        let r = super::parse_id(id)?;
+        if tenant_leg {
+            self.protocol.release(r.tenant, id).await?;
+        }
+        if let (true, Some(pool)) = (pool_leg, r.pool) {
+            self.protocol.pool_release(pool, id).await?;
+        }
+        Ok(())
     }
 
     /// Capacity: can the pool start and finish this request in time? Holds its work if so.
@@ -299,14 +316,14 @@ impl<S: Store> Admission<S> {
 
     /// Releases a hold this call made but nobody received: both legs.
     pub(super) async fn give_back(&self, plan: &Plan, id: &str) {
-        if let (Some(leases), true) = (&self.leases, plan.leased) {
-            leases.release(&plan.tenant, id);
-        } else if let Err(e) = self.protocol.release(&plan.tenant, id).await {
-            tracing::warn!(error = %e, reservation = id, "release of an undelivered hold failed; its lease will reclaim it");
-        }
-        if let Some(leg) = &plan.pool {
-            self.release_pool_leg(&leg.name, id).await;
-        }
+        let in_store = match (&self.leases, plan.leased) {
+            (Some(leases), true) => {
+                leases.release(&plan.tenant, id);
+                false
+            }
+            _ => true,
+        };
+        self.give_back_legs(id, in_store, plan.pool.is_some()).await;
     }
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.

@@ -1,6 +1,7 @@
-//! Settlements tollgate makes itself (the commit from the response) that could not reach the store:
-//! kept and retried with backoff until they land, so a store outage at the end of a response does
-//! not turn its exact usage into an expired hold.
+//! Settlements tollgate makes itself that could not reach the store (the commit from the
+//! response; the clean-up of a reserve nobody received): kept and retried with backoff until they
+//! land, breaker or not, so a store outage at the end of a response does not turn its exact usage
+//! into an expired hold, and a stalled store leaves no ghost hold charged for a lease.
 //!
 //! A caller of `Admission/Commit` is told `UNAVAILABLE` and retries itself (commit is idempotent);
 //! Envoy's ext_proc has nobody to tell, so its commits and releases come here. The queue is
@@ -34,14 +35,26 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// A settlement to retry.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Settlement {
-    Commit { id: String, measured: Measured },
-    Release { id: String },
+    Commit {
+        id: String,
+        measured: Measured,
+    },
+    Release {
+        id: String,
+    },
+    /// What a reserve made and nobody received (its reply was lost, or its caller left): the
+    /// tenant leg in the store, the pool leg, or both, given back.
+    Abandon {
+        id: String,
+        tenant_leg: bool,
+        pool_leg: bool,
+    },
 }
 
 impl Settlement {
     fn id(&self) -> &str {
         match self {
-            Settlement::Commit { id, .. } | Settlement::Release { id } => id,
+            Settlement::Commit { id, .. } | Settlement::Release { id } | Settlement::Abandon { id, .. } => id,
         }
     }
 
@@ -49,28 +62,43 @@ impl Settlement {
         match self {
             Settlement::Commit { id, measured } => admission.commit_counted(id, *measured).await.map(|_| ()),
             Settlement::Release { id } => admission.release(id).await.map(|_| ()),
+            Settlement::Abandon { id, tenant_leg, pool_leg } => admission.abandon(id, *tenant_leg, *pool_leg).await,
         }
     }
 }
 
-/// The queue's sending side; [`Retries::start`] runs its worker.
+/// The queue's sending side; [`Retries::start`] (or [`Retries::run`]) runs its worker.
 #[derive(Debug)]
 pub struct Retries {
     queue: mpsc::Sender<Settlement>,
     dropped: AtomicU64,
 }
 
+/// The queue's receiving side, which its worker takes.
+#[derive(Debug)]
+pub struct Inbox(mpsc::Receiver<Settlement>);
+
 impl Retries {
-    /// Starts the worker. When `shutdown` is cancelled it takes what is still on its way (for at
-    /// most half a second), tries it all once more, logs what it lost, and ends; await the handle
-    /// for that.
+    /// A queue, and its inbox for [`Retries::run`].
+    pub fn new() -> (Retries, Inbox) {
+        let (queue, inbox) = mpsc::channel(CAPACITY);
+        (Retries { queue, dropped: AtomicU64::new(0) }, Inbox(inbox))
+    }
+
+    /// Starts a queue of its own and its worker (see [`Retries::run`]).
     pub fn start<S: Store>(
         admission: Arc<Admission<S>>,
         shutdown: CancellationToken,
     ) -> (Arc<Retries>, JoinHandle<()>) {
-        let (queue, inbox) = mpsc::channel(CAPACITY);
-        let worker = tokio::spawn(work(admission, inbox, shutdown));
-        (Arc::new(Retries { queue, dropped: AtomicU64::new(0) }), worker)
+        let (retries, inbox) = Retries::new();
+        (Arc::new(retries), Retries::run(admission, inbox, shutdown))
+    }
+
+    /// Runs the worker of `inbox`. When `shutdown` is cancelled it takes what is still on its way
+    /// (for at most half a second), tries it all once more, logs what it lost, and ends; await the
+    /// handle for that.
+    pub fn run<S: Store>(admission: Arc<Admission<S>>, inbox: Inbox, shutdown: CancellationToken) -> JoinHandle<()> {
+        tokio::spawn(work(admission, inbox.0, shutdown))
     }
 
     /// Keeps a settlement whose store call failed for retrying; a full queue drops it (its hold

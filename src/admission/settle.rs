@@ -6,6 +6,7 @@
 
 use super::lease::Leases;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
+use crate::config::Policy;
 use crate::hold::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome};
 use crate::metrics::Estimate;
 use crate::store::{Learning, Store};
@@ -39,24 +40,24 @@ impl<S: Store> Admission<S> {
             }
         }
         let r = parse_id(reservation_id)?;
+        let policy = self.policy();
         let outcome = match self.home(&r) {
             Home::Store => {
-                let policy = self.policy();
                 let learning = policy.tenant(r.tenant).and_then(|tp| {
                     tp.adaptive_output
                         .map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
                 });
                 let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
-                self.record_commit(r.tenant, &outcome, counted);
+                self.record_commit(&policy, r.tenant, &outcome, counted);
                 outcome
             }
             Home::Slice(leases) => {
                 let outcome = leases.commit(r.tenant, reservation_id, counted);
-                self.record_commit(r.tenant, &outcome, counted);
+                self.record_commit(&policy, r.tenant, &outcome, counted);
                 outcome
             }
             Home::Replica(replica) => {
-                match self.forward(&r, replica, reservation_id, Forwarded::Commit(counted)).await? {
+                match self.forward(&policy, &r, replica, reservation_id, Forwarded::Commit(counted)).await? {
                     true => CommitOutcome::Forwarded,
                     false => CommitOutcome::NotFound,
                 }
@@ -75,7 +76,7 @@ impl<S: Store> Admission<S> {
     /// Counts a commit that settled a hold now (not a repeat of an earlier one), and, when the
     /// counts were reported, how far each estimate behind the hold was from them: the output
     /// reservation and the prompt estimate, per tenant and model.
-    pub(super) fn record_commit(&self, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
+    fn record_commit(&self, policy: &Policy, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
         let CommitOutcome::Committed(u) = outcome else { return };
         if u.duplicate || !self.metrics.enabled() {
             return;
@@ -84,7 +85,6 @@ impl<S: Store> Admission<S> {
         if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
             (counted, &u.model, u.output_held, u.late)
         {
-            let policy = self.policy();
             let model = if policy.models.contains_key(model) { model.as_str() } else { "other" };
             let prompt_held = u.held.saturating_sub(output_held);
             self.metrics.token_usage(tenant, model, prompt, output);
@@ -103,7 +103,8 @@ impl<S: Store> Admission<S> {
             Home::Store => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
             Home::Slice(leases) => leases.renew(r.tenant, reservation_id, lease),
             Home::Replica(replica) => {
-                match self.forward(&r, replica, reservation_id, Forwarded::Renew { lease_ms: lease }).await? {
+                let renewal = Forwarded::Renew { lease_ms: lease };
+                match self.forward(&policy, &r, replica, reservation_id, renewal).await? {
                     true => RenewOutcome::Forwarded,
                     false => RenewOutcome::NotFound,
                 }
@@ -131,10 +132,12 @@ impl<S: Store> Admission<S> {
         let outcome = match self.home(&r) {
             Home::Store => self.protocol.release(r.tenant, reservation_id).await?,
             Home::Slice(leases) => leases.release(r.tenant, reservation_id),
-            Home::Replica(replica) => match self.forward(&r, replica, reservation_id, Forwarded::Release).await? {
-                true => ReleaseOutcome::Forwarded,
-                false => ReleaseOutcome::NotFound,
-            },
+            Home::Replica(replica) => {
+                match self.forward(&self.policy(), &r, replica, reservation_id, Forwarded::Release).await? {
+                    true => ReleaseOutcome::Forwarded,
+                    false => ReleaseOutcome::NotFound,
+                }
+            }
         };
         if let ReleaseOutcome::Released { refunded, repeated: false } = outcome {
             self.metrics.released(r.tenant, refunded);
@@ -160,12 +163,12 @@ impl<S: Store> Admission<S> {
     /// replica no longer holds a lease on the tenant: it stopped, and its holds settle as expired.
     async fn forward(
         &self,
+        policy: &Policy,
         r: &ids::ReservationRef<'_>,
         replica: &str,
         id: &str,
         op: Forwarded,
     ) -> Result<bool, AdmissionError> {
-        let policy = self.policy();
         let Some(tp) = policy.tenant(r.tenant) else { return Ok(false) };
         Ok(self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?)
     }

@@ -5,7 +5,9 @@
 //! model, which `Check` added), the response headers and the response body as it streams, in
 //! observability mode: it does not wait for tollgate, so the response is never held up. tollgate
 //! reads the usage the response reports (or meters the text that passes, see
-//! [`crate::llm::usage`]), renews the lease while a long stream runs, and when the response ends
+//! [`crate::llm::usage`]), renews the lease by time while the response is pending or streams (a
+//! third of the tenant's lease after the last renewal, until the stream ends: the response is
+//! over, the client left, or the route's timeout passed), and when the response ends
 //! settles the hold by how the response ended ([`crate::llm::settlement`] has the rules).
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
@@ -40,9 +42,10 @@ use tonic::{Request, Response, Status, Streaming};
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
 use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, MODEL_FIELD, RESERVATION, RESERVATION_FIELD};
-use crate::admission::retry::{Retries, Settlement};
+use crate::admission::retry::Settlement;
 use crate::admission::{Admission, AdmissionError};
 use crate::config::DEFAULT_BYTES_PER_TOKEN;
+use crate::hold::RenewOutcome;
 use crate::hold::id as ids;
 use crate::llm::settlement::{self, Ending, Verdict};
 use crate::llm::usage::{Measured, Meter};
@@ -52,13 +55,11 @@ use crate::store::Store;
 #[derive(Debug)]
 pub struct ExtProcService<S> {
     admission: Arc<Admission<S>>,
-    /// Where a settlement that could not reach the store waits to be retried.
-    retries: Arc<Retries>,
 }
 
 impl<S> ExtProcService<S> {
-    pub fn new(admission: Arc<Admission<S>>, retries: Arc<Retries>) -> Self {
-        ExtProcService { admission, retries }
+    pub fn new(admission: Arc<Admission<S>>) -> Self {
+        ExtProcService { admission }
     }
 }
 
@@ -72,13 +73,26 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
         let mut inbound = request.into_inner();
         let (replies, out) = mpsc::channel(16);
         let admission = Arc::clone(&self.admission);
-        let retries = Arc::clone(&self.retries);
         // The exchange outlives this call: it settles the hold when the response ends, or when the
         // stream is cut short.
         tokio::spawn(async move {
-            let mut exchange = Exchange::new(retries);
-            // The stream ends cleanly, or with an error when Envoy resets it (the client left).
-            while let Ok(Some(message)) = inbound.message().await {
+            let mut exchange = Exchange::new();
+            loop {
+                // While the response is pending (a queue at the backend, a slow first token) or
+                // streams, the hold is renewed by time, not only when bytes arrive.
+                let message = match exchange.next_renewal() {
+                    Some(at) => tokio::select! {
+                        message = inbound.message() => message,
+                        () = tokio::time::sleep_until(at) => {
+                            exchange.keep_alive(&admission).await;
+                            continue;
+                        }
+                    },
+                    None => inbound.message().await,
+                };
+                // The stream ends cleanly, or with an error when Envoy resets it (the client left,
+                // or the route's timeout passed).
+                let Ok(Some(message)) = message else { break };
                 // In observability mode Envoy expects no reply; otherwise, continue.
                 if let Some(reply) = exchange.read(message, &admission).await {
                     let _ = replies.send(Ok(reply)).await;
@@ -95,7 +109,6 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
 
 /// One request's response, as tollgate follows it.
 struct Exchange {
-    retries: Arc<Retries>,
     reservation: Option<String>,
     model: Option<String>,
     /// How often a long stream renews its lease: a third of its tenant's lease.
@@ -109,9 +122,8 @@ struct Exchange {
 }
 
 impl Exchange {
-    fn new(retries: Arc<Retries>) -> Self {
+    fn new() -> Self {
         Exchange {
-            retries,
             reservation: None,
             model: None,
             renew_every: None,
@@ -162,7 +174,7 @@ impl Exchange {
                     .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
                 self.meter = Some(Meter::new(
                     header(&headers, headers::CONTENT_TYPE),
-                    header(&headers, "content-encoding"),
+                    header(&headers, headers::CONTENT_ENCODING),
                     bytes_per_token,
                 ));
                 if h.end_of_stream {
@@ -202,19 +214,29 @@ impl Exchange {
         self.model = model.map(str::to_string);
     }
 
-    /// Renews the lease of a long stream while its bytes keep flowing: every third of a lease.
+    /// When the hold is next due a renewal: a third of its lease after the last, while it is
+    /// tollgate's to settle. `None` before the reservation is known, or once it is someone else's.
+    fn next_renewal(&self) -> Option<tokio::time::Instant> {
+        let every = self.renew_every.filter(|_| self.reservation.is_some() && !self.caller_commits && !self.settled)?;
+        Some(tokio::time::Instant::from_std(self.last_renewal + every))
+    }
+
+    /// Renews the lease of a hold whose response is pending or streaming: every third of a lease.
     async fn keep_alive<S: Store>(&mut self, admission: &Admission<S>) {
         let (Some(id), Some(every)) = (self.reservation.as_deref(), self.renew_every) else { return };
         if self.caller_commits || self.last_renewal.elapsed() < every {
             return;
         }
         self.last_renewal = Instant::now();
-        if let Err(e) = admission.renew(id, 0).await {
-            tracing::warn!(error = %e, reservation = id, "renewing a streaming hold failed");
+        match admission.renew(id, 0).await {
+            Ok(RenewOutcome::Renewed { .. } | RenewOutcome::Forwarded) => {}
+            // Settled already (by its caller, or expired): nothing left to keep alive.
+            Ok(RenewOutcome::Settled(_) | RenewOutcome::NotFound) => self.renew_every = None,
+            Err(e) => tracing::warn!(error = %e, reservation = id, "renewing a pending or streaming hold failed"),
         }
     }
 
-    /// Commits or releases the hold, once, by how the response ended (see the module's table).
+    /// Commits or releases the hold, once, by how the response ended (the rules: `crate::llm::settlement`).
     async fn settle<S: Store>(&mut self, admission: &Admission<S>, ending: Ending) {
         if std::mem::replace(&mut self.settled, true) {
             return;
@@ -224,13 +246,13 @@ impl Exchange {
             return;
         }
         match settlement::verdict(self.status, self.meter.as_mut()) {
-            Verdict::Commit(measured) => commit(admission, &self.retries, id, measured, ending).await,
-            Verdict::Release => release(admission, &self.retries, id).await,
+            Verdict::Commit(measured) => commit(admission, id, measured, ending).await,
+            Verdict::Release => release(admission, id).await,
         }
     }
 }
 
-async fn commit<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str, measured: Measured, ending: Ending) {
+async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured, ending: Ending) {
     match admission.commit_counted(id, measured).await {
         Ok(outcome) => tracing::debug!(
             reservation = id,
@@ -241,7 +263,7 @@ async fn commit<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str,
         ),
         Err(AdmissionError::Store(e)) if e.is_transient() => {
             tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
-            retries.push(Settlement::Commit { id: id.to_string(), measured });
+            admission.retry(Settlement::Commit { id: id.to_string(), measured });
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
     }
@@ -255,14 +277,14 @@ fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
     }
 }
 
-async fn release<S: Store>(admission: &Admission<S>, retries: &Retries, id: &str) {
+async fn release<S: Store>(admission: &Admission<S>, id: &str) {
     match admission.release(id).await {
         Ok(outcome) => {
             tracing::debug!(reservation = id, state = outcome.state(), "released: the response generated nothing")
         }
         Err(AdmissionError::Store(e)) if e.is_transient() => {
             tracing::warn!(error = %e, reservation = id, "release from the response could not reach the store; retrying");
-            retries.push(Settlement::Release { id: id.to_string() });
+            admission.retry(Settlement::Release { id: id.to_string() });
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "release from the response failed"),
     }

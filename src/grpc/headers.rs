@@ -13,7 +13,10 @@ pub const DEADLINE: &str = "x-request-deadline-ms";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The whole body's size, when Envoy sent only its first bytes.
 pub const CONTENT_LENGTH: &str = "content-length";
+/// What a response body is: which usage reader, or none, reads it.
 pub const CONTENT_TYPE: &str = "content-type";
+/// A compressed response is not read: its hold is charged as held.
+pub const CONTENT_ENCODING: &str = "content-encoding";
 /// Envoy sets this when it sent only the first bytes of the body.
 pub const PARTIAL_BODY: &str = "x-envoy-auth-partial-body";
 
@@ -58,4 +61,5 @@ pub const RATELIMIT_PREFIX: &str = "x-ratelimit-";
 pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 /// Fields of that metadata: the reservation and the model, as in the upstream headers.
 pub const RESERVATION_FIELD: &str = "reservation";
+/// The model field of that metadata.
 pub const MODEL_FIELD: &str = "model";

@@ -15,7 +15,6 @@ use super::admission::AdmissionService;
 use super::authz::AuthzService;
 use super::ext_proc::ExtProcService;
 use crate::admission::Admission;
-use crate::admission::retry::Retries;
 use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
 use crate::store::Store;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
@@ -66,9 +65,10 @@ pub async fn serve<S: Store>(
             .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
     };
-    // Settlements the commit from the response could not make, retried until the store takes them.
+    // Settlements that could not reach the store (the commit from the response, the clean-up of
+    // a reserve nobody received), retried until the store takes them.
     let stop_retrying = CancellationToken::new();
-    let (retries, retrying) = Retries::start(Arc::clone(&admission), stop_retrying.clone());
+    let retrying = admission.run_retries(stop_retrying.clone());
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
@@ -87,7 +87,7 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
-        .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone(), retries)))
+        .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
         .add_service(AdmissionServer::new(AdmissionService::new(admission)));
     let stopped = shutdown.clone().cancelled_owned();
     let server: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match tls {
@@ -111,7 +111,9 @@ pub async fn serve<S: Store>(
     }
     // Once no call is left to settle anything: its last try, and its count of what is lost.
     stop_retrying.cancel();
-    let _ = retrying.await;
+    if let Some(retrying) = retrying {
+        let _ = retrying.await;
+    }
     Ok(())
 }
 

@@ -38,6 +38,7 @@ pub enum Settled {
 }
 
 impl Settled {
+    /// The state as the API and the ledger name it.
     pub fn as_str(self) -> &'static str {
         match self {
             Settled::Committed => "committed",
@@ -105,6 +106,7 @@ impl CommitOutcome {
         }
     }
 
+    /// What the commit charged, when it charged.
     pub fn usage(&self) -> Option<&Usage> {
         match self {
             CommitOutcome::Committed(u) => Some(u),
@@ -127,6 +129,7 @@ pub enum RenewOutcome {
 }
 
 impl RenewOutcome {
+    /// The hold's state as the API names it.
     pub fn state(&self) -> &'static str {
         match self {
             RenewOutcome::Renewed { .. } => "reserved",
@@ -153,6 +156,7 @@ pub enum ReleaseOutcome {
 }
 
 impl ReleaseOutcome {
+    /// The hold's state as the API names it.
     pub fn state(&self) -> &'static str {
         match self {
             ReleaseOutcome::Released { .. } => "released",

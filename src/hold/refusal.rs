@@ -30,6 +30,7 @@ pub enum Budget {
 }
 
 impl Budget {
+    /// The budget, in words, for a refusal's message.
     pub fn describe(self) -> &'static str {
         match self {
             Budget::DayTokens => "daily token budget",

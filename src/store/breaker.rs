@@ -36,13 +36,13 @@ impl Default for BreakerSettings {
     }
 }
 
-/// Times are the clock's milliseconds.
 impl From<&crate::config::BreakerPolicy> for BreakerSettings {
     fn from(b: &crate::config::BreakerPolicy) -> Self {
         BreakerSettings { failures: b.failures, open_for: b.open, max_open: b.max_open }
     }
 }
 
+/// Times are the clock's milliseconds.
 #[derive(Debug)]
 enum State {
     Closed { failures: u32 },

@@ -114,6 +114,11 @@ pub fn lease_record(tenant: &str, replica: &str) -> String {
     format!("tg:{{{tenant}}}:r:@{replica}")
 }
 
+/// What a replica's last lease call on a tenant answered, for a re-send of it (`lease.lua`).
+pub fn last_lease_call(tenant: &str, replica: &str) -> String {
+    format!("tg:{{{tenant}}}:lc:{replica}")
+}
+
 /// Operations on a replica's leased holds that reached another replica.
 pub fn forwarded(tenant: &str, replica: &str) -> String {
     format!("tg:{{{tenant}}}:f:{replica}")
@@ -159,6 +164,7 @@ mod tests {
             output_estimate("acme", "gpt-4o"),
             lease_record("acme", "0a1b2c3d4e5f"),
             forwarded("acme", "0a1b2c3d4e5f"),
+            last_lease_call("acme", "0a1b2c3d4e5f"),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), "acme", "{key}");

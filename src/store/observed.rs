@@ -8,6 +8,7 @@ use super::{Reply, Script, Store, StoreError};
 
 /// Told of every script call once it has answered.
 pub trait Observer: Send + Sync + 'static {
+    /// `script` answered `result` after `took`.
     fn observe(&self, script: &'static str, took: Duration, result: Result<&Reply, &StoreError>);
 }
 
@@ -19,10 +20,12 @@ pub struct Observed<S, O> {
 }
 
 impl<S, O> Observed<S, O> {
+    /// `inner`, each call shown to `observer`.
     pub fn new(inner: S, observer: O) -> Self {
         Observed { inner, observer }
     }
 
+    /// The store underneath.
     pub fn inner(&self) -> &S {
         &self.inner
     }

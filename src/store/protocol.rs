@@ -23,6 +23,7 @@ impl<S: Store> Protocol<S> {
         Ok(Protocol { store, scripts })
     }
 
+    /// The store the scripts run on (tests look at its keys directly).
     pub fn store(&self) -> &S {
         &self.store
     }

@@ -115,7 +115,8 @@ impl RedisStore {
         };
         let mut streams = Vec::with_capacity(found.len());
         for key in found {
-            let key = key.map_err(|e| StoreError::Unavailable(format!("cannot scan for streams: {e}")))?;
+            let key =
+                key.map_err(|e| StoreError::Unavailable(format!("cannot scan for streams matching {pattern}: {e}")))?;
             streams.push(key.as_str_lossy().into_owned());
         }
         Ok(streams)

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::hold::ledger::entry_json;
-use crate::store::phase::ledger::{From, LedgerStreams};
+use crate::store::phase::ledger::{LedgerStreams, ReadFrom};
 use crate::store::redis::RedisStore;
 use crate::store::{StoreError, keys};
 
@@ -83,7 +83,7 @@ impl Reader {
     /// nobody has read. Each batch is flushed before it is acknowledged.
     pub async fn drain(&self, stream: &str, out: &mut impl Write) -> Result<Drained, LedgerError> {
         let mut drained = Drained::default();
-        for from in [From::Pending, From::New] {
+        for from in [ReadFrom::Pending, ReadFrom::New] {
             loop {
                 let (batch, lost) = self.read_batch(stream, from).await?;
                 if batch.is_empty() {
@@ -111,7 +111,7 @@ impl Reader {
 
     /// One read: (entry id, JSON line, or empty for an entry trimmed meanwhile), and how many of
     /// those were trimmed.
-    async fn read_batch(&self, stream: &str, from: From) -> Result<(Vec<(String, String)>, u64), StoreError> {
+    async fn read_batch(&self, stream: &str, from: ReadFrom) -> Result<(Vec<(String, String)>, u64), StoreError> {
         let s = &self.settings;
         let entries = self.streams.read(stream, &s.group, &s.consumer, s.batch, from, s.claim_idle_ms).await?;
         let mut lost = 0_u64;

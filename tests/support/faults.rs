@@ -84,3 +84,48 @@ impl<S: Store> Store for Faulty<S> {
         }
     }
 }
+
+/// Fails the calls of one script the test says, when it says: each call takes the next fault the
+/// test queued (none queued: the call goes through), so a test can let a lease call through and
+/// lose the next one's reply.
+#[derive(Clone)]
+pub struct Queued<S> {
+    pub inner: S,
+    pub script: &'static str,
+    faults: Arc<std::sync::Mutex<std::collections::VecDeque<Fault>>>,
+}
+
+impl<S> Queued<S> {
+    pub fn new(inner: S, script: &'static str) -> Self {
+        Queued { inner, script, faults: Arc::default() }
+    }
+
+    /// The next call of the script meets `fault` (`LostReply`: it runs, its reply is lost;
+    /// `Unreachable(_)`: it never reaches the store).
+    pub fn next(&self, fault: Fault) {
+        self.faults.lock().unwrap().push_back(fault);
+    }
+}
+
+impl<S: Store> Store for Queued<S> {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.inner.load(script).await
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        let fault = if script.name == self.script { self.faults.lock().unwrap().pop_front() } else { None };
+        match fault {
+            None | Some(Fault::Unreachable(0)) => self.inner.eval(script, keys, args).await,
+            Some(Fault::Unreachable(_)) => Err(timeout()),
+            Some(Fault::LostReply) => {
+                self.inner.eval(script, keys, args).await?;
+                Err(timeout())
+            }
+            Some(Fault::SlowReply(delay)) => {
+                let reply = self.inner.eval(script, keys, args).await;
+                tokio::time::sleep(delay).await;
+                reply
+            }
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! as `lua/` documents it, with the same float arithmetic in the same order, so on the embedded
 //! store's manual clock every reply and every counter must agree exactly.
 //!
-//! Where the model needs a rule, it states the rule as the README does, not as the script is
+//! Where the model needs a rule, it states the rule as the documentation does (docs/books.md), not as the script is
 //! written: "a denial changes nothing", "a hold leaves its scopes and its pool exactly as it came".
 //! The counters it compares (`c` of a scope, `n` and `w` of a pool) are derived from the live holds,
 //! never counted, so comparing them with the store's counters checks the invariant itself.

@@ -9,6 +9,7 @@
 //! `retry-after: S`). `x-test-gzip: 1` answers 200 with a `content-encoding: gzip` body (opaque
 //! bytes whose plain text would read as usage), commits nothing and leaves the hold to Envoy.
 //! `x-test-silent-commit: 1` commits as usual but does not say so, so Envoy commits too.
+//! `x-test-delay-ms: N` waits N ms before answering (a queue at the backend, a slow first token).
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -94,6 +95,10 @@ async fn handle(
             .body(Full::new(Bytes::from(r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#)))
             .unwrap();
         return Ok(response);
+    }
+    if let Some(ms) = header("x-test-delay-ms").and_then(|v| v.parse::<u64>().ok()) {
+        // A backend that queues the request, or is slow to its first token.
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
     }
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();

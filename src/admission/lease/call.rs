@@ -3,15 +3,31 @@
 
 use super::slice::{Blocked, Slice, signed};
 use super::{Ask, Followups, Leases, TenantLease};
-use crate::hold::{Amounts, DAY_MS, Refusal};
-use crate::store::{LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
+use std::sync::atomic::Ordering;
 
-/// A lease call made ready: its scopes, when it is sent, and the tenant's lease and idle TTL.
-struct Prepared {
+use crate::hold::{Amounts, DAY_MS, Refusal};
+use crate::store::{LeaseCall, LeaseOutcome, LeaseReply, LeaseScope, Protocol, Store, StoreError};
+
+/// What a lease call answered, for the caller to finish.
+#[derive(Debug)]
+pub(in crate::admission) struct Called {
+    /// The store refused the asking request: (scope, reason, retry after ms).
+    pub refused: Option<(usize, Refusal, u64)>,
+    pub followups: Followups,
+    /// This was an earlier call sent again; the caller's own call is still to make.
+    pub resent: bool,
+}
+
+/// A lease call made ready: its number, its scopes, when it was first sent, the tenant's lease and
+/// idle TTL. Kept until its answer is in hand, and sent again as it was until then.
+#[derive(Debug, Clone)]
+pub(super) struct Prepared {
+    seq: u64,
     scopes: Vec<LeaseScope>,
     sent_at: u64,
     lease_ms: u64,
     idle_ttl_ms: u64,
+    ending: bool,
 }
 
 impl Leases {
@@ -93,7 +109,8 @@ impl Leases {
             slice.requests = keep_requests;
             slice.slots_free = keep_slots;
         }
-        Prepared { scopes, sent_at: now, lease_ms: s.tp.lease_ttl_ms, idle_ttl_ms: s.tp.idle_ttl_ms }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+        Prepared { seq, scopes, sent_at: now, lease_ms: s.tp.lease_ttl_ms, idle_ttl_ms: s.tp.idle_ttl_ms, ending }
     }
 
     /// Applies a lease call's reply. Returns the refusal, if the store refused the asking request.
@@ -135,29 +152,61 @@ impl Leases {
         }
     }
 
-    /// One lease call for the tenant, for `ask` (a miss) or for the window's upkeep (`None`).
-    pub async fn call<S: crate::store::Store>(
+    /// One lease call for the tenant, for `ask` (a miss) or for the window's upkeep (`None`); or,
+    /// when a call's answer was lost, that call again, as it was (`Called::resent`: the caller
+    /// applies what it hands over, then calls again for itself). A call that fails stays pending:
+    /// what it gives back and what it charges are neither lost nor counted twice, since the store
+    /// answers its re-send without running it a second time.
+    pub async fn call<S: Store>(
         &self,
-        protocol: &crate::store::Protocol<S>,
+        protocol: &Protocol<S>,
         tenant: &str,
         t: &TenantLease,
         ask: Option<&Ask<'_>>,
         ending: bool,
         policy: (u32, u64),
-    ) -> Result<(Option<(usize, Refusal, u64)>, Followups), crate::store::StoreError> {
-        let Prepared { scopes, sent_at, lease_ms, idle_ttl_ms } = self.prepare(t, ask, ending);
-        let call = LeaseCall {
+    ) -> Result<Called, StoreError> {
+        let pending = t.lock().pending.clone();
+        let (call, resent) = match pending {
+            // Its asking request, if any, was answered long ago: only its scopes' state counts.
+            Some(pending) => (pending, true),
+            None => (self.prepare(t, ask, ending), false),
+        };
+        let mut followups = Followups::default();
+        let refused = self.send(protocol, tenant, t, call, policy, &mut followups).await?;
+        Ok(Called { refused: refused.filter(|_| !resent), followups, resent })
+    }
+
+    /// Sends `call`, pending until its answer is in hand, and applies the answer to the slices.
+    async fn send<S: Store>(
+        &self,
+        protocol: &Protocol<S>,
+        tenant: &str,
+        t: &TenantLease,
+        call: Prepared,
+        (sweep_batch, concurrency_retry_cap_ms): (u32, u64),
+        followups: &mut Followups,
+    ) -> Result<Option<(usize, Refusal, u64)>, StoreError> {
+        t.lock().pending = Some(call.clone());
+        let Prepared { seq, scopes, sent_at, lease_ms, idle_ttl_ms, ending } = call;
+        let lease_call = LeaseCall {
             tenant,
             replica: &self.replica,
             lease_ms,
             idle_ttl_ms,
-            sweep_batch: policy.0,
-            concurrency_retry_cap_ms: policy.1,
+            sweep_batch,
+            concurrency_retry_cap_ms,
             ending,
+            seq,
             scopes,
         };
-        let reply = protocol.lease(&call).await?;
-        let refused = self.apply(t, &call.scopes, sent_at, &reply);
-        Ok((refused, Followups { forwarded: reply.forwarded, released: reply.swept }))
+        let reply = protocol.lease(&lease_call).await?;
+        t.lock().pending = None;
+        // The lease record's lease counts from the first sending: the store's may be later, never
+        // earlier.
+        let refused = self.apply(t, &lease_call.scopes, sent_at, &reply);
+        followups.forwarded.extend(reply.forwarded);
+        followups.released.extend(reply.swept);
+        Ok(refused)
     }
 }

@@ -44,6 +44,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::config::{ExpiredUsage, Leasing, TenantPolicy};
 use crate::hold::{DAY_MS, Forwarded, Headroom, Refusal, ScopeLimits};
 use crate::store::clock::Clock;
+pub(super) use call::Called;
 use holds::{Closed, LocalHold};
 use slice::Slice;
 
@@ -99,6 +100,9 @@ pub(super) struct Leases {
     clock: Arc<dyn Clock>,
     retention_ms: u64,
     tenants: RwLock<HashMap<String, Arc<TenantLease>>>,
+    /// The last sequence number given a lease call. One count for every tenant, so a number never
+    /// repeats while the process lives, even for a tenant this replica left and came back to.
+    seq: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Leases {
@@ -138,11 +142,22 @@ struct State {
     /// The policy changed since the last call: decide nothing from the slices until a call has
     /// drawn them again under the new limits.
     stale: bool,
+    /// A call sent whose answer never came: it may have run. It is sent again as it was (the
+    /// store answers a re-send as it answered the first), before any other call, so what it gave
+    /// back and what it drew count once.
+    pending: Option<call::Prepared>,
 }
 
 impl Leases {
     pub fn new(replica: String, settings: Leasing, clock: Arc<dyn Clock>, retention_ms: u64) -> Self {
-        Leases { replica, settings, clock, retention_ms, tenants: RwLock::new(HashMap::new()) }
+        Leases {
+            replica,
+            settings,
+            clock,
+            retention_ms,
+            tenants: RwLock::new(HashMap::new()),
+            seq: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// The tenant's lease state, made on first use.
@@ -167,6 +182,7 @@ impl Leases {
                     left: false,
                     last_call: 0,
                     stale: false,
+                    pending: None,
                 }),
                 calls: tokio::sync::Mutex::new(()),
             })
@@ -262,7 +278,8 @@ impl Leases {
             slice.taken_before = std::mem::take(&mut slice.taken);
         }
         let active = std::mem::replace(&mut s.active, false) || !due.is_empty();
-        if active || !s.holds.is_empty() {
+        // A call whose answer was lost is due at once.
+        if active || !s.holds.is_empty() || s.pending.is_some() {
             s.idle_windows = 0;
             return (due, Some(false));
         }
@@ -288,7 +305,8 @@ impl Leases {
         let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = tenants.get(tenant) {
             let mut s = t.lock();
-            if s.holds.is_empty() && !s.active {
+            // Not while a call may still have to go again.
+            if s.holds.is_empty() && !s.active && s.pending.is_none() {
                 s.left = true;
                 drop(s);
                 tenants.remove(tenant);

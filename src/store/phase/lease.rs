@@ -8,7 +8,7 @@ use crate::hold::{Amounts, Counted, Forwarded, Headroom, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `lease.lua`'s fixed `ARGV`, in order.
-pub(crate) const ARGV: [&str; 7] = [
+pub(crate) const ARGV: [&str; 8] = [
     "the replica's member in the lease index",
     "record key prefix",
     "lease (ms)",
@@ -16,6 +16,7 @@ pub(crate) const ARGV: [&str; 7] = [
     "sweep batch",
     "cap on the concurrency Retry-After",
     "end | keep",
+    "the call's sequence number",
 ];
 
 /// Then these, per scope, in `KEYS` order.
@@ -78,6 +79,10 @@ pub struct LeaseCall<'a> {
     pub concurrency_retry_cap_ms: u64,
     /// The replica leaves the tenant: drop its record if it holds no slot.
     pub ending: bool,
+    /// This call's number among the replica's calls. A re-send of a call whose answer was lost
+    /// carries the same number (and the same everything), and the store answers it as it did,
+    /// forwarded operations included.
+    pub seq: u64,
     pub scopes: Vec<LeaseScope>,
 }
 
@@ -94,6 +99,7 @@ pub struct LeaseReply {
     pub swept: Vec<String>,
 }
 
+/// What a lease call drew, or why it drew nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseOutcome {
     /// Drawn, per scope in call order.
@@ -106,13 +112,14 @@ impl<S: Store> Protocol<S> {
     /// A replica's lease call on one tenant (see `lua/lease.lua`).
     pub async fn lease(&self, call: &LeaseCall<'_>) -> Result<LeaseReply, StoreError> {
         let tenant = call.tenant;
-        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(5));
+        let mut keys = Vec::with_capacity(call.scopes.len().saturating_add(6));
         keys.extend([
             keys::leases(tenant),
             keys::holds(tenant),
             keys::lease_record(tenant, call.replica),
             keys::forwarded(tenant, call.replica),
             keys::ledger(tenant),
+            keys::last_lease_call(tenant, call.replica),
         ]);
         let mut a = Argv::grouped("lease", &ARGV, &SCOPE_ARGV, call.scopes.len());
         a.push("the replica's member in the lease index", keys::lease_member(call.replica));
@@ -122,6 +129,7 @@ impl<S: Store> Protocol<S> {
         a.push("sweep batch", call.sweep_batch.to_string());
         a.push("cap on the concurrency Retry-After", call.concurrency_retry_cap_ms.to_string());
         a.push("end | keep", if call.ending { "end" } else { "keep" }.to_string());
+        a.push("the call's sequence number", call.seq.to_string());
         for s in &call.scopes {
             keys.push(s.key.clone());
             push_limits(&mut a, &s.limits);

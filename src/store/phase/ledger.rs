@@ -15,7 +15,7 @@ pub(crate) const ACK_GROUP: [&str; 1] = ["entry ids"];
 
 /// Which entries a read returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum From {
+pub enum ReadFrom {
     /// This consumer's entries read before and not acknowledged (it stopped in between).
     Pending,
     /// Entries nobody in the group has read.
@@ -35,6 +35,7 @@ pub struct LedgerStreams<S> {
 }
 
 impl<S: Store> LedgerStreams<S> {
+    /// Loads both scripts into `store`.
     pub async fn new(store: S) -> Result<Self, StoreError> {
         let read = Script::new("ledger_read", include_str!("../../../lua/ledger_read.lua").to_string());
         let ack = Script::new("ledger_ack", include_str!("../../../lua/ledger_ack.lua").to_string());
@@ -43,11 +44,12 @@ impl<S: Store> LedgerStreams<S> {
         Ok(LedgerStreams { store, read, ack })
     }
 
+    /// The store read (to look for streams on it).
     pub fn store(&self) -> &S {
         &self.store
     }
 
-    /// At most `batch` entries of `stream` for `consumer` of `group`; with [`From::Pending`],
+    /// At most `batch` entries of `stream` for `consumer` of `group`; with [`ReadFrom::Pending`],
     /// entries another consumer left unacknowledged for `claim_idle_ms` become this one's first
     /// (0: never).
     pub async fn read(
@@ -56,14 +58,14 @@ impl<S: Store> LedgerStreams<S> {
         group: &str,
         consumer: &str,
         batch: u32,
-        from: From,
+        from: ReadFrom,
         claim_idle_ms: u64,
     ) -> Result<Vec<Entry>, StoreError> {
         let mut a = Argv::new("ledger_read", &READ_ARGV, 0);
         a.push("the consumer group", group.to_string());
         a.push("this consumer", consumer.to_string());
         a.push("most entries to return", batch.to_string());
-        a.push("where to read", if from == From::Pending { "0" } else { ">" }.to_string());
+        a.push("where to read", if from == ReadFrom::Pending { "0" } else { ">" }.to_string());
         a.push("entries another consumer left", claim_idle_ms.to_string());
         let reply = self.store.eval(&self.read, vec![stream.to_string()], a.finish()).await?;
         let bad = || StoreError::BadReply { script: self.read.name, reply: reply.clone() };

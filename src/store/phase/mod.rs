@@ -152,7 +152,7 @@ impl<'a> Fields<'a> {
         usize::try_from(self.uint(i)?.saturating_sub(1)).map_err(|_| self.bad())
     }
 
-    /// A settled hold's state at `i`.
+    /// A settled hold's state, as the reply named it.
     pub(crate) fn settled(&self, text: &str) -> Result<Settled, StoreError> {
         settled(text).ok_or_else(|| self.bad())
     }

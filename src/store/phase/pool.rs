@@ -1,6 +1,6 @@
 //! A backend pool's scripts: `pool_reserve.lua`, `pool_release.lua`, `pool_renew.lua`,
 //! `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
-//! tenant's, so these run apart from the tenant phases (see `admission`'s "Two key spaces").
+//! tenant's, so these run apart from the tenant phases (see the reserve phase's "Two key spaces", `admission::reserve`).
 
 use super::{Argv, Fields};
 use crate::hold::PoolRefusal;
@@ -94,6 +94,7 @@ pub enum PoolOutcome {
 }
 
 impl<S: Store> Protocol<S> {
+    /// Holds a request's predicted work in its pool, or refuses it (deadline, full, throttled).
     pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
         let script = &self.scripts.pool_reserve;
         let mut a = Argv::new("pool_reserve", &RESERVE_ARGV, 0);

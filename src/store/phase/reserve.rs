@@ -105,6 +105,8 @@ fn expired_usage(e: ExpiredUsage) -> &'static str {
 }
 
 impl<S: Store> Protocol<S> {
+    /// Holds budget for a request, in every scope or none, after settling the tenant's expired
+    /// holds (see `lua/reserve.lua`).
     pub async fn reserve(&self, call: &ReserveCall<'_>) -> Result<ReserveReply, StoreError> {
         let tenant = call.tenant;
         let key = call.idempotency.as_ref();

@@ -30,6 +30,7 @@ pub struct Learning {
 }
 
 impl<S: Store> Protocol<S> {
+    /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once.
     /// `learning` is `None` when the hold's tenant no longer learns.
     pub async fn commit(
         &self,
@@ -72,6 +73,7 @@ impl<S: Store> Protocol<S> {
         })
     }
 
+    /// Extends a live hold's lease to `lease_ms` from now.
     pub async fn renew(
         &self,
         tenant: &str,
@@ -93,6 +95,7 @@ impl<S: Store> Protocol<S> {
         })
     }
 
+    /// Gives a hold back without usage: every token refunded, the slot freed, once.
     pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
         let script = &self.scripts.release;
         let mut a = Argv::new("release", &RELEASE_ARGV, 0);
