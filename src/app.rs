@@ -166,6 +166,8 @@ async fn serve_admission<S: Store>(
         tasks.spawn(crate::reload::watch(w.path, every, Arc::clone(&admission), w.adjust, shutdown.clone()));
     }
     let leasing = tasks.spawn(Arc::clone(&admission).run_leases(drained.clone()));
+    // Every expired hold settled within a bound, even of tenants that never call again.
+    tasks.spawn(Arc::clone(&admission).run_sweeper(drained.clone()));
     // The replica count that on_store_error: local shares limits by.
     tasks.spawn({
         let admission = Arc::clone(&admission);

@@ -42,6 +42,9 @@ impl<S: Store> Admission<S> {
         }
         match called {
             Ok(Called { refused, followups, .. }) => {
+                // The replica's lease record sits in the tenant's lease index: if it dies, a
+                // sweeper settles it.
+                self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
                 self.follow_up(followups).await;
                 match refused {
                     Some((scope, reason, retry_after_ms)) => {
@@ -130,6 +133,7 @@ impl<S: Store> Admission<S> {
                 for _ in 0..3 {
                     match leases.call(&self.protocol, &tenant, &t, None, leaving, sweep_args(&policy)).await {
                         Ok(Called { followups: f, resent, .. }) => {
+                            self.note_tenant(&tenant, tp.lease_ttl_ms);
                             released.extend(f.released);
                             let applied = !f.forwarded.is_empty();
                             self.apply_forwarded(f.forwarded).await;

@@ -16,6 +16,7 @@
 //! - `settle`: commit, renew and release, routed to where the hold lives (the store, this
 //!   replica's slice, or another replica).
 //! - `pools`, `estimates`: a pool's status and throttle; the learned output estimates.
+//! - `sweeper`: every expired hold settled within a bound, even of a tenant that never calls again.
 //! - [`retry`]: settlements that could not reach the store, tried again.
 
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
@@ -32,6 +33,7 @@ mod reserve;
 pub mod retry;
 mod settle;
 mod store_down;
+mod sweeper;
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
@@ -52,6 +54,7 @@ use lease::Leases;
 use local::LocalLimits;
 pub use plan::MAX_PROMPT_BYTES;
 pub use store_down::{HEARTBEAT_MS, HEARTBEAT_TTL_MS};
+pub use sweeper::SWEEP_MS;
 
 /// One request, as admission sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -114,6 +117,11 @@ pub struct Admission<S> {
     /// takes it ([`Admission::run_retries`]).
     retries: retry::Retries,
     retry_inbox: std::sync::Mutex<Option<retry::Inbox>>,
+    /// Tenants served since the sweeper last wrote its notes, with the longest lease noted.
+    noted: std::sync::Mutex<HashMap<String, u64>>,
+    /// The sweeper's next shard to look at (starting where the replica's name says, so replicas
+    /// look at different shards in the same period).
+    sweep_turn: std::sync::atomic::AtomicU32,
     /// The reserves running on tasks of their own (see the reserve phase's "Nobody waiting"):
     /// the drain waits for them, so a hold nobody received is given back before the process ends.
     tasks: TaskTracker,
@@ -144,6 +152,7 @@ impl<S: Store> Admission<S> {
             .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
         let local = LocalLimits::new(policy.store.local_factor);
         let (retries, retry_inbox) = retry::Retries::new();
+        let sweep_turn = crate::store::keys::sweep_shard_of(&replica);
         Admission {
             policy: RwLock::new(policy),
             protocol,
@@ -151,6 +160,8 @@ impl<S: Store> Admission<S> {
             leases,
             replica,
             local,
+            noted: std::sync::Mutex::new(HashMap::new()),
+            sweep_turn: std::sync::atomic::AtomicU32::new(sweep_turn),
             retries,
             retry_inbox: std::sync::Mutex::new(Some(retry_inbox)),
             tasks: TaskTracker::new(),

@@ -267,6 +267,7 @@ impl<S: Store> Admission<S> {
         };
         match outcome {
             Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed, shadowed }) => {
+                self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()
                 {

@@ -100,7 +100,10 @@ impl<S: Store> Admission<S> {
         let Some(tp) = policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
         let outcome = match self.home(&r) {
-            Home::Store => self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?,
+            Home::Store => {
+                self.note_tenant(r.tenant, lease);
+                self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?
+            }
             Home::Slice(leases) => leases.renew(r.tenant, reservation_id, lease),
             Home::Replica(replica) => {
                 let renewal = Forwarded::Renew { lease_ms: lease };

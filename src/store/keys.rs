@@ -40,6 +40,22 @@
 //! The sweep in `reserve.lua` finds expired ids in the lease index and builds their record keys as
 //! `record_prefix(tenant) .. id`; that prefix is passed in from here, so Lua formats no key itself.
 
+/// Shards of the sweeper's index (tenants that may hold something, by when): each its own hash
+/// tag, so a Cluster spreads them, and no one key takes every tenant's notes. Few, since every
+/// replica looks at one each sweeper period.
+pub const SWEEP_SHARDS: u32 = 4;
+
+/// A shard of the sweeper's index.
+pub fn sweep_shard(shard: u32) -> String {
+    format!("tg:{{sweep-{shard}}}:tenants")
+}
+
+/// The shard that indexes `tenant`: FNV-1a of its name, so every replica picks the same one.
+pub fn sweep_shard_of(tenant: &str) -> u32 {
+    let hash = tenant.bytes().fold(0x811c_9dc5_u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    hash % SWEEP_SHARDS
+}
+
 /// The replicas sharing this store, by last heartbeat.
 pub fn replicas() -> String {
     "tg:replicas:{replicas}".to_string()

@@ -42,6 +42,10 @@ pub struct Scripts {
     pub lease: Script,
     pub lease_forward: Script,
     pub heartbeat: Script,
+    pub sweep: Script,
+    pub sweep_note: Script,
+    pub sweep_take: Script,
+    pub sweep_done: Script,
 }
 
 impl Scripts {
@@ -60,10 +64,14 @@ impl Scripts {
             lease: Script::phase("lease", include_str!("../../lua/lease.lua")),
             lease_forward: Script::phase("lease_forward", include_str!("../../lua/lease_forward.lua")),
             heartbeat: Script::phase("heartbeat", include_str!("../../lua/heartbeat.lua")),
+            sweep: Script::phase("sweep", include_str!("../../lua/sweep.lua")),
+            sweep_note: Script::phase("sweep_note", include_str!("../../lua/sweep_note.lua")),
+            sweep_take: Script::phase("sweep_take", include_str!("../../lua/sweep_take.lua")),
+            sweep_done: Script::phase("sweep_done", include_str!("../../lua/sweep_done.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 13] {
+    pub fn all(&self) -> [&Script; 17] {
         [
             &self.reserve,
             &self.commit,
@@ -78,6 +86,10 @@ impl Scripts {
             &self.lease,
             &self.lease_forward,
             &self.heartbeat,
+            &self.sweep,
+            &self.sweep_note,
+            &self.sweep_take,
+            &self.sweep_done,
         ]
     }
 }

@@ -10,6 +10,7 @@
 //! - [`pool`]: the backend pool's scripts.
 //! - [`estimate`]: `estimate.lua`, a tenant's learned output length.
 //! - [`ledger`]: `ledger_read.lua` and `ledger_ack.lua`, the ledger read through a consumer group.
+//! - [`sweep`]: the background sweeper: `sweep.lua` on a tenant, the index of tenants in shards.
 
 pub mod estimate;
 pub mod lease;
@@ -17,6 +18,7 @@ pub mod ledger;
 pub mod pool;
 pub mod reserve;
 pub mod settle;
+pub mod sweep;
 
 use super::{Reply, Script, StoreError};
 use crate::hold::{Budget, Refusal, Settled, Window, WouldRefuse};
@@ -98,6 +100,11 @@ impl<'a> Fields<'a> {
 
     pub(crate) fn bad(&self) -> StoreError {
         StoreError::BadReply { script: self.script, reply: self.reply.clone() }
+    }
+
+    /// How many fields the reply has.
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
     }
 
     pub(crate) fn get(&self, i: usize) -> Option<&'a Reply> {
@@ -224,7 +231,7 @@ mod tests {
     use super::*;
 
     /// Every codec's argument list, with the script whose header it follows.
-    const CODECS: [(&str, &str, &[&str], &[&str]); 15] = [
+    const CODECS: [(&str, &str, &[&str], &[&str]); 19] = [
         ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
         ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
@@ -240,6 +247,10 @@ mod tests {
         ("estimate.lua", include_str!("../../../lua/estimate.lua"), &estimate::ARGV, &[]),
         ("ledger_read.lua", include_str!("../../../lua/ledger_read.lua"), &ledger::READ_ARGV, &[]),
         ("ledger_ack.lua", include_str!("../../../lua/ledger_ack.lua"), &ledger::ACK_ARGV, &ledger::ACK_GROUP),
+        ("sweep.lua", include_str!("../../../lua/sweep.lua"), &sweep::SWEEP_ARGV, &[]),
+        ("sweep_note.lua", include_str!("../../../lua/sweep_note.lua"), &sweep::NOTE_ARGV, &sweep::NOTE_GROUP),
+        ("sweep_take.lua", include_str!("../../../lua/sweep_take.lua"), &sweep::TAKE_ARGV, &[]),
+        ("sweep_done.lua", include_str!("../../../lua/sweep_done.lua"), &sweep::DONE_ARGV, &[]),
     ];
 
     /// The header: the comment lines before the first line of code.

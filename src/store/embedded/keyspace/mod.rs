@@ -2,7 +2,7 @@
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
 //! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
-//! ZREM, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT), XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN,
+//! ZREM, ZSCORE, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT), XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN,
 //! XRANGE. Anything else is an error, so a script that starts using a new command fails its
 //! conformance test on the embedded store at once.
 //!
@@ -335,6 +335,11 @@ impl Keyspace {
                     self.remove(&a[0]);
                 }
                 Ok(Resp::Int(n as i64))
+            }
+            "ZSCORE" => {
+                arity(a, 2)?;
+                let score = self.zset(now, &a[0])?.and_then(|z| z.scores.get(&a[1]).copied());
+                Ok(score.map_or(Resp::Nil, |s| Resp::Bulk(format_number(s.0).into_bytes())))
             }
             "ZRANGE" => self.zrange(now, a),
             "ZRANGEBYSCORE" => self.zrangebyscore(now, a),

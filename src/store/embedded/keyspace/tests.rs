@@ -62,3 +62,12 @@ fn wrong_type_and_unknown_commands_are_errors() {
     assert!(cmd(&mut ks, 0, &["HGET", "s", "f"]).unwrap_err().starts_with("WRONGTYPE"));
     assert!(cmd(&mut ks, 0, &["FLUSHALL"]).is_err());
 }
+
+#[test]
+fn zscore_reads_a_members_score_or_nil() {
+    let mut ks = Keyspace::default();
+    cmd(&mut ks, 0, &["ZADD", "z", "1.5", "a"]).unwrap();
+    assert_eq!(cmd(&mut ks, 0, &["ZSCORE", "z", "a"]), Ok(bulk("1.5")));
+    assert_eq!(cmd(&mut ks, 0, &["ZSCORE", "z", "b"]), Ok(Resp::Nil));
+    assert_eq!(cmd(&mut ks, 0, &["ZSCORE", "none", "a"]), Ok(Resp::Nil));
+}
