@@ -251,6 +251,22 @@ mod scenarios {
         assert_eq!(scope.num("du"), 30.0, "the forwarded commit charged once: {scope:?}");
     }
 
+    /// A reload that removes a tenant: the replica gives that tenant's slices back at its next
+    /// window, under the terms they were leased with; only what was used stays charged.
+    pub async fn a_tenant_a_reload_removes_gives_its_slices_back<S: Store + Clone>(h: Harness<S>) {
+        let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.commit(&id, 10, 20).await.unwrap();
+        let drawn = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!(drawn >= 399.0, "a slice was drawn: {drawn}");
+        let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
+        policy.tenants.remove(&h.tenant);
+        h.admission.reload(policy);
+        h.admission.lease_tick(false).await.unwrap();
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((29.0..=30.0).contains(&charged), "30 used, {charged} still charged");
+        assert_eq!(h.admission.leased_holds(&h.tenant), (0, 0), "the replica left the tenant");
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
@@ -287,6 +303,7 @@ macro_rules! leasing {
             scenario!(a_re_sent_lease_call_counts_once, SLOW);
             scenario!(a_failed_lease_call_loses_no_debt, SLOW);
             scenario!(a_lost_lease_answer_loses_no_forwarded_commit, SLOW);
+            scenario!(a_tenant_a_reload_removes_gives_its_slices_back, SLOW);
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

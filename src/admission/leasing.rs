@@ -60,7 +60,7 @@ impl<S: Store> Admission<S> {
             }
             Err(e) => {
                 tidy.store_failed = true;
-                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+                self.on_store_error(plan, store_unavailable(&e, plan))
             }
         }
     }
@@ -121,12 +121,20 @@ impl<S: Store> Admission<S> {
         let mut failed = None;
         let policy = self.policy();
         for tenant in leases.tenant_names() {
-            let Some(tp) = policy.tenant(&tenant).cloned() else { continue };
+            // A tenant a reload removed keeps the terms it was leased under, and gives everything
+            // back now.
+            let (tp, removed) = match policy.tenant(&tenant) {
+                Some(tp) => (Arc::clone(tp), false),
+                None => match leases.terms(&tenant) {
+                    Some(tp) => (tp, true),
+                    None => continue,
+                },
+            };
             let t = leases.tenant(&tenant, &tp);
             let one_call = t.calls.lock().await;
             let (mut released, due) = leases.upkeep(&t);
-            if due.is_some() || ending {
-                let leaving = ending || due == Some(true);
+            if due.is_some() || ending || removed {
+                let leaving = ending || removed || due == Some(true);
                 // Forwarded operations settle holds and free what they held: a leaving replica
                 // gives that back with a second call.
                 // (And a call whose answer was lost goes again first.)

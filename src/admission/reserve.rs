@@ -225,7 +225,7 @@ impl<S: Store> Admission<S> {
                     ),
                 )
             }),
-            Err(e) => Err(store_unavailable(&e, &plan.tenant)),
+            Err(e) => Err(store_unavailable(&e, plan)),
         }
     }
 
@@ -298,7 +298,7 @@ impl<S: Store> Admission<S> {
                 // The script may have run and only its reply been lost: give back what it may hold.
                 tidy.hold = true;
                 tidy.store_failed = true;
-                self.on_store_error(plan, store_unavailable(&e, &plan.tenant))
+                self.on_store_error(plan, store_unavailable(&e, plan))
             }
         }
     }
@@ -355,8 +355,9 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
     }
 }
 
-pub(super) fn store_unavailable(e: &StoreError, tenant: &str) -> Denial {
-    tracing::error!(error = %e, tenant, "store call failed; failing closed");
+pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {
+    let mode = plan.tp.on_store_error.as_str();
+    tracing::error!(error = %e, tenant = %plan.tenant, mode, "store call failed; the tenant's store-down mode answers");
     Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
 }
 

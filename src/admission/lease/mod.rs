@@ -202,6 +202,11 @@ impl Leases {
         }
     }
 
+    /// The terms a tenant's slices were leased under, if this replica leases for it.
+    pub fn terms(&self, tenant: &str) -> Option<Arc<TenantPolicy>> {
+        self.existing(tenant).map(|t| Arc::clone(&t.lock().tp))
+    }
+
     fn existing(&self, tenant: &str) -> Option<Arc<TenantLease>> {
         self.tenants.read().unwrap_or_else(|p| p.into_inner()).get(tenant).cloned()
     }
@@ -254,7 +259,9 @@ impl Leases {
         // The store's view at the last call, and what this replica holds free besides.
         let mut headroom = s.headroom;
         if let (Some(w), Some(free)) = (headroom.tokens.as_mut(), tightest) {
-            w.remaining = w.remaining.saturating_add(free.max(0));
+            // (Never above the limit: the store's view may have refilled to it since.)
+            let limit = i64::try_from(w.limit).unwrap_or(i64::MAX);
+            w.remaining = w.remaining.saturating_add(free.max(0)).min(limit);
         }
         Local::Admitted { headroom }
     }
@@ -392,6 +399,20 @@ mod tests {
         clock.advance_ms(1_500);
         assert!(matches!(leases.try_admit(&t, &ask("h2", &tp, 100)), Local::Miss), "the lease lapsed");
         assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
+    }
+
+    #[test]
+    fn a_leased_decision_never_reports_more_remaining_than_the_limit() {
+        use crate::hold::Window;
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 1_000, 5, START + 4_000);
+        // The store's view at the last call: full. The slice's 900 free tokens are inside it.
+        t.lock().headroom =
+            Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), requests: None };
+        let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", &tp, 100)) else { panic!("admitted") };
+        assert_eq!(headroom.tokens.map(|w| w.remaining), Some(10_000));
     }
 
     #[test]
