@@ -75,8 +75,13 @@ local function read_scopes(day)
   return scopes
 end
 
--- 0. A re-send of the last call: its answer again, and nothing changed.
+-- 0. A re-send of the last call: its answer again, and nothing changed. An older call still (a
+-- first sending that arrived after its re-send was answered and the replica moved on) changes
+-- nothing either: nobody waits for its answer.
 local last = redis.call('HMGET', last_call, 'sq', 'out', 'dy', 'sw', 'op')
+if tonumber(last[1]) and tonumber(seq) < tonumber(last[1]) then
+  error('lease: call ' .. seq .. ' is older than the last one answered (' .. last[1] .. ')')
+end
 if last[1] == seq then
   local day = tonumber(last[3])
   local out = split(last[2])

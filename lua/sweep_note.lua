@@ -10,10 +10,11 @@
 -- then pairs: a tenant, and how long from now until it may need settling (its lease, plus the
 -- sweeper's period), in ms
 --
--- Reply: how many due times moved.
+-- Reply: how many tenants were noted.
 --
 -- Invariants: a note never brings a tenant's due time forward (a later one replaces an earlier one,
--- never the reverse).
+-- never the reverse), and always moves it (by a millisecond when it is already later), so that a
+-- sweeper that took the tenant before the note sees it was noted (sweep_done.lua).
 
 local shard = KEYS[1]
 local now = now_ms()
@@ -23,8 +24,10 @@ for i = 2, #ARGV, 2 do
   local cur = tonumber(redis.call('ZSCORE', shard, ARGV[i]))
   if not cur or cur < due then
     redis.call('ZADD', shard, due, ARGV[i])
-    n = n + 1
+  else
+    redis.call('ZADD', shard, cur + 1, ARGV[i])
   end
+  n = n + 1
 end
 redis.call('PEXPIRE', shard, tonumber(ARGV[1]))
 return n

@@ -177,9 +177,8 @@ async fn serve_admission<S: Store>(
     let drain = policy.server.drain_timeout;
     let served =
         serve_grpc(listeners.main, listeners.tls, listeners.health, Arc::clone(&admission), shutdown, drain).await;
-    // Reserves whose callers left finish (and give back what nobody received) before the slices
-    // are returned.
-    admission.finish_tasks().await;
+    // (The server waited for the reserves whose callers left: what nobody received is given back
+    // before the slices are returned.)
     drained.cancel();
     tasks.close();
     if leasing.await.is_err() {

@@ -24,9 +24,17 @@ impl<S: Store> Admission<S> {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),
         }
-        let _one_call = t.calls.lock().await;
-        // The tenant may have been left (and made anew) while this waited.
-        let t = leases.tenant(&plan.tenant, &plan.tp);
+        // One call at a time per tenant: the lock of the tenant's state as it is once the lock is
+        // held (the replica may have left the tenant, and made it anew, while this waited).
+        let mut t = t;
+        let _one_call = loop {
+            let held = Arc::clone(&t.calls).lock_owned().await;
+            let now = leases.tenant(&plan.tenant, &plan.tp);
+            if Arc::ptr_eq(&now, &t) {
+                break held;
+            }
+            t = now;
+        };
         match leases.try_admit(&t, &ask) {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),

@@ -39,7 +39,7 @@ use tokio::sync::oneshot;
 use super::lease::Local;
 use super::plan::{Plan, PoolLeg};
 use super::retry::Settlement;
-use super::{Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Priority, Reason, ids};
+use super::{Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, ids};
 use crate::config::Policy;
 use crate::hold::{PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
@@ -150,16 +150,24 @@ impl<S: Store> Admission<S> {
 
     /// What a decision left to tidy up, once it has been answered.
     pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
-        self.give_back_legs(&plan.id, tidy.hold, tidy.pool_leg && plan.pool.is_some()).await;
+        self.give_back_legs(plan, &plan.id, tidy.hold, tidy.pool_leg && plan.pool.is_some()).await;
     }
 
     /// Gives back legs of a hold nobody will use, now or, when the store does not answer, through
-    /// the retry queue until it does: a stalled store leaves no hold charged for its lease.
-    async fn give_back_legs(&self, id: &str, tenant_leg: bool, pool_leg: bool) {
+    /// the retry queue until it does: a stalled store leaves no hold charged for its lease. Not
+    /// retried for a reserve under an idempotency key that returns its live hold: the caller's
+    /// own retry may be handed that hold meanwhile, and it must not be released under it (its
+    /// lease reclaims it if nobody comes).
+    async fn give_back_legs(&self, plan: &Plan, id: &str, tenant_leg: bool, pool_leg: bool) {
         if !(tenant_leg || pool_leg) {
             return;
         }
         if let Err(e) = self.abandon(id, tenant_leg, pool_leg).await {
+            let replayable = plan.idempotency.as_ref().is_some_and(|(k, _)| k.repeat == KeyRepeat::ReturnHold);
+            if replayable && tenant_leg {
+                tracing::warn!(error = %e, reservation = id, "giving back a hold nobody received failed; its key may hand it out again, so its lease will reclaim it");
+                return;
+            }
             tracing::warn!(error = %e, reservation = id, "giving back a hold nobody received failed; retrying");
             self.retry(Settlement::Abandon { id: id.to_string(), tenant_leg, pool_leg });
         }
@@ -324,7 +332,7 @@ impl<S: Store> Admission<S> {
             }
             _ => true,
         };
-        self.give_back_legs(id, in_store, plan.pool.is_some()).await;
+        self.give_back_legs(plan, id, in_store, plan.pool.is_some()).await;
     }
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.

@@ -25,7 +25,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
@@ -117,7 +117,8 @@ struct Exchange {
     caller_commits: bool,
     status: Option<u16>,
     meter: Option<Meter>,
-    last_renewal: Instant,
+    /// On tokio's clock, which the renewal timer sleeps on.
+    last_renewal: tokio::time::Instant,
     settled: bool,
 }
 
@@ -130,7 +131,7 @@ impl Exchange {
             caller_commits: false,
             status: None,
             meter: None,
-            last_renewal: Instant::now(),
+            last_renewal: tokio::time::Instant::now(),
             settled: false,
         }
     }
@@ -218,7 +219,7 @@ impl Exchange {
     /// tollgate's to settle. `None` before the reservation is known, or once it is someone else's.
     fn next_renewal(&self) -> Option<tokio::time::Instant> {
         let every = self.renew_every.filter(|_| self.reservation.is_some() && !self.caller_commits && !self.settled)?;
-        Some(tokio::time::Instant::from_std(self.last_renewal + every))
+        Some(self.last_renewal + every)
     }
 
     /// Renews the lease of a hold whose response is pending or streaming: every third of a lease.
@@ -227,7 +228,7 @@ impl Exchange {
         if self.caller_commits || self.last_renewal.elapsed() < every {
             return;
         }
-        self.last_renewal = Instant::now();
+        self.last_renewal = tokio::time::Instant::now();
         match admission.renew(id, 0).await {
             Ok(RenewOutcome::Renewed { .. } | RenewOutcome::Forwarded) => {}
             // Settled already (by its caller, or expired): nothing left to keep alive.

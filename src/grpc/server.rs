@@ -88,7 +88,7 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
         .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
-        .add_service(AdmissionServer::new(AdmissionService::new(admission)));
+        .add_service(AdmissionServer::new(AdmissionService::new(Arc::clone(&admission))));
     let stopped = shutdown.clone().cancelled_owned();
     let server: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match tls {
         None => Box::pin(router.serve_with_incoming_shutdown(incoming(listener), stopped)),
@@ -109,7 +109,9 @@ pub async fn serve<S: Store>(
     {
         tracing::warn!(error = %e, "the health listener failed");
     }
-    // Once no call is left to settle anything: its last try, and its count of what is lost.
+    // Reserves whose callers left finish (and hand what they could not give back to the retry
+    // queue); then, once nothing is left to settle anything, the queue's last try.
+    admission.finish_tasks().await;
     stop_retrying.cancel();
     if let Some(retrying) = retrying {
         let _ = retrying.await;

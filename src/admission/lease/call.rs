@@ -118,13 +118,19 @@ impl Leases {
         &self,
         t: &TenantLease,
         scopes: &[LeaseScope],
-        sent_at: u64,
+        (sent_at, lease_ms): (u64, u64),
+        resent: bool,
         reply: &LeaseReply,
     ) -> Option<(usize, Refusal, u64)> {
         let now = self.clock.now_ms();
         let mut s = t.lock();
-        s.valid_until = sent_at.saturating_add(s.tp.lease_ttl_ms);
-        s.stale = false;
+        // The record's lease is the one the call was sent with, counted from its first sending.
+        s.valid_until = sent_at.saturating_add(lease_ms);
+        // A call sent again was made under the terms of its time: only a call made now draws the
+        // slices under the policy in force.
+        if !resent {
+            s.stale = false;
+        }
         s.day = reply.day;
         s.headroom = reply.headroom;
         match &reply.outcome {
@@ -166,14 +172,28 @@ impl Leases {
         ending: bool,
         policy: (u32, u64),
     ) -> Result<Called, StoreError> {
+        let now = self.clock.now_ms();
         let pending = t.lock().pending.clone();
+        let pending = match pending {
+            // Past the store's memory of its answer a re-send would run as a new call: given up.
+            // What it gave back stays charged (missing is never refunded twice).
+            Some(p) if now.saturating_sub(p.sent_at) >= p.idle_ttl_ms => {
+                tracing::warn!(
+                    tenant,
+                    seq = p.seq,
+                    "a lease call unanswered for longer than the store remembers answers: given up"
+                );
+                t.lock().pending = None;
+                None
+            }
+            other => other,
+        };
         let (call, resent) = match pending {
             // Its asking request, if any, was answered long ago: only its scopes' state counts.
             Some(pending) => (pending, true),
             None => (self.prepare(t, ask, ending), false),
         };
-        let mut followups = Followups::default();
-        let refused = self.send(protocol, tenant, t, call, policy, &mut followups).await?;
+        let (refused, followups) = self.send(protocol, tenant, t, call, resent, policy).await?;
         Ok(Called { refused: refused.filter(|_| !resent), followups, resent })
     }
 
@@ -184,9 +204,9 @@ impl Leases {
         tenant: &str,
         t: &TenantLease,
         call: Prepared,
+        resent: bool,
         (sweep_batch, concurrency_retry_cap_ms): (u32, u64),
-        followups: &mut Followups,
-    ) -> Result<Option<(usize, Refusal, u64)>, StoreError> {
+    ) -> Result<(Option<(usize, Refusal, u64)>, Followups), StoreError> {
         t.lock().pending = Some(call.clone());
         let Prepared { seq, scopes, sent_at, lease_ms, idle_ttl_ms, ending } = call;
         let lease_call = LeaseCall {
@@ -200,13 +220,21 @@ impl Leases {
             seq,
             scopes,
         };
-        let reply = protocol.lease(&lease_call).await?;
+        let reply = match protocol.lease(&lease_call).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                // The store refused the call itself (a script error, a reply it could not
+                // shape): it did not run, and sending it again would fail again.
+                if !e.is_transient() {
+                    t.lock().pending = None;
+                }
+                return Err(e);
+            }
+        };
         t.lock().pending = None;
         // The lease record's lease counts from the first sending: the store's may be later, never
         // earlier.
-        let refused = self.apply(t, &lease_call.scopes, sent_at, &reply);
-        followups.forwarded.extend(reply.forwarded);
-        followups.released.extend(reply.swept);
-        Ok(refused)
+        let refused = self.apply(t, &lease_call.scopes, (sent_at, lease_ms), resent, &reply);
+        Ok((refused, Followups { forwarded: reply.forwarded, released: reply.swept }))
     }
 }

@@ -118,7 +118,7 @@ impl std::fmt::Debug for Leases {
 pub(super) struct TenantLease {
     state: Mutex<State>,
     /// One lease call at a time per tenant: concurrent misses wait for it, then look again.
-    pub calls: tokio::sync::Mutex<()>,
+    pub calls: Arc<tokio::sync::Mutex<()>>,
 }
 
 struct State {
@@ -184,7 +184,7 @@ impl Leases {
                     stale: false,
                     pending: None,
                 }),
-                calls: tokio::sync::Mutex::new(()),
+                calls: Arc::new(tokio::sync::Mutex::new(())),
             })
         }))
     }
