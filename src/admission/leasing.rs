@@ -24,17 +24,7 @@ impl<S: Store> Admission<S> {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),
         }
-        // One call at a time per tenant: the lock of the tenant's state as it is once the lock is
-        // held (the replica may have left the tenant, and made it anew, while this waited).
-        let mut t = t;
-        let _one_call = loop {
-            let held = Arc::clone(&t.calls).lock_owned().await;
-            let now = leases.tenant(&plan.tenant, &plan.tp);
-            if Arc::ptr_eq(&now, &t) {
-                break held;
-            }
-            t = now;
-        };
+        let (t, _one_call) = leases.one_call(&plan.tenant, &plan.tp).await;
         match leases.try_admit(&t, &ask) {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),
@@ -138,8 +128,7 @@ impl<S: Store> Admission<S> {
                     None => continue,
                 },
             };
-            let t = leases.tenant(&tenant, &tp);
-            let one_call = t.calls.lock().await;
+            let (t, one_call) = leases.one_call(&tenant, &tp).await;
             let (mut released, due) = leases.upkeep(&t);
             if due.is_some() || ending || removed {
                 let leaving = ending || removed || due == Some(true);

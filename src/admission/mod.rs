@@ -118,7 +118,7 @@ pub struct Admission<S> {
     retries: retry::Retries,
     retry_inbox: std::sync::Mutex<Option<retry::Inbox>>,
     /// Tenants served since the sweeper last wrote its notes, with the longest lease noted.
-    noted: std::sync::Mutex<HashMap<String, u64>>,
+    noted: RwLock<HashMap<String, u64>>,
     /// The sweeper's next shard to look at (starting where the replica's name says, so replicas
     /// look at different shards in the same period).
     sweep_turn: std::sync::atomic::AtomicU32,
@@ -160,7 +160,7 @@ impl<S: Store> Admission<S> {
             leases,
             replica,
             local,
-            noted: std::sync::Mutex::new(HashMap::new()),
+            noted: RwLock::new(HashMap::new()),
             sweep_turn: std::sync::atomic::AtomicU32::new(sweep_turn),
             retries,
             retry_inbox: std::sync::Mutex::new(Some(retry_inbox)),

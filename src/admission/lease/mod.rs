@@ -117,8 +117,9 @@ impl std::fmt::Debug for Leases {
 /// One tenant's slices on this replica.
 pub(super) struct TenantLease {
     state: Mutex<State>,
-    /// One lease call at a time per tenant: concurrent misses wait for it, then look again.
-    pub calls: Arc<tokio::sync::Mutex<()>>,
+    /// One lease call at a time per tenant: concurrent misses wait for it, then look again
+    /// ([`Leases::one_call`]).
+    calls: Arc<tokio::sync::Mutex<()>>,
 }
 
 struct State {
@@ -205,6 +206,24 @@ impl Leases {
     /// The terms a tenant's slices were leased under, if this replica leases for it.
     pub fn terms(&self, tenant: &str) -> Option<Arc<TenantPolicy>> {
         self.existing(tenant).map(|t| Arc::clone(&t.lock().tp))
+    }
+
+    /// The tenant's state, with its one-call-at-a-time lock held: the state as it is once the lock
+    /// is held (the replica may have left the tenant, and made it anew, while this waited).
+    pub async fn one_call(
+        &self,
+        tenant: &str,
+        tp: &Arc<TenantPolicy>,
+    ) -> (Arc<TenantLease>, tokio::sync::OwnedMutexGuard<()>) {
+        let mut t = self.tenant(tenant, tp);
+        loop {
+            let held = Arc::clone(&t.calls).lock_owned().await;
+            let now = self.tenant(tenant, tp);
+            if Arc::ptr_eq(&now, &t) {
+                return (t, held);
+            }
+            t = now;
+        }
     }
 
     fn existing(&self, tenant: &str) -> Option<Arc<TenantLease>> {
