@@ -111,6 +111,81 @@ async fn a_dead_redis_is_not_waited_on_and_is_found_again() {
     eprintln!("decisions resumed {resumed:?} after Redis accepted connections");
 }
 
+/// A dead Redis (connections refused) costs no decision its command timeout, even with a breaker
+/// that never opens: while the client has no connection, or is making one again, every call fails
+/// at once instead of queueing for the reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_redis_costs_no_decision_its_command_timeout() {
+    let port = free_port();
+    let redis = OwnRedis::start(port);
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 3000\n  breaker: {{ failures: 1000 }}\n\
+         models:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{ on_store_error: fail_closed }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
+
+    drop(redis);
+    for i in 0..12 {
+        let started = Instant::now();
+        let r = client.reserve(reserve()).await.unwrap().into_inner();
+        let took = started.elapsed();
+        assert_eq!((r.admitted, r.reason.as_str()), (false, "store_unavailable"), "{r:?}");
+        // One that queued for the reconnect would take the 3 s command timeout.
+        assert!(took < Duration::from_millis(1000), "decision {i} waited {took:?} on a dead Redis\n{}", t.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A stalled Redis (accepting, not answering: `DEBUG SLEEP`) costs at most the breaker's first
+/// failures their command timeout: once it opens, its probes are its own, so no decision asked
+/// while it probes a store that still hangs waits on one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_redis_costs_only_the_first_decisions_their_timeout() {
+    let redis = OwnRedis::start_with(free_port(), &["--enable-debug-command", "yes"]);
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 300\n  breaker: {{ failures: 3, open_ms: 100, max_open_ms: 200 }}\n\
+         models:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{ on_store_error: fail_closed }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
+
+    let mut stall = std::net::TcpStream::connect(("127.0.0.1", redis.port)).unwrap();
+    let stalled = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        stall.write_all(b"DEBUG SLEEP 3\r\n").unwrap();
+        let mut reply = [0u8; 5];
+        stall.read_exact(&mut reply).unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Decisions one after another for 2.4 s of the 3 s stall: the breaker probes about ten times.
+    let start = Instant::now();
+    let mut slow = Vec::new();
+    let mut decisions = 0;
+    while start.elapsed() < Duration::from_millis(2400) && decisions < 500 {
+        let asked = Instant::now();
+        let r = client.reserve(reserve()).await.unwrap().into_inner();
+        assert_eq!(r.reason, "store_unavailable", "Redis is stalled: {r:?}");
+        if asked.elapsed() >= Duration::from_millis(250) {
+            slow.push(asked.duration_since(start));
+        }
+        decisions += 1;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        slow.len() <= 3,
+        "{} of {decisions} decisions waited out the command timeout (at {slow:?}): a probe was a decision\n{}",
+        slow.len(),
+        t.log()
+    );
+    stalled.await.unwrap();
+    admitted_again(&mut client, &t, Duration::from_secs(4), Duration::from_millis(20)).await;
+}
+
 /// One decision of the load below: when it was asked (since the start), how long it took, its answer.
 #[derive(Debug)]
 struct Seen {

@@ -6,12 +6,15 @@
 //!   unreachable, or slower than its command timeout) open the breaker. A script error is an answer
 //!   from a live store and counts as a success here.
 //! - **Open**: every call fails at once with [`StoreError::Unavailable`], for `open_for`.
-//! - **Half-open**: after `open_for`, one call goes through as a probe while the others still fail
-//!   at once. Its success closes the breaker; its failure opens it again, for twice as long each
-//!   time (at most `max_open`), so a store that stays down is probed less and less often.
+//! - **Half-open**: after `open_for`, the breaker sends a probe of its own (a script returning
+//!   one) while every call still fails at once: a user's decision is never the probe, so a store
+//!   that still hangs costs no decision its command timeout. The probe's success closes the
+//!   breaker; its failure opens it again, for twice as long each time (at most `max_open`), so a
+//!   store that stays down is probed less and less often.
 //!
-//! The probe is a real call (the next decision's), so recovery needs traffic; under none there is
-//! nothing to decide anyway, and the first call after `open_for` is the probe.
+//! The probe is sent by the first call after `open_for` (answered at once, as while open); the
+//! replica's own background calls (the sweeper's, each second; lease windows) make one, so a store
+//! that comes back is found with no user traffic at all.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -52,15 +55,24 @@ enum State {
 
 /// `S` behind a circuit breaker.
 pub struct Breaker<S> {
-    inner: S,
+    inner: Arc<S>,
+    shared: Arc<Shared>,
+}
+
+/// What the breaker's probe shares with it.
+struct Shared {
     settings: BreakerSettings,
     state: Mutex<State>,
     clock: Arc<dyn Clock>,
+    probe: Script,
 }
 
 impl<S: std::fmt::Debug> std::fmt::Debug for Breaker<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Breaker").field("inner", &self.inner).field("state", &*self.lock()).finish_non_exhaustive()
+        f.debug_struct("Breaker")
+            .field("inner", &self.inner)
+            .field("state", &*self.shared.lock())
+            .finish_non_exhaustive()
     }
 }
 
@@ -71,6 +83,7 @@ fn ms(d: Duration) -> u64 {
 /// What the breaker lets a call do.
 enum Pass {
     Call,
+    /// Refused; the probe is due and this call sends it.
     Probe,
     Refuse(Duration),
 }
@@ -81,7 +94,9 @@ impl<S> Breaker<S> {
     }
 
     pub fn with_clock(inner: S, settings: BreakerSettings, clock: Arc<dyn Clock>) -> Self {
-        Breaker { inner, settings, state: Mutex::new(State::Closed { failures: 0 }), clock }
+        let state = Mutex::new(State::Closed { failures: 0 });
+        let probe = Script::new("probe", "return 1".to_string());
+        Breaker { inner: Arc::new(inner), shared: Arc::new(Shared { settings, state, clock, probe }) }
     }
 
     pub fn inner(&self) -> &S {
@@ -90,9 +105,11 @@ impl<S> Breaker<S> {
 
     /// True while calls are refused without reaching the store.
     pub fn is_open(&self) -> bool {
-        !matches!(*self.lock(), State::Closed { .. })
+        !matches!(*self.shared.lock(), State::Closed { .. })
     }
+}
 
+impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -145,26 +162,39 @@ impl<S> Breaker<S> {
     }
 }
 
+impl<S: Store> Breaker<S> {
+    /// Sends the breaker's own probe, in the background: its answer closes or reopens the breaker.
+    fn send_probe(&self) {
+        let (inner, shared) = (Arc::clone(&self.inner), Arc::clone(&self.shared));
+        tokio::spawn(async move {
+            let result = inner.eval(&shared.probe, Vec::new(), Vec::new()).await;
+            shared.record(true, !matches!(&result, Err(e) if e.is_transient()));
+        });
+    }
+}
+
 impl<S: Store> Store for Breaker<S> {
     async fn load(&self, script: &Script) -> Result<(), StoreError> {
         self.inner.load(script).await
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        let probe = match self.pass() {
-            Pass::Call => false,
-            Pass::Probe => true,
-            Pass::Refuse(wait) => {
-                return Err(StoreError::Unavailable(format!(
-                    "circuit open: the store failed its last calls; next probe in {} ms",
-                    wait.as_millis()
-                )));
+        let wait = match self.shared.pass() {
+            Pass::Call => {
+                let result = self.inner.eval(script, keys, args).await;
+                self.shared.record(false, !matches!(&result, Err(e) if e.is_transient()));
+                return result;
             }
+            Pass::Probe => {
+                self.send_probe();
+                Duration::ZERO
+            }
+            Pass::Refuse(wait) => wait,
         };
-        let result = self.inner.eval(script, keys, args).await;
-        let reached = !matches!(&result, Err(e) if e.is_transient());
-        self.record(probe, reached);
-        result
+        Err(StoreError::Unavailable(format!(
+            "circuit open: the store failed its last calls; next probe in {} ms",
+            wait.as_millis()
+        )))
     }
 }
 
@@ -179,6 +209,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Switch {
         down: AtomicBool,
+        /// Calls hang for an hour (a stalled store).
+        hang: AtomicBool,
         calls: AtomicU32,
     }
 
@@ -189,6 +221,9 @@ mod tests {
 
         async fn eval(&self, script: &Script, _: Vec<String>, _: Vec<String>) -> Result<Reply, StoreError> {
             self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.hang.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
             if self.down.load(Ordering::SeqCst) {
                 return Err(StoreError::Unavailable("down".into()));
             }
@@ -209,7 +244,18 @@ mod tests {
     }
 
     async fn call(b: &Breaker<Switch>) -> Result<Reply, StoreError> {
-        b.eval(&Script::new("probe", "return 1".into()), vec![], vec![]).await
+        b.eval(&Script::new("call", "return 1".into()), vec![], vec![]).await
+    }
+
+    /// Lets the breaker's probe, if one is out, run to its answer.
+    async fn probe_answered(b: &Breaker<Switch>) {
+        for _ in 0..100 {
+            if !matches!(*b.shared.lock(), State::Probing { .. }) {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("the probe never answered");
     }
 
     /// Takes the store down and fails `n` calls against it.
@@ -237,16 +283,21 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_probe_after_the_open_time_closes_it_when_the_store_is_back() {
+    async fn a_probe_of_its_own_after_the_open_time_closes_it_when_the_store_is_back() {
         let (b, clock) = breaker();
         fail(&b, 3).await;
         b.inner.down.store(false, Ordering::SeqCst);
         clock.advance_ms(39);
         assert!(call(&b).await.is_err(), "still open: no probe before open_for");
+        probe_answered(&b).await;
+        assert_eq!(reached(&b), 3, "no probe before open_for");
         clock.advance_ms(1);
-        assert_eq!(call(&b).await.unwrap(), Reply::Int(1), "the probe goes through");
-        assert!(!b.is_open());
-        assert_eq!(reached(&b), 4);
+        let e = call(&b).await.unwrap_err();
+        assert!(e.to_string().contains("circuit open"), "the call that sends the probe is not it: {e}");
+        probe_answered(&b).await;
+        assert_eq!(reached(&b), 4, "the probe, and only it, reached the store");
+        assert!(!b.is_open(), "the probe's answer closed the breaker");
+        assert_eq!(call(&b).await.unwrap(), Reply::Int(1));
     }
 
     #[tokio::test]
@@ -254,17 +305,39 @@ mod tests {
         let (b, clock) = breaker();
         fail(&b, 3).await;
         clock.advance_ms(40);
-        assert!(call(&b).await.is_err(), "the probe fails");
-        assert_eq!(reached(&b), 4);
+        assert!(call(&b).await.is_err(), "refused; the probe is sent");
+        probe_answered(&b).await;
+        assert_eq!(reached(&b), 4, "the probe reached the store and failed");
         // Open for 80 ms now: a call 79 ms later is refused without reaching the store.
         clock.advance_ms(79);
         assert!(call(&b).await.is_err());
+        probe_answered(&b).await;
         assert_eq!(reached(&b), 4);
         clock.advance_ms(1);
-        assert!(call(&b).await.is_err(), "the second probe fails");
-        assert_eq!(reached(&b), 5);
-        let State::Open { open_for, .. } = *b.lock() else { panic!("open") };
+        assert!(call(&b).await.is_err());
+        probe_answered(&b).await;
+        assert_eq!(reached(&b), 5, "the second probe fails");
+        let State::Open { open_for, .. } = *b.shared.lock() else { panic!("open") };
         assert_eq!(open_for, Duration::from_millis(100), "doubled to 160, held at the maximum");
+    }
+
+    /// A store that hangs while the breaker probes costs no call a wait: only the probe waits.
+    #[tokio::test]
+    async fn calls_while_the_probe_hangs_fail_at_once() {
+        let (b, clock) = breaker();
+        fail(&b, 3).await;
+        b.inner.hang.store(true, Ordering::SeqCst);
+        clock.advance_ms(40);
+        let calls = async {
+            for _ in 0..10 {
+                assert!(call(&b).await.is_err());
+                tokio::task::yield_now().await;
+            }
+        };
+        // A call that waited on the probe's store would wait an hour.
+        tokio::time::timeout(Duration::from_secs(30), calls).await.expect("no call waited on the hanging probe");
+        assert_eq!(reached(&b), 4, "the probe alone reached the store");
+        assert!(b.is_open());
     }
 
     #[tokio::test]

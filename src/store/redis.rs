@@ -4,8 +4,11 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use fred::prelude::{
-    ClientLike, Config, ConnectionConfig, LuaInterface, PerformanceConfig, ReconnectPolicy, ServerConfig,
+    ClientLike, Config, ConnectionConfig, EventInterface, LuaInterface, Options, PerformanceConfig, ReconnectPolicy,
+    ServerConfig,
 };
 use fred::types::Value;
 use fred::types::scan::ScanType;
@@ -47,6 +50,14 @@ impl Default for RedisOptions {
 #[derive(Clone)]
 pub struct RedisStore {
     client: fred::prelude::Client,
+    /// Every script call fails at once while the connection is down or being made again, and a
+    /// call whose connection drops fails then rather than waiting for the reconnect: a dead Redis
+    /// costs no decision its command timeout. A call that may have run is the caller's to repeat
+    /// (every write script notices a call it has already run).
+    calls: Options,
+    /// Told whenever a connection ends: a call still waiting then (written to it, or queued while
+    /// the client noticed) fails at once rather than waiting out the reconnect.
+    lost: Arc<tokio::sync::Notify>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -84,7 +95,15 @@ impl RedisStore {
         let client = fred::prelude::Client::new(config, Some(perf), Some(connection), Some(policy));
         let connected = tokio::time::timeout(options.connect_timeout, client.init()).await;
         match connected {
-            Ok(Ok(_task)) => Ok(RedisStore { client }),
+            Ok(Ok(_task)) => {
+                let lost = Arc::new(tokio::sync::Notify::new());
+                let notify = Arc::clone(&lost);
+                client.on_error(move |_| {
+                    notify.notify_waiters();
+                    async { Ok(()) }
+                });
+                Ok(RedisStore { client, calls: Options { fail_fast: true, ..Options::default() }, lost })
+            }
             Ok(Err(e)) => {
                 let _ = client.quit().await;
                 Err(StoreError::Unavailable(format!("cannot connect to Redis at {}: {e}", describe(target))))
@@ -138,16 +157,23 @@ impl Store for RedisStore {
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        let first = self.client.evalsha::<Value, _, _, _>(&*script.sha1, keys.clone(), args.clone()).await;
-        let value = match first {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                self.load(script).await?;
-                self.client.evalsha::<Value, _, _, _>(&*script.sha1, keys, args).await
+        let lost = self.lost.notified();
+        let call = async {
+            let client = self.client.with_options(&self.calls);
+            let first = client.evalsha::<Value, _, _, _>(&*script.sha1, keys.clone(), args.clone()).await;
+            match first {
+                Err(e) if e.details().starts_with("NOSCRIPT") => {
+                    self.load(script).await?;
+                    client.evalsha::<Value, _, _, _>(&*script.sha1, keys, args).await
+                }
+                other => other,
             }
-            other => other,
+            .map_err(|e| store_error(script, e))
+        };
+        tokio::select! {
+            value = call => Ok(to_reply(value?)),
+            () = lost => Err(StoreError::Unavailable(format!("{}: the connection to Redis was lost", script.name))),
         }
-        .map_err(|e| store_error(script, e))?;
-        Ok(to_reply(value))
     }
 }
 
