@@ -222,6 +222,16 @@ local function beyond_budgets(s, tokens, cost)
     or (s.dcost > 0 and cost > s.dcost) or (s.mcost > 0 and cost > s.mcost)
 end
 
+-- Keeps `key` alive for at least `ms` more, never for less than it already has: a key that holds
+-- many holds (a scope, a lease index, a holds hash, a pool's) keeps the TTL its longest-lived hold
+-- needs, so a reload that shortens the lease or the idle TTL leaves the holds made before it their
+-- own terms. (A key without a TTL gets one; a missing key is left missing.)
+local function keep_for(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
 -- Takes `tokens` (costing `cost`), `requests` and `slots` from scope `s` (as read_scope left it)
 -- and keeps the scope alive for `idle` ms.
 local function take(s, tokens, cost, requests, slots, today, month, now, idle)
@@ -246,7 +256,7 @@ local function take(s, tokens, cost, requests, slots, today, month, now, idle)
     f[#f + 1] = now
   end
   redis.call('HSET', s.key, unpack(f))
-  redis.call('PEXPIRE', s.key, idle)
+  keep_for(s.key, idle)
 end
 
 -- The scope with the fewest tokens (requests) left after taking `take_tokens` (`take_requests`),
@@ -384,10 +394,10 @@ local function keep_alive(keys, leases, holds, idle)
     return
   end
   for _, k in ipairs(keys) do
-    redis.call('PEXPIRE', k, idle)
+    keep_for(k, idle)
   end
-  redis.call('PEXPIRE', leases, idle)
-  redis.call('PEXPIRE', holds, idle)
+  keep_for(leases, idle)
+  keep_for(holds, idle)
 end
 
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer

@@ -203,7 +203,7 @@ else
   redis.call('HSET', record, '@', 1)
   redis.call('PEXPIRE', record, idle)
   redis.call('ZADD', leases, now + lease, member)
-  redis.call('PEXPIRE', leases, idle)
+  keep_for(leases, idle)
 end
 
 -- 5. What this call answered, for a re-send of it.

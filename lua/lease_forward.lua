@@ -26,5 +26,5 @@ if earlier and string.sub(earlier, 1, 5) ~= 'renew' then
   return 'forwarded'
 end
 redis.call('HSET', ops, id, op)
-redis.call('PEXPIRE', ops, tonumber(ARGV[3]))
+keep_for(ops, tonumber(ARGV[3]))
 return 'forwarded'

@@ -10,6 +10,6 @@ if not redis.call('HGET', KEYS[2], ARGV[1]) then
 end
 redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
 for _, k in ipairs(KEYS) do
-  redis.call('PEXPIRE', k, tonumber(ARGV[3]))
+  keep_for(k, tonumber(ARGV[3]))
 end
 return 1

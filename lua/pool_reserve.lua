@@ -98,6 +98,6 @@ redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
 redis.call('HSET', holds, id, string.format('%d %d', work, kv))
 redis.call('ZADD', leases, now + lease, id)
 for _, k in ipairs(KEYS) do
-  redis.call('PEXPIRE', k, idle)
+  keep_for(k, idle)
 end
 return { 1, delay, n + 1, w + work }

@@ -32,5 +32,5 @@ if not last or now - last >= cooldown then
 end
 local resume = math.max(tonumber(v[4]) or 0, now + retry_after)
 redis.call('HSET', state, 'tf', share, 'tt', now, 'td', last, 'tu', resume)
-redis.call('PEXPIRE', state, idle)
+keep_for(state, idle)
 return { math.floor(share * 1000), resume - now }

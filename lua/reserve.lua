@@ -244,9 +244,9 @@ end
 redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
-redis.call('PEXPIRE', leases, idle)
+keep_for(leases, idle)
 redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, today, policy, cost, ks))
-redis.call('PEXPIRE', holds, idle)
+keep_for(holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
 return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse }

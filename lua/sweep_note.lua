@@ -29,5 +29,5 @@ for i = 2, #ARGV, 2 do
   end
   n = n + 1
 end
-redis.call('PEXPIRE', shard, tonumber(ARGV[1]))
+keep_for(shard, tonumber(ARGV[1]))
 return n

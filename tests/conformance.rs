@@ -377,6 +377,35 @@ mod scenarios {
         assert!(view.pttl > 0 && view.pttl <= 3_600_000, "settled records keep the retention TTL: {}", view.pttl);
     }
 
+    /// A reload that shortens the lease (and with it the idle TTL) leaves a hold made before it its
+    /// own terms: no later call shortens the TTL of a key it lives in (lease index, holds hash,
+    /// scope), so it is never orphaned, and its late settlement frees its own slot, no other.
+    pub async fn a_reload_that_shortens_the_lease_leaves_old_holds_their_terms<S: Store>(h: Harness<S>) {
+        let old = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
+        let mut tp = tollgate::config::TenantPolicy::clone(&policy.tenants[&h.tenant]);
+        assert_eq!(tp.lease_ttl_ms, 120_000, "the default lease");
+        (tp.lease_ttl_ms, tp.idle_ttl_ms) = (1_000, 63_000);
+        policy.tenants.insert(h.tenant.clone(), std::sync::Arc::new(tp));
+        h.admission.reload(policy);
+        admitted(&h.reserve(10, 90).await);
+        let shared = [keys::leases(&h.tenant), keys::holds(&h.tenant), keys::tenant_scope(&h.tenant)];
+        for (key, view) in h.inspect(shared.to_vec()).await {
+            assert!(view.pttl > 120_000, "{key} expires in {} ms, before the old hold's lease ends", view.pttl);
+        }
+        if !h.exact_time() {
+            return;
+        }
+        // Past the new idle TTL, within the old hold's lease: the new hold has expired, the old
+        // one is alive, and every key it needs is there.
+        h.advance(70_000).await;
+        admitted(&h.reserve(10, 90).await);
+        assert_eq!(h.in_flight().await, 2.0, "the old hold and the newest: the expired one settled");
+        let c = h.admission.commit(&old, 10, 20).await.unwrap();
+        assert_eq!(c.usage().map(|u| (u.used, u.duplicate)), Some((30, false)), "{c:?}");
+        assert_eq!(h.in_flight().await, 1.0, "the old hold freed its own slot, and only it");
+    }
+
     pub async fn bad_ids_change_nothing<S: Store>(h: Harness<S>) {
         assert!(h.admission.commit("nope", 1, 1).await.is_err());
         let unknown = format!("{}:{}", h.tenant, "0".repeat(32));
@@ -996,6 +1025,7 @@ macro_rules! conformance {
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
             scenario!(bad_ids_change_nothing, BUCKET);

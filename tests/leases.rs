@@ -267,6 +267,67 @@ mod scenarios {
         assert_eq!(h.admission.leased_holds(&h.tenant), (0, 0), "the replica left the tenant");
     }
 
+    /// A reload that tightens a limit reaches every slice at once: refunds of holds made before it
+    /// refill a slice only to the new share, every call sends the new limits (none refills the
+    /// bucket to the old capacity), and what the replicas can spend unseen is one new slice each.
+    pub async fn a_reload_that_tightens_reaches_every_slice<S: Store + Clone>(h: Harness<S>) {
+        let other = h.wrapped(|s| s).await;
+        let mut ids = Vec::new();
+        for _ in 0..8 {
+            ids.push(admitted(&h.reserve(10, 490).await).reservation_id.clone());
+        }
+        admitted(&other.reserve(10, 90).await);
+        // Burst 10,000 to 1,000: a share of 500 (max_share 0.5), where it was 5,000.
+        let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
+        let mut tp = tollgate::config::TenantPolicy::clone(&policy.tenants[&h.tenant]);
+        tp.limits.burst_tokens = Some(1_000);
+        policy.tenants.insert(h.tenant.clone(), Arc::new(tp));
+        h.admission.reload(policy.clone());
+        other.admission.reload(policy);
+        // A decision after the reload: its call draws under the new terms.
+        admitted(&h.reserve(10, 490).await);
+        // The holds made before come back nearly unused: 8 × 490 tokens refunded.
+        for id in &ids {
+            h.admission.commit(id, 10, 0).await.unwrap();
+        }
+        other.admission.lease_tick(false).await.unwrap();
+        assert_eq!(h.tenant_scope().await.num("tc"), 1_000.0, "the other replica's call sent the new capacity");
+        // A single store would admit two holds of 500 now (its bucket full at 1,000); the replicas
+        // may add what each holds unseen, one slice of 500: at most four in all, where refunds up
+        // to the old share would have let the first replica admit seven from memory alone.
+        let mut admitted_now = 0;
+        for i in 0..12 {
+            let r = if i % 2 == 0 { &h } else { &other };
+            if matches!(r.reserve(10, 490).await, tollgate::admission::Decision::Admitted(_)) {
+                admitted_now += 1;
+            }
+        }
+        assert!(admitted_now <= 4, "{admitted_now} holds of 500 admitted after the burst fell to 1,000");
+        assert!(admitted_now >= 2, "what the bucket holds is still admitted: {admitted_now}");
+    }
+
+    /// A reload that takes a scope out of leasing (a monthly budget, decided at the store only):
+    /// the slice gives everything back at the next call, the scope's decisions go to the store,
+    /// and a hold admitted that way settles there, though its id names the replica.
+    pub async fn a_reload_that_stops_leasing_a_scope_gives_its_slice_back<S: Store + Clone>(h: Harness<S>) {
+        let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.commit(&id, 10, 20).await.unwrap();
+        let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
+        let mut tp = tollgate::config::TenantPolicy::clone(&policy.tenants[&h.tenant]);
+        tp.limits.tokens_per_month = Some(1_000_000);
+        policy.tenants.insert(h.tenant.clone(), Arc::new(tp));
+        h.admission.reload(policy);
+        h.admission.lease_tick(false).await.unwrap();
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((29.0..=30.0).contains(&charged), "30 used, {charged} still charged: the slice came back");
+        let d = h.reserve(10, 90).await;
+        let id = admitted(&d).reservation_id.clone();
+        let c = h.admission.commit(&id, 10, 20).await.unwrap();
+        assert_eq!(c.usage().map(|u| (u.used, u.duplicate)), Some((30, false)), "{c:?}");
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((59.0..=60.0).contains(&charged), "60 used, {charged} charged");
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
@@ -304,6 +365,8 @@ macro_rules! leasing {
             scenario!(a_failed_lease_call_loses_no_debt, SLOW);
             scenario!(a_lost_lease_answer_loses_no_forwarded_commit, SLOW);
             scenario!(a_tenant_a_reload_removes_gives_its_slices_back, SLOW);
+            scenario!(a_reload_that_tightens_reaches_every_slice, SLOW);
+            scenario!(a_reload_that_stops_leasing_a_scope_gives_its_slice_back, SLOW);
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

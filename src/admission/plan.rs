@@ -210,7 +210,7 @@ impl Plan {
         Ask {
             id: &self.id,
             model: &self.model,
-            scopes: self.scopes.iter().map(|s| AskScope { key: &s.key, limits: s.limits }).collect(),
+            scopes: self.scopes.iter().map(|s| AskScope { key: &s.key, of: &s.of }).collect(),
             hold: self.prompt.saturating_add(self.ceiling),
             prompt: self.prompt,
         }
@@ -222,29 +222,52 @@ pub(super) struct Scope {
     /// For messages: `tenant`, `user alice`, `model gpt-4o`.
     pub(super) label: String,
     pub(super) key: String,
+    pub(super) of: ScopeOf,
     pub(super) limits: ScopeLimits,
     pub(super) largest: Option<u64>,
     /// A budget over a month or in money: decided at the store, never from a leased slice.
     pub(super) long_budgets: bool,
 }
 
+/// Which of a tenant's limits a scope keeps: what a reload looks up again for the scope's slices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum ScopeOf {
+    Tenant,
+    User(String),
+    Model(String),
+}
+
+impl ScopeOf {
+    /// The scope's limits under `tp`; `None` if it no longer limits the scope.
+    pub(super) fn limits<'p>(&self, tp: &'p TenantPolicy) -> Option<&'p Limits> {
+        match self {
+            ScopeOf::Tenant => Some(&tp.limits),
+            ScopeOf::User(user) => tp.user_limits(user),
+            ScopeOf::Model(model) => tp.models.get(model),
+        }
+    }
+}
+
 /// The scopes a request charges: the tenant, then its user and model where the policy limits them.
 pub(super) fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantPolicy) -> Vec<Scope> {
-    let scope = |label: String, key: String, limits: &Limits| Scope {
+    let scope = |label: String, key: String, of: ScopeOf, limits: &Limits| Scope {
         label,
         key,
+        of,
         limits: ScopeLimits::from(limits),
         largest: limits.largest_admissible(),
         long_budgets: limits.has_long_budgets(),
     };
-    let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), &tp.limits)];
+    let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), ScopeOf::Tenant, &tp.limits)];
     if let Some(user) = user
         && let Some(limits) = tp.user_limits(user)
     {
-        out.push(scope(format!("user {user}"), keys::user_scope(tenant, user), limits));
+        let of = ScopeOf::User(user.to_string());
+        out.push(scope(format!("user {user}"), keys::user_scope(tenant, user), of, limits));
     }
     if let Some(limits) = tp.models.get(model) {
-        out.push(scope(format!("model {model}"), keys::model_scope(tenant, model), limits));
+        let of = ScopeOf::Model(model.to_string());
+        out.push(scope(format!("model {model}"), keys::model_scope(tenant, model), of, limits));
     }
     out
 }

@@ -41,7 +41,7 @@ impl<S: Store> Admission<S> {
         }
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
-        let outcome = match self.home(&r) {
+        let outcome = match self.home(&r, reservation_id) {
             Home::Store => {
                 let learning = policy.tenant(r.tenant).and_then(|tp| {
                     tp.adaptive_output
@@ -99,7 +99,7 @@ impl<S: Store> Admission<S> {
         let policy = self.policy();
         let Some(tp) = policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
-        let outcome = match self.home(&r) {
+        let outcome = match self.home(&r, reservation_id) {
             Home::Store => {
                 self.note_tenant(r.tenant, lease);
                 self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?
@@ -132,7 +132,7 @@ impl<S: Store> Admission<S> {
     /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let outcome = match self.home(&r) {
+        let outcome = match self.home(&r, reservation_id) {
             Home::Store => self.protocol.release(r.tenant, reservation_id).await?,
             Home::Slice(leases) => leases.release(r.tenant, reservation_id),
             Home::Replica(replica) => {
@@ -153,11 +153,19 @@ impl<S: Store> Admission<S> {
         Ok(outcome)
     }
 
-    /// Where the hold an id names lives: the one answer commit, renew and release route by.
-    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>) -> Home<'a> {
+    /// Where the hold an id names lives: the one answer commit, renew and release route by. A
+    /// leased id this replica does not know is a store hold: a leased decision its slices could not
+    /// cover after all (a reload took the scope out of leasing under it) was made at the store.
+    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>, id: &str) -> Home<'a> {
         match (r.replica, &self.leases) {
             (None, _) => Home::Store,
-            (Some(replica), Some(leases)) if leases.replica == replica => Home::Slice(leases),
+            (Some(replica), Some(leases)) if leases.replica == replica => {
+                if leases.knows(r.tenant, id) {
+                    Home::Slice(leases)
+                } else {
+                    Home::Store
+                }
+            }
             (Some(replica), _) => Home::Replica(replica),
         }
     }

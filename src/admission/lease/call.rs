@@ -43,9 +43,12 @@ impl Leases {
         let lapsed = now >= s.valid_until;
         let day = s.day;
         if let Some(ask) = ask {
+            let tp = std::sync::Arc::clone(&s.tp);
             for a in &ask.scopes {
-                // The limits of this decision's policy (a reload may have changed them).
-                s.slices.entry(a.key.to_string()).or_insert_with(|| Slice::new(a.limits, day, share)).limits = a.limits;
+                // Under the tenant's terms of the moment (a reload retunes the slices it finds).
+                s.slices
+                    .entry(a.key.to_string())
+                    .or_insert_with(|| Slice::new(a.of.clone(), a.of.limits(&tp), day, share));
             }
         }
         let keys: Vec<String> = match ask {
@@ -60,10 +63,12 @@ impl Leases {
                 slice.slots_free = 0;
             }
             let mut target = if ending { Amounts::default() } else { slice.target(share) };
+            // A scope the policy no longer leases draws nothing (the store decides the request).
+            let ask = ask.filter(|_| !slice.retired);
             if let Some(ask) = ask {
                 // A miss draws ahead (four of this request), within the share; the need, below,
                 // may ask for more, which the asking request then takes at once.
-                let cap = slice.share_cap(share);
+                let cap = slice.cap;
                 target.tokens = target.tokens.max(ask.hold.saturating_mul(4).min(cap.tokens));
                 target.requests = target.requests.max(4.min(cap.requests));
                 target.slots = target.slots.max(1);
@@ -78,7 +83,10 @@ impl Leases {
             let back_tokens =
                 slice.tokens.saturating_sub(keep_tokens).saturating_add(signed(std::mem::take(&mut slice.surplus)));
             let keep_requests = slice.requests.min(target.requests);
-            let back_requests = slice.requests.saturating_sub(keep_requests);
+            let back_requests = slice
+                .requests
+                .saturating_sub(keep_requests)
+                .saturating_add(std::mem::take(&mut slice.surplus_requests));
             let keep_slots = slice.slots_free.min(target.slots);
             let mut need = Amounts::default();
             if let Some(ask) = ask {

@@ -41,8 +41,9 @@ mod slice;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use super::plan::ScopeOf;
 use crate::config::{ExpiredUsage, Leasing, TenantPolicy};
-use crate::hold::{DAY_MS, Forwarded, Headroom, Refusal, ScopeLimits};
+use crate::hold::{DAY_MS, Forwarded, Headroom, Refusal};
 use crate::store::clock::Clock;
 pub(super) use call::Called;
 use holds::{Closed, LocalHold};
@@ -52,11 +53,13 @@ use slice::Slice;
 /// before the replica leaves it.
 const IDLE_WINDOWS: u32 = 4;
 
-/// One scope of a request, as leasing needs it.
+/// One scope of a request, as leasing needs it: its key, and which limits it keeps (looked up in
+/// the tenant's terms of the moment, never in the decision's snapshot, which a reload may have
+/// passed).
 #[derive(Debug, Clone)]
 pub(super) struct AskScope<'a> {
     pub key: &'a str,
-    pub limits: ScopeLimits,
+    pub of: &'a ScopeOf,
 }
 
 /// A request to decide from the slices.
@@ -190,14 +193,22 @@ impl Leases {
         }))
     }
 
-    /// A reloaded policy: each tenant's slices are drawn again under its new terms at the next
-    /// decision (which misses, and calls), and its new lease terms apply to holds taken from now
-    /// on. A tenant the policy no longer names keeps its terms until its holds are settled.
+    /// A reloaded policy reaches every slice at once: its new limits (sent with every call from
+    /// now on, so no call refills a bucket to an old capacity) and its new share, with what a
+    /// slice holds free beyond that set aside to give back at the next call, never spent; a scope
+    /// the policy no longer leases gives everything back. The tenant's next decision calls
+    /// first, and its new lease terms apply to holds taken from now on (a hold keeps its own). A
+    /// tenant the policy no longer names keeps its terms until its holds are settled.
     pub fn policy_changed(&self, policy: &crate::config::Policy) {
+        let share = self.settings.max_share;
         for (name, t) in self.tenants.read().unwrap_or_else(|p| p.into_inner()).iter() {
             let mut s = t.lock();
             if let Some(tp) = policy.tenant(name) {
                 s.tp = Arc::clone(tp);
+                let tp = Arc::clone(tp);
+                for slice in s.slices.values_mut() {
+                    slice.retune(slice.of.limits(&tp), share);
+                }
             }
             s.stale = true;
         }
@@ -340,6 +351,14 @@ impl Leases {
         }
     }
 
+    /// Whether this replica holds, or remembers settling, the leased hold `id`.
+    pub fn knows(&self, tenant: &str, id: &str) -> bool {
+        self.existing(tenant).is_some_and(|t| {
+            let s = t.lock();
+            s.holds.contains_key(id) || s.closed.contains_key(id)
+        })
+    }
+
     /// How many holds this replica keeps in memory for the tenant, live and settled.
     pub fn held(&self, tenant: &str) -> (usize, usize) {
         self.existing(tenant).map_or((0, 0), |t| {
@@ -375,29 +394,29 @@ mod tests {
         (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000), tp)
     }
 
-    fn limits(tp: &TenantPolicy) -> ScopeLimits {
-        ScopeLimits::from(&tp.limits)
+    fn slice(tp: &TenantPolicy, day: u64) -> Slice {
+        Slice::new(ScopeOf::Tenant, Some(&tp.limits), day, 0.1)
     }
 
     /// A slice that holds `tokens` and `slots` free, as a lease call would have left it.
     fn stock(t: &TenantLease, tp: &TenantPolicy, tokens: i64, slots: u64, valid_until: u64) {
         let mut s = t.lock();
-        let mut slice = Slice::new(limits(tp), START / DAY_MS, 0.1);
+        let mut slice = slice(tp, START / DAY_MS);
         slice.tokens = tokens;
         slice.slots_free = slots;
         s.slices.insert("scope".into(), slice);
         s.valid_until = valid_until;
     }
 
-    fn ask<'a>(id: &'a str, tp: &TenantPolicy, hold: u64) -> Ask<'a> {
-        Ask { id, model: "m", scopes: vec![AskScope { key: "scope", limits: limits(tp) }], hold, prompt: 0 }
+    fn ask(id: &str, hold: u64) -> Ask<'_> {
+        Ask { id, model: "m", scopes: vec![AskScope { key: "scope", of: &ScopeOf::Tenant }], hold, prompt: 0 }
     }
 
     #[test]
     fn a_refund_beyond_the_share_is_given_back_not_spent() {
         let clock = ManualClock::new(START);
         let (_, tp) = leases(&clock);
-        let mut slice = Slice::new(limits(&tp), 7, 0.1);
+        let mut slice = slice(&tp, 7);
         assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
         slice.tokens = 900;
         slice.refund(300, 7);
@@ -412,11 +431,11 @@ mod tests {
         let (leases, tp) = leases(&clock);
         let t = leases.tenant("acme", &tp);
         stock(&t, &tp, 1_000, 5, START + 1_500);
-        assert!(matches!(leases.try_admit(&t, &ask("h1", &tp, 100)), Local::Admitted { .. }));
+        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
         assert_eq!(t.lock().holds["h1"].lease_until, START + 1_500, "not START + 4,000");
         assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Renewed { lease_remaining_ms: 1_500 });
         clock.advance_ms(1_500);
-        assert!(matches!(leases.try_admit(&t, &ask("h2", &tp, 100)), Local::Miss), "the lease lapsed");
+        assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the lease lapsed");
         assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
     }
 
@@ -430,7 +449,7 @@ mod tests {
         // The store's view at the last call: full. The slice's 900 free tokens are inside it.
         t.lock().headroom =
             Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), requests: None };
-        let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", &tp, 100)) else { panic!("admitted") };
+        let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", 100)) else { panic!("admitted") };
         assert_eq!(headroom.tokens.map(|w| w.remaining), Some(10_000));
     }
 

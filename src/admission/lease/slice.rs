@@ -2,11 +2,19 @@
 
 use std::num::NonZeroU64;
 
+use super::super::plan::ScopeOf;
+use crate::config::Limits;
 use crate::hold::{Amounts, Refusal, ScopeLimits};
 
 #[derive(Debug, Clone)]
 pub(super) struct Slice {
+    /// Which limits of the tenant's policy this scope keeps.
+    pub(super) of: ScopeOf,
+    /// Sent with every call for this scope: the policy's, as of the last reload.
     pub(super) limits: ScopeLimits,
+    /// The policy no longer leases this scope (it does not limit it, or keeps a budget only the
+    /// store decides): the slice covers nothing, and every call gives back all it holds.
+    pub(super) retired: bool,
     /// Free tokens, drawn on `day`; negative: debt the replica's holds ran up, charged at the next call.
     pub(super) tokens: i64,
     pub(super) day: u64,
@@ -18,6 +26,8 @@ pub(super) struct Slice {
     /// The most this slice may hold free: `max_share` of each capacity.
     pub(super) cap: Amounts,
     pub(super) requests: u64,
+    /// Permits beyond the cap a reload set: given back with the next call, never spent here.
+    pub(super) surplus_requests: u64,
     pub(super) slots_free: u64,
     pub(super) slots_used: u64,
     /// Taken in this window and the one before: what the next draw is sized by.
@@ -36,23 +46,46 @@ pub(super) struct Blocked {
 }
 
 impl Slice {
-    pub(super) fn new(limits: ScopeLimits, day: u64, share: f64) -> Self {
+    /// An empty slice of the scope `of`, under `limits` (`None`: the policy no longer limits it).
+    pub(super) fn new(of: ScopeOf, limits: Option<&Limits>, day: u64, share: f64) -> Self {
         let mut slice = Slice {
-            limits,
+            of,
+            limits: ScopeLimits::default(),
+            retired: false,
             tokens: 0,
             day,
             stale_refund: 0,
             surplus: 0,
             cap: Amounts::default(),
             requests: 0,
+            surplus_requests: 0,
             slots_free: 0,
             slots_used: 0,
             taken: Amounts::default(),
             taken_before: Amounts::default(),
             blocked: None,
         };
-        slice.cap = slice.share_cap(share);
+        slice.retune(limits, share);
         slice
+    }
+
+    /// The policy's terms for this scope, from now on: its limits, its cap, and what the slice
+    /// holds free beyond the cap set aside to give back with the next call (free slots beyond it
+    /// are dropped: every call states the slots held, so the store frees them then).
+    pub(super) fn retune(&mut self, limits: Option<&Limits>, share: f64) {
+        self.retired = limits.is_none_or(Limits::has_long_budgets);
+        if let Some(limits) = limits {
+            self.limits = ScopeLimits::from(limits);
+        }
+        self.cap = if self.retired { Amounts::default() } else { self.share_cap(share) };
+        let excess = self.tokens.saturating_sub(signed(self.cap.tokens)).max(0);
+        self.tokens = self.tokens.saturating_sub(excess);
+        self.surplus = self.surplus.saturating_add(u64::try_from(excess).unwrap_or(0));
+        let excess = self.requests.saturating_sub(self.cap.requests);
+        self.requests = self.requests.saturating_sub(excess);
+        self.surplus_requests = self.surplus_requests.saturating_add(excess);
+        self.slots_free = self.slots_free.min(self.cap.slots);
+        self.blocked = None;
     }
 
     pub(super) fn limits_tokens(&self) -> bool {
@@ -68,7 +101,8 @@ impl Slice {
     }
 
     pub(super) fn covers(&self, hold: u64) -> bool {
-        (!self.limits_tokens() || self.tokens >= signed(hold))
+        !self.retired
+            && (!self.limits_tokens() || self.tokens >= signed(hold))
             && (!self.limits_requests() || self.requests >= 1)
             && (!self.limits_slots() || self.slots_free >= 1)
     }
@@ -136,7 +170,7 @@ impl Slice {
     /// recent window, within its share.
     pub(super) fn target(&self, share: f64) -> Amounts {
         let recent = |now: u64, before: u64| now.max(before).saturating_mul(2);
-        let cap = self.share_cap(share);
+        let cap = if self.retired { Amounts::default() } else { self.share_cap(share) };
         Amounts {
             tokens: recent(self.taken.tokens, self.taken_before.tokens).min(cap.tokens),
             requests: recent(self.taken.requests, self.taken_before.requests).min(cap.requests),
