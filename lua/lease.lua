@@ -41,7 +41,8 @@
 --
 -- Reply: {granted (1|0), reason, scope index (1-based), retry after ms, day,
 --         remaining tokens, token limit, token reset ms, remaining requests, request limit,
---         request reset ms, {tokens, requests, slots granted per scope}, {id, op, ...}, swept}
+--         request reset ms, {tokens, requests, slots granted per scope}, {id, op, ...}, swept,
+--         the store's clock (ms): the replica's slices end with the store's day, not its own)
 --   (reason '' when granted; a refusal grants nothing and writes nothing but the returns and the
 --    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over; a
 --    re-send answers the first run's grants, day, ops and swept, with the headroom as it is now)
@@ -102,7 +103,7 @@ if last[1] == seq then
   end
   local rem, lim, reset, rrem, rlim, rreset = headroom(read_scopes(today), 0, 0)
   return { ok, reason, where, wait, day, rem, lim, reset, rrem, rlim, rreset, granted, ops,
-    split(last[4] or '') }
+    split(last[4] or ''), now }
 end
 
 -- (A hold without a record is entered under no terms: leasing runs without a ledger.)
@@ -226,4 +227,4 @@ local ok = 1
 if reason ~= '' then
   ok = 0
 end
-return { ok, reason, where, wait, today, rem, lim, reset, rrem, rlim, rreset, granted, ops, swept }
+return { ok, reason, where, wait, today, rem, lim, reset, rrem, rlim, rreset, granted, ops, swept, now }

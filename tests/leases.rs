@@ -461,3 +461,21 @@ async fn a_stopping_replica_gives_its_slices_back() {
     let expected = 60.0 + ids[2].1 as f64;
     assert!((expected - 1.0..=expected + 0.5).contains(&charged), "after the stop {charged} charged, not {expected}");
 }
+
+/// Slices belong to their day: one drawn a moment before the store's midnight is not spent on the
+/// new day's requests; the first decision after midnight calls, and the new day draws its own.
+#[tokio::test]
+async fn no_slice_is_spent_across_midnight() {
+    let h = support::embedded(&policy("  tokens_per_day: 100000\n")).await;
+    // Fifty milliseconds before midnight UTC (the manual clock starts at noon).
+    h.advance(12 * 3_600_000 - 50).await;
+    admitted(&h.reserve(10, 90).await);
+    let before = h.tenant_scope().await;
+    let yesterday = before.num("d");
+    assert!(before.num("du") >= 400.0, "a slice of four holds drawn ahead: {before:?}");
+    h.advance(100).await;
+    admitted(&h.reserve(10, 90).await);
+    let after = h.tenant_scope().await;
+    assert_eq!(after.num("d"), yesterday + 1.0, "the decision after midnight called: {after:?}");
+    assert!(after.num("du") >= 100.0, "and charged the new day: {after:?}");
+}

@@ -36,9 +36,9 @@ impl Leases {
     /// target again (at least what `ask` needs).
     fn prepare(&self, t: &TenantLease, ask: Option<&Ask<'_>>, ending: bool) -> Prepared {
         let now = self.clock.now_ms();
-        let today = now / DAY_MS;
         let share = self.settings.max_share;
         let mut s = t.lock();
+        let today = s.today(now);
         s.last_call = now;
         let lapsed = now >= s.valid_until;
         let day = s.day;
@@ -127,6 +127,7 @@ impl Leases {
         t: &TenantLease,
         scopes: &[LeaseScope],
         (sent_at, lease_ms): (u64, u64),
+        sending: u64,
         resent: bool,
         reply: &LeaseReply,
     ) -> Option<(usize, Refusal, u64)> {
@@ -139,7 +140,9 @@ impl Leases {
         if !resent {
             s.stale = false;
         }
-        s.day = reply.day;
+        s.day = reply.store_now / DAY_MS;
+        let left_of_day = DAY_MS.saturating_sub(reply.store_now % DAY_MS);
+        s.day_ends_at = sending.saturating_add(left_of_day);
         s.headroom = reply.headroom;
         match &reply.outcome {
             LeaseOutcome::Granted(granted) => {
@@ -228,6 +231,7 @@ impl Leases {
             seq,
             scopes,
         };
+        let sending = self.clock.now_ms();
         let reply = match protocol.lease(&lease_call).await {
             Ok(reply) => reply,
             Err(e) => {
@@ -242,7 +246,7 @@ impl Leases {
         t.lock().pending = None;
         // The lease record's lease counts from the first sending: the store's may be later, never
         // earlier.
-        let refused = self.apply(t, &lease_call.scopes, (sent_at, lease_ms), resent, &reply);
+        let refused = self.apply(t, &lease_call.scopes, (sent_at, lease_ms), sending, resent, &reply);
         Ok((refused, Followups { forwarded: reply.forwarded, released: reply.swept }))
     }
 }

@@ -131,8 +131,11 @@ struct State {
     holds: HashMap<String, LocalHold>,
     closed: HashMap<String, Closed>,
     closed_order: VecDeque<(u64, String)>,
-    /// The store's day at the last call.
+    /// The store's day when it answered the last call.
     day: u64,
+    /// When that day ends, on this replica's clock (0 before the first answer): counted from when
+    /// the call was sent, so never later than the store's midnight. No slice is spent past it.
+    day_ends_at: u64,
     /// Until when (this replica's clock) its lease record is surely live in the store.
     valid_until: u64,
     /// The store's view of the tightest scope at the last call, for the rate-limit headers.
@@ -179,6 +182,7 @@ impl Leases {
                     closed: HashMap::new(),
                     closed_order: VecDeque::new(),
                     day: self.clock.now_ms() / DAY_MS,
+                    day_ends_at: 0,
                     valid_until: 0,
                     headroom: Headroom::default(),
                     active: true,
@@ -251,11 +255,15 @@ impl Leases {
         let now = self.clock.now_ms();
         let mut s = t.lock();
         s.active = true;
-        if now >= s.valid_until || s.left || s.stale {
+        // A slice belongs to its day: past the store's midnight, the next call draws the new day's.
+        if now >= s.valid_until || s.left || s.stale || now >= s.day_ends_at {
             return Local::Miss;
         }
         for (i, scope) in ask.scopes.iter().enumerate() {
             let Some(slice) = s.slices.get(scope.key) else { return Local::Miss };
+            if slice.day != s.day {
+                return Local::Miss;
+            }
             if slice.covers(ask.hold) {
                 continue;
             }
@@ -374,6 +382,13 @@ impl TenantLease {
     }
 }
 
+impl State {
+    /// The store's day at `now` (this replica's clock), as the last answer told it.
+    fn today(&self, now: u64) -> u64 {
+        if self.day_ends_at > 0 && now >= self.day_ends_at { self.day.saturating_add(1) } else { self.day }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -406,6 +421,8 @@ mod tests {
         slice.slots_free = slots;
         s.slices.insert("scope".into(), slice);
         s.valid_until = valid_until;
+        s.day = START / DAY_MS;
+        s.day_ends_at = START + DAY_MS / 2;
     }
 
     fn ask(id: &str, hold: u64) -> Ask<'_> {
@@ -437,6 +454,25 @@ mod tests {
         clock.advance_ms(1_500);
         assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the lease lapsed");
         assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
+    }
+
+    /// A slice belongs to the store's day: none of it is spent past the store's midnight (as the
+    /// last answer placed it on this replica's clock), nor after an answer of another day.
+    #[test]
+    fn a_slice_is_not_spent_past_its_day() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 1_000, 5, START + 4_000);
+        t.lock().day_ends_at = START + 1_000;
+        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
+        clock.advance_ms(1_000);
+        assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the store's day has ended");
+        assert_eq!(t.lock().today(START + 1_000), START / DAY_MS + 1);
+        // An answer placing the replica in the next day, with the slice still of the last.
+        t.lock().day = START / DAY_MS + 1;
+        t.lock().day_ends_at = START + DAY_MS;
+        assert!(matches!(leases.try_admit(&t, &ask("h3", 100)), Local::Miss), "a slice of yesterday");
     }
 
     #[test]

@@ -90,8 +90,11 @@ pub struct LeaseCall<'a> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseReply {
     pub outcome: LeaseOutcome,
-    /// The store's day number (UTC days since the epoch).
+    /// The store's day number (UTC days since the epoch) when the grants were drawn: the call's
+    /// own run, which a re-send's answer repeats.
     pub day: u64,
+    /// The store's clock (ms) when it answered, a re-send included.
+    pub store_now: u64,
     pub headroom: Headroom,
     /// Operations other replicas forwarded for this replica's holds, now this replica's to apply.
     pub forwarded: Vec<(String, Forwarded)>,
@@ -190,6 +193,7 @@ impl<S: Store> Protocol<S> {
             headroom: Headroom { tokens: r.window([5, 6, 7])?, requests: r.window([8, 9, 10])? },
             forwarded,
             swept: r.texts(13)?,
+            store_now: r.uint(14)?,
         })
     }
 
