@@ -37,7 +37,7 @@
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed, swept, shadow}
+--                   replayed, swept, shadow, budget left}
 --   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
 --    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
@@ -46,7 +46,10 @@
 --    denial would have said: a shadowed hold may take a scope past its limit, into debt that later
 --    refills repay)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
---                   token reset ms, swept}
+--                   token reset ms, swept, budget left}
+--   (budget left, in every reply: per scope, in KEYS order, what its daily token budget has left
+--    after this call, -1 when it has none: the share a replica admits locally should the store
+--    become unreachable is a share of what remains)
 --   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
 --    caller takes off their pools)
 --   reason: token_rate | request_rate | concurrency | budget | cost_budget | monthly_budget |
@@ -113,16 +116,28 @@ for i = FIRST_SCOPE, #KEYS do
   scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, b, now, today, month, b + 6)
 end
 
+-- What each scope's daily token budget has left once `taken` more is charged (-1: it has none).
+local function budget_left(taken)
+  local left = {}
+  for i, s in ipairs(scopes) do
+    left[i] = -1
+    if s.budget > 0 then
+      left[i] = math.max(0, s.budget - s.du - taken)
+    end
+  end
+  return left
+end
+
 -- An earlier hold answered again: charges nothing.
 local function again(hold_id, r, attempts, replayed)
   local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
   return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
-    tonumber(r.es) or 0, replayed, swept, {} }
+    tonumber(r.es) or 0, replayed, swept, {}, budget_left(0) }
 end
 
 local function refuse(reason)
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return { 0, reason, 1, 0, rem, lim, reset, swept }
+  return { 0, reason, 1, 0, rem, lim, reset, swept, budget_left(0) }
 end
 
 -- 3. A re-sent call whose first run made the hold: answer as that run did.
@@ -176,7 +191,7 @@ local would_refuse = {}
 for i, s in ipairs(scopes) do
   if (s.tcap > 0 and hold > s.tcap) or beyond_budgets(s, hold, cost) then
     if not shadow then
-      return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept }
+      return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept, budget_left(0) }
     end
     would_refuse = { 'unsatisfiable', i, 0 }
     break
@@ -200,7 +215,7 @@ if #would_refuse == 0 then
 end
 if reason and not shadow then
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return { 0, reason, where, wait, rem, lim, reset, swept }
+  return { 0, reason, where, wait, rem, lim, reset, swept, budget_left(0) }
 end
 if reason then
   would_refuse = { reason, where, wait }
@@ -249,4 +264,5 @@ redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, today, polic
 keep_for(holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
-return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse }
+return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse,
+  budget_left(hold) }

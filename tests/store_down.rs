@@ -380,6 +380,37 @@ async fn with_redis_gone_each_replica_admits_its_local_share() {
     }
 }
 
+/// A scope limited only by a daily budget gets a local share of what the store last said it had
+/// left: 1,000 tokens a day, 600 used, so 400 × 0.8 = 320 tokens for the one replica while Redis
+/// is gone (three holds of 100), then `budget` until midnight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_gone_a_budget_gets_a_share_of_what_remains() {
+    let redis = OwnRedis::start(free_port());
+    let policy = format!(
+        "store:\n  redis_url: redis://127.0.0.1:{}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+         tenants:\n  acme:\n    limits: {{ tokens_per_day: 1000 }}\n",
+        redis.port
+    );
+    let t = Tollgate::start(&policy);
+    let hold = ReserveRequest { prompt_tokens: 90, max_tokens: 10, ..reserve() };
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    for _ in 0..6 {
+        let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+        assert!(r.admitted && !r.unmetered, "{r:?}");
+        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 90, completion_tokens: 10 };
+        client.commit(c).await.unwrap();
+    }
+    drop(redis);
+    for i in 0..3 {
+        let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+        assert!(r.admitted && r.unmetered, "hold {i}, within the local share of what remains: {r:?}\n{}", t.log());
+    }
+    let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+    assert_eq!((r.admitted, r.reason.as_str(), r.http_status), (false, "budget", 429), "{r:?}");
+    assert!(r.retry_after_ms > 0 && r.retry_after_ms <= 86_400_000, "until midnight: {r:?}");
+    assert!(r.message.contains("while the store is unreachable"), "{r:?}");
+}
+
 /// SIGTERM while a call is in flight: the call finishes (within drain_timeout_ms), then the
 /// process exits cleanly. Redis is made to stall with DEBUG SLEEP so the call is surely in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -126,6 +126,8 @@ pub struct Admission<S> {
     /// the drain waits for them, so a hold nobody received is given back before the process ends.
     tasks: TaskTracker,
     metrics: Metrics,
+    /// The wall clock: the store's on the embedded store (its day, for local budgets).
+    clock: Arc<dyn Clock>,
 }
 
 /// Tenants whose last output estimate this replica remembers, at most.
@@ -166,6 +168,7 @@ impl<S: Store> Admission<S> {
             retry_inbox: std::sync::Mutex::new(Some(retry_inbox)),
             tasks: TaskTracker::new(),
             metrics: Metrics::disabled(),
+            clock,
         }
     }
 

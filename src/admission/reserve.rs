@@ -267,7 +267,8 @@ impl<S: Store> Admission<S> {
             price: plan.price,
         };
         let outcome = match self.protocol.reserve(&call).await {
-            Ok(ReserveReply { outcome, swept }) => {
+            Ok(ReserveReply { outcome, swept, budget_left }) => {
+                self.saw_budgets(plan, &budget_left);
                 self.release_swept_pool_legs(&swept).await;
                 Ok(outcome)
             }

@@ -45,6 +45,20 @@ impl<S: Store> Admission<S> {
         }
     }
 
+    /// What a reserve's answer said each scope's daily budget has left, kept for the local share
+    /// of a tenant whose store-down mode is `local`.
+    pub(super) fn saw_budgets(&self, plan: &Plan, left: &[Option<u64>]) {
+        if plan.tp.on_store_error != OnStoreError::Local {
+            return;
+        }
+        let day = self.clock.now_ms() / crate::hold::DAY_MS;
+        for (scope, left) in plan.scopes.iter().zip(left) {
+            if let Some(left) = left {
+                self.local.saw_budget(&scope.key, day, *left);
+            }
+        }
+    }
+
     /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.
     pub(super) fn on_store_error(&self, plan: &Plan, denial: Denial) -> Decision {
         let decision = self.by_store_down_mode(plan, denial);
@@ -66,7 +80,8 @@ impl<S: Store> Admission<S> {
             }
             OnStoreError::Local => {
                 let scopes = plan.scopes.iter().map(|s| (s.key.as_str(), &s.limits));
-                match self.local.admit(scopes, plan.prompt.saturating_add(plan.ceiling), std::time::Instant::now()) {
+                let hold = plan.prompt.saturating_add(plan.ceiling);
+                match self.local.admit(scopes, hold, std::time::Instant::now(), self.clock.now_ms()) {
                     Ok(()) => {
                         tracing::debug!(tenant = %plan.tenant, "store unavailable; admitted within the local share");
                         Decision::Unmetered

@@ -149,6 +149,22 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A list of counts, `None` for each `-1` ("no such limit"); empty when absent.
+    pub(crate) fn counts(&self, i: usize) -> Result<Vec<Option<u64>>, StoreError> {
+        match self.items.get(i) {
+            None => Ok(Vec::new()),
+            Some(Reply::Array(items)) => items
+                .iter()
+                .map(|n| match n.as_int() {
+                    Some(-1) => Ok(None),
+                    Some(n) => u64::try_from(n).map(Some).map_err(|_| self.bad()),
+                    None => Err(self.bad()),
+                })
+                .collect(),
+            Some(_) => Err(self.bad()),
+        }
+    }
+
     /// A refusal's reason at `i`, as the scripts name it.
     pub(crate) fn refusal(&self, i: usize) -> Result<Refusal, StoreError> {
         refusal(self.text(i)?).ok_or_else(|| self.bad())

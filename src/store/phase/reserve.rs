@@ -95,6 +95,10 @@ pub struct ReserveReply {
     /// Ids of the expired holds this call settled: their pool legs, on another slot, are still to
     /// be taken off their pools.
     pub swept: Vec<String>,
+    /// Per scope, in call order, what its daily token budget has left after this call (`None`:
+    /// it has none): what the replica's local share, should the store become unreachable, is a
+    /// share of.
+    pub budget_left: Vec<Option<u64>>,
 }
 
 fn expired_usage(e: ExpiredUsage) -> &'static str {
@@ -172,6 +176,7 @@ impl<S: Store> Protocol<S> {
                     shadowed: r.would_refuse(14)?,
                 },
                 swept: r.texts(13)?,
+                budget_left: r.counts(15)?,
             }),
             0 => Ok(ReserveReply {
                 outcome: ReserveOutcome::Denied {
@@ -181,6 +186,7 @@ impl<S: Store> Protocol<S> {
                     headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: None },
                 },
                 swept: r.texts(7)?,
+                budget_left: r.counts(8)?,
             }),
             _ => Err(r.bad()),
         }
