@@ -129,3 +129,69 @@ impl<S: Store> Store for Queued<S> {
         }
     }
 }
+
+/// Fails calls at random, as a flaky network does: of every call (the test's own inspections
+/// aside), `per_mille` run and lose their reply, and as many never reach the store. Seeded, so a
+/// failing run repeats; switched off with [`Chaos::calm`].
+#[derive(Clone)]
+pub struct Chaos<S> {
+    pub inner: S,
+    per_mille: Arc<AtomicU32>,
+    rng: Arc<std::sync::atomic::AtomicU64>,
+    failed: Arc<AtomicU32>,
+}
+
+impl<S> Chaos<S> {
+    pub fn new(inner: S, per_mille: u32, seed: u64) -> Self {
+        Chaos {
+            inner,
+            per_mille: Arc::new(AtomicU32::new(per_mille)),
+            rng: Arc::new(std::sync::atomic::AtomicU64::new(seed | 1)),
+            failed: Arc::default(),
+        }
+    }
+
+    /// No faults from now on.
+    pub fn calm(&self) {
+        self.per_mille.store(0, Ordering::SeqCst);
+    }
+
+    /// Calls failed so far.
+    pub fn failed(&self) -> u32 {
+        self.failed.load(Ordering::SeqCst)
+    }
+
+    /// A number in 0..1000.
+    fn roll(&self) -> u64 {
+        let mut x = self.rng.load(Ordering::SeqCst);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng.store(x, Ordering::SeqCst);
+        x % 1000
+    }
+}
+
+impl<S: Store> Store for Chaos<S> {
+    async fn load(&self, script: &Script) -> Result<(), StoreError> {
+        self.inner.load(script).await
+    }
+
+    async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
+        let per_mille = u64::from(self.per_mille.load(Ordering::SeqCst));
+        if matches!(script.name, "inspect" | "ledger") || per_mille == 0 {
+            return self.inner.eval(script, keys, args).await;
+        }
+        let roll = self.roll();
+        if roll < per_mille {
+            self.failed.fetch_add(1, Ordering::SeqCst);
+            self.inner.eval(script, keys, args).await?;
+            return Err(timeout());
+        }
+        if roll < 2 * per_mille {
+            self.failed.fetch_add(1, Ordering::SeqCst);
+            return Err(timeout());
+        }
+        self.inner.eval(script, keys, args).await
+    }
+}

@@ -13,6 +13,7 @@ pub mod checks;
 pub mod faults;
 pub mod model;
 pub mod procs;
+pub mod proxy;
 pub mod upstream;
 
 use std::collections::BTreeMap;
@@ -201,6 +202,18 @@ pub async fn redis(tenant_body: &str) -> Harness<RedisStore> {
 
 pub async fn cluster(tenant_body: &str) -> Harness<RedisStore> {
     redis_backend(Backend::Cluster, tenant_body).await
+}
+
+/// A harness on the single Redis reached at `url` (a fault proxy in front of it), whose calls time
+/// out after `command_timeout`.
+pub async fn redis_at(url: &str, body: &str, command_timeout: Duration) -> Harness<RedisStore> {
+    let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
+    let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
+    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\nstore:\n  redis_url: {url}"));
+    let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
+    let options = RedisOptions { command_timeout, ..RedisOptions::default() };
+    let store = RedisStore::connect(&RedisTarget::Single(url.to_string()), options).await.expect("redis");
+    Harness::build(store, policy, tenant, pool, None).await
 }
 
 async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
