@@ -2,10 +2,14 @@
 //! over two tenants, their users and two models (one served by a pool), with random sizes,
 //! priorities, deadlines and idempotency keys in both modes; commits that under- and overrun;
 //! releases, renews, repeated and late commits; scripts run twice (a client re-sending after a
-//! lost reply); clock jumps past leases and refills. After every step the store's reply must equal
+//! lost reply); clock jumps past leases and refills, across a day's and a month's turn; reloads
+//! that tighten and loosen a tenant's limits and shorten its lease mid-sequence (holds made before
+//! keep their terms). After every step the store's reply must equal
 //! the model's, and the store's counters the model's: every scope's holds in flight, token and
-//! request levels and day usage, the pool's holds and work. At the end every live hold is released
-//! and every slot and every unit of pool work must be back; and the usage ledger must hold every
+//! request levels and day usage, the pool's holds and work. At the end every live hold is released,
+//! or (half the cases) left abandoned, its tenant quiet, until the background sweeper settles it
+//! after its lease; then every slot and every unit of pool work must be back; and the usage
+//! ledger must hold every
 //! hold made, each once (or expired, then late-committed), its entries charging together exactly
 //! the day usage the counters charged (on the embedded store, its ledger file too).
 //!
@@ -65,6 +69,11 @@ enum Op {
     },
     /// Commits an id no reserve issued.
     CommitUnknown,
+    /// Reloads the policy: tenant a's burst down from 2,000 to 1,200 and its lease from 1,000 ms
+    /// to 600 (`tight`), or back.
+    Reload {
+        tight: bool,
+    },
     Advance {
         ms: u64,
     },
@@ -93,6 +102,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(hold, twice)| Op::Release { hold, twice }),
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(hold, twice)| Op::Renew { hold, twice }),
         1 => Just(Op::CommitUnknown),
+        1 => any::<bool>().prop_map(|tight| Op::Reload { tight }),
         2 => prop_oneof![3 => 0..400u64, 1 => 900..2600u64].prop_map(|ms| Op::Advance { ms }),
     ]
 }
@@ -102,12 +112,24 @@ fn op() -> impl Strategy<Value = Op> {
 const CASE_TIME_LIMIT_MS: u64 = 45_000;
 
 /// The policy: exact (embedded, manual clock) or real-time (Redis: slow refill, long leases).
-fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool, ledger_file: Option<&Path>) -> String {
+fn policy(
+    tenants: &[String; 2],
+    pool: &str,
+    store: &str,
+    exact: bool,
+    ledger_file: Option<&Path>,
+    tight: bool,
+) -> String {
     let (a, b) = (&tenants[0], &tenants[1]);
+    let a_lease = if tight && exact { "    lease_ttl_ms: 600\n" } else { "" };
     let (defaults, a_limits, a_user, b_limits, b_model) = if exact {
         (
             "lease_ttl_ms: 1000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  record_retention_ms: 5000",
-            "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }",
+            if tight {
+                "{ tokens_per_minute: 60000, burst_tokens: 1200, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }"
+            } else {
+                "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }"
+            },
             "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
             "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
             "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500 }",
@@ -115,7 +137,11 @@ fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool, ledger_fi
     } else {
         (
             "lease_ttl_ms: 600000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3",
-            "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006 }",
+            if tight {
+                "{ tokens_per_minute: 2, burst_tokens: 1200, max_concurrency: 4, cost_per_day: 0.006 }"
+            } else {
+                "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006 }"
+            },
             "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
             "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
             "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500 }",
@@ -126,7 +152,7 @@ fn policy(tenants: &[String; 2], pool: &str, store: &str, exact: bool, ledger_fi
         "{store}\nledger:\n  max_len: 100000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
          n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
-         tenants:\n  {a}:\n    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
+         tenants:\n  {a}:\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
 }
 
@@ -176,6 +202,9 @@ struct World<S> {
     ids: Vec<String>,
     /// The embedded store's ledger file.
     ledger_file: Option<PathBuf>,
+    /// What the policy is made of: the pool's name and the store section.
+    pool: String,
+    store_yaml: String,
 }
 
 impl<S: Store + Clone> World<S> {
@@ -288,6 +317,21 @@ impl<S: Store + Clone> World<S> {
                 let expected = self.model.commit(&id, 1, 1, now);
                 assert_eq!(self.h.admission.commit(&id, 1, 1).await.unwrap(), expected, "{at}");
             }
+            Op::Reload { tight } => {
+                let text = policy(
+                    &self.tenants,
+                    &self.pool,
+                    &self.store_yaml,
+                    self.exact,
+                    self.ledger_file.as_deref(),
+                    *tight,
+                );
+                let new = Policy::parse("model.yaml", &text).expect("reloaded model policy");
+                // New holds and calls take the new terms; holds already made keep theirs.
+                self.model.rules = model_of(&new, &self.tenants, &self.pool).rules;
+                self.h.admission.reload(new.clone());
+                self.twice.admission.reload(new);
+            }
             Op::Advance { ms } => {
                 if let Some(c) = &self.clock
                     && self.elapsed + ms <= CASE_TIME_LIMIT_MS
@@ -376,12 +420,46 @@ impl<S: Store + Clone> World<S> {
         }
     }
 
-    /// Releases every live hold: then nothing may be in flight anywhere.
-    async fn settle(&mut self) {
-        for id in self.model.live_ids() {
-            let now = self.now();
-            let expected = self.model.release(&id, now);
-            assert_eq!(self.h.admission.release(&id).await.unwrap(), expected, "settling {id}");
+    /// Releases every live hold, or leaves them all to the background sweeper after their leases
+    /// (`abandon`, on the manual clock): then nothing may be in flight anywhere.
+    async fn settle(&mut self, abandon: bool) {
+        match (abandon, &self.clock) {
+            (true, Some(clock)) => {
+                // Past every lease; no tenant calls again. The sweeper's first tick writes its
+                // notes (each tenant due a lease and two sweep periods on: 3 s); once those are
+                // due, its ticks settle everything, all at one moment.
+                // (Both admissions are replicas, each with its own sweeper and notes.)
+                clock.advance_ms(2_000);
+                self.h.admission.sweep_tick().await.expect("a sweep");
+                self.twice.admission.sweep_tick().await.expect("a sweep");
+                clock.advance_ms(4_000);
+                let now = self.now();
+                for _ in 0..400 {
+                    self.h.admission.sweep_tick().await.expect("a sweep");
+                    self.twice.admission.sweep_tick().await.expect("a sweep");
+                    if self.lease_indexes_empty().await {
+                        break;
+                    }
+                }
+                if !self.lease_indexes_empty().await {
+                    let mut look: Vec<String> = self.tenants.iter().map(|t| keys::leases(t)).collect();
+                    look.extend((0..keys::SWEEP_SHARDS).map(keys::sweep_shard));
+                    let shards: Vec<_> = look.iter().map(|k| self.h.inspect(vec![k.clone()])).collect();
+                    let mut views = Vec::new();
+                    for f in shards {
+                        views.push(f.await);
+                    }
+                    panic!("the sweeper left holds unsettled at {now}: {views:?}");
+                }
+                self.model.sweep_all(now);
+            }
+            _ => {
+                for id in self.model.live_ids() {
+                    let now = self.now();
+                    let expected = self.model.release(&id, now);
+                    assert_eq!(self.h.admission.release(&id).await.unwrap(), expected, "settling {id}");
+                }
+            }
         }
         self.same_counters("after settling").await;
         self.same_ledger().await;
@@ -391,6 +469,19 @@ impl<S: Store + Clone> World<S> {
         // Every pool leg left is one whose reserve reply was lost after its sweep settled the hold:
         // its lease has run out, and the pool's own sweep reclaims it.
         assert_eq!(self.model.pool_holds_in_lease(self.now()), 0, "pool work held for nothing: {:?}", self.model.pool);
+    }
+}
+
+impl<S: Store + Clone> World<S> {
+    /// No hold left in either tenant's lease index.
+    async fn lease_indexes_empty(&self) -> bool {
+        for tenant in &self.tenants {
+            let index = keys::leases(tenant);
+            if self.h.inspect(vec![index.clone()]).await.get(&index).is_some_and(|v| v.kind != "none") {
+                return false;
+            }
+        }
+        true
     }
 }
 
@@ -442,30 +533,42 @@ async fn world_on<S: Store + Clone>(
     let pool = support::unique_tenant("p");
     let exact = clock.is_some();
     let store_yaml = if backend == Backend::Embedded { String::new() } else { backend.store_yaml() };
-    let policy = Policy::parse("model.yaml", &policy(&tenants, &pool, &store_yaml, exact, ledger_file.as_deref()))
-        .expect("model policy");
+    let text = policy(&tenants, &pool, &store_yaml, exact, ledger_file.as_deref(), false);
+    let policy = Policy::parse("model.yaml", &text).expect("model policy");
     let model = model_of(&policy, &tenants, &pool);
-    let h = Harness::from_parts(store, policy, tenants[0].clone(), pool, clock.clone()).await;
+    let h = Harness::from_parts(store, policy, tenants[0].clone(), pool.clone(), clock.clone()).await;
     let all = &["reserve", "commit", "renew", "release", "pool_reserve", "pool_release", "pool_renew"];
     let twice = h.wrapped(|s| Resend { inner: s, scripts: all }).await;
-    World { h, twice, model, tenants, exact, clock, elapsed: 0, ids: Vec::new(), ledger_file }
+    World { h, twice, model, tenants, exact, clock, elapsed: 0, ids: Vec::new(), ledger_file, pool, store_yaml }
 }
 
-async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op]) {
+async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op], abandon: bool) {
     for (i, op) in ops.iter().enumerate() {
         w.step(op, i).await;
     }
-    w.settle().await;
+    w.settle(abandon).await;
 }
 
+/// Where a case's clock starts: mid-day, 20 s before a day's turn, 20 s before a month's (the
+/// turn of 2026-11-30 into 2026-12-01, UTC).
+const STARTS: [u64; 3] = [
+    support::CLOCK_START_MS,
+    support::CLOCK_START_MS + 12 * 3_600_000 - 20_000,
+    support::CLOCK_START_MS + 36 * 3_600_000 - 20_000,
+];
+
 async fn run(backend: Backend, ops: Vec<Op>) {
+    run_from(backend, ops, STARTS[0], false).await;
+}
+
+async fn run_from(backend: Backend, ops: Vec<Op>, start: u64, abandon: bool) {
     let tenants = [support::unique_tenant("a"), support::unique_tenant("b")];
     match backend {
         Backend::Embedded => {
-            let clock = ManualClock::new(support::CLOCK_START_MS);
+            let clock = ManualClock::new(start);
             let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("model-ledger-{}.jsonl", tenants[0]));
             let store = EmbeddedStore::with_ledger_file(Arc::new(clock.clone()), &file).expect("embedded store");
-            run_on(world_on(store, Some(clock), backend, tenants, Some(file)).await, &ops).await;
+            run_on(world_on(store, Some(clock), backend, tenants, Some(file)).await, &ops, abandon).await;
         }
         Backend::Redis | Backend::Cluster => {
             let target = match backend {
@@ -475,7 +578,7 @@ async fn run(backend: Backend, ops: Vec<Op>) {
             let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
             // Real time does not jump: leases are long and refill is slow under this policy.
             let ops: Vec<Op> = ops.into_iter().filter(|op| !matches!(op, Op::Advance { .. })).collect();
-            run_on(world_on(store.clone(), None, backend, tenants, None).await, &ops).await;
+            run_on(world_on(store.clone(), None, backend, tenants, None).await, &ops, false).await;
             store.close().await;
         }
     }
@@ -488,8 +591,12 @@ fn config(cases: u32) -> ProptestConfig {
 proptest! {
     #![proptest_config(config(1500))]
     #[test]
-    fn the_embedded_store_keeps_the_models_books(ops in prop::collection::vec(op(), 1..40)) {
-        runtime().block_on(run(Backend::Embedded, ops));
+    fn the_embedded_store_keeps_the_models_books(
+        ops in prop::collection::vec(op(), 1..40),
+        start in prop::sample::select(STARTS.to_vec()),
+        abandon in any::<bool>(),
+    ) {
+        runtime().block_on(run_from(Backend::Embedded, ops, start, abandon));
     }
 }
 

@@ -849,6 +849,17 @@ impl Model {
         self.pool.holds.values().filter(|h| h.2 > now).count() as u64
     }
 
+    /// The background sweeper, run until nothing is due: every hold whose lease has passed by
+    /// `now`, of every tenant, settled as expired (its pool leg taken off with it).
+    pub fn sweep_all(&mut self, now: u64) {
+        let tenants: Vec<String> = self.leases.keys().cloned().collect();
+        for tenant in tenants {
+            while self.leases.get(&tenant).is_some_and(|set| set.iter().any(|(le, _)| *le <= now)) {
+                self.sweep(&tenant, now, true);
+            }
+        }
+    }
+
     /// Ids of every hold still reserved.
     pub fn live_ids(&self) -> Vec<String> {
         self.holds.iter().filter(|(_, h)| h.state == State::Reserved).map(|(id, _)| id.clone()).collect()
