@@ -184,6 +184,12 @@ impl<S: Store> Admission<S> {
         self.leases.as_ref().map_or((0, 0), |l| l.held(tenant))
     }
 
+    /// The sequence number of this replica's lease call on a tenant whose answer never came (it
+    /// goes again, as it was, before the tenant's next call), if there is one.
+    pub fn unanswered_lease_call(&self, tenant: &str) -> Option<u64> {
+        self.leases.as_ref().and_then(|l| l.unanswered(tenant))
+    }
+
     /// This replica's name in leased reservation ids, when the policy leases.
     pub fn replica(&self) -> Option<&str> {
         self.leases.as_ref().map(|l| l.replica.as_str())

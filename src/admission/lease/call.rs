@@ -30,6 +30,12 @@ pub(super) struct Prepared {
     ending: bool,
 }
 
+impl Prepared {
+    pub(super) fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
 impl Leases {
     /// Builds a lease call for the tenant: every slice it has (or, for a miss, the asking
     /// request's scopes), giving back what is free beyond each slice's target, and asking for the

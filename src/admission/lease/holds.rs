@@ -104,6 +104,7 @@ impl State {
         {
             let charged = self.expire(&hold);
             self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
+            self.expired_by_touch.push(id.to_string());
         }
     }
 }

@@ -149,6 +149,8 @@ struct State {
     /// The policy changed since the last call: decide nothing from the slices until a call has
     /// drawn them again under the new limits.
     stale: bool,
+    /// Holds a commit, release or renewal found expired since the last upkeep.
+    expired_by_touch: Vec<String>,
     /// A call sent whose answer never came: it may have run. It is sent again as it was (the
     /// store answers a re-send as it answered the first), before any other call, so what it gave
     /// back and what it drew count once.
@@ -190,6 +192,7 @@ impl Leases {
                     left: false,
                     last_call: 0,
                     stale: false,
+                    expired_by_touch: Vec::new(),
                     pending: None,
                 }),
                 calls: Arc::new(tokio::sync::Mutex::new(())),
@@ -306,18 +309,21 @@ impl Leases {
 
     /// The window's upkeep for one tenant: settles holds whose lease passed, forgets old settled
     /// holds, and says whether a call is due (anything held, asked, or to give back) and whether
-    /// the replica is leaving the tenant. Returns the ids of the holds it expired.
+    /// the replica is leaving the tenant. Returns the ids of the holds that expired since the last
+    /// upkeep (here, or found so by a commit, release or renewal), for the expired-holds count.
     pub fn upkeep(&self, t: &TenantLease) -> (Vec<String>, Option<bool>) {
         let now = self.clock.now_ms();
         let retention = self.retention_ms;
         let mut s = t.lock();
-        let due: Vec<String> = s.holds.iter().filter(|(_, h)| now >= h.lease_until).map(|(id, _)| id.clone()).collect();
+        let mut due: Vec<String> =
+            s.holds.iter().filter(|(_, h)| now >= h.lease_until).map(|(id, _)| id.clone()).collect();
         for id in &due {
             if let Some(hold) = s.holds.remove(id) {
                 let charged = s.expire(&hold);
                 s.close(id, Closed::Expired { hold, charged }, now, retention);
             }
         }
+        due.append(&mut s.expired_by_touch);
         s.forget_closed(now);
         for slice in s.slices.values_mut() {
             slice.taken_before = std::mem::take(&mut slice.taken);
@@ -357,6 +363,11 @@ impl Leases {
                 tenants.remove(tenant);
             }
         }
+    }
+
+    /// The sequence number of the tenant's lease call whose answer never came, if one is pending.
+    pub fn unanswered(&self, tenant: &str) -> Option<u64> {
+        self.existing(tenant).and_then(|t| t.lock().pending.as_ref().map(call::Prepared::seq))
     }
 
     /// Whether this replica holds, or remembers settling, the leased hold `id`.
@@ -473,6 +484,21 @@ mod tests {
         t.lock().day = START / DAY_MS + 1;
         t.lock().day_ends_at = START + DAY_MS;
         assert!(matches!(leases.try_admit(&t, &ask("h3", 100)), Local::Miss), "a slice of yesterday");
+    }
+
+    /// A leased hold a commit finds expired is counted with the ones the window expired.
+    #[test]
+    fn a_hold_found_expired_by_a_commit_is_reported_by_the_next_upkeep() {
+        let clock = ManualClock::new(START);
+        let (leases, tp) = leases(&clock);
+        let t = leases.tenant("acme", &tp);
+        stock(&t, &tp, 1_000, 5, START + 10_000);
+        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
+        clock.advance_ms(4_000);
+        let late = leases.commit("acme", "h1", crate::hold::Counted::Exact { prompt: 1, output: 1 });
+        assert!(matches!(late, crate::hold::CommitOutcome::Committed(ref u) if u.late), "{late:?}");
+        assert_eq!(leases.upkeep(&t).0, vec!["h1".to_string()], "expired, for the expired-holds count");
+        assert!(leases.upkeep(&t).0.is_empty(), "and counted once");
     }
 
     #[test]
