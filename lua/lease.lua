@@ -212,7 +212,8 @@ local out
 if reason == '' then
   local flat = { 'granted' }
   for _, g in ipairs(granted) do
-    flat[#flat + 1] = g[1] .. ' ' .. g[2] .. ' ' .. g[3]
+    -- As integers: Lua's own number format keeps only 14 digits.
+    flat[#flat + 1] = string.format('%d %d %d', g[1], g[2], g[3])
   end
   out = table.concat(flat, ' ')
 else

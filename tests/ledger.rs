@@ -293,3 +293,36 @@ async fn the_reader_follows_new_tenants_until_sigterm() {
     };
     assert!(status.success(), "{status:?}");
 }
+
+/// Ten thousand entries acknowledged in one call: more than Lua can spread into one command, so
+/// the script acknowledges them in batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_entries_are_acknowledged_in_one_call() {
+    let store = RedisStore::connect(
+        &tollgate::store::redis::RedisTarget::Single(support::redis_url()),
+        tollgate::store::redis::RedisOptions::default(),
+    )
+    .await
+    .unwrap();
+    let stream = keys::ledger(&support::unique_tenant("ack"));
+    let fill = Script::new(
+        "fill",
+        "redis.call('XGROUP', 'CREATE', KEYS[1], 'g', '$', 'MKSTREAM')\n\
+         for i = 1, tonumber(ARGV[1]) do redis.call('XADD', KEYS[1], '*', 'n', i) end\n\
+         local read = redis.call('XREADGROUP', 'GROUP', 'g', 'c', 'COUNT', ARGV[1], 'STREAMS', KEYS[1], '>')\n\
+         local ids = {}\n\
+         for _, e in ipairs(read[1][2]) do ids[#ids + 1] = e[1] end\n\
+         redis.call('PEXPIRE', KEYS[1], 60000)\n\
+         return ids"
+            .to_string(),
+    );
+    let Reply::Array(ids) = store.eval(&fill, vec![stream.clone()], vec!["10000".into()]).await.unwrap() else {
+        panic!("ids")
+    };
+    let ids: Vec<String> = ids.iter().map(|r| r.as_text().unwrap().to_string()).collect();
+    assert_eq!(ids.len(), 10_000);
+    let streams = tollgate::store::phase::ledger::LedgerStreams::new(store.clone()).await.unwrap();
+    streams.ack(&stream, "g", ids.into_iter()).await.expect("acknowledged in batches");
+    let pending = Script::new("pending", "return redis.call('XPENDING', KEYS[1], 'g')[1]".to_string());
+    assert_eq!(store.eval(&pending, vec![stream], vec![]).await.unwrap(), Reply::Int(0), "none left pending");
+}

@@ -163,6 +163,8 @@ impl Leases {
                 }
                 None
             }
+            // An earlier call's refusal, answered again, is long past: it blocks nothing now.
+            LeaseOutcome::Refused { .. } if resent => None,
             LeaseOutcome::Refused { reason, scope, retry_after_ms } => {
                 let window = self.settings.window_ms;
                 if let Some(slice) = scopes.get(*scope).and_then(|sc| s.slices.get_mut(&sc.key)) {
