@@ -694,3 +694,35 @@ fn regression_an_operation_forwarded_after_one_handed_over_waits_its_turn() {
     ];
     runtime().block_on(run_with(0.1, ops, Some(18_433_581_248_241_304_994)));
 }
+
+/// Found by the property test under faults: a commit forwarded to a replica whose calls then
+/// failed past its lease used to expire with the forwarded operations (kept a lease): the hold
+/// stayed charged as held. They are kept for the idle TTL now, and the owner takes them when back.
+#[test]
+fn regression_a_forwarded_commit_outlives_its_owners_lapsed_lease() {
+    let ops = vec![
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Tick { replica: 2 },
+        Op::Reserve { replica: 2, user: true, prompt: 0, max_tokens: 13 },
+        Op::Release { hold: 0, replica: 0 },
+        Op::Reserve { replica: 2, user: true, prompt: 122, max_tokens: 453 },
+        Op::Reserve { replica: 0, user: true, prompt: 0, max_tokens: 413 },
+        Op::Reserve { replica: 0, user: true, prompt: 224, max_tokens: 189 },
+        Op::Advance { ms: 300 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 1, user: true, prompt: 171, max_tokens: 257 },
+        Op::Advance { ms: 1700 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 3 },
+        Op::Commit { hold: 857541385487922396, replica: 0, per_mille: 0 },
+        Op::Release { hold: 4822092014089088229, replica: 2 },
+        Op::Reserve { replica: 0, user: true, prompt: 0, max_tokens: 63 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 2842 },
+        Op::Advance { ms: 2158 },
+    ];
+    runtime().block_on(run_with(0.5, ops, Some(15852145395776184516)));
+}

@@ -205,6 +205,11 @@ struct World<S> {
     /// What the policy is made of: the pool's name and the store section.
     pool: String,
     store_yaml: String,
+    /// What the API answered for each hold's settlement: the usage a commit charged, or `None`
+    /// for a release. (The outside oracle knows only this and the ledger.)
+    answered: BTreeMap<String, Option<u64>>,
+    /// The day the case started on (store clock).
+    first_day: u64,
 }
 
 impl<S: Store + Clone> World<S> {
@@ -286,7 +291,12 @@ impl<S: Store + Clone> World<S> {
                 } else {
                     self.h.admission.commit(&id, *prompt, *output).await
                 };
-                assert_eq!(got.unwrap(), expected, "{at}");
+                let got = got.unwrap();
+                // The first answer stands (a duplicate repeats what the first run charged).
+                if let tollgate::hold::CommitOutcome::Committed(u) = &got {
+                    self.answered.entry(id.clone()).or_insert(Some(u.used));
+                }
+                assert_eq!(got, expected, "{at}");
             }
             Op::Release { hold, twice } => {
                 let Some(id) = self.pick(*hold) else { return };
@@ -299,7 +309,11 @@ impl<S: Store + Clone> World<S> {
                 } else {
                     self.h.admission.release(&id).await
                 };
-                assert_eq!(got.unwrap(), expected, "{at}");
+                let got = got.unwrap();
+                if matches!(got, tollgate::hold::ReleaseOutcome::Released { .. }) {
+                    self.answered.entry(id.clone()).or_insert(None);
+                }
+                assert_eq!(got, expected, "{at}");
             }
             Op::Renew { hold, twice } => {
                 let Some(id) = self.pick(*hold) else { return };
@@ -457,12 +471,17 @@ impl<S: Store + Clone> World<S> {
                 for id in self.model.live_ids() {
                     let now = self.now();
                     let expected = self.model.release(&id, now);
-                    assert_eq!(self.h.admission.release(&id).await.unwrap(), expected, "settling {id}");
+                    let got = self.h.admission.release(&id).await.unwrap();
+                    if matches!(got, tollgate::hold::ReleaseOutcome::Released { repeated: false, .. }) {
+                        self.answered.insert(id.clone(), None);
+                    }
+                    assert_eq!(got, expected, "settling {id}");
                 }
             }
         }
         self.same_counters("after settling").await;
         self.same_ledger().await;
+        self.outside_oracle().await;
         for key in self.model.scopes.keys() {
             assert_eq!(self.model.in_flight(key), 0);
         }
@@ -473,6 +492,38 @@ impl<S: Store + Clone> World<S> {
 }
 
 impl<S: Store + Clone> World<S> {
+    /// The books as an outsider sees them, knowing only what the API answered and what the ledger
+    /// says (not the model): each hold's last entry charges what its commit was answered with,
+    /// nothing for a release, and for a hold nobody settled what its tenant's expired usage says
+    /// (the hold, or nothing under `refund`); and, within one day, those entries add up to the
+    /// store's day usage of the tenant.
+    async fn outside_oracle(&self) {
+        let same_day = self.now() / model::DAY_MS == self.first_day;
+        for (t, tenant) in self.tenants.iter().enumerate() {
+            let mut last: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+            for e in self.h.ledger_of(tenant).await {
+                last.insert(e["id"].clone(), e);
+            }
+            let mut charged = 0;
+            for (id, e) in &last {
+                let n = |f: &str| e[f].parse::<u64>().unwrap();
+                let expected = match self.answered.get(id) {
+                    Some(Some(used)) => *used,
+                    Some(None) => 0,
+                    // Tenant b refunds what expires; tenant a charges the hold.
+                    None if t == 1 => 0,
+                    None => n("reserved_tokens"),
+                };
+                assert_eq!(n("charged_tokens"), expected, "{id}: answered {:?}, entered {e:?}", self.answered.get(id));
+                charged += n("charged_tokens");
+            }
+            if same_day && let Some(scope) = self.h.scope(&keys::tenant_scope(tenant)).await {
+                let du = scope.fields.get("du").map_or(0, |v| v.parse::<u64>().unwrap());
+                assert_eq!(charged, du, "what {tenant}'s ledger entries charge against its day usage in the store");
+            }
+        }
+    }
+
     /// No hold left in either tenant's lease index.
     async fn lease_indexes_empty(&self) -> bool {
         for tenant in &self.tenants {
@@ -539,7 +590,25 @@ async fn world_on<S: Store + Clone>(
     let h = Harness::from_parts(store, policy, tenants[0].clone(), pool.clone(), clock.clone()).await;
     let all = &["reserve", "commit", "renew", "release", "pool_reserve", "pool_release", "pool_renew"];
     let twice = h.wrapped(|s| Resend { inner: s, scripts: all }).await;
-    World { h, twice, model, tenants, exact, clock, elapsed: 0, ids: Vec::new(), ledger_file, pool, store_yaml }
+    let first_day = match &clock {
+        Some(c) => tollgate::store::clock::Clock::now_ms(c),
+        None => tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock),
+    } / model::DAY_MS;
+    World {
+        h,
+        twice,
+        model,
+        tenants,
+        exact,
+        clock,
+        elapsed: 0,
+        ids: Vec::new(),
+        ledger_file,
+        pool,
+        store_yaml,
+        answered: BTreeMap::new(),
+        first_day,
+    }
 }
 
 async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op], abandon: bool) {

@@ -181,7 +181,9 @@ impl<S: Store> Admission<S> {
         op: Forwarded,
     ) -> Result<bool, AdmissionError> {
         let Some(tp) = policy.tenant(r.tenant) else { return Ok(false) };
-        Ok(self.protocol.forward(r.tenant, replica, id, op, tp.lease_ttl_ms).await?)
+        // Kept for the idle TTL, not the lease: an owner whose calls fail for a while takes it
+        // when it is back, however long its lease record lapsed.
+        Ok(self.protocol.forward(r.tenant, replica, id, op, tp.idle_ttl_ms).await?)
     }
 }
 
