@@ -31,6 +31,12 @@
 -- ARGV[6] cap on the concurrency Retry-After (ms)
 -- ARGV[7] end | keep: end drops the record when the replica holds no slot (it is leaving the tenant)
 -- ARGV[8] the call's sequence number: a re-send carries the number of the call it repeats
+-- ARGV[9] the usage ledger's terms, "<max entries> <retention ms>", or '' when there is none
+-- ARGV[10] ledger entries of the leased holds the replica settled since its last call, one a line,
+--          fields tab-separated (%, tab and newline written %25, %09, %0A): id, tenant, user,
+--          model, tier, outcome, usage, prompt tokens, output tokens, reserved tokens, charged
+--          tokens, cost, reserved cost, reserved at, settled at (the replica's clock); appended
+--          once (a re-send appends nothing), as the scripts that settle store holds append theirs
 -- then seventeen numbers per scope, in KEYS order:
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
 --   (0 meaning no such limit);
@@ -60,7 +66,7 @@ local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
 local last_call = KEYS[6]
 local seq = ARGV[8]
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 9, 17
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 17
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -207,7 +213,26 @@ else
   keep_for(leases, idle)
 end
 
--- 5. What this call answered, for a re-send of it.
+-- 5. The ledger entries of the leased holds the replica settled, under the terms of the call.
+if ARGV[9] ~= '' then
+  local function unescape(v)
+    return (string.gsub(v, '%%(%x%x)', function(h)
+      return string.char(tonumber(h, 16))
+    end))
+  end
+  for line in string.gmatch(ARGV[10], '[^\n]+') do
+    local f = {}
+    for v in string.gmatch(line .. '\t', '([^\t]*)\t') do
+      f[#f + 1] = unescape(v)
+    end
+    local e = { id = f[1], tenant = f[2], user = f[3], model = f[4], tier = f[5], outcome = f[6], usage = f[7],
+      prompt = f[8], output = f[9], reserved = f[10], charged = f[11], cost = f[12], reserved_cost = f[13],
+      reserved_at = f[14] }
+    ledger_append(KEYS[5], ARGV[9], e, tonumber(f[15]) or now)
+  end
+end
+
+-- 6. What this call answered, for a re-send of it.
 local out
 if reason == '' then
   local flat = { 'granted' }

@@ -328,6 +328,56 @@ mod scenarios {
         assert!((59.0..=60.0).contains(&charged), "60 used, {charged} charged");
     }
 
+    /// With a ledger, every leased hold is entered, by the replica's next lease call, as the store's
+    /// scripts enter theirs: once (a re-sent call appends nothing), with what it charged and cost.
+    pub async fn leased_holds_are_entered_in_the_ledger<S: Store + Clone>(h: Harness<S>) {
+        use support::faults::Resend;
+        let r = h.wrapped(|s| Resend { inner: s, scripts: &["lease"] }).await;
+        let ids: Vec<String> = futures_util::future::join_all((0..3).map(|_| r.reserve(10, 90)))
+            .await
+            .iter()
+            .map(|d| admitted(d).reservation_id.clone())
+            .collect();
+        r.admission.commit(&ids[0], 10, 20).await.unwrap();
+        r.admission.commit_counted(&ids[1], Counted::Metered { output: 50 }).await.unwrap();
+        r.admission.release(&ids[2]).await.unwrap();
+        r.admission.lease_tick(true).await.unwrap();
+        let ledger = h.ledger_of(&h.tenant).await;
+        assert_eq!(ledger.len(), 3, "one entry a hold, each once: {ledger:?}");
+        let entry = |id: &str| ledger.iter().find(|e| e["id"] == id).unwrap_or_else(|| panic!("{id} entered"));
+        let fields = |id: &str, names: &[&str]| names.iter().map(|f| entry(id)[*f].clone()).collect::<Vec<_>>();
+        let what = ["outcome", "usage", "prompt_tokens", "output_tokens", "reserved_tokens", "charged_tokens"];
+        assert_eq!(fields(&ids[0], &what), ["committed", "exact", "10", "20", "100", "30"]);
+        assert_eq!(fields(&ids[1], &what), ["committed", "metered", "10", "50", "100", "60"]);
+        assert_eq!(fields(&ids[2], &what), ["released", "none", "", "", "100", "0"]);
+        assert_eq!(entry(&ids[0])["tenant"], h.tenant);
+        // Model m costs 1 and 3 per million tokens: 10 × 1,000 + 20 × 3,000 nanos.
+        assert_eq!(entry(&ids[0])["cost_nanos"], "70000");
+        let charged: f64 = ledger.iter().map(|e| e["charged_tokens"].parse::<f64>().unwrap()).sum();
+        assert_eq!(h.tenant_scope().await.num("du"), charged, "the entries charge the day's usage exactly");
+        if let Some(file) = &h.ledger_file {
+            let lines = std::fs::read_to_string(file).unwrap();
+            assert_eq!(lines.lines().count(), 3, "and the embedded store's ledger file has them: {lines}");
+        }
+        if !h.exact_time() {
+            return;
+        }
+        // A hold nobody settles: entered as expired, charged as held; a late commit then enters
+        // what it used, superseding that entry.
+        let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
+        r.advance(121_000).await;
+        r.admission.lease_tick(false).await.unwrap();
+        r.admission.commit(&id, 10, 5).await.unwrap();
+        r.admission.lease_tick(true).await.unwrap();
+        let ledger = h.ledger_of(&h.tenant).await;
+        let mine: Vec<Vec<String>> = ledger
+            .iter()
+            .filter(|e| e["id"] == id)
+            .map(|e| ["outcome", "usage", "charged_tokens"].iter().map(|f| e[*f].clone()).collect())
+            .collect();
+        assert_eq!(mine, [["expired", "held", "100"], ["late_committed", "exact", "15"]]);
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
@@ -367,6 +417,14 @@ macro_rules! leasing {
             scenario!(a_tenant_a_reload_removes_gives_its_slices_back, SLOW);
             scenario!(a_reload_that_tightens_reaches_every_slice, SLOW);
             scenario!(a_reload_that_stops_leasing_a_scope_gives_its_slice_back, SLOW);
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn leased_holds_are_entered_in_the_ledger() {
+                let body = format!(
+                    "ledger:\n  max_len: 1000\nleasing:\n  window_ms: 250\n  max_share: 0.5\n{TOP_SEPARATOR}limits:\n{SLOW}"
+                );
+                scenarios::leased_holds_are_entered_in_the_ledger($make(&body).await).await;
+            }
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -149,9 +149,10 @@ impl<S: Store> Admission<S> {
             tracing::warn!(error = %e, "no randomness for the replica id; using the process id");
             format!("{:06x}{:06x}", std::process::id() & 0xff_ffff, clock.now_ms() & 0xff_ffff)
         });
-        let leases = policy
-            .leasing
-            .map(|settings| Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms));
+        let leases = policy.leasing.map(|settings| {
+            let ledger = policy.ledger.as_ref().map(|l| l.terms);
+            Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms, ledger)
+        });
         let local = LocalLimits::new(policy.store.local_factor);
         let (retries, retry_inbox) = retry::Retries::new();
         let sweep_turn = crate::store::keys::sweep_shard_of(&replica);

@@ -213,6 +213,9 @@ impl Plan {
             scopes: self.scopes.iter().map(|s| AskScope { key: &s.key, of: &s.of }).collect(),
             hold: self.prompt.saturating_add(self.ceiling),
             prompt: self.prompt,
+            user: self.user.as_deref(),
+            tier: self.tier.as_str(),
+            price: self.price,
         }
     }
 }

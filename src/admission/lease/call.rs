@@ -28,6 +28,8 @@ pub(super) struct Prepared {
     lease_ms: u64,
     idle_ttl_ms: u64,
     ending: bool,
+    /// Ledger entries of the leased holds settled since the last call: appended by this call.
+    entries: Vec<String>,
 }
 
 impl Prepared {
@@ -124,7 +126,16 @@ impl Leases {
             slice.slots_free = keep_slots;
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed).saturating_add(1);
-        Prepared { seq, scopes, sent_at: now, lease_ms: s.tp.lease_ttl_ms, idle_ttl_ms: s.tp.idle_ttl_ms, ending }
+        let entries = std::mem::take(&mut s.unentered);
+        Prepared {
+            seq,
+            scopes,
+            sent_at: now,
+            lease_ms: s.tp.lease_ttl_ms,
+            idle_ttl_ms: s.tp.idle_ttl_ms,
+            ending,
+            entries,
+        }
     }
 
     /// Applies a lease call's reply. Returns the refusal, if the store refused the asking request.
@@ -227,8 +238,10 @@ impl Leases {
         (sweep_batch, concurrency_retry_cap_ms): (u32, u64),
     ) -> Result<(Option<(usize, Refusal, u64)>, Followups), StoreError> {
         t.lock().pending = Some(call.clone());
-        let Prepared { seq, scopes, sent_at, lease_ms, idle_ttl_ms, ending } = call;
+        let Prepared { seq, scopes, sent_at, lease_ms, idle_ttl_ms, ending, entries } = call;
         let lease_call = LeaseCall {
+            ledger: self.ledger,
+            entries,
             tenant,
             replica: &self.replica,
             lease_ms,

@@ -19,6 +19,30 @@ pub(super) struct LocalHold {
     pub(super) lease_until: u64,
     pub(super) refund_on_expiry: bool,
     pub(super) model: String,
+    /// Who it is for, when it was made (this replica's clock) and its model's price: what its
+    /// ledger entry says.
+    pub(super) user: Option<String>,
+    pub(super) tier: &'static str,
+    pub(super) reserved_at: u64,
+    pub(super) price: crate::config::Price,
+}
+
+impl LocalHold {
+    /// What `prompt` and `output` tokens of this hold cost (nanos).
+    fn cost(&self, prompt: u64, output: u64) -> u64 {
+        crate::admission::plan::cost_of(self.price, prompt, output)
+    }
+
+    fn held_cost(&self) -> u64 {
+        self.cost(self.prompt, self.held.saturating_sub(self.prompt))
+    }
+}
+
+/// How a leased hold settled, for its ledger entry.
+pub(super) enum Entered {
+    Committed { used: u64, counted: Counted, late: bool },
+    Released,
+    Expired { charged: u64 },
 }
 
 #[derive(Debug, Clone)]
@@ -46,6 +70,53 @@ impl Closed {
 }
 
 impl State {
+    /// Keeps the ledger entry of a leased hold settled here, for the next lease call to append
+    /// (when the policy keeps a ledger): the fields `lua/common.lua` lists, as `lua/lease.lua`
+    /// reads them.
+    pub(super) fn enter(&mut self, id: &str, hold: &LocalHold, how: Entered, now: u64) {
+        if !self.ledger {
+            return;
+        }
+        let n = |v: u64| v.to_string();
+        let (outcome, usage, counts, charged, cost) = match how {
+            Entered::Committed { used, counted, late } => {
+                let outcome = if late { "late_committed" } else { "committed" };
+                match counted {
+                    Counted::Exact { prompt, output } => {
+                        (outcome, "exact", Some((prompt, output)), used, hold.cost(prompt, output))
+                    }
+                    Counted::Metered { output } => {
+                        (outcome, "metered", Some((hold.prompt, output)), used, hold.cost(hold.prompt, output))
+                    }
+                    Counted::AsHeld => (outcome, "held", None, used, hold.held_cost()),
+                }
+            }
+            Entered::Released => ("released", "none", None, 0, 0),
+            Entered::Expired { charged: 0 } => ("expired", "none", None, 0, 0),
+            Entered::Expired { charged } => ("expired", "held", None, charged, hold.held_cost()),
+        };
+        let (prompt, output) = counts.map_or((String::new(), String::new()), |(p, o)| (n(p), n(o)));
+        let fields = [
+            id.to_string(),
+            self.name.clone(),
+            hold.user.clone().unwrap_or_default(),
+            hold.model.clone(),
+            hold.tier.to_string(),
+            outcome.to_string(),
+            usage.to_string(),
+            prompt,
+            output,
+            n(hold.held),
+            n(charged),
+            n(cost),
+            n(hold.held_cost()),
+            n(hold.reserved_at),
+            n(now),
+        ];
+        let escape = |v: &str| v.replace('%', "%25").replace('\t', "%09").replace('\n', "%0A");
+        self.unentered.push(fields.iter().map(|f| escape(f)).collect::<Vec<_>>().join("\t"));
+    }
+
     pub(super) fn close(&mut self, id: &str, closed: Closed, now: u64, retention_ms: u64) {
         self.closed.insert(id.to_string(), closed);
         self.closed_order.push_back((now.saturating_add(retention_ms), id.to_string()));
@@ -103,6 +174,7 @@ impl State {
             && let Some(hold) = self.holds.remove(id)
         {
             let charged = self.expire(&hold);
+            self.enter(id, &hold, Entered::Expired { charged }, now);
             self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
             self.expired_by_touch.push(id.to_string());
         }
@@ -132,7 +204,8 @@ impl Leases {
                 }
             }
             s.reconcile(&hold, hold.held, used);
-            let usage = usage(&hold, used, false, metered);
+            let usage = usage(&hold, used, false, metered, counted);
+            s.enter(id, &hold, Entered::Committed { used, counted, late: false }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
             return CommitOutcome::Committed(usage);
         }
@@ -142,7 +215,8 @@ impl Leases {
             Some(Closed::Expired { hold, charged }) => {
                 let used = used(&hold);
                 s.reconcile(&hold, charged, used);
-                let usage = usage(&hold, used, true, metered);
+                let usage = usage(&hold, used, true, metered, counted);
+                s.enter(id, &hold, Entered::Committed { used, counted, late: true }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
                 CommitOutcome::Committed(usage)
             }
@@ -165,6 +239,7 @@ impl Leases {
                     slice.refund(hold.held, hold.day);
                 }
             }
+            s.enter(id, &hold, Entered::Released, now);
             s.close(id, Closed::Released { refunded: hold.held }, now, retention);
             return ReleaseOutcome::Released { refunded: hold.held, repeated: false };
         }
@@ -192,7 +267,12 @@ impl Leases {
     }
 }
 
-fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
+fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool, counted: Counted) -> Usage {
+    let cost_nanos = match counted {
+        Counted::Exact { prompt, output } => hold.cost(prompt, output),
+        Counted::Metered { output } => hold.cost(hold.prompt, output),
+        Counted::AsHeld => hold.held_cost(),
+    };
     Usage {
         late,
         duplicate: false,
@@ -203,7 +283,7 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool) -> Usage {
         overrun: used.saturating_sub(hold.held),
         model: Some(hold.model.clone()),
         output_held: Some(hold.held.saturating_sub(hold.prompt)),
-        // Leased holds are not priced: a tenant with a budget in money decides at the store.
-        cost_nanos: 0,
+        // What the tokens cost at the model's price (a budget in money is decided at the store).
+        cost_nanos,
     }
 }

@@ -70,6 +70,10 @@ pub(super) struct Ask<'a> {
     pub scopes: Vec<AskScope<'a>>,
     pub hold: u64,
     pub prompt: u64,
+    /// Who the hold is for and what its tokens cost, as the ledger enters it.
+    pub user: Option<&'a str>,
+    pub tier: &'static str,
+    pub price: crate::config::Price,
 }
 
 /// A decision from memory.
@@ -106,6 +110,9 @@ pub(super) struct Leases {
     /// The last sequence number given a lease call. One count for every tenant, so a number never
     /// repeats while the process lives, even for a tenant this replica left and came back to.
     seq: std::sync::atomic::AtomicU64,
+    /// The usage ledger's terms (a restart-only setting), if the policy keeps one: every leased
+    /// hold settled here is entered in it by the replica's next lease call.
+    ledger: Option<crate::config::LedgerTerms>,
 }
 
 impl std::fmt::Debug for Leases {
@@ -126,6 +133,11 @@ pub(super) struct TenantLease {
 }
 
 struct State {
+    /// The tenant's name, as its ledger entries give it.
+    name: String,
+    /// Whether settled holds are entered in the ledger, and the entries not yet sent.
+    ledger: bool,
+    unentered: Vec<String>,
     tp: Arc<TenantPolicy>,
     slices: HashMap<String, Slice>,
     holds: HashMap<String, LocalHold>,
@@ -158,7 +170,13 @@ struct State {
 }
 
 impl Leases {
-    pub fn new(replica: String, settings: Leasing, clock: Arc<dyn Clock>, retention_ms: u64) -> Self {
+    pub fn new(
+        replica: String,
+        settings: Leasing,
+        clock: Arc<dyn Clock>,
+        retention_ms: u64,
+        ledger: Option<crate::config::LedgerTerms>,
+    ) -> Self {
         Leases {
             replica,
             settings,
@@ -166,6 +184,7 @@ impl Leases {
             retention_ms,
             tenants: RwLock::new(HashMap::new()),
             seq: std::sync::atomic::AtomicU64::new(0),
+            ledger,
         }
     }
 
@@ -178,6 +197,9 @@ impl Leases {
         Arc::clone(tenants.entry(tenant.to_string()).or_insert_with(|| {
             Arc::new(TenantLease {
                 state: Mutex::new(State {
+                    name: tenant.to_string(),
+                    ledger: self.ledger.is_some(),
+                    unentered: Vec::new(),
                     tp: Arc::clone(tp),
                     slices: HashMap::new(),
                     holds: HashMap::new(),
@@ -295,6 +317,10 @@ impl Leases {
             lease_until: now.saturating_add(s.tp.lease_ttl_ms).min(s.valid_until),
             refund_on_expiry: s.tp.expired_usage == ExpiredUsage::Refund,
             model: ask.model.to_string(),
+            user: ask.user.map(str::to_string),
+            tier: ask.tier,
+            reserved_at: now,
+            price: ask.price,
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.
@@ -320,6 +346,7 @@ impl Leases {
         for id in &due {
             if let Some(hold) = s.holds.remove(id) {
                 let charged = s.expire(&hold);
+                s.enter(id, &hold, holds::Entered::Expired { charged }, now);
                 s.close(id, Closed::Expired { hold, charged }, now, retention);
             }
         }
@@ -417,7 +444,7 @@ mod tests {
         )
         .unwrap();
         let tp = Arc::clone(&policy.tenants["acme"]);
-        (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000), tp)
+        (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000, None), tp)
     }
 
     fn slice(tp: &TenantPolicy, day: u64) -> Slice {
@@ -437,7 +464,9 @@ mod tests {
     }
 
     fn ask(id: &str, hold: u64) -> Ask<'_> {
-        Ask { id, model: "m", scopes: vec![AskScope { key: "scope", of: &ScopeOf::Tenant }], hold, prompt: 0 }
+        let scopes = vec![AskScope { key: "scope", of: &ScopeOf::Tenant }];
+        let price = crate::config::Price::default();
+        Ask { id, model: "m", scopes, hold, prompt: 0, user: None, tier: "standard", price }
     }
 
     #[test]

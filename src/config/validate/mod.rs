@@ -232,7 +232,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         })
         .collect();
 
-    let ledger = raw.ledger.map(|l| ledger(l, &store.choice, raw.leasing.is_some())).transpose()?;
+    let ledger = raw.ledger.map(|l| ledger(l, &store.choice)).transpose()?;
     Ok(Policy {
         version: String::new(),
         server,

@@ -54,20 +54,8 @@ pub(in crate::config) fn tls_flag(field: &str) -> &str {
 }
 
 /// `ledger`: how much each tenant's stream keeps, and on the embedded store the file it is
-/// written to. Leased holds settle in a replica's memory, out of any script's sight, so the
-/// ledger and leasing do not go together.
-pub(super) fn ledger(
-    l: crate::config::raw::RawLedger,
-    store: &StoreChoice,
-    leasing: bool,
-) -> Result<LedgerSettings, Problem> {
-    if leasing {
-        return Err(problem(
-            "ledger",
-            "cannot be used with leasing: leased holds settle in each replica's memory, where no script \
-             can enter them; remove one of the two",
-        ));
-    }
+/// written to. (Leased holds are entered too, by their replica's next lease call.)
+pub(super) fn ledger(l: crate::config::raw::RawLedger, store: &StoreChoice) -> Result<LedgerSettings, Problem> {
     let max_len = l.max_len.unwrap_or(1_000_000);
     if !(1..=MAX_LEDGER_LEN).contains(&max_len) {
         return Err(problem("ledger.max_len", format!("{max_len} is outside 1..={MAX_LEDGER_LEN}")));

@@ -4,11 +4,12 @@
 
 use super::reserve::push_limits;
 use super::{Argv, Fields};
+use crate::config::LedgerTerms;
 use crate::hold::{Amounts, Counted, Forwarded, Headroom, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `lease.lua`'s fixed `ARGV`, in order.
-pub(crate) const ARGV: [&str; 8] = [
+pub(crate) const ARGV: [&str; 10] = [
     "the replica's member in the lease index",
     "record key prefix",
     "lease (ms)",
@@ -17,6 +18,8 @@ pub(crate) const ARGV: [&str; 8] = [
     "cap on the concurrency Retry-After",
     "end | keep",
     "the call's sequence number",
+    "the usage ledger's terms",
+    "ledger entries",
 ];
 
 /// Then these, per scope, in `KEYS` order.
@@ -84,6 +87,10 @@ pub struct LeaseCall<'a> {
     /// forwarded operations included.
     pub seq: u64,
     pub scopes: Vec<LeaseScope>,
+    /// The usage ledger's terms (`None`: there is none), and the entries of the leased holds the
+    /// replica settled since its last call, each a line as `lua/lease.lua` reads them.
+    pub ledger: Option<LedgerTerms>,
+    pub entries: Vec<String>,
 }
 
 /// The store's answer to a lease call.
@@ -133,6 +140,11 @@ impl<S: Store> Protocol<S> {
         a.push("cap on the concurrency Retry-After", call.concurrency_retry_cap_ms.to_string());
         a.push("end | keep", if call.ending { "end" } else { "keep" }.to_string());
         a.push("the call's sequence number", call.seq.to_string());
+        a.push(
+            "the usage ledger's terms",
+            call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
+        );
+        a.push("ledger entries", call.entries.join("\n"));
         for s in &call.scopes {
             keys.push(s.key.clone());
             push_limits(&mut a, &s.limits);
