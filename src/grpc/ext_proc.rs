@@ -7,7 +7,8 @@
 //! reads the usage the response reports (or meters the text that passes, see
 //! [`crate::llm::usage`]), renews the lease by time while the response is pending or streams (a
 //! third of the tenant's lease after the last renewal, until the stream ends: the response is
-//! over, the client left, or the route's timeout passed), and when the response ends
+//! over, the client left, or the route's timeout passed; each renewal on a task of its own, so the
+//! stream is read on while the store answers), and when the response ends
 //! settles the hold by how the response ended ([`crate::llm::settlement`] has the rules).
 //!
 //! A backend that commits itself says so with `x-tollgate-commit: caller` on its response, and
@@ -77,18 +78,24 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
         // stream is cut short.
         tokio::spawn(async move {
             let mut exchange = Exchange::new();
+            // A renewal under way, on a task of its own: the stream is read on while the store
+            // answers it, so a slow store never holds up a reply Envoy waits for.
+            let mut renewal: Option<tokio::task::JoinHandle<Result<RenewOutcome, AdmissionError>>> = None;
             loop {
                 // While the response is pending (a queue at the backend, a slow first token) or
                 // streams, the hold is renewed by time, not only when bytes arrive.
-                let message = match exchange.next_renewal() {
-                    Some(at) => tokio::select! {
-                        message = inbound.message() => message,
-                        () = tokio::time::sleep_until(at) => {
-                            exchange.keep_alive(&admission).await;
-                            continue;
-                        }
-                    },
-                    None => inbound.message().await,
+                let due = exchange.next_renewal().filter(|_| renewal.is_none());
+                let message = tokio::select! {
+                    message = inbound.message() => message,
+                    () = tokio::time::sleep_until(due.unwrap_or_else(far_future)), if due.is_some() => {
+                        renewal = exchange.start_renewal(&admission);
+                        continue;
+                    }
+                    done = async { renewal.as_mut().expect("a renewal under way").await }, if renewal.is_some() => {
+                        renewal = None;
+                        exchange.renewed(done);
+                        continue;
+                    }
                 };
                 // The stream ends cleanly, or with an error when Envoy resets it (the client left,
                 // or the route's timeout passed).
@@ -187,7 +194,7 @@ impl Exchange {
                 if let Some(meter) = &mut self.meter {
                     meter.feed(&b.body);
                 }
-                self.keep_alive(admission).await;
+                // (Its renewal is the timer's, in `process`: a chunk never waits on the store.)
                 if b.end_of_stream {
                     self.settle(admission, Ending::Complete).await;
                 }
@@ -222,18 +229,30 @@ impl Exchange {
         Some(self.last_renewal + every)
     }
 
-    /// Renews the lease of a hold whose response is pending or streaming: every third of a lease.
-    async fn keep_alive<S: Store>(&mut self, admission: &Admission<S>) {
-        let (Some(id), Some(every)) = (self.reservation.as_deref(), self.renew_every) else { return };
+    /// Starts renewing the lease of a hold whose response is pending or streaming (every third
+    /// of a lease), on a task of its own; `None` when none is due.
+    fn start_renewal<S: Store>(
+        &mut self,
+        admission: &Arc<Admission<S>>,
+    ) -> Option<tokio::task::JoinHandle<Result<RenewOutcome, AdmissionError>>> {
+        let (Some(id), Some(every)) = (self.reservation.clone(), self.renew_every) else { return None };
         if self.caller_commits || self.last_renewal.elapsed() < every {
-            return;
+            return None;
         }
         self.last_renewal = tokio::time::Instant::now();
-        match admission.renew(id, 0).await {
-            Ok(RenewOutcome::Renewed { .. } | RenewOutcome::Forwarded) => {}
+        let admission = Arc::clone(admission);
+        Some(tokio::spawn(async move { admission.renew(&id, 0).await }))
+    }
+
+    /// What a renewal answered.
+    fn renewed(&mut self, done: Result<Result<RenewOutcome, AdmissionError>, tokio::task::JoinError>) {
+        let id = self.reservation.as_deref().unwrap_or_default();
+        match done {
+            Ok(Ok(RenewOutcome::Renewed { .. } | RenewOutcome::Forwarded)) => {}
             // Settled already (by its caller, or expired): nothing left to keep alive.
-            Ok(RenewOutcome::Settled(_) | RenewOutcome::NotFound) => self.renew_every = None,
-            Err(e) => tracing::warn!(error = %e, reservation = id, "renewing a pending or streaming hold failed"),
+            Ok(Ok(RenewOutcome::Settled(_) | RenewOutcome::NotFound)) => self.renew_every = None,
+            Ok(Err(e)) => tracing::warn!(error = %e, reservation = id, "renewing a pending or streaming hold failed"),
+            Err(e) => tracing::warn!(error = %e, reservation = id, "a renewal's task failed"),
         }
     }
 
@@ -315,4 +334,9 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         return Some(&h.value);
     }
     std::str::from_utf8(&h.raw_value).ok()
+}
+
+/// An instant no timer reaches (for a `select!` branch switched off by its guard).
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400 * 365)
 }
