@@ -351,7 +351,15 @@ impl World {
                     self.day_usage += held;
                     // The hold's lease ends with its replica's lease record, if that is sooner: a
                     // renewal at once, changing nothing, says when.
-                    let lease = match r.admission.renew(&ad.reservation_id, LEASE_MS).await.unwrap() {
+                    // (A store hold under a leased id renews at the store: retried past faults.)
+                    let mut renewed = r.admission.renew(&ad.reservation_id, LEASE_MS).await;
+                    for _ in 0..100 {
+                        if renewed.is_ok() {
+                            break;
+                        }
+                        renewed = r.admission.renew(&ad.reservation_id, LEASE_MS).await;
+                    }
+                    let lease = match renewed.unwrap() {
                         RenewOutcome::Renewed { lease_remaining_ms } => lease_remaining_ms,
                         other => panic!("a hold just admitted renews: {other:?}"),
                     };
