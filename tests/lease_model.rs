@@ -199,6 +199,9 @@ impl Pending {
 struct World {
     replicas: Vec<Harness<Chaos<EmbeddedStore>>>,
     chaos: Chaos<EmbeddedStore>,
+    /// Each replica's retry worker (settlements whose store call failed), stopped at the end.
+    stop: tokio_util::sync::CancellationToken,
+    retries: Vec<tokio::task::JoinHandle<()>>,
     clock: ManualClock,
     share: f64,
     tenant: Bucket,
@@ -232,9 +235,13 @@ impl World {
             replicas.push(first.wrapped(|s| s).await);
         }
         replicas.insert(0, first);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let retries = replicas.iter().filter_map(|r| r.admission.run_retries(stop.clone())).collect();
         World {
             replicas,
             chaos,
+            stop,
+            retries,
             clock,
             share,
             tenant: Bucket::new(TENANT),
@@ -588,6 +595,17 @@ impl World {
     async fn finish(mut self) {
         self.chaos.calm();
         self.expire_refunded();
+        // What failed on its way to the store is settled by the retry queue (within its backoff,
+        // in real time, now that the store answers); then its workers go.
+        for r in &self.replicas {
+            let drained =
+                r.eventually(std::time::Duration::from_secs(10), || async { r.admission.retries_waiting() == 0 });
+            assert!(drained.await, "settlements left in the retry queue");
+        }
+        self.stop.cancel();
+        for w in std::mem::take(&mut self.retries) {
+            w.abort();
+        }
         // A window that gives everything back also takes every forwarded operation (after the
         // call whose answer was lost, if one was).
         for r in &self.replicas {
@@ -772,4 +790,37 @@ fn regression_a_forwarded_commit_outlives_its_owners_lapsed_lease() {
         Op::Advance { ms: 2158 },
     ];
     runtime().block_on(run_with(0.5, ops, Some(15852145395776184516)));
+}
+
+/// Found by the property test under faults: a forwarded commit of a store hold under a leased id
+/// (settled at the store) whose store call failed when its owner applied it was lost; it goes to
+/// the retry queue now.
+#[test]
+fn regression_a_forwarded_commit_that_fails_to_apply_is_retried() {
+    let ops = vec![
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Commit { hold: 0, replica: 0, per_mille: 0 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 2602 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 2213 },
+        Op::Advance { ms: 2839 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 5 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 6347 },
+        Op::Reserve { replica: 0, user: true, prompt: 0, max_tokens: 262 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
+        Op::Commit { hold: 4_293_150_147_001_264_551, replica: 0, per_mille: 0 },
+        Op::Tick { replica: 1 },
+        Op::Commit { hold: 16_452_044_516_542_300_724, replica: 0, per_mille: 800 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 1, user: false, prompt: 138, max_tokens: 59 },
+        Op::Commit { hold: 85_873_252_852_793_762, replica: 2, per_mille: 6 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 3000 },
+    ];
+    runtime().block_on(run_in(0.1, ops, Some(12_321_353_374_983_456_544), true));
 }

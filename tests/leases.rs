@@ -338,7 +338,8 @@ mod scenarios {
             .iter()
             .map(|d| admitted(d).reservation_id.clone())
             .collect();
-        r.admission.commit(&ids[0], 10, 20).await.unwrap();
+        let c = r.admission.commit(&ids[0], 10, 20).await.unwrap();
+        assert_eq!(c.usage().map(|u| u.cost_nanos), Some(70_000), "the commit reports the cost: {c:?}");
         r.admission.commit_counted(&ids[1], Counted::Metered { output: 50 }).await.unwrap();
         r.admission.release(&ids[2]).await.unwrap();
         r.admission.lease_tick(true).await.unwrap();

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::lease::{self, Called, Local};
 use super::plan::Plan;
 use super::reserve::{Tidy, refusal_reason, store_unavailable};
+use super::retry::Settlement;
 use super::{Admission, Admitted, Decision, Denial, Reason};
 use crate::config::Policy;
 use crate::hold::{Forwarded, Headroom};
@@ -94,6 +95,8 @@ impl<S: Store> Admission<S> {
 
     /// Applies operations other replicas left for this replica's holds. (Before the replica's next
     /// lease call: the store keeps them with the answer that handed them over only until then.)
+    /// A commit or release that fails on the way (a store hold under a leased id settles at the
+    /// store) goes to the retry queue: the store handed it over once, and it is never lost.
     pub(super) async fn apply_forwarded(&self, forwarded: Vec<(String, Forwarded)>) {
         for (id, op) in forwarded {
             let result = match op {
@@ -103,7 +106,15 @@ impl<S: Store> Admission<S> {
             };
             match result {
                 Ok(state) => tracing::debug!(reservation = %id, state, "applied a forwarded operation"),
-                Err(e) => tracing::warn!(reservation = %id, error = %e, "a forwarded operation failed"),
+                Err(e) => {
+                    tracing::warn!(reservation = %id, error = %e, "a forwarded operation failed; retried");
+                    match op {
+                        Forwarded::Commit(measured) => self.retry(Settlement::Commit { id, measured }),
+                        Forwarded::Release => self.retry(Settlement::Release { id }),
+                        // A renewal missed costs at most the hold's lease: nothing to keep.
+                        Forwarded::Renew { .. } => {}
+                    }
+                }
             }
         }
     }

@@ -217,6 +217,11 @@ impl<S: Store> Admission<S> {
         kept
     }
 
+    /// Settlements kept for the retry worker that the store has not taken yet.
+    pub fn retries_waiting(&self) -> u64 {
+        self.retries.waiting()
+    }
+
     /// Keeps a settlement whose store call failed, for the retry worker.
     pub fn retry(&self, settlement: retry::Settlement) {
         self.retries.push(settlement);

@@ -72,17 +72,20 @@ impl Settlement {
 pub struct Retries {
     queue: mpsc::Sender<Settlement>,
     dropped: AtomicU64,
+    /// Settlements kept and not yet taken by the store (or refused by it).
+    waiting: Arc<AtomicU64>,
 }
 
 /// The queue's receiving side, which its worker takes.
 #[derive(Debug)]
-pub struct Inbox(mpsc::Receiver<Settlement>);
+pub struct Inbox(mpsc::Receiver<Settlement>, Arc<AtomicU64>);
 
 impl Retries {
     /// A queue, and its inbox for [`Retries::run`].
     pub fn new() -> (Retries, Inbox) {
         let (queue, inbox) = mpsc::channel(CAPACITY);
-        (Retries { queue, dropped: AtomicU64::new(0) }, Inbox(inbox))
+        let waiting = Arc::new(AtomicU64::new(0));
+        (Retries { queue, dropped: AtomicU64::new(0), waiting: Arc::clone(&waiting) }, Inbox(inbox, waiting))
     }
 
     /// Starts a queue of its own and its worker (see [`Retries::run`]).
@@ -98,13 +101,15 @@ impl Retries {
     /// (for at most half a second), tries it all once more, logs what it lost, and ends; await the
     /// handle for that.
     pub fn run<S: Store>(admission: Arc<Admission<S>>, inbox: Inbox, shutdown: CancellationToken) -> JoinHandle<()> {
-        tokio::spawn(work(admission, inbox.0, shutdown))
+        tokio::spawn(work(admission, inbox.0, inbox.1, shutdown))
     }
 
     /// Keeps a settlement whose store call failed for retrying; a full queue drops it (its hold
     /// expires by its lease).
     pub fn push(&self, settlement: Settlement) {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.queue.try_send(settlement) {
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
             let dropped = self.dropped.fetch_add(1, Ordering::Relaxed).saturating_add(1);
             let settlement = e.into_inner();
             tracing::warn!(
@@ -115,6 +120,11 @@ impl Retries {
         }
     }
 
+    /// Settlements kept and not yet settled (taken, or refused, by the store).
+    pub fn waiting(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
     /// Settlements dropped for a full queue since the start.
     pub fn dropped(&self) -> u64 {
         self.dropped.load(Ordering::Relaxed)
@@ -123,7 +133,12 @@ impl Retries {
 
 /// Tries the oldest settlement first; one that fails for the store waits, and so do those behind
 /// it, so a store that is down is asked once per backoff, not once per settlement.
-async fn work<S: Store>(admission: Arc<Admission<S>>, mut inbox: mpsc::Receiver<Settlement>, stop: CancellationToken) {
+async fn work<S: Store>(
+    admission: Arc<Admission<S>>,
+    mut inbox: mpsc::Receiver<Settlement>,
+    waiting: Arc<AtomicU64>,
+    stop: CancellationToken,
+) {
     let mut pending: VecDeque<Settlement> = VecDeque::new();
     let mut backoff = FIRST_BACKOFF;
     loop {
@@ -145,7 +160,7 @@ async fn work<S: Store>(admission: Arc<Admission<S>>, mut inbox: mpsc::Receiver<
             () = tokio::time::sleep(backoff) => {}
             () = stop.cancelled() => break,
         }
-        backoff = match drain(&admission, &mut pending).await {
+        backoff = match drain(&admission, &mut pending, &waiting).await {
             Drained::All => FIRST_BACKOFF,
             Drained::StoreDown => backoff.saturating_mul(2).min(MAX_BACKOFF),
         };
@@ -161,7 +176,7 @@ async fn work<S: Store>(admission: Arc<Admission<S>>, mut inbox: mpsc::Receiver<
     while let Ok(s) = inbox.try_recv() {
         pending.push_back(s);
     }
-    let _ = drain(&admission, &mut pending).await;
+    let _ = drain(&admission, &mut pending, &waiting).await;
     if !pending.is_empty() {
         tracing::warn!(
             lost = pending.len(),
@@ -175,7 +190,7 @@ enum Drained {
     StoreDown,
 }
 
-async fn drain<S: Store>(admission: &Admission<S>, pending: &mut VecDeque<Settlement>) -> Drained {
+async fn drain<S: Store>(admission: &Admission<S>, pending: &mut VecDeque<Settlement>, waiting: &AtomicU64) -> Drained {
     while let Some(s) = pending.front() {
         match s.settle(admission).await {
             Ok(()) => tracing::info!(reservation = s.id(), "settled on retry"),
@@ -183,6 +198,7 @@ async fn drain<S: Store>(admission: &Admission<S>, pending: &mut VecDeque<Settle
             Err(e) => tracing::warn!(error = %e, reservation = s.id(), "a retried settlement was refused; dropped"),
         }
         pending.pop_front();
+        waiting.fetch_sub(1, Ordering::Relaxed);
     }
     Drained::All
 }
