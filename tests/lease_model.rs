@@ -212,6 +212,12 @@ struct World {
     debt: u64,
     /// The tenant's expired holds give their tokens back (`expired_usage: refund`).
     refund: bool,
+    /// Random cases with faults settle at the owner only: a forwarded operation whose lease call
+    /// lost its answer, or whose application went to the retry queue, is applied at a moment the
+    /// reference cannot see, and a settlement at the owner beside it would race it. (The named
+    /// regressions forward under faults, on seeds whose order is known; `tests/conservation.rs`
+    /// forwards under faults and checks the end.)
+    owner_only: bool,
     holds: Vec<Hold>,
     pending: BTreeMap<usize, Vec<Pending>>,
     now: u64,
@@ -249,6 +255,7 @@ impl World {
             day_usage: 0,
             debt: 0,
             refund,
+            owner_only: false,
             holds: Vec::new(),
             pending: BTreeMap::new(),
             now: 0,
@@ -384,6 +391,7 @@ impl World {
             }
             Op::Commit { hold, replica, per_mille } => {
                 let Some(i) = self.pick(hold) else { return };
+                let replica = if self.owner_only { self.holds[i].owner } else { replica };
                 let used = self.holds[i].held * per_mille / 1000;
                 let prompt = used / 2;
                 let waiting = self.waiting(i).await;
@@ -411,6 +419,7 @@ impl World {
             }
             Op::Release { hold, replica } => {
                 let Some(i) = self.pick(hold) else { return };
+                let replica = if self.owner_only { self.holds[i].owner } else { replica };
                 let waiting = self.waiting(i).await;
                 let o = match self.settled(replica, &self.holds[i].id.clone(), None).await {
                     Settling::Release(o) => o,
@@ -655,7 +664,17 @@ async fn run_with(share: f64, ops: Vec<Op>, faults: Option<u64>) {
 
 /// `refund`: the tenant's expired holds give their tokens back.
 async fn run_in(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool) {
+    run_world(World::new(share, faults, refund).await, ops).await;
+}
+
+/// A random case: with faults, settlements at the owner only (see `World::owner_only`).
+async fn run_random(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool) {
     let mut w = World::new(share, faults, refund).await;
+    w.owner_only = faults.is_some();
+    run_world(w, ops).await;
+}
+
+async fn run_world(mut w: World, ops: Vec<Op>) {
     for op in &ops {
         w.step(op).await;
     }
@@ -671,7 +690,7 @@ proptest! {
         faults in prop::option::of(any::<u64>()),
         refund in any::<bool>(),
     ) {
-        runtime().block_on(run_in(share, ops, faults, refund));
+        runtime().block_on(run_random(share, ops, faults, refund));
     }
 }
 
