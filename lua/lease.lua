@@ -37,17 +37,20 @@
 --          model, tier, outcome, usage, prompt tokens, output tokens, reserved tokens, charged
 --          tokens, cost, reserved cost, reserved at, settled at (the replica's clock); appended
 --          once (a re-send appends nothing), as the scripts that settle store holds append theirs
--- then seventeen numbers per scope, in KEYS order:
---   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget
---   (0 meaning no such limit);
---   tokens returned (negative: debt charged), the day they were drawn on, tokens returned to the
---   bucket only (refunds of holds drawn on an earlier day), requests returned, slots held after
+-- then twenty-five numbers per scope, in KEYS order:
+--   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
+--   monthly budget, daily cost budget, monthly cost budget (nanos) (0 meaning no such limit);
+--   tokens returned (negative: debt charged), cost returned (nanos; negative: debt charged), the
+--   day they were drawn on, earlier tokens returned, earlier cost returned, the earlier day
+--   (refunds of holds drawn on an earlier day than the slice's: back to the bucket, and to that
+--   day's and month's usage while they are the current ones), requests returned, slots held after
 --   the return (absolute);
---   tokens needed, requests needed, slots needed; tokens wanted, requests wanted, slots wanted.
+--   tokens needed, cost needed, requests needed, slots needed; tokens wanted, cost wanted,
+--   requests wanted, slots wanted.
 --
 -- Reply: {granted (1|0), reason, scope index (1-based), retry after ms, day,
 --         remaining tokens, token limit, token reset ms, remaining requests, request limit,
---         request reset ms, {tokens, requests, slots granted per scope}, {id, op, ...}, swept,
+--         request reset ms, {tokens, cost, requests, slots granted per scope}, {id, op, ...}, swept,
 --         the store's clock (ms): the replica's slices end with the store's day, not its own)
 --   (reason '' when granted; a refusal grants nothing and writes nothing but the returns and the
 --    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over; a
@@ -66,7 +69,7 @@ local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
 local last_call = KEYS[6]
 local seq = ARGV[8]
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 17
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 25
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -76,8 +79,8 @@ local n = #KEYS - FIRST_SCOPE + 1
 local function read_scopes(day)
   local scopes = {}
   for i = 1, n do
-    scopes[i] = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, FIRST_ARG + (i - 1) * PER_SCOPE - 1, now, day,
-      month_of(day))
+    local b = FIRST_ARG + (i - 1) * PER_SCOPE - 1
+    scopes[i] = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, b, now, day, month_of(day), b + 6)
   end
   return scopes
 end
@@ -98,10 +101,10 @@ if last[1] == seq then
   end
   for i = 1, n do
     local g = {}
-    for j = 1, 3 do
-      g[j] = tonumber(out[1 + (i - 1) * 3 + j]) or 0
+    for j = 1, 4 do
+      g[j] = tonumber(out[1 + (i - 1) * 4 + j]) or 0
     end
-    granted[i] = ok == 1 and g or { 0, 0, 0 }
+    granted[i] = ok == 1 and g or { 0, 0, 0, 0 }
   end
   local ops = {}
   for line in string.gmatch(last[5] or '', '[^\n]+') do
@@ -130,13 +133,20 @@ for i = 1, n do
     a[j] = tonumber(ARGV[b + j])
   end
   args[i] = a
-  local back_tokens, back_day, back_bucket, back_requests, held = a[6], a[7], a[8], a[9], a[10]
+  local back_tokens, back_cost, back_day = a[9], a[10], a[11]
+  local earlier_tokens, earlier_cost, earlier_day, back_requests, held = a[12], a[13], a[14], a[15], a[16]
+  -- Tokens and cost may go different ways (a refund of tokens, debt in money at another price).
   if back_tokens > 0 then
     refund({ key }, back_tokens, 0, back_day, now)
   elseif back_tokens < 0 then
     charge({ key }, -back_tokens, 0, now)
   end
-  refund({ key }, back_bucket, 0, -1, now)
+  if back_cost > 0 then
+    refund({ key }, 0, back_cost, back_day, now)
+  elseif back_cost < 0 then
+    charge({ key }, 0, -back_cost, now)
+  end
+  refund({ key }, earlier_tokens, earlier_cost, earlier_day, now)
   if back_requests > 0 and a[2] > 0 then
     local v = redis.call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
@@ -155,7 +165,7 @@ local reason, where, wait = '', 0, -1
 for i = 1, n do
   local s = scopes[i]
   local a = args[i]
-  check_scope(s, a[11], 0, a[12], a[13], leases, wait_cap, now, today, function(why, ms)
+  check_scope(s, a[17], a[18], a[19], a[20], leases, wait_cap, now, today, function(why, ms)
     ms = math.max(1, math.ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms
@@ -168,9 +178,11 @@ local granted = {}
 local slots = {}
 for i, s in ipairs(scopes) do
   local a = args[i]
-  local tokens, requests, taken = 0, 0, 0
+  local tokens, cost, requests, taken = 0, 0, 0, 0
   if reason == '' then
-    if s.tcap > 0 or s.budget > 0 then
+    local need_tokens, need_cost, need_requests, need_slots = a[17], a[18], a[19], a[20]
+    local want_tokens, want_cost, want_requests, want_slots = a[21], a[22], a[23], a[24]
+    if s.tcap > 0 or s.budget > 0 or s.mbudget > 0 then
       local have = math.huge
       if s.tcap > 0 then
         have = math.floor(s.t)
@@ -178,18 +190,31 @@ for i, s in ipairs(scopes) do
       if s.budget > 0 then
         have = math.min(have, s.budget - s.du)
       end
-      tokens = math.max(a[11], math.min(a[14], have))
+      if s.mbudget > 0 then
+        have = math.min(have, s.mbudget - s.mu)
+      end
+      tokens = math.max(need_tokens, math.min(want_tokens, have))
+    end
+    if s.dcost > 0 or s.mcost > 0 then
+      local have = math.huge
+      if s.dcost > 0 then
+        have = s.dcost - s.dc
+      end
+      if s.mcost > 0 then
+        have = math.min(have, s.mcost - s.mc)
+      end
+      cost = math.max(need_cost, math.min(want_cost, have))
     end
     if s.rcap > 0 then
-      requests = math.max(a[12], math.min(a[15], math.floor(s.r)))
+      requests = math.max(need_requests, math.min(want_requests, math.floor(s.r)))
     end
     if s.cmax > 0 then
-      taken = math.max(a[13], math.min(a[16], s.cmax - s.c))
+      taken = math.max(need_slots, math.min(want_slots, s.cmax - s.c))
     end
-    take(s, tokens, 0, requests, taken, today, month, now, idle)
+    take(s, tokens, cost, requests, taken, today, month, now, idle)
   end
-  granted[#granted + 1] = { tokens, requests, taken }
-  slots[i] = a[10] + taken
+  granted[#granted + 1] = { tokens, cost, requests, taken }
+  slots[i] = a[16] + taken
 end
 
 -- 4. The record: the slots this replica holds, renewed for another lease.
@@ -238,7 +263,7 @@ if reason == '' then
   local flat = { 'granted' }
   for _, g in ipairs(granted) do
     -- As integers: Lua's own number format keeps only 14 digits.
-    flat[#flat + 1] = string.format('%d %d %d', g[1], g[2], g[3])
+    flat[#flat + 1] = string.format('%d %d %d %d', g[1], g[2], g[3], g[4])
   end
   out = table.concat(flat, ' ')
 else

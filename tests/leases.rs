@@ -306,26 +306,66 @@ mod scenarios {
         assert!(admitted_now >= 2, "what the bucket holds is still admitted: {admitted_now}");
     }
 
-    /// A reload that takes a scope out of leasing (a monthly budget, decided at the store only):
-    /// the slice gives everything back at the next call, the scope's decisions go to the store,
-    /// and a hold admitted that way settles there, though its id names the replica.
-    pub async fn a_reload_that_stops_leasing_a_scope_gives_its_slice_back<S: Store + Clone>(h: Harness<S>) {
+    /// A reload that stops limiting a scope (the model's): its slice gives everything back at the
+    /// next call, and the request is still decided from the slices of the scopes that remain.
+    pub async fn a_reload_that_stops_limiting_a_scope_gives_its_slice_back<S: Store + Clone>(h: Harness<S>) {
+        let model = keys::model_scope(&h.tenant, "m");
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
         h.admission.commit(&id, 10, 20).await.unwrap();
+        let drawn = 10_000.0 - h.scope(&model).await.unwrap().num("t");
+        assert!(drawn > 30.5, "the model scope is leased: {drawn} drawn");
         let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
         let mut tp = tollgate::config::TenantPolicy::clone(&policy.tenants[&h.tenant]);
-        tp.limits.tokens_per_month = Some(1_000_000);
+        tp.models.remove("m");
         policy.tenants.insert(h.tenant.clone(), Arc::new(tp));
         h.admission.reload(policy);
         h.admission.lease_tick(false).await.unwrap();
-        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        let charged = 10_000.0 - h.scope(&model).await.unwrap().num("t");
         assert!((29.0..=30.0).contains(&charged), "30 used, {charged} still charged: the slice came back");
         let d = h.reserve(10, 90).await;
         let id = admitted(&d).reservation_id.clone();
+        assert!(id.ends_with(&format!("@{}", h.admission.replica().unwrap())), "still leased: {id}");
         let c = h.admission.commit(&id, 10, 20).await.unwrap();
         assert_eq!(c.usage().map(|u| (u.used, u.duplicate)), Some((30, false)), "{c:?}");
+        h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
         assert!((59.0..=60.0).contains(&charged), "60 used, {charged} charged");
+        let charged = 10_000.0 - h.scope(&model).await.unwrap().num("t");
+        assert!((29.0..=30.0).contains(&charged), "the model scope charged nothing more: {charged}");
+    }
+
+    /// A budget over the month or in money is leased as a daily token budget is: drawn with the
+    /// slices, never exceeded however the holds fall on two replicas, and charged to the unit
+    /// once the slices come back. `field` is the scope's counter (`mu` tokens this month, `dc`
+    /// money today), `budget` its limit, and each hold (10 prompt + 20 output) commits 10 + 10,
+    /// which counts 20 tokens or 40,000 nanos (model `m`: 1,000 and 3,000 nanos a token).
+    pub async fn a_long_or_money_budget_is_leased_and_exact<S: Store + Clone>(h: Harness<S>, field: &str, budget: f64) {
+        let (per_commit, per_hold) = if field == "mu" { (20.0, 30.0) } else { (40_000.0, 70_000.0) };
+        let other = h.wrapped(|s| s).await;
+        let (mut committed, mut refused) = (0.0, None);
+        for i in 0..200 {
+            let r = if i % 2 == 0 { &h } else { &other };
+            match r.reserve(10, 20).await {
+                tollgate::admission::Decision::Admitted(a) => {
+                    assert!(a.reservation_id.contains('@'), "decided from a slice: {}", a.reservation_id);
+                    r.admission.commit(&a.reservation_id, 10, 10).await.unwrap();
+                    committed += per_commit;
+                }
+                d => {
+                    refused = Some(denied(&d).reason);
+                    break;
+                }
+            }
+            let counted = h.tenant_scope().await.num(field);
+            assert!(counted <= budget, "{field} {counted} past the budget {budget}");
+        }
+        assert_eq!(refused, Some(Reason::Budget), "the budget ran out after {committed}");
+        // Near the budget: a single store refuses a hold with less left than it takes; leasing
+        // may also refuse while the other replica sits on its slice (at most half the budget).
+        assert!(committed >= budget / 2.0 - per_hold, "{committed} of {budget} used before a refusal");
+        h.admission.lease_tick(true).await.unwrap();
+        other.admission.lease_tick(true).await.unwrap();
+        assert_eq!(h.tenant_scope().await.num(field), committed, "{field}: what was committed, to the unit");
     }
 
     /// With a ledger, every leased hold is entered, by the replica's next lease call, as the store's
@@ -417,7 +457,7 @@ macro_rules! leasing {
             scenario!(a_lost_lease_answer_loses_no_forwarded_commit, SLOW);
             scenario!(a_tenant_a_reload_removes_gives_its_slices_back, SLOW);
             scenario!(a_reload_that_tightens_reaches_every_slice, SLOW);
-            scenario!(a_reload_that_stops_leasing_a_scope_gives_its_slice_back, SLOW);
+            scenario!(a_reload_that_stops_limiting_a_scope_gives_its_slice_back, &format!("{SLOW}models:\n  m: {{ tokens_per_minute: 60, burst_tokens: 10000 }}\n"));
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn leased_holds_are_entered_in_the_ledger() {
@@ -434,13 +474,17 @@ macro_rules! leasing {
                 scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
             }
 
-            /// Budgets over a month or in money are kept at the store only.
+            /// Budgets over a month or in money are leased, and stay exact.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn tenants_with_monthly_or_money_budgets_bypass_leasing() {
-                for budget in ["tokens_per_month: 1000000", "cost_per_day: 100"] {
-                    let body = format!("leasing:\n  window_ms: 250\n{TOP_SEPARATOR}limits:\n{SLOW}  {budget}\n");
-                    scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
-                }
+            async fn monthly_budgets_are_leased_and_exact() {
+                let h = $make(&policy(&format!("{SLOW}  tokens_per_month: 1000\n"))).await;
+                scenarios::a_long_or_money_budget_is_leased_and_exact(h, "mu", 1_000.0).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn money_budgets_are_leased_and_exact() {
+                let h = $make(&policy(&format!("{SLOW}  cost_per_day: 0.001\n"))).await;
+                scenarios::a_long_or_money_budget_is_leased_and_exact(h, "dc", 1_000_000.0).await;
             }
         }
     };

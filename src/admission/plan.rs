@@ -109,11 +109,9 @@ impl<S> Admission<S> {
             }
             None => None,
         };
-        // Budgets over months or in money are kept at the store only.
         let leased = self.leases.is_some()
             && !tp.strict
             && !tp.shadow
-            && !scopes.iter().any(|s| s.long_budgets)
             && a.idempotency.is_none()
             && tp.adaptive_output.is_none();
         let pool_name = pool.as_ref().map(|leg| leg.name.as_str());
@@ -228,8 +226,6 @@ pub(super) struct Scope {
     pub(super) of: ScopeOf,
     pub(super) limits: ScopeLimits,
     pub(super) largest: Option<u64>,
-    /// A budget over a month or in money: decided at the store, never from a leased slice.
-    pub(super) long_budgets: bool,
 }
 
 /// Which of a tenant's limits a scope keeps: what a reload looks up again for the scope's slices.
@@ -259,7 +255,6 @@ pub(super) fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantP
         of,
         limits: ScopeLimits::from(limits),
         largest: limits.largest_admissible(),
-        long_budgets: limits.has_long_budgets(),
     };
     let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), ScopeOf::Tenant, &tp.limits)];
     if let Some(user) = user

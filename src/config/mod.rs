@@ -519,11 +519,6 @@ impl Limits {
     pub fn largest_admissible(&self) -> Option<u64> {
         [self.token_capacity(), self.tokens_per_day, self.tokens_per_month].into_iter().flatten().min()
     }
-
-    /// True when the limits count money or months: decided at the store, never from a leased slice.
-    pub fn has_long_budgets(&self) -> bool {
-        self.tokens_per_month.is_some() || self.cost_per_day.is_some() || self.cost_per_month.is_some()
-    }
 }
 
 /// A per-minute rate per millisecond. Limits are at most 10^12 (validated), well inside f64's

@@ -51,10 +51,12 @@ impl From<&Limits> for ScopeLimits {
     }
 }
 
-/// Tokens, request permits and concurrency slots: what a replica's slice of a scope holds.
+/// Tokens, money, request permits and concurrency slots: what a replica's slice of a scope holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Amounts {
     pub tokens: u64,
+    /// Nanos of the policy's currency, for a scope with a budget in money.
+    pub cost: u64,
     pub requests: u64,
     pub slots: u64,
 }

@@ -72,58 +72,21 @@ impl Leases {
             }
             let mut target = if ending { Amounts::default() } else { slice.target(share) };
             // A scope the policy no longer leases draws nothing (the store decides the request).
-            let ask = ask.filter(|_| !slice.retired);
-            if let Some(ask) = ask {
-                // A miss draws ahead (four of this request), within the share; the need, below,
-                // may ask for more, which the asking request then takes at once.
+            let asking = ask.filter(|_| !slice.retired).map(Ask::spend);
+            if let Some(hold) = asking {
+                // A miss draws ahead (four of this request), within the share; the need may ask
+                // for more, which the asking request then takes at once.
                 let cap = slice.cap;
-                target.tokens = target.tokens.max(ask.hold.saturating_mul(4).min(cap.tokens));
+                target.tokens = target.tokens.max(hold.tokens.saturating_mul(4).min(cap.tokens));
+                target.cost = target.cost.max(hold.cost.saturating_mul(4).min(cap.cost));
                 target.requests = target.requests.max(4.min(cap.requests));
                 target.slots = target.slots.max(1);
+            } else if slice.day != today {
+                // The window's call gives yesterday's slice back and draws nothing for today.
+                target.tokens = 0;
+                target.cost = 0;
             }
-            if slice.day != today {
-                // Free tokens of another day go back to it; the new day draws its own.
-                target.tokens = if ask.is_some() { target.tokens } else { 0 };
-                slice.stale_refund = slice.stale_refund.saturating_add(u64::try_from(slice.tokens.max(0)).unwrap_or(0));
-                slice.tokens = slice.tokens.min(0);
-            }
-            let keep_tokens = slice.tokens.clamp(0, signed(target.tokens));
-            let back_tokens =
-                slice.tokens.saturating_sub(keep_tokens).saturating_add(signed(std::mem::take(&mut slice.surplus)));
-            let keep_requests = slice.requests.min(target.requests);
-            let back_requests = slice
-                .requests
-                .saturating_sub(keep_requests)
-                .saturating_add(std::mem::take(&mut slice.surplus_requests));
-            let keep_slots = slice.slots_free.min(target.slots);
-            let mut need = Amounts::default();
-            if let Some(ask) = ask {
-                if slice.limits_tokens() {
-                    need.tokens = ask.hold.saturating_sub(u64::try_from(keep_tokens).unwrap_or(0));
-                }
-                need.requests = u64::from(slice.limits_requests() && keep_requests == 0);
-                need.slots = u64::from(slice.limits_slots() && keep_slots == 0);
-            }
-            let want = Amounts {
-                tokens: target.tokens.saturating_sub(u64::try_from(keep_tokens).unwrap_or(0)).max(need.tokens),
-                requests: target.requests.saturating_sub(keep_requests).max(need.requests),
-                slots: target.slots.saturating_sub(keep_slots).max(need.slots),
-            };
-            let want = if slice.limits_tokens() { want } else { Amounts { tokens: 0, ..want } };
-            scopes.push(LeaseScope {
-                key: key.clone(),
-                limits: slice.limits,
-                back_tokens,
-                back_day: slice.day,
-                back_bucket_tokens: std::mem::take(&mut slice.stale_refund),
-                back_requests,
-                held_slots: slice.slots_used.saturating_add(keep_slots),
-                need,
-                want,
-            });
-            slice.tokens = keep_tokens;
-            slice.requests = keep_requests;
-            slice.slots_free = keep_slots;
+            scopes.push(slice.ready(&key, target, asking, today));
         }
         let seq = self.seq.fetch_add(1, Ordering::Relaxed).saturating_add(1);
         let entries = std::mem::take(&mut s.unentered);
@@ -165,10 +128,11 @@ impl Leases {
             LeaseOutcome::Granted(granted) => {
                 for (scope, g) in scopes.iter().zip(granted) {
                     if let Some(slice) = s.slices.get_mut(&scope.key) {
+                        slice.turn_day(reply.day);
                         slice.tokens = slice.tokens.saturating_add(signed(g.tokens));
+                        slice.cost = slice.cost.saturating_add(signed(g.cost));
                         slice.requests = slice.requests.saturating_add(g.requests);
                         slice.slots_free = slice.slots_free.saturating_add(g.slots);
-                        slice.day = reply.day;
                         slice.blocked = None;
                     }
                 }

@@ -1,6 +1,7 @@
 //! The holds a replica admitted from its slices: live, and settled (remembered to answer a
 //! repeated or late commit the way the store's retained records do).
 
+use super::slice::Spend;
 use super::{Leases, State};
 use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Settled, Usage};
 
@@ -35,6 +36,24 @@ impl LocalHold {
 
     fn held_cost(&self) -> u64 {
         self.cost(self.prompt, self.held.saturating_sub(self.prompt))
+    }
+
+    /// What the hold took from each slice.
+    fn spend(&self) -> Spend {
+        Spend { tokens: self.held, cost: self.held_cost() }
+    }
+
+    /// What `counted` charges this hold: tokens, and their cost.
+    fn used(&self, counted: Counted) -> Spend {
+        match counted {
+            Counted::Exact { prompt, output } => {
+                Spend { tokens: prompt.saturating_add(output), cost: self.cost(prompt, output) }
+            }
+            Counted::Metered { output } => {
+                Spend { tokens: self.prompt.saturating_add(output), cost: self.cost(self.prompt, output) }
+            }
+            Counted::AsHeld => self.spend(),
+        }
     }
 }
 
@@ -146,23 +165,24 @@ impl State {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.free_slot();
                 if refund {
-                    slice.refund(hold.held, hold.day);
+                    slice.refund(hold.spend(), hold.day);
                 }
             }
         }
         if refund { 0 } else { hold.held }
     }
 
-    /// Charges `used` against `charged` in every scope of the hold: the difference comes back or
-    /// is debt.
-    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: u64, used: u64) {
+    /// Charges `used` against `charged` in every scope of the hold: each difference (tokens, and
+    /// money) comes back or is debt.
+    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, used: Spend) {
+        let less = |a: Spend, b: Spend| Spend {
+            tokens: a.tokens.saturating_sub(b.tokens),
+            cost: a.cost.saturating_sub(b.cost),
+        };
         for key in &hold.scopes {
             if let Some(slice) = self.slices.get_mut(key) {
-                if used < charged {
-                    slice.refund(charged.saturating_sub(used), hold.day);
-                } else {
-                    slice.overrun(used.saturating_sub(charged));
-                }
+                slice.refund(less(charged, used), hold.day);
+                slice.overrun(less(used, charged));
             }
         }
     }
@@ -190,20 +210,16 @@ impl Leases {
         let mut s = t.lock();
         s.active = true;
         let metered = !matches!(counted, Counted::Exact { .. });
-        let used = |hold: &LocalHold| match counted {
-            Counted::Exact { prompt, output } => prompt.saturating_add(output),
-            Counted::Metered { output } => hold.prompt.saturating_add(output),
-            Counted::AsHeld => hold.held,
-        };
         s.expire_if_due(id, now, retention);
         if let Some(hold) = s.holds.remove(id) {
-            let used = used(&hold);
+            let spent = hold.used(counted);
+            let used = spent.tokens;
             for key in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
                 }
             }
-            s.reconcile(&hold, hold.held, used);
+            s.reconcile(&hold, hold.spend(), spent);
             let usage = usage(&hold, used, false, metered, counted);
             s.enter(id, &hold, Entered::Committed { used, counted, late: false }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
@@ -213,8 +229,11 @@ impl Leases {
             Some(Closed::Committed(u)) => CommitOutcome::Committed(Usage { duplicate: true, ..u }),
             Some(Closed::Released { .. }) => CommitOutcome::Released,
             Some(Closed::Expired { hold, charged }) => {
-                let used = used(&hold);
-                s.reconcile(&hold, charged, used);
+                let spent = hold.used(counted);
+                let used = spent.tokens;
+                // An expired hold charges all it held, or nothing (refunded).
+                let charged = if charged == 0 { Spend::default() } else { hold.spend() };
+                s.reconcile(&hold, charged, spent);
                 let usage = usage(&hold, used, true, metered, counted);
                 s.enter(id, &hold, Entered::Committed { used, counted, late: true }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
@@ -236,7 +255,7 @@ impl Leases {
             for key in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
-                    slice.refund(hold.held, hold.day);
+                    slice.refund(hold.spend(), hold.day);
                 }
             }
             s.enter(id, &hold, Entered::Released, now);
@@ -268,11 +287,6 @@ impl Leases {
 }
 
 fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool, counted: Counted) -> Usage {
-    let cost_nanos = match counted {
-        Counted::Exact { prompt, output } => hold.cost(prompt, output),
-        Counted::Metered { output } => hold.cost(hold.prompt, output),
-        Counted::AsHeld => hold.held_cost(),
-    };
     Usage {
         late,
         duplicate: false,
@@ -283,7 +297,6 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool, counted: Counte
         overrun: used.saturating_sub(hold.held),
         model: Some(hold.model.clone()),
         output_held: Some(hold.held.saturating_sub(hold.prompt)),
-        // What the tokens cost at the model's price (a budget in money is decided at the store).
-        cost_nanos,
+        cost_nanos: hold.used(counted).cost,
     }
 }

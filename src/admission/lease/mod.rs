@@ -47,7 +47,7 @@ use crate::hold::{DAY_MS, Forwarded, Headroom, Refusal};
 use crate::store::clock::Clock;
 pub(super) use call::Called;
 use holds::{Closed, LocalHold};
-use slice::Slice;
+use slice::{Slice, Spend};
 
 /// Windows a tenant may stay idle (nothing held, nothing settled to remember, nothing asked)
 /// before the replica leaves it.
@@ -74,6 +74,14 @@ pub(super) struct Ask<'a> {
     pub user: Option<&'a str>,
     pub tier: &'static str,
     pub price: crate::config::Price,
+}
+
+impl Ask<'_> {
+    /// What the hold takes from each slice: its tokens, and what they may cost.
+    fn spend(&self) -> Spend {
+        let output = self.hold.saturating_sub(self.prompt);
+        Spend { tokens: self.hold, cost: super::plan::cost_of(self.price, self.prompt, output) }
+    }
 }
 
 /// A decision from memory.
@@ -289,7 +297,7 @@ impl Leases {
             if slice.day != s.day {
                 return Local::Miss;
             }
-            if slice.covers(ask.hold) {
+            if slice.covers(ask.spend()) {
                 continue;
             }
             return match slice.blocked {
@@ -302,7 +310,7 @@ impl Leases {
         let mut tightest: Option<i64> = None;
         for scope in &ask.scopes {
             if let Some(slice) = s.slices.get_mut(scope.key) {
-                slice.take(ask.hold);
+                slice.take(ask.spend());
                 if slice.limits_tokens() {
                     tightest = Some(tightest.map_or(slice.tokens, |t| t.min(slice.tokens)));
                 }
@@ -361,10 +369,7 @@ impl Leases {
             s.idle_windows = 0;
             return (due, Some(false));
         }
-        let holding = s
-            .slices
-            .values()
-            .any(|sl| sl.tokens != 0 || sl.requests > 0 || sl.slots_free > 0 || sl.stale_refund > 0 || sl.surplus > 0);
+        let holding = s.slices.values().any(Slice::owes);
         if !s.closed.is_empty() {
             // Settled holds can still be committed late, from another replica too: keep the lease
             // record, and look for forwarded operations, a few times a lease.
@@ -428,134 +433,4 @@ impl State {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Policy;
-    use crate::hold::{RenewOutcome, Settled};
-    use crate::store::clock::ManualClock;
-
-    const START: u64 = 1_795_953_600_000;
-
-    fn leases(clock: &ManualClock) -> (Leases, Arc<TenantPolicy>) {
-        let policy = Policy::parse(
-            "t.yaml",
-            "leasing: { window_ms: 250, max_share: 0.1 }\nmodels:\n  m: { max_output_tokens: 100 }\n\
-             tenants:\n  acme: { lease_ttl_ms: 4000, limits: { tokens_per_minute: 60000, burst_tokens: 10000, max_concurrency: 10 } }\n",
-        )
-        .unwrap();
-        let tp = Arc::clone(&policy.tenants["acme"]);
-        (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000, None), tp)
-    }
-
-    fn slice(tp: &TenantPolicy, day: u64) -> Slice {
-        Slice::new(ScopeOf::Tenant, Some(&tp.limits), day, 0.1)
-    }
-
-    /// A slice that holds `tokens` and `slots` free, as a lease call would have left it.
-    fn stock(t: &TenantLease, tp: &TenantPolicy, tokens: i64, slots: u64, valid_until: u64) {
-        let mut s = t.lock();
-        let mut slice = slice(tp, START / DAY_MS);
-        slice.tokens = tokens;
-        slice.slots_free = slots;
-        s.slices.insert("scope".into(), slice);
-        s.valid_until = valid_until;
-        s.day = START / DAY_MS;
-        s.day_ends_at = START + DAY_MS / 2;
-    }
-
-    fn ask(id: &str, hold: u64) -> Ask<'_> {
-        let scopes = vec![AskScope { key: "scope", of: &ScopeOf::Tenant }];
-        let price = crate::config::Price::default();
-        Ask { id, model: "m", scopes, hold, prompt: 0, user: None, tier: "standard", price }
-    }
-
-    #[test]
-    fn a_refund_beyond_the_share_is_given_back_not_spent() {
-        let clock = ManualClock::new(START);
-        let (_, tp) = leases(&clock);
-        let mut slice = slice(&tp, 7);
-        assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
-        slice.tokens = 900;
-        slice.refund(300, 7);
-        assert_eq!((slice.tokens, slice.surplus), (1_000, 200));
-        slice.refund(50, 6);
-        assert_eq!(slice.stale_refund, 50, "a hold of another day refunds the bucket only");
-    }
-
-    #[test]
-    fn a_leased_hold_never_outlives_its_replicas_lease_record() {
-        let clock = ManualClock::new(START);
-        let (leases, tp) = leases(&clock);
-        let t = leases.tenant("acme", &tp);
-        stock(&t, &tp, 1_000, 5, START + 1_500);
-        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
-        assert_eq!(t.lock().holds["h1"].lease_until, START + 1_500, "not START + 4,000");
-        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Renewed { lease_remaining_ms: 1_500 });
-        clock.advance_ms(1_500);
-        assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the lease lapsed");
-        assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
-    }
-
-    /// A slice belongs to the store's day: none of it is spent past the store's midnight (as the
-    /// last answer placed it on this replica's clock), nor after an answer of another day.
-    #[test]
-    fn a_slice_is_not_spent_past_its_day() {
-        let clock = ManualClock::new(START);
-        let (leases, tp) = leases(&clock);
-        let t = leases.tenant("acme", &tp);
-        stock(&t, &tp, 1_000, 5, START + 4_000);
-        t.lock().day_ends_at = START + 1_000;
-        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
-        clock.advance_ms(1_000);
-        assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the store's day has ended");
-        assert_eq!(t.lock().today(START + 1_000), START / DAY_MS + 1);
-        // An answer placing the replica in the next day, with the slice still of the last.
-        t.lock().day = START / DAY_MS + 1;
-        t.lock().day_ends_at = START + DAY_MS;
-        assert!(matches!(leases.try_admit(&t, &ask("h3", 100)), Local::Miss), "a slice of yesterday");
-    }
-
-    /// A leased hold a commit finds expired is counted with the ones the window expired.
-    #[test]
-    fn a_hold_found_expired_by_a_commit_is_reported_by_the_next_upkeep() {
-        let clock = ManualClock::new(START);
-        let (leases, tp) = leases(&clock);
-        let t = leases.tenant("acme", &tp);
-        stock(&t, &tp, 1_000, 5, START + 10_000);
-        assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
-        clock.advance_ms(4_000);
-        let late = leases.commit("acme", "h1", crate::hold::Counted::Exact { prompt: 1, output: 1 });
-        assert!(matches!(late, crate::hold::CommitOutcome::Committed(ref u) if u.late), "{late:?}");
-        assert_eq!(leases.upkeep(&t).0, vec!["h1".to_string()], "expired, for the expired-holds count");
-        assert!(leases.upkeep(&t).0.is_empty(), "and counted once");
-    }
-
-    #[test]
-    fn a_leased_decision_never_reports_more_remaining_than_the_limit() {
-        use crate::hold::Window;
-        let clock = ManualClock::new(START);
-        let (leases, tp) = leases(&clock);
-        let t = leases.tenant("acme", &tp);
-        stock(&t, &tp, 1_000, 5, START + 4_000);
-        // The store's view at the last call: full. The slice's 900 free tokens are inside it.
-        t.lock().headroom =
-            Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), requests: None };
-        let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", 100)) else { panic!("admitted") };
-        assert_eq!(headroom.tokens.map(|w| w.remaining), Some(10_000));
-    }
-
-    #[test]
-    fn a_replica_with_only_settled_holds_polls_four_times_a_lease() {
-        let clock = ManualClock::new(START);
-        let (leases, tp) = leases(&clock);
-        let t = leases.tenant("acme", &tp);
-        stock(&t, &tp, 0, 0, START + 4_000);
-        t.lock().closed.insert("done".into(), Closed::Released { refunded: 1 });
-        t.lock().last_call = START;
-        leases.upkeep(&t); // the window the tenant was created in: active
-        clock.advance_ms(999);
-        assert_eq!(leases.upkeep(&t).1, None, "nothing to give back, polled a moment ago");
-        clock.advance_ms(1);
-        assert_eq!(leases.upkeep(&t).1, Some(false), "a quarter of the 4,000 ms lease since the last call");
-    }
-}
+mod tests;

@@ -1,10 +1,12 @@
 //! A replica's slice of one scope: what it holds free, what it took, what the store refused.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroU64;
 
 use super::super::plan::ScopeOf;
 use crate::config::Limits;
 use crate::hold::{Amounts, Refusal, ScopeLimits};
+use crate::store::{Earlier, LeaseScope};
 
 #[derive(Debug, Clone)]
 pub(super) struct Slice {
@@ -12,17 +14,20 @@ pub(super) struct Slice {
     pub(super) of: ScopeOf,
     /// Sent with every call for this scope: the policy's, as of the last reload.
     pub(super) limits: ScopeLimits,
-    /// The policy no longer leases this scope (it does not limit it, or keeps a budget only the
-    /// store decides): the slice covers nothing, and every call gives back all it holds.
+    /// The policy no longer limits this scope: the slice covers nothing, and every call gives
+    /// back all it holds.
     pub(super) retired: bool,
-    /// Free tokens, drawn on `day`; negative: debt the replica's holds ran up, charged at the next call.
+    /// Free tokens and money (nanos), drawn on `day`; negative: debt the replica's holds ran up,
+    /// charged at the next call.
     pub(super) tokens: i64,
+    pub(super) cost: i64,
     pub(super) day: u64,
-    /// Refunds of holds drawn on an earlier day than `day`: they go back to the bucket only.
-    pub(super) stale_refund: u64,
+    /// Refunds of holds drawn on a day before `day`, by that day: they go back to the bucket, and
+    /// to that day's and month's usage while those are the store's current ones, a day a call.
+    pub(super) earlier: BTreeMap<u64, Spend>,
     /// Refunds beyond what the slice may hold free (`cap`): given back with the next call, never
     /// spent here, so that what a replica can spend unseen stays within its share.
-    pub(super) surplus: u64,
+    pub(super) surplus: Spend,
     /// The most this slice may hold free: `max_share` of each capacity.
     pub(super) cap: Amounts,
     pub(super) requests: u64,
@@ -34,6 +39,23 @@ pub(super) struct Slice {
     pub(super) taken: Amounts,
     pub(super) taken_before: Amounts,
     pub(super) blocked: Option<Blocked>,
+}
+
+/// Tokens and what they cost (nanos): what a hold takes from a slice, or gives back to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Spend {
+    pub(super) tokens: u64,
+    pub(super) cost: u64,
+}
+
+impl Spend {
+    fn add(self, other: Spend) -> Spend {
+        Spend { tokens: self.tokens.saturating_add(other.tokens), cost: self.cost.saturating_add(other.cost) }
+    }
+
+    pub(super) fn is_zero(self) -> bool {
+        self == Spend::default()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -53,9 +75,10 @@ impl Slice {
             limits: ScopeLimits::default(),
             retired: false,
             tokens: 0,
+            cost: 0,
             day,
-            stale_refund: 0,
-            surplus: 0,
+            earlier: BTreeMap::new(),
+            surplus: Spend::default(),
             cap: Amounts::default(),
             requests: 0,
             surplus_requests: 0,
@@ -73,14 +96,17 @@ impl Slice {
     /// holds free beyond the cap set aside to give back with the next call (free slots beyond it
     /// are dropped: every call states the slots held, so the store frees them then).
     pub(super) fn retune(&mut self, limits: Option<&Limits>, share: f64) {
-        self.retired = limits.is_none_or(Limits::has_long_budgets);
+        self.retired = limits.is_none();
         if let Some(limits) = limits {
             self.limits = ScopeLimits::from(limits);
         }
         self.cap = if self.retired { Amounts::default() } else { self.share_cap(share) };
-        let excess = self.tokens.saturating_sub(signed(self.cap.tokens)).max(0);
-        self.tokens = self.tokens.saturating_sub(excess);
-        self.surplus = self.surplus.saturating_add(u64::try_from(excess).unwrap_or(0));
+        let (tokens, excess) = beyond(self.tokens, self.cap.tokens);
+        self.tokens = tokens;
+        self.surplus.tokens = self.surplus.tokens.saturating_add(excess);
+        let (cost, excess) = beyond(self.cost, self.cap.cost);
+        self.cost = cost;
+        self.surplus.cost = self.surplus.cost.saturating_add(excess);
         let excess = self.requests.saturating_sub(self.cap.requests);
         self.requests = self.requests.saturating_sub(excess);
         self.surplus_requests = self.surplus_requests.saturating_add(excess);
@@ -89,7 +115,12 @@ impl Slice {
     }
 
     pub(super) fn limits_tokens(&self) -> bool {
-        self.limits.tokens.is_some() || self.limits.daily_budget.is_some()
+        let l = &self.limits;
+        l.tokens.is_some() || l.daily_budget.is_some() || l.monthly_budget.is_some()
+    }
+
+    pub(super) fn limits_cost(&self) -> bool {
+        self.limits.tightest_cost().is_some()
     }
 
     pub(super) fn limits_requests(&self) -> bool {
@@ -100,17 +131,22 @@ impl Slice {
         self.limits.max_concurrency.is_some()
     }
 
-    pub(super) fn covers(&self, hold: u64) -> bool {
+    pub(super) fn covers(&self, hold: Spend) -> bool {
         !self.retired
-            && (!self.limits_tokens() || self.tokens >= signed(hold))
+            && (!self.limits_tokens() || self.tokens >= signed(hold.tokens))
+            && (!self.limits_cost() || self.cost >= signed(hold.cost))
             && (!self.limits_requests() || self.requests >= 1)
             && (!self.limits_slots() || self.slots_free >= 1)
     }
 
-    pub(super) fn take(&mut self, hold: u64) {
+    pub(super) fn take(&mut self, hold: Spend) {
         if self.limits_tokens() {
-            self.tokens = self.tokens.saturating_sub(signed(hold));
-            self.taken.tokens = self.taken.tokens.saturating_add(hold);
+            self.tokens = self.tokens.saturating_sub(signed(hold.tokens));
+            self.taken.tokens = self.taken.tokens.saturating_add(hold.tokens);
+        }
+        if self.limits_cost() {
+            self.cost = self.cost.saturating_sub(signed(hold.cost));
+            self.taken.cost = self.taken.cost.saturating_add(hold.cost);
         }
         if self.limits_requests() {
             self.requests = self.requests.saturating_sub(1);
@@ -123,26 +159,41 @@ impl Slice {
         }
     }
 
-    /// Tokens back from a hold drawn on `day`.
-    pub(super) fn refund(&mut self, amount: u64, day: u64) {
-        if !self.limits_tokens() || amount == 0 {
-            return;
-        }
-        if day == self.day {
-            let room = u64::try_from(signed(self.cap.tokens).saturating_sub(self.tokens)).unwrap_or(0);
-            let kept = amount.min(room);
-            self.tokens = self.tokens.saturating_add(signed(kept));
-            self.surplus = self.surplus.saturating_add(amount.saturating_sub(kept));
-        } else {
-            self.stale_refund = self.stale_refund.saturating_add(amount);
+    /// What the slice keeps of a refund: tokens and money a hold drawn on `day` gives back.
+    fn kept(&self, back: Spend) -> Spend {
+        Spend {
+            tokens: if self.limits_tokens() { back.tokens } else { 0 },
+            cost: if self.limits_cost() { back.cost } else { 0 },
         }
     }
 
-    /// Usage beyond a hold: debt, given to the store with the next call.
-    pub(super) fn overrun(&mut self, amount: u64) {
-        if self.limits_tokens() {
-            self.tokens = self.tokens.saturating_sub(signed(amount));
+    /// Tokens and money back from a hold drawn on `day`.
+    pub(super) fn refund(&mut self, back: Spend, day: u64) {
+        let back = self.kept(back);
+        if back.is_zero() {
+            return;
         }
+        if day != self.day {
+            let e = self.earlier.entry(day).or_default();
+            *e = e.add(back);
+            return;
+        }
+        let room = |free: i64, cap: u64| u64::try_from(signed(cap).saturating_sub(free)).unwrap_or(0);
+        let kept = Spend {
+            tokens: back.tokens.min(room(self.tokens, self.cap.tokens)),
+            cost: back.cost.min(room(self.cost, self.cap.cost)),
+        };
+        self.tokens = self.tokens.saturating_add(signed(kept.tokens));
+        self.cost = self.cost.saturating_add(signed(kept.cost));
+        self.surplus.tokens = self.surplus.tokens.saturating_add(back.tokens.saturating_sub(kept.tokens));
+        self.surplus.cost = self.surplus.cost.saturating_add(back.cost.saturating_sub(kept.cost));
+    }
+
+    /// Usage beyond a hold: debt, given to the store with the next call.
+    pub(super) fn overrun(&mut self, beyond: Spend) {
+        let beyond = self.kept(beyond);
+        self.tokens = self.tokens.saturating_sub(signed(beyond.tokens));
+        self.cost = self.cost.saturating_sub(signed(beyond.cost));
     }
 
     pub(super) fn free_slot(&mut self) {
@@ -152,17 +203,110 @@ impl Slice {
         }
     }
 
+    /// The store's answer placed the slice in a new day: what it holds free of the old one (and
+    /// what came back to it while the call was on its way) goes back to that day with the next
+    /// call, never spent in the new one.
+    pub(super) fn turn_day(&mut self, day: u64) {
+        if day == self.day {
+            return;
+        }
+        let free = Spend {
+            tokens: u64::try_from(self.tokens.max(0)).unwrap_or(0),
+            cost: u64::try_from(self.cost.max(0)).unwrap_or(0),
+        };
+        let back = free.add(std::mem::take(&mut self.surplus));
+        if !back.is_zero() {
+            let e = self.earlier.entry(self.day).or_default();
+            *e = e.add(back);
+        }
+        self.tokens = self.tokens.min(0);
+        self.cost = self.cost.min(0);
+        self.day = day;
+    }
+
+    /// Anything to give back to the store: free amounts, refunds set aside, debt.
+    pub(super) fn owes(&self) -> bool {
+        self.tokens != 0
+            || self.cost != 0
+            || self.requests > 0
+            || self.slots_free > 0
+            || !self.earlier.is_empty()
+            || !self.surplus.is_zero()
+            || self.surplus_requests > 0
+    }
+
+    /// This slice's part of a lease call: gives back what is free beyond `target` (all of it when
+    /// the slice is of a day before `today`), with the refunds set aside and the debt, states the
+    /// slots held, and asks for `target` again, at least what `asking` needs beyond what it keeps.
+    /// What it gives back leaves the slice now: the call carrying it goes again, as it was, until
+    /// its answer is in hand.
+    pub(super) fn ready(&mut self, key: &str, target: Amounts, asking: Option<Spend>, today: u64) -> LeaseScope {
+        // Free tokens and money of another day go back to it; the new day draws its own.
+        let same_day = self.day == today;
+        let keep = |free: i64, target: u64| if same_day { free.clamp(0, signed(target)) } else { 0 };
+        let keep_tokens = keep(self.tokens, target.tokens);
+        let keep_cost = keep(self.cost, target.cost);
+        let surplus = std::mem::take(&mut self.surplus);
+        let back_tokens = self.tokens.saturating_sub(keep_tokens).saturating_add(signed(surplus.tokens));
+        let back_cost = self.cost.saturating_sub(keep_cost).saturating_add(signed(surplus.cost));
+        let keep_requests = self.requests.min(target.requests);
+        let back_requests =
+            self.requests.saturating_sub(keep_requests).saturating_add(std::mem::take(&mut self.surplus_requests));
+        let keep_slots = self.slots_free.min(target.slots);
+        let unsigned = |n: i64| u64::try_from(n).unwrap_or(0);
+        let mut need = Amounts::default();
+        if let Some(hold) = asking {
+            if self.limits_tokens() {
+                need.tokens = hold.tokens.saturating_sub(unsigned(keep_tokens));
+            }
+            if self.limits_cost() {
+                need.cost = hold.cost.saturating_sub(unsigned(keep_cost));
+            }
+            need.requests = u64::from(self.limits_requests() && keep_requests == 0);
+            need.slots = u64::from(self.limits_slots() && keep_slots == 0);
+        }
+        let want = Amounts {
+            tokens: if self.limits_tokens() {
+                target.tokens.saturating_sub(unsigned(keep_tokens)).max(need.tokens)
+            } else {
+                0
+            },
+            cost: if self.limits_cost() { target.cost.saturating_sub(unsigned(keep_cost)).max(need.cost) } else { 0 },
+            requests: target.requests.saturating_sub(keep_requests).max(need.requests),
+            slots: target.slots.saturating_sub(keep_slots).max(need.slots),
+        };
+        let back_earlier = self.earlier.pop_first().map(|(day, s)| Earlier { day, tokens: s.tokens, cost: s.cost });
+        let scope = LeaseScope {
+            key: key.to_string(),
+            limits: self.limits,
+            back_tokens,
+            back_cost,
+            back_day: self.day,
+            back_earlier,
+            back_requests,
+            held_slots: self.slots_used.saturating_add(keep_slots),
+            need,
+            want,
+        };
+        self.tokens = keep_tokens;
+        self.cost = keep_cost;
+        self.requests = keep_requests;
+        self.slots_free = keep_slots;
+        scope
+    }
+
     /// The most this slice may hold free: `share` of each capacity (at least one); 0 for what the
     /// scope does not limit.
     pub(super) fn share_cap(&self, share: f64) -> Amounts {
         let l = &self.limits;
-        // Tokens are bounded by the bucket and the day's budget, whichever is smaller.
-        let tokens = [l.tokens.map(|b| b.capacity), l.daily_budget].into_iter().flatten().min();
-        let share_of = |n: Option<NonZeroU64>| n.map_or(0, |n| share_of(n.get(), share));
+        // Tokens are bounded by the bucket and the budgets, whichever is smallest.
+        let tokens = [l.tokens.map(|b| b.capacity), l.daily_budget, l.monthly_budget].into_iter().flatten().min();
+        let of = |n: Option<u64>| n.map_or(0, |n| share_of(n, share));
         Amounts {
-            tokens: share_of(tokens),
-            requests: share_of(l.requests.map(|b| b.capacity)),
-            slots: share_of(l.max_concurrency),
+            tokens: of(tokens.map(NonZeroU64::get)),
+            cost: of(l.tightest_cost()),
+            requests: of(l.requests.map(|b| b.capacity.get())),
+            slots: of(l.max_concurrency.map(NonZeroU64::get)),
         }
     }
 
@@ -173,10 +317,17 @@ impl Slice {
         let cap = if self.retired { Amounts::default() } else { self.share_cap(share) };
         Amounts {
             tokens: recent(self.taken.tokens, self.taken_before.tokens).min(cap.tokens),
+            cost: recent(self.taken.cost, self.taken_before.cost).min(cap.cost),
             requests: recent(self.taken.requests, self.taken_before.requests).min(cap.requests),
             slots: recent(self.taken.slots, self.taken_before.slots).min(cap.slots),
         }
     }
+}
+
+/// What of `free` a slice keeps within `cap`, and the excess set aside (debt is kept whole).
+fn beyond(free: i64, cap: u64) -> (i64, u64) {
+    let excess = free.saturating_sub(signed(cap)).max(0);
+    (free.saturating_sub(excess), u64::try_from(excess).unwrap_or(0))
 }
 
 /// `share` of `capacity`, at least 1.

@@ -23,22 +23,30 @@ pub(crate) const ARGV: [&str; 10] = [
 ];
 
 /// Then these, per scope, in `KEYS` order.
-pub(crate) const SCOPE_ARGV: [&str; 17] = [
+pub(crate) const SCOPE_ARGV: [&str; 25] = [
     "token capacity",
     "tokens per ms",
     "request capacity",
     "requests per ms",
     "max concurrency",
     "daily budget",
+    "monthly budget",
+    "daily cost budget",
+    "monthly cost budget",
     "tokens returned",
+    "cost returned",
     "the day they were drawn on",
-    "tokens returned to the bucket only",
+    "earlier tokens returned",
+    "earlier cost returned",
+    "the earlier day",
     "requests returned",
     "slots held after the return",
     "tokens needed",
+    "cost needed",
     "requests needed",
     "slots needed",
     "tokens wanted",
+    "cost wanted",
     "requests wanted",
     "slots wanted",
 ];
@@ -56,11 +64,14 @@ pub struct LeaseScope {
     pub limits: ScopeLimits,
     /// Tokens given back (negative: debt its holds ran up, charged now).
     pub back_tokens: i64,
-    /// The day the tokens given back were drawn on (they come off that day's usage only).
+    /// Money given back, in nanos (negative: debt, charged now).
+    pub back_cost: i64,
+    /// The day the tokens and money given back were drawn on (they come off that day's usage
+    /// only, and that month's).
     pub back_day: u64,
-    /// Tokens given back to the bucket only: refunds of holds drawn on an earlier day, whose
-    /// budget that day keeps.
-    pub back_bucket_tokens: u64,
+    /// Refunds of holds drawn on an earlier day than the slice's, one day at a time: back to the
+    /// bucket, and to that day's and month's usage while they are the store's current ones.
+    pub back_earlier: Option<Earlier>,
     pub back_requests: u64,
     /// Slots the replica holds after its return: the slots of its live holds.
     pub held_slots: u64,
@@ -68,6 +79,14 @@ pub struct LeaseScope {
     pub need: Amounts,
     /// As much as this, as far as the scope has it.
     pub want: Amounts,
+}
+
+/// Refunds of holds drawn on one earlier day.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Earlier {
+    pub day: u64,
+    pub tokens: u64,
+    pub cost: u64,
 }
 
 /// One lease call of a replica on one tenant's scopes.
@@ -149,16 +168,26 @@ impl<S: Store> Protocol<S> {
             keys.push(s.key.clone());
             push_limits(&mut a, &s.limits);
             a.push("tokens returned", s.back_tokens.to_string());
+            a.push("cost returned", s.back_cost.to_string());
             a.push("the day they were drawn on", s.back_day.to_string());
-            a.push("tokens returned to the bucket only", s.back_bucket_tokens.to_string());
+            let earlier = s.back_earlier.unwrap_or(Earlier { day: s.back_day, tokens: 0, cost: 0 });
+            a.push("earlier tokens returned", earlier.tokens.to_string());
+            a.push("earlier cost returned", earlier.cost.to_string());
+            a.push("the earlier day", earlier.day.to_string());
             a.push("requests returned", s.back_requests.to_string());
             a.push("slots held after the return", s.held_slots.to_string());
-            a.push("tokens needed", s.need.tokens.to_string());
-            a.push("requests needed", s.need.requests.to_string());
-            a.push("slots needed", s.need.slots.to_string());
-            a.push("tokens wanted", s.want.tokens.to_string());
-            a.push("requests wanted", s.want.requests.to_string());
-            a.push("slots wanted", s.want.slots.to_string());
+            for (name, n) in [
+                ("tokens needed", s.need.tokens),
+                ("cost needed", s.need.cost),
+                ("requests needed", s.need.requests),
+                ("slots needed", s.need.slots),
+                ("tokens wanted", s.want.tokens),
+                ("cost wanted", s.want.cost),
+                ("requests wanted", s.want.requests),
+                ("slots wanted", s.want.slots),
+            ] {
+                a.push(name, n.to_string());
+            }
         }
         let script = &self.scripts.lease;
         let reply = self.store.eval(script, keys, a.finish()).await?;
@@ -171,7 +200,7 @@ impl<S: Store> Protocol<S> {
                     .map(|row| match row {
                         Reply::Array(n) => {
                             let at = |i: usize| n.get(i).and_then(Reply::as_int).and_then(|v| u64::try_from(v).ok());
-                            Some(Amounts { tokens: at(0)?, requests: at(1)?, slots: at(2)? })
+                            Some(Amounts { tokens: at(0)?, cost: at(1)?, requests: at(2)?, slots: at(3)? })
                         }
                         _ => None,
                     })

@@ -157,9 +157,6 @@ impl<S: Store> Protocol<S> {
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);
-            a.push("monthly budget", or_zero(limits.monthly_budget));
-            a.push("daily cost budget", or_zero(limits.daily_cost));
-            a.push("monthly cost budget", or_zero(limits.monthly_cost));
         }
         let script = &self.scripts.reserve;
         let reply = self.store.eval(script, keys, a.finish()).await?;
@@ -193,7 +190,7 @@ impl<S: Store> Protocol<S> {
     }
 }
 
-/// The six limits reserve and lease both send first for a scope, in their order.
+/// The nine limits reserve and lease both send first for a scope, in their order.
 pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
     let capacity = |b: Option<Bucket>| or_zero(b.map(|b| b.capacity));
     let per_ms = |b: Option<Bucket>| b.map_or(0.0, |b| b.per_ms).to_string();
@@ -203,6 +200,9 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
     a.push("requests per ms", per_ms(l.requests));
     a.push("max concurrency", or_zero(l.max_concurrency));
     a.push("daily budget", or_zero(l.daily_budget));
+    a.push("monthly budget", or_zero(l.monthly_budget));
+    a.push("daily cost budget", or_zero(l.daily_cost));
+    a.push("monthly cost budget", or_zero(l.monthly_cost));
 }
 
 /// A limit as the scripts take it: `0` for none (the one place that sentinel is written).

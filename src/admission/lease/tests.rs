@@ -1,0 +1,159 @@
+//! The slices and leased holds of one replica, on a manual clock.
+use super::*;
+use crate::config::Policy;
+use crate::hold::{RenewOutcome, Settled};
+use crate::store::clock::ManualClock;
+
+const START: u64 = 1_795_953_600_000;
+
+fn leases(clock: &ManualClock) -> (Leases, Arc<TenantPolicy>) {
+    let policy = Policy::parse(
+        "t.yaml",
+        "leasing: { window_ms: 250, max_share: 0.1 }\nmodels:\n  m: { max_output_tokens: 100 }\n\
+         tenants:\n  acme: { lease_ttl_ms: 4000, limits: { tokens_per_minute: 60000, burst_tokens: 10000, max_concurrency: 10 } }\n",
+    )
+    .unwrap();
+    let tp = Arc::clone(&policy.tenants["acme"]);
+    (Leases::new("0a1b2c3d4e5f".into(), policy.leasing.unwrap(), Arc::new(clock.clone()), 60_000, None), tp)
+}
+
+fn slice(tp: &TenantPolicy, day: u64) -> Slice {
+    Slice::new(ScopeOf::Tenant, Some(&tp.limits), day, 0.1)
+}
+
+/// A slice that holds `tokens` and `slots` free, as a lease call would have left it.
+fn stock(t: &TenantLease, tp: &TenantPolicy, tokens: i64, slots: u64, valid_until: u64) {
+    let mut s = t.lock();
+    let mut slice = slice(tp, START / DAY_MS);
+    slice.tokens = tokens;
+    slice.slots_free = slots;
+    s.slices.insert("scope".into(), slice);
+    s.valid_until = valid_until;
+    s.day = START / DAY_MS;
+    s.day_ends_at = START + DAY_MS / 2;
+}
+
+fn ask(id: &str, hold: u64) -> Ask<'_> {
+    let scopes = vec![AskScope { key: "scope", of: &ScopeOf::Tenant }];
+    let price = crate::config::Price::default();
+    Ask { id, model: "m", scopes, hold, prompt: 0, user: None, tier: "standard", price }
+}
+
+#[test]
+fn a_refund_beyond_the_share_is_given_back_not_spent() {
+    let clock = ManualClock::new(START);
+    let (_, tp) = leases(&clock);
+    let mut slice = slice(&tp, 7);
+    assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
+    slice.tokens = 900;
+    slice.refund(Spend { tokens: 300, cost: 7 }, 7);
+    assert_eq!((slice.tokens, slice.surplus.tokens), (1_000, 200));
+    assert_eq!((slice.cost, slice.surplus.cost), (0, 0), "the scope has no budget in money");
+    slice.refund(Spend { tokens: 50, cost: 0 }, 6);
+    slice.refund(Spend { tokens: 20, cost: 0 }, 5);
+    slice.refund(Spend { tokens: 5, cost: 0 }, 6);
+    let earlier: Vec<(u64, u64)> = slice.earlier.iter().map(|(d, s)| (*d, s.tokens)).collect();
+    assert_eq!(earlier, [(5, 20), (6, 55)], "a hold of another day refunds that day, kept apart");
+}
+
+/// Money is leased as tokens are: a slice of a budget in money holds a share of it, a hold
+/// takes what it may cost, and a commit gives back what it did not use, or runs up debt.
+#[test]
+fn a_slice_of_a_money_budget_keeps_cost_beside_tokens() {
+    let policy = Policy::parse(
+        "t.yaml",
+        "leasing: { window_ms: 250, max_share: 0.5 }\nmodels:\n  m: { max_output_tokens: 100, price: { input_per_million: 1, output_per_million: 3 } }\n\
+         tenants:\n  acme: { limits: { cost_per_day: 0.001, tokens_per_month: 800 } }\n",
+    )
+    .unwrap();
+    let tp = &policy.tenants["acme"];
+    let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
+    assert_eq!((slice.cap.tokens, slice.cap.cost), (400, 500_000), "half the month's tokens and the day's money");
+    slice.tokens = 400;
+    slice.cost = 500_000;
+    let hold = Spend { tokens: 30, cost: 70_000 };
+    assert!(slice.covers(hold));
+    slice.take(hold);
+    assert_eq!((slice.tokens, slice.cost), (370, 430_000));
+    slice.refund(Spend { tokens: 10, cost: 30_000 }, 7);
+    slice.overrun(Spend { tokens: 0, cost: 500_000 });
+    assert_eq!((slice.tokens, slice.cost), (380, -40_000), "debt in money, tokens to spare");
+    assert!(!slice.covers(hold), "a slice in debt covers nothing");
+}
+
+#[test]
+fn a_leased_hold_never_outlives_its_replicas_lease_record() {
+    let clock = ManualClock::new(START);
+    let (leases, tp) = leases(&clock);
+    let t = leases.tenant("acme", &tp);
+    stock(&t, &tp, 1_000, 5, START + 1_500);
+    assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
+    assert_eq!(t.lock().holds["h1"].lease_until, START + 1_500, "not START + 4,000");
+    assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Renewed { lease_remaining_ms: 1_500 });
+    clock.advance_ms(1_500);
+    assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the lease lapsed");
+    assert_eq!(leases.renew("acme", "h1", 4_000), RenewOutcome::Settled(Settled::Expired));
+}
+
+/// A slice belongs to the store's day: none of it is spent past the store's midnight (as the
+/// last answer placed it on this replica's clock), nor after an answer of another day.
+#[test]
+fn a_slice_is_not_spent_past_its_day() {
+    let clock = ManualClock::new(START);
+    let (leases, tp) = leases(&clock);
+    let t = leases.tenant("acme", &tp);
+    stock(&t, &tp, 1_000, 5, START + 4_000);
+    t.lock().day_ends_at = START + 1_000;
+    assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
+    clock.advance_ms(1_000);
+    assert!(matches!(leases.try_admit(&t, &ask("h2", 100)), Local::Miss), "the store's day has ended");
+    assert_eq!(t.lock().today(START + 1_000), START / DAY_MS + 1);
+    // An answer placing the replica in the next day, with the slice still of the last.
+    t.lock().day = START / DAY_MS + 1;
+    t.lock().day_ends_at = START + DAY_MS;
+    assert!(matches!(leases.try_admit(&t, &ask("h3", 100)), Local::Miss), "a slice of yesterday");
+}
+
+/// A leased hold a commit finds expired is counted with the ones the window expired.
+#[test]
+fn a_hold_found_expired_by_a_commit_is_reported_by_the_next_upkeep() {
+    let clock = ManualClock::new(START);
+    let (leases, tp) = leases(&clock);
+    let t = leases.tenant("acme", &tp);
+    stock(&t, &tp, 1_000, 5, START + 10_000);
+    assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
+    clock.advance_ms(4_000);
+    let late = leases.commit("acme", "h1", crate::hold::Counted::Exact { prompt: 1, output: 1 });
+    assert!(matches!(late, crate::hold::CommitOutcome::Committed(ref u) if u.late), "{late:?}");
+    assert_eq!(leases.upkeep(&t).0, vec!["h1".to_string()], "expired, for the expired-holds count");
+    assert!(leases.upkeep(&t).0.is_empty(), "and counted once");
+}
+
+#[test]
+fn a_leased_decision_never_reports_more_remaining_than_the_limit() {
+    use crate::hold::Window;
+    let clock = ManualClock::new(START);
+    let (leases, tp) = leases(&clock);
+    let t = leases.tenant("acme", &tp);
+    stock(&t, &tp, 1_000, 5, START + 4_000);
+    // The store's view at the last call: full. The slice's 900 free tokens are inside it.
+    t.lock().headroom =
+        Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), requests: None };
+    let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", 100)) else { panic!("admitted") };
+    assert_eq!(headroom.tokens.map(|w| w.remaining), Some(10_000));
+}
+
+#[test]
+fn a_replica_with_only_settled_holds_polls_four_times_a_lease() {
+    let clock = ManualClock::new(START);
+    let (leases, tp) = leases(&clock);
+    let t = leases.tenant("acme", &tp);
+    stock(&t, &tp, 0, 0, START + 4_000);
+    t.lock().closed.insert("done".into(), Closed::Released { refunded: 1 });
+    t.lock().last_call = START;
+    leases.upkeep(&t); // the window the tenant was created in: active
+    clock.advance_ms(999);
+    assert_eq!(leases.upkeep(&t).1, None, "nothing to give back, polled a moment ago");
+    clock.advance_ms(1);
+    assert_eq!(leases.upkeep(&t).1, Some(false), "a quarter of the 4,000 ms lease since the last call");
+}
