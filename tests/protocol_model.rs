@@ -26,16 +26,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
-use support::faults::Resend;
+use support::faults::{Fault, Queued, Resend};
 use support::model::{self, Ask, Model, NEW_ID, TenantRules};
 use support::{Backend, Harness};
-use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority};
+use tokio_util::sync::CancellationToken;
+use tollgate::admission::{Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
 use tollgate::hold::Headroom;
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
+use tollgate::store::breaker::{Breaker, BreakerSettings};
 use tollgate::store::{Store, keys};
 
 /// One step of a sequence.
@@ -77,9 +79,32 @@ enum Op {
     Advance {
         ms: u64,
     },
+    /// A reserve, commit, release or renewal whose store call fails: it runs and its reply is
+    /// lost (a timeout), or it never reaches the store; or (`Lost::Outage`) its reply is lost and
+    /// the call giving back what it may have held fails too, opening the breaker, so the give-back
+    /// waits in the retry queue.
+    Faulted {
+        op: Box<Op>,
+        lost: Lost,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    Reply,
+    Call,
+    Outage,
 }
 
 fn op() -> impl Strategy<Value = Op> {
+    let lost = prop_oneof![4 => Just(Lost::Reply), 4 => Just(Lost::Call), 1 => Just(Lost::Outage)];
+    prop_oneof![
+        12 => plain_op(),
+        1 => (plain_op(), lost).prop_map(|(op, lost)| Op::Faulted { op: Box::new(op), lost }),
+    ]
+}
+
+fn plain_op() -> impl Strategy<Value = Op> {
     let reserve =
         (
             0..2usize,
@@ -124,7 +149,7 @@ fn policy(
     let a_lease = if tight && exact { "    lease_ttl_ms: 600\n" } else { "" };
     let (defaults, a_limits, a_user, b_limits, b_model) = if exact {
         (
-            "lease_ttl_ms: 1000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  record_retention_ms: 5000",
+            "lease_ttl_ms: 1000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  record_retention_ms: 5000\n  on_store_error: fail_closed",
             if tight {
                 "{ tokens_per_minute: 60000, burst_tokens: 1200, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }"
             } else {
@@ -136,7 +161,7 @@ fn policy(
         )
     } else {
         (
-            "lease_ttl_ms: 600000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3",
+            "lease_ttl_ms: 600000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  on_store_error: fail_closed",
             if tight {
                 "{ tokens_per_minute: 2, burst_tokens: 1200, max_concurrency: 4, cost_per_day: 0.006 }"
             } else {
@@ -194,6 +219,10 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
 struct World<S> {
     h: Harness<S>,
     twice: Harness<Resend<S>>,
+    /// A replica whose store calls fail when the test says, behind a breaker that opens after two
+    /// failures in a row, with its retry queue's worker running.
+    lossy: Harness<Breaker<Queued<S>>>,
+    faults: Queued<S>,
     model: Model,
     tenants: [String; 2],
     exact: bool,
@@ -262,6 +291,15 @@ impl<S: Store + Clone> World<S> {
         let now = self.now();
         let at = format!("step {i}: {op:?}");
         match op {
+            Op::Faulted { op, lost } => match &**op {
+                Op::Reserve { key: None | Some((_, false)), .. } => self.faulted_reserve(op, *lost, &at).await,
+                Op::Commit { .. } | Op::Release { .. } | Op::Renew { .. } => {
+                    self.faulted_settlement(op, *lost, &at).await;
+                }
+                // Nothing of these to lose: a reserve under a key that returns its live hold is
+                // given back by its caller's retry, not by tollgate (see reserve.rs).
+                other => return Box::pin(self.step(other, i)).await,
+            },
             Op::Reserve { .. } => {
                 let (ask, attributes, twice) = self.ask(op).expect("a reserve");
                 let expected = self.model.reserve(&ask, now, twice);
@@ -344,6 +382,7 @@ impl<S: Store + Clone> World<S> {
                 // New holds and calls take the new terms; holds already made keep theirs.
                 self.model.rules = model_of(&new, &self.tenants, &self.pool).rules;
                 self.h.admission.reload(new.clone());
+                self.lossy.admission.reload(new.clone());
                 self.twice.admission.reload(new);
             }
             Op::Advance { ms } => {
@@ -356,6 +395,114 @@ impl<S: Store + Clone> World<S> {
             }
         }
         self.same_counters(&at).await;
+    }
+
+    /// A reserve through the lossy replica whose store call fails (`lost`). Its caller hears
+    /// `store_unavailable` (the tenants fail closed); what the call may have held is given back,
+    /// at once or (`Lost::Outage`, the breaker open) through the retry queue, before the next step.
+    async fn faulted_reserve(&mut self, op: &Op, lost: Lost, at: &str) {
+        let now = self.now();
+        let (ask, attributes, _) = self.ask(op).expect("a reserve");
+        self.faults.next_for("reserve", if lost == Lost::Call { Fault::Unreachable(1) } else { Fault::LostReply });
+        if lost == Lost::Outage {
+            self.faults.next_for("release", Fault::Unreachable(1));
+        }
+        let got = self.lossy.admission.reserve(&attributes).await;
+        self.quiet(at).await;
+        self.faults.clear();
+        let unavailable = Decision::Denied(Denial {
+            retry_after_ms: Some(1_000),
+            ..Denial::now(Reason::StoreUnavailable, "admission store unavailable")
+        });
+        let expected = match lost {
+            // It never ran: only what comes before it (the plan, a pool leg given back) did.
+            Lost::Call => self.model.reserve_unreached(&ask, now).unwrap_or(unavailable),
+            Lost::Reply | Lost::Outage => match self.model.reserve_reply_lost(&ask, now) {
+                // It ran: the hold was made, then given back by its id.
+                Decision::Admitted(e) => {
+                    assert_eq!(e.reservation_id, NEW_ID, "{at}: only a new hold is given back");
+                    let id = self.faults.last_first_arg("reserve").expect("the reserve's id");
+                    self.model.adopt(&id);
+                    self.ids.push(id.clone());
+                    self.answered.insert(id.clone(), None);
+                    self.model.release(&id, now);
+                    unavailable
+                }
+                // A refusal before the call (the plan, the pool) is heard; one by the call is lost.
+                Decision::Denied(d) if matches!(d.reason, Reason::Unsatisfiable | Reason::QueueFull | Reason::Deadline) => {
+                    Decision::Denied(d)
+                }
+                Decision::Denied(_) | Decision::Unmetered => unavailable,
+            },
+        };
+        same_decision(&got, &expected, self.exact, at);
+    }
+
+    /// A commit, release or renewal through the lossy replica whose store call fails; its caller
+    /// sends it again (the breaker's count of failures back to zero), and is answered as if the
+    /// first had counted (when it ran) or never been (when it did not).
+    async fn faulted_settlement(&mut self, op: &Op, lost: Lost, at: &str) {
+        let now = self.now();
+        let ran = lost != Lost::Call;
+        let fault = if ran { Fault::LostReply } else { Fault::Unreachable(1) };
+        let Some(id) = (match op {
+            Op::Commit { hold, .. } | Op::Release { hold, .. } | Op::Renew { hold, .. } => self.pick(*hold),
+            _ => None,
+        }) else {
+            return;
+        };
+        match op {
+            Op::Commit { prompt, output, .. } => {
+                self.faults.next_for("commit", fault);
+                let failed = self.lossy.admission.commit(&id, *prompt, *output).await;
+                assert!(failed.is_err(), "{at}: a lost commit answered {failed:?}");
+                let mut expected = self.model.commit(&id, *prompt, *output, now);
+                if let (true, tollgate::hold::CommitOutcome::Committed(u)) = (ran, &mut expected) {
+                    u.duplicate = true;
+                }
+                let got = self.lossy.admission.commit(&id, *prompt, *output).await.unwrap();
+                if let tollgate::hold::CommitOutcome::Committed(u) = &got {
+                    self.answered.entry(id.clone()).or_insert(Some(u.used));
+                }
+                assert_eq!(got, expected, "{at}: the commit sent again");
+            }
+            Op::Release { .. } => {
+                self.faults.next_for("release", fault);
+                let failed = self.lossy.admission.release(&id).await;
+                assert!(failed.is_err(), "{at}: a lost release answered {failed:?}");
+                let mut expected = self.model.release(&id, now);
+                if let (true, tollgate::hold::ReleaseOutcome::Released { refunded, .. }) = (ran, expected) {
+                    expected = tollgate::hold::ReleaseOutcome::Released { refunded, repeated: true };
+                }
+                let got = self.lossy.admission.release(&id).await.unwrap();
+                if matches!(got, tollgate::hold::ReleaseOutcome::Released { .. }) {
+                    self.answered.entry(id.clone()).or_insert(None);
+                }
+                assert_eq!(got, expected, "{at}: the release sent again");
+            }
+            _ => {
+                self.faults.next_for("renew", fault);
+                let failed = self.lossy.admission.renew(&id, 0).await;
+                assert!(failed.is_err(), "{at}: a lost renewal answered {failed:?}");
+                let expected = self.model.renew(&id, now);
+                let got = self.lossy.admission.renew(&id, 0).await.unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert_eq!(got, expected, "{at}: the renewal sent again");
+            }
+        }
+        self.faults.clear();
+    }
+
+    /// Waits (real time, bounded) until the lossy replica has tidied up after every reserve and
+    /// its retry queue is empty; the manual clock does not move meanwhile.
+    async fn quiet(&self, at: &str) {
+        let a = &self.lossy.admission;
+        let done = self
+            .lossy
+            .eventually(std::time::Duration::from_secs(10), || async {
+                a.reserves_running() == 0 && a.retries_waiting() == 0
+            })
+            .await;
+        assert!(done, "{at}: {} reserves running, {} settlements waiting", a.reserves_running(), a.retries_waiting());
     }
 
     /// The store's counters against the model's.
@@ -446,11 +593,13 @@ impl<S: Store + Clone> World<S> {
                 clock.advance_ms(2_000);
                 self.h.admission.sweep_tick().await.expect("a sweep");
                 self.twice.admission.sweep_tick().await.expect("a sweep");
+                self.lossy.admission.sweep_tick().await.expect("a sweep");
                 clock.advance_ms(4_000);
                 let now = self.now();
                 for _ in 0..400 {
                     self.h.admission.sweep_tick().await.expect("a sweep");
                     self.twice.admission.sweep_tick().await.expect("a sweep");
+                    self.lossy.admission.sweep_tick().await.expect("a sweep");
                     if self.lease_indexes_empty().await {
                         break;
                     }
@@ -575,6 +724,7 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 async fn world_on<S: Store + Clone>(
+    stop: &CancellationToken,
     store: S,
     clock: Option<ManualClock>,
     backend: Backend,
@@ -590,6 +740,14 @@ async fn world_on<S: Store + Clone>(
     let h = Harness::from_parts(store, policy, tenants[0].clone(), pool.clone(), clock.clone()).await;
     let all = &["reserve", "commit", "renew", "release", "pool_reserve", "pool_release", "pool_renew"];
     let twice = h.wrapped(|s| Resend { inner: s, scripts: all }).await;
+    let faults = Queued::new(h.admission.protocol().store().clone(), "reserve");
+    let settings = BreakerSettings {
+        failures: 2,
+        open_for: std::time::Duration::from_millis(20),
+        max_open: std::time::Duration::from_millis(50),
+    };
+    let lossy = h.wrapped(|_| Breaker::new(faults.clone(), settings)).await;
+    lossy.admission.run_retries(stop.clone()).expect("the lossy replica's retry worker");
     let first_day = match &clock {
         Some(c) => tollgate::store::clock::Clock::now_ms(c),
         None => tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock),
@@ -597,6 +755,8 @@ async fn world_on<S: Store + Clone>(
     World {
         h,
         twice,
+        lossy,
+        faults,
         model,
         tenants,
         exact,
@@ -618,6 +778,15 @@ async fn run_on<S: Store + Clone>(mut w: World<S>, ops: &[Op], abandon: bool) {
     w.settle(abandon).await;
 }
 
+/// Stops the lossy replica's retry worker when a case ends, however it ends.
+struct StopOnDrop(CancellationToken);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
 /// Where a case's clock starts: mid-day, 20 s before a day's turn, 20 s before a month's (the
 /// turn of 2026-11-30 into 2026-12-01, UTC).
 const STARTS: [u64; 3] = [
@@ -637,7 +806,8 @@ async fn run_from(backend: Backend, ops: Vec<Op>, start: u64, abandon: bool) {
             let clock = ManualClock::new(start);
             let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("model-ledger-{}.jsonl", tenants[0]));
             let store = EmbeddedStore::with_ledger_file(Arc::new(clock.clone()), &file).expect("embedded store");
-            run_on(world_on(store, Some(clock), backend, tenants, Some(file)).await, &ops, abandon).await;
+            let stop = StopOnDrop(CancellationToken::new());
+            run_on(world_on(&stop.0, store, Some(clock), backend, tenants, Some(file)).await, &ops, abandon).await;
         }
         Backend::Redis | Backend::Cluster => {
             let target = match backend {
@@ -647,7 +817,8 @@ async fn run_from(backend: Backend, ops: Vec<Op>, start: u64, abandon: bool) {
             let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
             // Real time does not jump: leases are long and refill is slow under this policy.
             let ops: Vec<Op> = ops.into_iter().filter(|op| !matches!(op, Op::Advance { .. })).collect();
-            run_on(world_on(store.clone(), None, backend, tenants, None).await, &ops, false).await;
+            let stop = StopOnDrop(CancellationToken::new());
+            run_on(world_on(&stop.0, store.clone(), None, backend, tenants, None).await, &ops, false).await;
             store.close().await;
         }
     }

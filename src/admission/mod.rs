@@ -240,6 +240,12 @@ impl<S: Store> Admission<S> {
         Some(retry::Retries::run(Arc::clone(self), inbox, shutdown))
     }
 
+    /// Reserves still running on their own tasks: answered or not, their tidying up (giving back
+    /// what a failed store call may have held) not yet done.
+    pub fn reserves_running(&self) -> usize {
+        self.tasks.len()
+    }
+
     /// Waits for every reserve still running on its own task (their callers may be gone), once no
     /// new one can start: the server has drained.
     pub async fn finish_tasks(&self) {

@@ -85,25 +85,48 @@ impl<S: Store> Store for Faulty<S> {
     }
 }
 
-/// Fails the calls of one script the test says, when it says: each call takes the next fault the
-/// test queued (none queued: the call goes through), so a test can let a lease call through and
-/// lose the next one's reply.
+/// Fails the calls of the scripts the test says, when it says: each call takes the next fault the
+/// test queued for its script (none queued: the call goes through), so a test can let a lease call
+/// through and lose the next one's reply. It remembers the first argument (the reservation id, for
+/// the phase scripts) of each script's last call: what a caller whose reply was lost never learns.
 #[derive(Clone)]
 pub struct Queued<S> {
     pub inner: S,
     pub script: &'static str,
-    faults: Arc<std::sync::Mutex<std::collections::VecDeque<Fault>>>,
+    faults: Arc<std::sync::Mutex<Vec<(&'static str, Fault)>>>,
+    last: Arc<std::sync::Mutex<std::collections::HashMap<&'static str, String>>>,
 }
 
 impl<S> Queued<S> {
     pub fn new(inner: S, script: &'static str) -> Self {
-        Queued { inner, script, faults: Arc::default() }
+        Queued { inner, script, faults: Arc::default(), last: Arc::default() }
     }
 
     /// The next call of the script meets `fault` (`LostReply`: it runs, its reply is lost;
     /// `Unreachable(_)`: it never reaches the store).
     pub fn next(&self, fault: Fault) {
-        self.faults.lock().unwrap().push_back(fault);
+        self.next_for(self.script, fault);
+    }
+
+    /// The next call of `script` meets `fault`.
+    pub fn next_for(&self, script: &'static str, fault: Fault) {
+        self.faults.lock().unwrap().push((script, fault));
+    }
+
+    /// Forgets the faults no call has met.
+    pub fn clear(&self) {
+        self.faults.lock().unwrap().clear();
+    }
+
+    /// The first argument of the last call of `script`.
+    pub fn last_first_arg(&self, script: &str) -> Option<String> {
+        self.last.lock().unwrap().get(script).cloned()
+    }
+
+    fn take(&self, script: &str) -> Option<Fault> {
+        let mut faults = self.faults.lock().unwrap();
+        let at = faults.iter().position(|(s, _)| *s == script)?;
+        Some(faults.remove(at).1)
     }
 }
 
@@ -113,8 +136,10 @@ impl<S: Store> Store for Queued<S> {
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
-        let fault = if script.name == self.script { self.faults.lock().unwrap().pop_front() } else { None };
-        match fault {
+        if let Some(first) = args.first() {
+            self.last.lock().unwrap().insert(script.name, first.clone());
+        }
+        match self.take(script.name) {
             None | Some(Fault::Unreachable(0)) => self.inner.eval(script, keys, args).await,
             Some(Fault::Unreachable(_)) => Err(timeout()),
             Some(Fault::LostReply) => {

@@ -429,34 +429,28 @@ impl Model {
     /// calls [`Model::adopt`] with the id the store chose. `twice`: every script of the call runs
     /// twice and only the second reply arrives, as when a client re-sends after a lost reply.
     pub fn reserve(&mut self, ask: &Ask, now: u64, twice: bool) -> Decision {
+        self.reserve_as(ask, now, twice, !twice)
+    }
+
+    /// A reserve that ran once and whose reply was lost: the holds its sweep settled are not
+    /// taken off their pools by the caller (the pool's own sweep reclaims their work).
+    pub fn reserve_reply_lost(&mut self, ask: &Ask, now: u64) -> Decision {
+        self.reserve_as(ask, now, false, false)
+    }
+
+    fn reserve_as(&mut self, ask: &Ask, now: u64, twice: bool, delivered: bool) -> Decision {
         self.calls += 1;
         let call = self.calls;
-        let rules = self.rules[&ask.tenant].clone();
         let scopes = self.scope_keys(ask);
-        let hold = ask.prompt + ask.max_tokens;
-        let cost = self.cost(&ask.model, ask.prompt, ask.max_tokens);
-        // Plan: what can never fit is refused before any store call.
-        for (_, l) in &scopes {
-            let largest = [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
-            let dearest = [l.daily_cost, l.monthly_cost].into_iter().filter(|&n| n > 0).min();
-            if largest.is_some_and(|largest| hold > largest) || dearest.is_some_and(|d| cost > d) {
-                return Decision::Denied(Denial::now(Reason::Unsatisfiable, ""));
-            }
+        if let Some(refused) = self.never_fits(ask, &scopes) {
+            return refused;
         }
         let id = NEW_ID.to_string();
         let pooled = ask.model == "m";
-        if pooled {
-            let work = self.pool_policy.service_ms(ask.prompt, ask.max_tokens);
-            let mut pool = self.pool_reserve(&id, work, hold, rules.lease_ms, ask, now);
-            // A re-sent pool reserve finds its hold and changes nothing; a refused one decides again.
-            if twice && pool.is_err() {
-                pool = self.pool_reserve(&id, work, hold, rules.lease_ms, ask, now);
-            }
-            if let Err(d) = pool {
-                return Decision::Denied(d);
-            }
+        if pooled && let Err(d) = self.pool_leg(ask, now, twice) {
+            return Decision::Denied(d);
         }
-        let mut decision = self.tenant_reserve(ask, &scopes, call, now, !twice);
+        let mut decision = self.tenant_reserve(ask, &scopes, call, now, delivered);
         // A re-sent reserve whose first run held (or replayed) answers as that run did, changing
         // nothing; one whose first run refused runs again in full.
         if twice && matches!(decision, Decision::Denied(_)) {
@@ -467,6 +461,51 @@ impl Model {
             self.pool_drop(&id);
         }
         decision
+    }
+
+    /// A reserve whose tenant call never reached the store: what can never fit is refused as
+    /// ever, and a pool leg is taken and given back (tollgate tidies it up). `Some`: the answer the
+    /// caller hears instead of `store_unavailable`.
+    pub fn reserve_unreached(&mut self, ask: &Ask, now: u64) -> Option<Decision> {
+        let scopes = self.scope_keys(ask);
+        if let Some(refused) = self.never_fits(ask, &scopes) {
+            return Some(refused);
+        }
+        if ask.model == "m" {
+            if let Err(d) = self.pool_leg(ask, now, false) {
+                return Some(Decision::Denied(d));
+            }
+            self.pool_drop(NEW_ID);
+        }
+        None
+    }
+
+    /// Plan: what can never fit is refused before any store call.
+    fn never_fits(&self, ask: &Ask, scopes: &[(String, Limits)]) -> Option<Decision> {
+        let hold = ask.prompt + ask.max_tokens;
+        let cost = self.cost(&ask.model, ask.prompt, ask.max_tokens);
+        for (_, l) in scopes {
+            let largest = [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
+            let dearest = [l.daily_cost, l.monthly_cost].into_iter().filter(|&n| n > 0).min();
+            if largest.is_some_and(|largest| hold > largest) || dearest.is_some_and(|d| cost > d) {
+                return Some(Decision::Denied(Denial::now(Reason::Unsatisfiable, "")));
+            }
+        }
+        None
+    }
+
+    /// The pool leg of a reserve of model `m`. A re-sent pool reserve finds its hold and changes
+    /// nothing; a refused one decides again.
+    fn pool_leg(&mut self, ask: &Ask, now: u64, twice: bool) -> Result<(), Denial> {
+        let id = NEW_ID.to_string();
+        let lease = self.rules[&ask.tenant].lease_ms;
+        let hold = ask.prompt + ask.max_tokens;
+        let work = self.pool_policy.service_ms(ask.prompt, ask.max_tokens);
+        let pool = self.pool_reserve(&id, work, hold, lease, ask, now);
+        if twice && pool.is_err() {
+            return self.pool_reserve(&id, work, hold, lease, ask, now);
+        }
+        pool
     }
 
     /// What tokens of a model cost at its price (nanos; 0 unpriced).
