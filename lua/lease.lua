@@ -37,14 +37,15 @@
 --          model, tier, outcome, usage, prompt tokens, output tokens, reserved tokens, charged
 --          tokens, cost, reserved cost, reserved at, settled at (the replica's clock); appended
 --          once (a re-send appends nothing), as the scripts that settle store holds append theirs
--- then twenty-five numbers per scope, in KEYS order:
+-- then twenty-seven numbers per scope, in KEYS order:
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos) (0 meaning no such limit);
 --   tokens returned (negative: debt charged), cost returned (nanos; negative: debt charged), the
 --   day they were drawn on, earlier tokens returned, earlier cost returned, the earlier day
 --   (refunds of holds drawn on an earlier day than the slice's: back to the bucket, and to that
---   day's and month's usage while they are the current ones), requests returned, slots held after
---   the return (absolute);
+--   day's and month's usage while they are the current ones), tokens counted, cost counted (what
+--   the replica's holds used of what the scope does not lease: charged to today's and this
+--   month's usage), requests returned, slots held after the return (absolute);
 --   tokens needed, cost needed, requests needed, slots needed; tokens wanted, cost wanted,
 --   requests wanted, slots wanted.
 --
@@ -69,7 +70,7 @@ local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
 local last_call = KEYS[6]
 local seq = ARGV[8]
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 25
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 27
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -134,7 +135,8 @@ for i = 1, n do
   end
   args[i] = a
   local back_tokens, back_cost, back_day = a[9], a[10], a[11]
-  local earlier_tokens, earlier_cost, earlier_day, back_requests, held = a[12], a[13], a[14], a[15], a[16]
+  local earlier_tokens, earlier_cost, earlier_day = a[12], a[13], a[14]
+  local counted_tokens, counted_cost, back_requests, held = a[15], a[16], a[17], a[18]
   -- Tokens and cost may go different ways (a refund of tokens, debt in money at another price).
   if back_tokens > 0 then
     refund({ key }, back_tokens, 0, back_day, now)
@@ -147,6 +149,7 @@ for i = 1, n do
     charge({ key }, 0, -back_cost, now)
   end
   refund({ key }, earlier_tokens, earlier_cost, earlier_day, now)
+  charge({ key }, counted_tokens, counted_cost, now)
   if back_requests > 0 and a[2] > 0 then
     local v = redis.call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
@@ -165,7 +168,7 @@ local reason, where, wait = '', 0, -1
 for i = 1, n do
   local s = scopes[i]
   local a = args[i]
-  check_scope(s, a[17], a[18], a[19], a[20], leases, wait_cap, now, today, function(why, ms)
+  check_scope(s, a[19], a[20], a[21], a[22], leases, wait_cap, now, today, function(why, ms)
     ms = math.max(1, math.ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms
@@ -180,8 +183,8 @@ for i, s in ipairs(scopes) do
   local a = args[i]
   local tokens, cost, requests, taken = 0, 0, 0, 0
   if reason == '' then
-    local need_tokens, need_cost, need_requests, need_slots = a[17], a[18], a[19], a[20]
-    local want_tokens, want_cost, want_requests, want_slots = a[21], a[22], a[23], a[24]
+    local need_tokens, need_cost, need_requests, need_slots = a[19], a[20], a[21], a[22]
+    local want_tokens, want_cost, want_requests, want_slots = a[23], a[24], a[25], a[26]
     if s.tcap > 0 or s.budget > 0 or s.mbudget > 0 then
       local have = math.huge
       if s.tcap > 0 then
@@ -214,7 +217,7 @@ for i, s in ipairs(scopes) do
     take(s, tokens, cost, requests, taken, today, month, now, idle)
   end
   granted[#granted + 1] = { tokens, cost, requests, taken }
-  slots[i] = a[16] + taken
+  slots[i] = a[18] + taken
 end
 
 -- 4. The record: the slots this replica holds, renewed for another lease.

@@ -336,7 +336,7 @@ mod scenarios {
 
     /// A budget over the month or in money is leased as a daily token budget is: drawn with the
     /// slices, never exceeded however the holds fall on two replicas, and charged to the unit
-    /// once the slices come back. `field` is the scope's counter (`mu` tokens this month, `dc`
+    /// once the slices come back, as is what the scope does not lease. `field` is the scope's counter (`mu` tokens this month, `dc`
     /// money today), `budget` its limit, and each hold (10 prompt + 20 output) commits 10 + 10,
     /// which counts 20 tokens or 40,000 nanos (model `m`: 1,000 and 3,000 nanos a token).
     pub async fn a_long_or_money_budget_is_leased_and_exact<S: Store + Clone>(h: Harness<S>, field: &str, budget: f64) {
@@ -366,6 +366,13 @@ mod scenarios {
         h.admission.lease_tick(true).await.unwrap();
         other.admission.lease_tick(true).await.unwrap();
         assert_eq!(h.tenant_scope().await.num(field), committed, "{field}: what was committed, to the unit");
+        // The usage the scope does not lease (money beside a monthly token budget) is counted too,
+        // as a store hold counts it: both kinds, for the day and the month, to the unit.
+        let holds = committed / per_commit;
+        let scope = h.tenant_scope().await;
+        for (f, per) in [("du", 20.0), ("mu", 20.0), ("dc", 40_000.0), ("mc", 40_000.0)] {
+            assert_eq!(scope.num(f), holds * per, "{f} after {holds} holds");
+        }
     }
 
     /// With a ledger, every leased hold is entered, by the replica's next lease call, as the store's

@@ -34,10 +34,10 @@ use tollgate::admission::{Attributes, Decision, Denial, IdempotencyKey, KeyRepea
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
 use tollgate::hold::Headroom;
+use tollgate::store::breaker::{Breaker, BreakerSettings};
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
-use tollgate::store::breaker::{Breaker, BreakerSettings};
 use tollgate::store::{Store, keys};
 
 /// One step of a sequence.
@@ -429,7 +429,9 @@ impl<S: Store + Clone> World<S> {
                     unavailable
                 }
                 // A refusal before the call (the plan, the pool) is heard; one by the call is lost.
-                Decision::Denied(d) if matches!(d.reason, Reason::Unsatisfiable | Reason::QueueFull | Reason::Deadline) => {
+                Decision::Denied(d)
+                    if matches!(d.reason, Reason::Unsatisfiable | Reason::QueueFull | Reason::Deadline) =>
+                {
                     Decision::Denied(d)
                 }
                 Decision::Denied(_) | Decision::Unmetered => unavailable,

@@ -22,3 +22,31 @@ pub use refusal::{Budget, KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
 
 /// One UTC day in milliseconds: budgets reset on the store's day number, `now / DAY_MS`.
 pub const DAY_MS: u64 = 86_400_000;
+
+/// The UTC calendar month of a day number (days since 1970-01-01), as year x 12 + month - 1: the
+/// month `lua/common.lua`'s `month_of` gives, the period of a monthly budget. (Days to the civil
+/// calendar after H. Hinnant; day numbers are far below where u64 arithmetic could overflow.)
+pub fn month_of(day: u64) -> u64 {
+    let z = day + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    y * 12 + m - 1
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_day_falls_in_its_calendar_month() {
+        // 1970-01-01; 2026-11-30 and 2026-12-01; 2024-02-29 and 2024-03-01.
+        for (day, year, month) in
+            [(0, 1970, 1), (20_787, 2026, 11), (20_788, 2026, 12), (19_782, 2024, 2), (19_783, 2024, 3)]
+        {
+            assert_eq!(super::month_of(day), year * 12 + month - 1, "day {day}");
+        }
+    }
+}

@@ -171,7 +171,8 @@ impl Leases {
         let pending = match pending {
             // Past the store's memory of its answer a re-send would run as a new call: given up.
             // What it gave back stays charged (missing is never refunded twice).
-            Some(p) if now.saturating_sub(p.sent_at) >= p.idle_ttl_ms => {
+            // (Half of it: a re-send on its way when the store forgets runs as a new call.)
+            Some(p) if now.saturating_sub(p.sent_at) >= p.idle_ttl_ms / 2 => {
                 tracing::warn!(
                     tenant,
                     seq = p.seq,

@@ -1,7 +1,7 @@
 //! The holds a replica admitted from its slices: live, and settled (remembered to answer a
 //! repeated or late commit the way the store's retained records do).
 
-use super::slice::Spend;
+use super::slice::{Spend, Taken};
 use super::{Leases, State};
 use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Settled, Usage};
 
@@ -13,6 +13,8 @@ const MAX_CLOSED: usize = 100_000;
 #[derive(Debug, Clone)]
 pub(super) struct LocalHold {
     pub(super) scopes: Vec<String>,
+    /// What it took from each scope's slice, in `scopes` order.
+    pub(super) took: Vec<Taken>,
     pub(super) held: u64,
     pub(super) prompt: u64,
     pub(super) day: u64,
@@ -161,28 +163,27 @@ impl State {
     /// back, by the tenant's expired-usage policy. Returns what stays charged.
     pub(super) fn expire(&mut self, hold: &LocalHold) -> u64 {
         let refund = hold.refund_on_expiry;
-        for key in &hold.scopes {
+        let held = hold.spend();
+        for (key, took) in hold.scopes.iter().zip(&hold.took) {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.free_slot();
                 if refund {
-                    slice.refund(hold.spend(), hold.day);
+                    slice.settle(*took, held, Spend::default(), Spend::default(), hold.day);
+                } else {
+                    slice.settle(*took, held, Spend::default(), held, hold.day);
                 }
             }
         }
         if refund { 0 } else { hold.held }
     }
 
-    /// Charges `used` against `charged` in every scope of the hold: each difference (tokens, and
-    /// money) comes back or is debt.
-    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, used: Spend) {
-        let less = |a: Spend, b: Spend| Spend {
-            tokens: a.tokens.saturating_sub(b.tokens),
-            cost: a.cost.saturating_sub(b.cost),
-        };
-        for key in &hold.scopes {
+    /// Settles what the hold used (`used`) in every scope, against what it still had charged:
+    /// all it held (`charged`), or nothing once an expiry refunded it; and what was counted of
+    /// what a scope does not lease (by an expiry that charged the hold).
+    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, counted: Spend, used: Spend) {
+        for (key, took) in hold.scopes.iter().zip(&hold.took) {
             if let Some(slice) = self.slices.get_mut(key) {
-                slice.refund(less(charged, used), hold.day);
-                slice.overrun(less(used, charged));
+                slice.settle(*took, charged, counted, used, hold.day);
             }
         }
     }
@@ -219,7 +220,7 @@ impl Leases {
                     slice.free_slot();
                 }
             }
-            s.reconcile(&hold, hold.spend(), spent);
+            s.reconcile(&hold, hold.spend(), Spend::default(), spent);
             let usage = usage(&hold, used, false, metered, counted);
             s.enter(id, &hold, Entered::Committed { used, counted, late: false }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
@@ -233,7 +234,7 @@ impl Leases {
                 let used = spent.tokens;
                 // An expired hold charges all it held, or nothing (refunded).
                 let charged = if charged == 0 { Spend::default() } else { hold.spend() };
-                s.reconcile(&hold, charged, spent);
+                s.reconcile(&hold, charged, charged, spent);
                 let usage = usage(&hold, used, true, metered, counted);
                 s.enter(id, &hold, Entered::Committed { used, counted, late: true }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
@@ -252,10 +253,10 @@ impl Leases {
         s.active = true;
         s.expire_if_due(id, now, retention);
         if let Some(hold) = s.holds.remove(id) {
-            for key in &hold.scopes {
+            for (key, took) in hold.scopes.iter().zip(&hold.took) {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
-                    slice.refund(hold.spend(), hold.day);
+                    slice.settle(*took, hold.spend(), Spend::default(), Spend::default(), hold.day);
                 }
             }
             s.enter(id, &hold, Entered::Released, now);

@@ -308,9 +308,10 @@ impl Leases {
             };
         }
         let mut tightest: Option<i64> = None;
+        let mut took = Vec::with_capacity(ask.scopes.len());
         for scope in &ask.scopes {
             if let Some(slice) = s.slices.get_mut(scope.key) {
-                slice.take(ask.spend());
+                took.push(slice.take(ask.spend()));
                 if slice.limits_tokens() {
                     tightest = Some(tightest.map_or(slice.tokens, |t| t.min(slice.tokens)));
                 }
@@ -318,6 +319,7 @@ impl Leases {
         }
         let hold = LocalHold {
             scopes: ask.scopes.iter().map(|a| a.key.to_string()).collect(),
+            took,
             held: ask.hold,
             prompt: ask.prompt,
             day: s.day,
@@ -388,8 +390,8 @@ impl Leases {
         let mut tenants = self.tenants.write().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = tenants.get(tenant) {
             let mut s = t.lock();
-            // Not while a call may still have to go again.
-            if s.holds.is_empty() && !s.active && s.pending.is_none() {
+            // Not while a call may still have to go again, nor while a slice owes the store.
+            if s.holds.is_empty() && !s.active && s.pending.is_none() && !s.slices.values().any(Slice::owes) {
                 s.left = true;
                 drop(s);
                 tenants.remove(tenant);

@@ -22,12 +22,17 @@ pub(super) struct Slice {
     pub(super) tokens: i64,
     pub(super) cost: i64,
     pub(super) day: u64,
-    /// Refunds of holds drawn on a day before `day`, by that day: they go back to the bucket, and
-    /// to that day's and month's usage while those are the store's current ones, a day a call.
-    pub(super) earlier: BTreeMap<u64, Spend>,
+    /// Refunds of holds drawn on a day before `day`, by month (with the latest such day): they go
+    /// back to the bucket and to that month's usage while it is the store's current one, a month a
+    /// call. (Never to a day's usage: the store has passed those days when a slice turns.)
+    pub(super) earlier: BTreeMap<u64, (u64, Spend)>,
     /// Refunds beyond what the slice may hold free (`cap`): given back with the next call, never
     /// spent here, so that what a replica can spend unseen stays within its share.
     pub(super) surplus: Spend,
+    /// What this replica's holds used of what the scope does not lease (tokens of a scope with
+    /// only a budget in money, money of one without): counted in the scope's usage by the next
+    /// call, as a store hold counts it, so a budget a reload adds starts from the usage there was.
+    pub(super) unleased: Spend,
     /// The most this slice may hold free: `max_share` of each capacity.
     pub(super) cap: Amounts,
     pub(super) requests: u64,
@@ -48,13 +53,27 @@ pub(super) struct Spend {
     pub(super) cost: u64,
 }
 
+/// What a hold took from one slice, in each amount the slice leases (`None`: the slice does not
+/// lease it, so the hold's use of it is counted, not drawn). Fixed when the hold is taken: a reload
+/// that changes what the scope limits changes nothing a hold already took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Taken {
+    pub(super) tokens: Option<u64>,
+    pub(super) cost: Option<u64>,
+}
+
 impl Spend {
-    fn add(self, other: Spend) -> Spend {
+    pub(super) fn add(self, other: Spend) -> Spend {
         Spend { tokens: self.tokens.saturating_add(other.tokens), cost: self.cost.saturating_add(other.cost) }
     }
 
     pub(super) fn is_zero(self) -> bool {
         self == Spend::default()
+    }
+
+    /// What `self` has beyond `other`, in each amount (never below zero).
+    pub(super) fn beyond(self, other: Spend) -> Spend {
+        Spend { tokens: self.tokens.saturating_sub(other.tokens), cost: self.cost.saturating_sub(other.cost) }
     }
 }
 
@@ -79,6 +98,7 @@ impl Slice {
             day,
             earlier: BTreeMap::new(),
             surplus: Spend::default(),
+            unleased: Spend::default(),
             cap: Amounts::default(),
             requests: 0,
             surplus_requests: 0,
@@ -139,14 +159,17 @@ impl Slice {
             && (!self.limits_slots() || self.slots_free >= 1)
     }
 
-    pub(super) fn take(&mut self, hold: Spend) {
+    pub(super) fn take(&mut self, hold: Spend) -> Taken {
+        let mut took = Taken::default();
         if self.limits_tokens() {
             self.tokens = self.tokens.saturating_sub(signed(hold.tokens));
             self.taken.tokens = self.taken.tokens.saturating_add(hold.tokens);
+            took.tokens = Some(hold.tokens);
         }
         if self.limits_cost() {
             self.cost = self.cost.saturating_sub(signed(hold.cost));
             self.taken.cost = self.taken.cost.saturating_add(hold.cost);
+            took.cost = Some(hold.cost);
         }
         if self.limits_requests() {
             self.requests = self.requests.saturating_sub(1);
@@ -157,25 +180,31 @@ impl Slice {
             self.slots_used = self.slots_used.saturating_add(1);
             self.taken.slots = self.taken.slots.saturating_add(1);
         }
+        took
     }
 
-    /// What the slice keeps of a refund: tokens and money a hold drawn on `day` gives back.
-    fn kept(&self, back: Spend) -> Spend {
-        Spend {
-            tokens: if self.limits_tokens() { back.tokens } else { 0 },
-            cost: if self.limits_cost() { back.cost } else { 0 },
-        }
+    /// Settles what a hold took (`took`, drawn on `day`) against what it uses now (`used`), given
+    /// what it had charged of the amounts the slice leases (`charged`: what it took, or nothing
+    /// once refunded) and counted of the others (`counted`): each leased amount's difference comes
+    /// back or is debt; use of the others beyond what was counted is counted.
+    pub(super) fn settle(&mut self, took: Taken, charged: Spend, counted: Spend, used: Spend, day: u64) {
+        let leased = |t: Option<u64>, n: u64| if t.is_some() { n } else { 0 };
+        let unleased = |t: Option<u64>, n: u64| if t.is_none() { n } else { 0 };
+        let charged_here = Spend { tokens: leased(took.tokens, charged.tokens), cost: leased(took.cost, charged.cost) };
+        let used_here = Spend { tokens: leased(took.tokens, used.tokens), cost: leased(took.cost, used.cost) };
+        self.refund(charged_here.beyond(used_here), day);
+        self.overrun(used_here.beyond(charged_here));
+        let used_elsewhere = Spend { tokens: unleased(took.tokens, used.tokens), cost: unleased(took.cost, used.cost) };
+        self.unleased = self.unleased.add(used_elsewhere.beyond(counted));
     }
 
     /// Tokens and money back from a hold drawn on `day`.
-    pub(super) fn refund(&mut self, back: Spend, day: u64) {
-        let back = self.kept(back);
+    fn refund(&mut self, back: Spend, day: u64) {
         if back.is_zero() {
             return;
         }
         if day != self.day {
-            let e = self.earlier.entry(day).or_default();
-            *e = e.add(back);
+            self.set_aside(day, back);
             return;
         }
         let room = |free: i64, cap: u64| u64::try_from(signed(cap).saturating_sub(free)).unwrap_or(0);
@@ -185,13 +214,17 @@ impl Slice {
         };
         self.tokens = self.tokens.saturating_add(signed(kept.tokens));
         self.cost = self.cost.saturating_add(signed(kept.cost));
-        self.surplus.tokens = self.surplus.tokens.saturating_add(back.tokens.saturating_sub(kept.tokens));
-        self.surplus.cost = self.surplus.cost.saturating_add(back.cost.saturating_sub(kept.cost));
+        self.surplus = self.surplus.add(back.beyond(kept));
+    }
+
+    /// A refund of a hold drawn on an earlier `day`, set aside for its month.
+    fn set_aside(&mut self, day: u64, back: Spend) {
+        let e = self.earlier.entry(crate::hold::month_of(day)).or_insert((day, Spend::default()));
+        *e = (e.0.max(day), e.1.add(back));
     }
 
     /// Usage beyond a hold: debt, given to the store with the next call.
-    pub(super) fn overrun(&mut self, beyond: Spend) {
-        let beyond = self.kept(beyond);
+    fn overrun(&mut self, beyond: Spend) {
         self.tokens = self.tokens.saturating_sub(signed(beyond.tokens));
         self.cost = self.cost.saturating_sub(signed(beyond.cost));
     }
@@ -216,8 +249,7 @@ impl Slice {
         };
         let back = free.add(std::mem::take(&mut self.surplus));
         if !back.is_zero() {
-            let e = self.earlier.entry(self.day).or_default();
-            *e = e.add(back);
+            self.set_aside(self.day, back);
         }
         self.tokens = self.tokens.min(0);
         self.cost = self.cost.min(0);
@@ -232,6 +264,7 @@ impl Slice {
             || self.slots_free > 0
             || !self.earlier.is_empty()
             || !self.surplus.is_zero()
+            || !self.unleased.is_zero()
             || self.surplus_requests > 0
     }
 
@@ -275,7 +308,9 @@ impl Slice {
             requests: target.requests.saturating_sub(keep_requests).max(need.requests),
             slots: target.slots.saturating_sub(keep_slots).max(need.slots),
         };
-        let back_earlier = self.earlier.pop_first().map(|(day, s)| Earlier { day, tokens: s.tokens, cost: s.cost });
+        let back_earlier =
+            self.earlier.pop_first().map(|(_, (day, s))| Earlier { day, tokens: s.tokens, cost: s.cost });
+        let counted = std::mem::take(&mut self.unleased);
         let scope = LeaseScope {
             key: key.to_string(),
             limits: self.limits,
@@ -283,6 +318,8 @@ impl Slice {
             back_cost,
             back_day: self.day,
             back_earlier,
+            counted_tokens: counted.tokens,
+            counted_cost: counted.cost,
             back_requests,
             held_slots: self.slots_used.saturating_add(keep_slots),
             need,

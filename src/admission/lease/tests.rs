@@ -1,6 +1,9 @@
 //! The slices and leased holds of one replica, on a manual clock.
+
+use super::slice::Taken;
 use super::*;
 use crate::config::Policy;
+use crate::hold::Amounts;
 use crate::hold::{RenewOutcome, Settled};
 use crate::store::clock::ManualClock;
 
@@ -39,6 +42,11 @@ fn ask(id: &str, hold: u64) -> Ask<'_> {
     Ask { id, model: "m", scopes, hold, prompt: 0, user: None, tier: "standard", price }
 }
 
+/// What a hold gives back: `held` against `used`, of a hold that took `took`.
+fn give_back(slice: &mut Slice, took: Taken, held: Spend, used: Spend, day: u64) {
+    slice.settle(took, held, Spend::default(), used, day);
+}
+
 #[test]
 fn a_refund_beyond_the_share_is_given_back_not_spent() {
     let clock = ManualClock::new(START);
@@ -46,39 +54,69 @@ fn a_refund_beyond_the_share_is_given_back_not_spent() {
     let mut slice = slice(&tp, 7);
     assert_eq!(slice.cap.tokens, 1_000, "a tenth of 10,000");
     slice.tokens = 900;
-    slice.refund(Spend { tokens: 300, cost: 7 }, 7);
+    let took = Taken { tokens: Some(300), cost: None };
+    give_back(&mut slice, took, Spend { tokens: 300, cost: 7 }, Spend::default(), 7);
     assert_eq!((slice.tokens, slice.surplus.tokens), (1_000, 200));
     assert_eq!((slice.cost, slice.surplus.cost), (0, 0), "the scope has no budget in money");
-    slice.refund(Spend { tokens: 50, cost: 0 }, 6);
-    slice.refund(Spend { tokens: 20, cost: 0 }, 5);
-    slice.refund(Spend { tokens: 5, cost: 0 }, 6);
-    let earlier: Vec<(u64, u64)> = slice.earlier.iter().map(|(d, s)| (*d, s.tokens)).collect();
-    assert_eq!(earlier, [(5, 20), (6, 55)], "a hold of another day refunds that day, kept apart");
+    for (tokens, day) in [(50, 6), (20, 5), (5, 6), (1, 3)] {
+        give_back(&mut slice, took, Spend { tokens, cost: 0 }, Spend::default(), day);
+    }
+    // Days 0 to 6 since the epoch are January 1970; day 3 is the latest with a refund of that month.
+    let earlier: Vec<(u64, u64)> = slice.earlier.values().map(|(d, s)| (*d, s.tokens)).collect();
+    assert_eq!(earlier, [(6, 76)], "a hold of another day refunds its month, kept apart");
 }
 
 /// Money is leased as tokens are: a slice of a budget in money holds a share of it, a hold
 /// takes what it may cost, and a commit gives back what it did not use, or runs up debt.
 #[test]
 fn a_slice_of_a_money_budget_keeps_cost_beside_tokens() {
-    let policy = Policy::parse(
-        "t.yaml",
-        "leasing: { window_ms: 250, max_share: 0.5 }\nmodels:\n  m: { max_output_tokens: 100, price: { input_per_million: 1, output_per_million: 3 } }\n\
-         tenants:\n  acme: { limits: { cost_per_day: 0.001, tokens_per_month: 800 } }\n",
-    )
-    .unwrap();
-    let tp = &policy.tenants["acme"];
+    let tp = money_tenant("cost_per_day: 0.001, tokens_per_month: 800");
     let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
     assert_eq!((slice.cap.tokens, slice.cap.cost), (400, 500_000), "half the month's tokens and the day's money");
     slice.tokens = 400;
     slice.cost = 500_000;
     let hold = Spend { tokens: 30, cost: 70_000 };
     assert!(slice.covers(hold));
-    slice.take(hold);
+    let took = slice.take(hold);
+    assert_eq!(took, Taken { tokens: Some(30), cost: Some(70_000) });
     assert_eq!((slice.tokens, slice.cost), (370, 430_000));
-    slice.refund(Spend { tokens: 10, cost: 30_000 }, 7);
-    slice.overrun(Spend { tokens: 0, cost: 500_000 });
+    give_back(&mut slice, took, hold, Spend { tokens: 20, cost: 540_000 }, 7);
     assert_eq!((slice.tokens, slice.cost), (380, -40_000), "debt in money, tokens to spare");
     assert!(!slice.covers(hold), "a slice in debt covers nothing");
+}
+
+/// A hold settles what it took, under the terms it was taken with: a reload that gives its scope
+/// a budget in money gives the slice no money the hold never drew, and what the hold used of it
+/// is counted in the scope's usage instead, as a store hold counts it.
+#[test]
+fn a_hold_settles_what_it_took_whatever_a_reload_limits_since() {
+    let before = money_tenant("tokens_per_minute: 60000, burst_tokens: 10000");
+    let mut slice = Slice::new(ScopeOf::Tenant, Some(&before.limits), 7, 0.5);
+    slice.tokens = 1_000;
+    let held = Spend { tokens: 1_000, cost: 2_600_000 };
+    let took = slice.take(held);
+    assert_eq!(took, Taken { tokens: Some(1_000), cost: None }, "no money limit: none drawn");
+    let after = money_tenant("tokens_per_minute: 60000, burst_tokens: 10000, cost_per_day: 0.01");
+    slice.retune(Some(&after.limits), 0.5);
+    give_back(&mut slice, took, held, Spend { tokens: 300, cost: 500_000 }, 7);
+    assert_eq!((slice.tokens, slice.cost), (700, 0), "tokens back; no money that was never drawn");
+    assert_eq!(slice.unleased, Spend { tokens: 0, cost: 500_000 }, "the money used, counted");
+    let scope = slice.ready("scope", Amounts::default(), None, 7);
+    assert_eq!((scope.counted_tokens, scope.counted_cost), (0, 500_000), "sent with the next call");
+    assert!(slice.unleased.is_zero());
+}
+
+/// A tenant whose model `m` is priced (1 and 3 per million tokens), under `limits`.
+fn money_tenant(limits: &str) -> Arc<TenantPolicy> {
+    let policy = Policy::parse(
+        "t.yaml",
+        &format!(
+            "leasing: {{ window_ms: 250, max_share: 0.5 }}\nmodels:\n  m: {{ max_output_tokens: 100, price: {{ input_per_million: 1, output_per_million: 3 }} }}\n\
+             tenants:\n  acme: {{ limits: {{ {limits} }} }}\n"
+        ),
+    )
+    .unwrap();
+    Arc::clone(&policy.tenants["acme"])
 }
 
 #[test]
