@@ -43,9 +43,10 @@
 --   tokens returned (negative: debt charged), cost returned (nanos; negative: debt charged), the
 --   day they were drawn on, earlier tokens returned, earlier cost returned, the earlier day
 --   (refunds of holds drawn on an earlier day than the slice's: back to the bucket, and to that
---   day's and month's usage while they are the current ones), tokens counted, cost counted (what
---   the replica's holds used of what the scope does not lease: charged to today's and this
---   month's usage), requests returned, slots held after the return (absolute);
+--   day's and month's usage while they are the current ones), tokens charged today, cost charged
+--   today (what the replica's holds used of what the scope does not lease, and debt they ran up
+--   once the slice's day had passed: charged as debt is), requests returned, slots held after the
+--   return (absolute);
 --   tokens needed, cost needed, requests needed, slots needed; tokens wanted, cost wanted,
 --   requests wanted, slots wanted.
 --
@@ -136,7 +137,7 @@ for i = 1, n do
   args[i] = a
   local back_tokens, back_cost, back_day = a[9], a[10], a[11]
   local earlier_tokens, earlier_cost, earlier_day = a[12], a[13], a[14]
-  local counted_tokens, counted_cost, back_requests, held = a[15], a[16], a[17], a[18]
+  local charge_tokens, charge_cost, back_requests, held = a[15], a[16], a[17], a[18]
   -- Tokens and cost may go different ways (a refund of tokens, debt in money at another price).
   if back_tokens > 0 then
     refund({ key }, back_tokens, 0, back_day, now)
@@ -149,7 +150,7 @@ for i = 1, n do
     charge({ key }, 0, -back_cost, now)
   end
   refund({ key }, earlier_tokens, earlier_cost, earlier_day, now)
-  charge({ key }, counted_tokens, counted_cost, now)
+  charge({ key }, charge_tokens, charge_cost, now)
   if back_requests > 0 and a[2] > 0 then
     local v = redis.call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)

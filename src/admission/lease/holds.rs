@@ -161,17 +161,15 @@ impl State {
 
     /// Settles a hold whose lease ran out: the slot comes back; the tokens stay charged, or come
     /// back, by the tenant's expired-usage policy. Returns what stays charged.
-    pub(super) fn expire(&mut self, hold: &LocalHold) -> u64 {
+    pub(super) fn expire(&mut self, hold: &LocalHold, now: u64) -> u64 {
         let refund = hold.refund_on_expiry;
         let held = hold.spend();
+        let today = self.today(now);
         for (key, took) in hold.scopes.iter().zip(&hold.took) {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.free_slot();
-                if refund {
-                    slice.settle(*took, held, Spend::default(), Spend::default(), hold.day);
-                } else {
-                    slice.settle(*took, held, Spend::default(), held, hold.day);
-                }
+                let used = if refund { Spend::default() } else { held };
+                slice.settle(*took, held, Spend::default(), used, hold.day, today);
             }
         }
         if refund { 0 } else { hold.held }
@@ -180,10 +178,11 @@ impl State {
     /// Settles what the hold used (`used`) in every scope, against what it still had charged:
     /// all it held (`charged`), or nothing once an expiry refunded it; and what was counted of
     /// what a scope does not lease (by an expiry that charged the hold).
-    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, counted: Spend, used: Spend) {
+    pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, counted: Spend, used: Spend, now: u64) {
+        let today = self.today(now);
         for (key, took) in hold.scopes.iter().zip(&hold.took) {
             if let Some(slice) = self.slices.get_mut(key) {
-                slice.settle(*took, charged, counted, used, hold.day);
+                slice.settle(*took, charged, counted, used, hold.day, today);
             }
         }
     }
@@ -194,7 +193,7 @@ impl State {
         if self.holds.get(id).is_some_and(|h| now >= h.lease_until)
             && let Some(hold) = self.holds.remove(id)
         {
-            let charged = self.expire(&hold);
+            let charged = self.expire(&hold, now);
             self.enter(id, &hold, Entered::Expired { charged }, now);
             self.close(id, Closed::Expired { hold, charged }, now, retention_ms);
             self.expired_by_touch.push(id.to_string());
@@ -220,7 +219,7 @@ impl Leases {
                     slice.free_slot();
                 }
             }
-            s.reconcile(&hold, hold.spend(), Spend::default(), spent);
+            s.reconcile(&hold, hold.spend(), Spend::default(), spent, now);
             let usage = usage(&hold, used, false, metered, counted);
             s.enter(id, &hold, Entered::Committed { used, counted, late: false }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
@@ -234,7 +233,7 @@ impl Leases {
                 let used = spent.tokens;
                 // An expired hold charges all it held, or nothing (refunded).
                 let charged = if charged == 0 { Spend::default() } else { hold.spend() };
-                s.reconcile(&hold, charged, charged, spent);
+                s.reconcile(&hold, charged, charged, spent, now);
                 let usage = usage(&hold, used, true, metered, counted);
                 s.enter(id, &hold, Entered::Committed { used, counted, late: true }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
@@ -253,10 +252,11 @@ impl Leases {
         s.active = true;
         s.expire_if_due(id, now, retention);
         if let Some(hold) = s.holds.remove(id) {
+            let today = s.today(now);
             for (key, took) in hold.scopes.iter().zip(&hold.took) {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
-                    slice.settle(*took, hold.spend(), Spend::default(), Spend::default(), hold.day);
+                    slice.settle(*took, hold.spend(), Spend::default(), Spend::default(), hold.day, today);
                 }
             }
             s.enter(id, &hold, Entered::Released, now);

@@ -355,7 +355,7 @@ impl Leases {
             s.holds.iter().filter(|(_, h)| now >= h.lease_until).map(|(id, _)| id.clone()).collect();
         for id in &due {
             if let Some(hold) = s.holds.remove(id) {
-                let charged = s.expire(&hold);
+                let charged = s.expire(&hold, now);
                 s.enter(id, &hold, holds::Entered::Expired { charged }, now);
                 s.close(id, Closed::Expired { hold, charged }, now, retention);
             }

@@ -29,10 +29,11 @@ pub(super) struct Slice {
     /// Refunds beyond what the slice may hold free (`cap`): given back with the next call, never
     /// spent here, so that what a replica can spend unseen stays within its share.
     pub(super) surplus: Spend,
-    /// What this replica's holds used of what the scope does not lease (tokens of a scope with
-    /// only a budget in money, money of one without): counted in the scope's usage by the next
-    /// call, as a store hold counts it, so a budget a reload adds starts from the usage there was.
-    pub(super) unleased: Spend,
+    /// Charged to the scope today by the next call: what this replica's holds used of what the
+    /// scope does not lease (tokens of a scope with only a budget in money, money of one without),
+    /// counted in its usage as a store hold counts it, so a budget a reload adds starts from the
+    /// usage there was; and debt run up once the slice's day has passed, which is today's.
+    pub(super) charge_today: Spend,
     /// The most this slice may hold free: `max_share` of each capacity.
     pub(super) cap: Amounts,
     pub(super) requests: u64,
@@ -98,7 +99,7 @@ impl Slice {
             day,
             earlier: BTreeMap::new(),
             surplus: Spend::default(),
-            unleased: Spend::default(),
+            charge_today: Spend::default(),
             cap: Amounts::default(),
             requests: 0,
             surplus_requests: 0,
@@ -186,16 +187,23 @@ impl Slice {
     /// Settles what a hold took (`took`, drawn on `day`) against what it uses now (`used`), given
     /// what it had charged of the amounts the slice leases (`charged`: what it took, or nothing
     /// once refunded) and counted of the others (`counted`): each leased amount's difference comes
-    /// back or is debt; use of the others beyond what was counted is counted.
-    pub(super) fn settle(&mut self, took: Taken, charged: Spend, counted: Spend, used: Spend, day: u64) {
+    /// back or is debt; use of the others beyond what was counted is counted. `today`: the store's
+    /// day as this replica places it.
+    pub(super) fn settle(&mut self, took: Taken, charged: Spend, counted: Spend, used: Spend, day: u64, today: u64) {
         let leased = |t: Option<u64>, n: u64| if t.is_some() { n } else { 0 };
         let unleased = |t: Option<u64>, n: u64| if t.is_none() { n } else { 0 };
         let charged_here = Spend { tokens: leased(took.tokens, charged.tokens), cost: leased(took.cost, charged.cost) };
         let used_here = Spend { tokens: leased(took.tokens, used.tokens), cost: leased(took.cost, used.cost) };
         self.refund(charged_here.beyond(used_here), day);
-        self.overrun(used_here.beyond(charged_here));
+        let debt = used_here.beyond(charged_here);
+        if today == self.day {
+            // Paid from what the slice holds free, which is this day's too.
+            self.overrun(debt);
+        } else {
+            self.charge_today = self.charge_today.add(debt);
+        }
         let used_elsewhere = Spend { tokens: unleased(took.tokens, used.tokens), cost: unleased(took.cost, used.cost) };
-        self.unleased = self.unleased.add(used_elsewhere.beyond(counted));
+        self.charge_today = self.charge_today.add(used_elsewhere.beyond(counted));
     }
 
     /// Tokens and money back from a hold drawn on `day`.
@@ -264,7 +272,7 @@ impl Slice {
             || self.slots_free > 0
             || !self.earlier.is_empty()
             || !self.surplus.is_zero()
-            || !self.unleased.is_zero()
+            || !self.charge_today.is_zero()
             || self.surplus_requests > 0
     }
 
@@ -310,7 +318,7 @@ impl Slice {
         };
         let back_earlier =
             self.earlier.pop_first().map(|(_, (day, s))| Earlier { day, tokens: s.tokens, cost: s.cost });
-        let counted = std::mem::take(&mut self.unleased);
+        let charged = std::mem::take(&mut self.charge_today);
         let scope = LeaseScope {
             key: key.to_string(),
             limits: self.limits,
@@ -318,8 +326,8 @@ impl Slice {
             back_cost,
             back_day: self.day,
             back_earlier,
-            counted_tokens: counted.tokens,
-            counted_cost: counted.cost,
+            charge_tokens: charged.tokens,
+            charge_cost: charged.cost,
             back_requests,
             held_slots: self.slots_used.saturating_add(keep_slots),
             need,

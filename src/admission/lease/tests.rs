@@ -44,7 +44,7 @@ fn ask(id: &str, hold: u64) -> Ask<'_> {
 
 /// What a hold gives back: `held` against `used`, of a hold that took `took`.
 fn give_back(slice: &mut Slice, took: Taken, held: Spend, used: Spend, day: u64) {
-    slice.settle(took, held, Spend::default(), used, day);
+    slice.settle(took, held, Spend::default(), used, day, day);
 }
 
 #[test]
@@ -100,10 +100,25 @@ fn a_hold_settles_what_it_took_whatever_a_reload_limits_since() {
     slice.retune(Some(&after.limits), 0.5);
     give_back(&mut slice, took, held, Spend { tokens: 300, cost: 500_000 }, 7);
     assert_eq!((slice.tokens, slice.cost), (700, 0), "tokens back; no money that was never drawn");
-    assert_eq!(slice.unleased, Spend { tokens: 0, cost: 500_000 }, "the money used, counted");
+    assert_eq!(slice.charge_today, Spend { tokens: 0, cost: 500_000 }, "the money used, counted");
     let scope = slice.ready("scope", Amounts::default(), None, 7);
-    assert_eq!((scope.counted_tokens, scope.counted_cost), (0, 500_000), "sent with the next call");
-    assert!(slice.unleased.is_zero());
+    assert_eq!((scope.charge_tokens, scope.charge_cost), (0, 500_000), "sent with the next call");
+    assert!(slice.charge_today.is_zero());
+}
+
+/// Debt run up after the slice's day has passed is the new day's: charged today, apart from what
+/// the slice gives back to its own day.
+#[test]
+fn debt_after_midnight_is_charged_to_the_new_day() {
+    let tp = money_tenant("tokens_per_minute: 60000, burst_tokens: 10000");
+    let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
+    slice.tokens = 1_000;
+    let held = Spend { tokens: 100, cost: 0 };
+    let took = slice.take(held);
+    slice.settle(took, held, Spend::default(), Spend { tokens: 400, cost: 0 }, 7, 8);
+    assert_eq!((slice.tokens, slice.charge_today.tokens), (900, 300), "free tokens of day 7 kept whole");
+    let scope = slice.ready("scope", Amounts { tokens: 1_000, ..Amounts::default() }, None, 8);
+    assert_eq!((scope.back_tokens, scope.back_day, scope.charge_tokens), (900, 7, 300));
 }
 
 /// A tenant whose model `m` is priced (1 and 3 per million tokens), under `limits`.

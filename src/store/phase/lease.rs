@@ -39,8 +39,8 @@ pub(crate) const SCOPE_ARGV: [&str; 27] = [
     "earlier tokens returned",
     "earlier cost returned",
     "the earlier day",
-    "tokens counted",
-    "cost counted",
+    "tokens charged today",
+    "cost charged today",
     "requests returned",
     "slots held after the return",
     "tokens needed",
@@ -74,10 +74,11 @@ pub struct LeaseScope {
     /// Refunds of holds drawn on an earlier day than the slice's, one day at a time: back to the
     /// bucket, and to that day's and month's usage while they are the store's current ones.
     pub back_earlier: Option<Earlier>,
-    /// Used by the replica's holds of what the scope does not lease: counted in its usage (and,
-    /// should a reload have given the scope a bucket since, charged to it).
-    pub counted_tokens: u64,
-    pub counted_cost: u64,
+    /// Charged to the scope today (its bucket, if any, and today's and this month's usage): what
+    /// the replica's holds used of what the scope does not lease, and debt they ran up once the
+    /// slice's day had passed.
+    pub charge_tokens: u64,
+    pub charge_cost: u64,
     pub back_requests: u64,
     /// Slots the replica holds after its return: the slots of its live holds.
     pub held_slots: u64,
@@ -180,8 +181,8 @@ impl<S: Store> Protocol<S> {
             a.push("earlier tokens returned", earlier.tokens.to_string());
             a.push("earlier cost returned", earlier.cost.to_string());
             a.push("the earlier day", earlier.day.to_string());
-            a.push("tokens counted", s.counted_tokens.to_string());
-            a.push("cost counted", s.counted_cost.to_string());
+            a.push("tokens charged today", s.charge_tokens.to_string());
+            a.push("cost charged today", s.charge_cost.to_string());
             a.push("requests returned", s.back_requests.to_string());
             a.push("slots held after the return", s.held_slots.to_string());
             for (name, n) in [
