@@ -2,9 +2,12 @@
 //! over two tenants, their users and two models (one served by a pool), with random sizes,
 //! priorities, deadlines and idempotency keys in both modes; commits that under- and overrun;
 //! releases, renews, repeated and late commits; scripts run twice (a client re-sending after a
-//! lost reply); clock jumps past leases and refills, across a day's and a month's turn; reloads
-//! that tighten and loosen a tenant's limits and shorten its lease mid-sequence (holds made before
-//! keep their terms). After every step the store's reply must equal
+//! lost reply); calls whose reply is lost or that never arrive, through a replica behind a circuit
+//! breaker that opens (a reserve nobody received is given back, at once or through the retry
+//! queue; a settlement sent again counts once); clock jumps past leases and refills, across a
+//! day's and a month's turn; tenants gone quiet past every key's TTL (their holds swept, every key
+//! expired, the next reserve afresh); reloads that tighten and loosen a tenant's limits and
+//! shorten its lease mid-sequence (holds made before keep their terms). After every step the store's reply must equal
 //! the model's, and the store's counters the model's: every scope's holds in flight, token and
 //! request levels and day usage, the pool's holds and work. At the end every live hold is released,
 //! or (half the cases) left abandoned, its tenant quiet, until the background sweeper settles it
@@ -79,6 +82,10 @@ enum Op {
     Advance {
         ms: u64,
     },
+    /// The tenants go quiet for longer than any key of theirs lives: their live holds expire and
+    /// the background sweeper settles them, then every scope, record, key and pool hash runs out
+    /// of its TTL (33 days: a month's counters live 32), and the next reserve starts afresh.
+    Idle,
     /// A reserve, commit, release or renewal whose store call fails: it runs and its reply is
     /// lost (a timeout), or it never reaches the store; or (`Lost::Outage`) its reply is lost and
     /// the call giving back what it may have held fails too, opening the breaker, so the give-back
@@ -129,12 +136,18 @@ fn plain_op() -> impl Strategy<Value = Op> {
         1 => Just(Op::CommitUnknown),
         1 => any::<bool>().prop_map(|tight| Op::Reload { tight }),
         2 => prop_oneof![3 => 0..400u64, 1 => 900..2600u64].prop_map(|ms| Op::Advance { ms }),
+        1 => prop::bool::weighted(0.1).prop_map(|idle| if idle { Op::Idle } else { Op::Advance { ms: 0 } }),
     ]
 }
 
-/// Store time covered by one case at most: well inside every key's idle TTL (a minute for the
-/// pool), so no key expires under the model.
+/// Store time covered by the advances of one case at most: well inside every key's idle TTL (a
+/// minute for the pool), so no key expires under the model but by an [`Op::Idle`].
 const CASE_TIME_LIMIT_MS: u64 = 45_000;
+
+/// How long an [`Op::Idle`] lasts: past every key's TTL (a month's counters live 32 days). A case
+/// idles three times at most, well inside the ledger's retention (a year).
+const IDLE_MS: u64 = 33 * model::DAY_MS;
+const MOST_IDLES: usize = 3;
 
 /// The policy: exact (embedded, manual clock) or real-time (Redis: slow refill, long leases).
 fn policy(
@@ -174,7 +187,7 @@ fn policy(
     };
     let file = ledger_file.map_or_else(String::new, |f| format!("  file: {}\n", f.display()));
     format!(
-        "{store}\nledger:\n  max_len: 100000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
+        "{store}\nledger:\n  max_len: 100000\n  retention_ms: 31622400000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
          n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
          tenants:\n  {a}:\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
@@ -239,6 +252,10 @@ struct World<S> {
     answered: BTreeMap<String, Option<u64>>,
     /// The day the case started on (store clock).
     first_day: u64,
+    /// Per tenant, what its ledger entries charged (tokens, cost) when it last went idle: the
+    /// counters that held it have run out since.
+    ledger_before_idle: BTreeMap<String, (u64, u64)>,
+    idles: usize,
 }
 
 impl<S: Store + Clone> World<S> {
@@ -384,6 +401,30 @@ impl<S: Store + Clone> World<S> {
                 self.h.admission.reload(new.clone());
                 self.lossy.admission.reload(new.clone());
                 self.twice.admission.reload(new);
+            }
+            Op::Idle => {
+                if let Some(clock) = self.clock.clone()
+                    && self.idles < MOST_IDLES
+                {
+                    self.idles += 1;
+                    self.sweep_abandoned(&clock).await;
+                    for tenant in &self.tenants {
+                        let mut last = BTreeMap::new();
+                        for e in self.h.ledger_of(tenant).await {
+                            let n = |f: &str| e[f].parse::<u64>().unwrap();
+                            last.insert(e["id"].clone(), (n("charged_tokens"), n("cost_nanos")));
+                        }
+                        let sum = last.values().fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+                        self.ledger_before_idle.insert(tenant.clone(), sum);
+                    }
+                    let scopes: Vec<String> = self.model.scopes.keys().cloned().collect();
+                    clock.advance_ms(IDLE_MS);
+                    self.elapsed = 0;
+                    self.model.forget_idle();
+                    for key in scopes {
+                        assert!(self.h.scope(&key).await.is_none(), "{at}: {key} outlived its TTL");
+                    }
+                }
             }
             Op::Advance { ms } => {
                 if let Some(c) = &self.clock
@@ -572,8 +613,10 @@ impl<S: Store + Clone> World<S> {
                 assert!(o.len() == 1 || *o == ["expired", "late_committed"], "{id} entered as {o:?}");
             }
             let (du, dc) = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or((0, 0), |s| (s.du, s.dc));
-            let tokens: u64 = charged.values().map(|c| c.0).sum();
-            let cost: u64 = charged.values().map(|c| c.1).sum();
+            // What was charged before the last idle spell is no longer in any counter.
+            let (before_tokens, before_cost) = self.ledger_before_idle.get(tenant).copied().unwrap_or_default();
+            let tokens: u64 = charged.values().map(|c| c.0).sum::<u64>() - before_tokens;
+            let cost: u64 = charged.values().map(|c| c.1).sum::<u64>() - before_cost;
             assert_eq!((tokens, cost), (du, dc), "what {tenant}'s ledger charges, tokens and cost: {ledger:?}");
         }
         if let Some(file) = &self.ledger_file {
@@ -583,41 +626,45 @@ impl<S: Store + Clone> World<S> {
         }
     }
 
+    /// Leaves every live hold abandoned, its tenant quiet, until the background sweeper settles
+    /// it after its lease (on the manual clock).
+    async fn sweep_abandoned(&mut self, clock: &ManualClock) {
+        // Past every lease; no tenant calls again. The sweeper's first tick writes its
+        // notes (each tenant due a lease and two sweep periods on: 3 s); once those are
+        // due, its ticks settle everything, all at one moment.
+        // (Both admissions are replicas, each with its own sweeper and notes.)
+        clock.advance_ms(2_000);
+        self.h.admission.sweep_tick().await.expect("a sweep");
+        self.twice.admission.sweep_tick().await.expect("a sweep");
+        self.lossy.admission.sweep_tick().await.expect("a sweep");
+        clock.advance_ms(4_000);
+        let now = self.now();
+        for _ in 0..400 {
+            self.h.admission.sweep_tick().await.expect("a sweep");
+            self.twice.admission.sweep_tick().await.expect("a sweep");
+            self.lossy.admission.sweep_tick().await.expect("a sweep");
+            if self.lease_indexes_empty().await {
+                break;
+            }
+        }
+        if !self.lease_indexes_empty().await {
+            let mut look: Vec<String> = self.tenants.iter().map(|t| keys::leases(t)).collect();
+            look.extend((0..keys::SWEEP_SHARDS).map(keys::sweep_shard));
+            let shards: Vec<_> = look.iter().map(|k| self.h.inspect(vec![k.clone()])).collect();
+            let mut views = Vec::new();
+            for f in shards {
+                views.push(f.await);
+            }
+            panic!("the sweeper left holds unsettled at {now}: {views:?}");
+        }
+        self.model.sweep_all(now);
+    }
+
     /// Releases every live hold, or leaves them all to the background sweeper after their leases
     /// (`abandon`, on the manual clock): then nothing may be in flight anywhere.
     async fn settle(&mut self, abandon: bool) {
-        match (abandon, &self.clock) {
-            (true, Some(clock)) => {
-                // Past every lease; no tenant calls again. The sweeper's first tick writes its
-                // notes (each tenant due a lease and two sweep periods on: 3 s); once those are
-                // due, its ticks settle everything, all at one moment.
-                // (Both admissions are replicas, each with its own sweeper and notes.)
-                clock.advance_ms(2_000);
-                self.h.admission.sweep_tick().await.expect("a sweep");
-                self.twice.admission.sweep_tick().await.expect("a sweep");
-                self.lossy.admission.sweep_tick().await.expect("a sweep");
-                clock.advance_ms(4_000);
-                let now = self.now();
-                for _ in 0..400 {
-                    self.h.admission.sweep_tick().await.expect("a sweep");
-                    self.twice.admission.sweep_tick().await.expect("a sweep");
-                    self.lossy.admission.sweep_tick().await.expect("a sweep");
-                    if self.lease_indexes_empty().await {
-                        break;
-                    }
-                }
-                if !self.lease_indexes_empty().await {
-                    let mut look: Vec<String> = self.tenants.iter().map(|t| keys::leases(t)).collect();
-                    look.extend((0..keys::SWEEP_SHARDS).map(keys::sweep_shard));
-                    let shards: Vec<_> = look.iter().map(|k| self.h.inspect(vec![k.clone()])).collect();
-                    let mut views = Vec::new();
-                    for f in shards {
-                        views.push(f.await);
-                    }
-                    panic!("the sweeper left holds unsettled at {now}: {views:?}");
-                }
-                self.model.sweep_all(now);
-            }
+        match (abandon, self.clock.clone()) {
+            (true, Some(clock)) => self.sweep_abandoned(&clock).await,
             _ => {
                 for id in self.model.live_ids() {
                     let now = self.now();
@@ -770,6 +817,8 @@ async fn world_on<S: Store + Clone>(
         store_yaml,
         answered: BTreeMap::new(),
         first_day,
+        ledger_before_idle: BTreeMap::new(),
+        idles: 0,
     }
 }
 
@@ -818,7 +867,7 @@ async fn run_from(backend: Backend, ops: Vec<Op>, start: u64, abandon: bool) {
             };
             let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
             // Real time does not jump: leases are long and refill is slow under this policy.
-            let ops: Vec<Op> = ops.into_iter().filter(|op| !matches!(op, Op::Advance { .. })).collect();
+            let ops: Vec<Op> = ops.into_iter().filter(|op| !matches!(op, Op::Advance { .. } | Op::Idle)).collect();
             let stop = StopOnDrop(CancellationToken::new());
             run_on(world_on(&stop.0, store.clone(), None, backend, tenants, None).await, &ops, false).await;
             store.close().await;

@@ -508,6 +508,16 @@ impl Model {
         pool
     }
 
+    /// Every key of the store has run out of its TTL (no hold is live): scopes, lease indexes,
+    /// idempotency keys and the pool start afresh; settled records are gone by their retention.
+    pub fn forget_idle(&mut self) {
+        assert!(self.live_ids().is_empty(), "idle with live holds: {:?}", self.live_ids());
+        self.scopes.clear();
+        self.leases.clear();
+        self.keys.clear();
+        self.pool = Pool::default();
+    }
+
     /// What tokens of a model cost at its price (nanos; 0 unpriced).
     fn cost(&self, model: &str, prompt: u64, output: u64) -> u64 {
         self.prices.get(model).map_or(0, |(i, o)| prompt * i + output * o)
