@@ -37,18 +37,6 @@ fn policy() -> String {
     )
 }
 
-/// xorshift: the run repeats with its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
-}
-
 #[derive(Debug)]
 struct Hold {
     id: String,
@@ -108,12 +96,12 @@ async fn books_balance<S: Store + Clone>(replicas: &[Harness<S>], seed: u64, cal
     let stop = tokio_util::sync::CancellationToken::new();
     let workers: Vec<_> = replicas.iter().filter_map(|r| r.admission.run_retries(stop.clone())).collect();
     let n = replicas.len() as u64;
-    let mut rng = Rng(seed | 1);
+    let rng = support::rng::Seeded::new(seed);
     let mut holds: Vec<Hold> = Vec::new();
     let mut run = Run::default();
     for _ in 0..OPS {
         let live: Vec<usize> = (0..holds.len()).filter(|&i| !holds[i].settled).collect();
-        let pick = |rng: &mut Rng| live.get(rng.below(live.len() as u64) as usize).copied();
+        let pick = |rng: &support::rng::Seeded| live.get(rng.below(live.len() as u64) as usize).copied();
         match rng.below(10) {
             0..=3 => {
                 let owner = rng.below(n) as usize;
@@ -127,7 +115,7 @@ async fn books_balance<S: Store + Clone>(replicas: &[Harness<S>], seed: u64, cal
                 }
             }
             4..=6 => {
-                let Some(i) = pick(&mut rng) else { continue };
+                let Some(i) = pick(&rng) else { continue };
                 let at = if rng.below(2) == 0 { holds[i].owner } else { rng.below(n) as usize };
                 // Up to half again the hold: an overrun is debt, charged in full.
                 let usage = rng.below(holds[i].held * 3 / 2 + 1);
@@ -136,13 +124,13 @@ async fn books_balance<S: Store + Clone>(replicas: &[Harness<S>], seed: u64, cal
                 holds[i].settled = true;
             }
             7 => {
-                let Some(i) = pick(&mut rng) else { continue };
+                let Some(i) = pick(&rng) else { continue };
                 let at = rng.below(n) as usize;
                 settle(&replicas[at], &holds[i], None, &mut run).await;
                 holds[i].settled = true;
             }
             8 => {
-                let Some(i) = pick(&mut rng) else { continue };
+                let Some(i) = pick(&rng) else { continue };
                 let at = rng.below(n) as usize;
                 if let Ok(o) = replicas[at].admission.renew(&holds[i].id, 0).await {
                     assert_ne!(o, RenewOutcome::NotFound, "the renewal of a live hold: {:?}", holds[i]);

@@ -30,6 +30,9 @@ impl<S: Store> Admission<S> {
             Local::Miss => {}
             local => return self.leased_decision(plan, local),
         }
+        // The replica's lease record sits in the tenant's lease index: if it dies, a sweeper
+        // settles it. Noted before the call, which may run though its answer is lost.
+        self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
         // A call whose answer was lost goes first; then this request's own.
         let mut called =
             leases.call(&self.protocol, &plan.tenant, &t, Some(&ask), false, sweep_args(&plan.policy)).await;
@@ -41,9 +44,6 @@ impl<S: Store> Admission<S> {
         }
         match called {
             Ok(Called { refused, followups, .. }) => {
-                // The replica's lease record sits in the tenant's lease index: if it dies, a
-                // sweeper settles it.
-                self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
                 self.follow_up(followups).await;
                 match refused {
                     Some((scope, reason, retry_after_ms)) => {
@@ -147,9 +147,9 @@ impl<S: Store> Admission<S> {
                 // gives that back with a second call.
                 // (And a call whose answer was lost goes again first.)
                 for _ in 0..3 {
+                    self.note_tenant(&tenant, tp.lease_ttl_ms);
                     match leases.call(&self.protocol, &tenant, &t, None, leaving, sweep_args(&policy)).await {
                         Ok(Called { followups: f, resent, .. }) => {
-                            self.note_tenant(&tenant, tp.lease_ttl_ms);
                             released.extend(f.released);
                             let applied = !f.forwarded.is_empty();
                             self.apply_forwarded(f.forwarded).await;

@@ -162,7 +162,7 @@ impl<S: Store> Store for Queued<S> {
 pub struct Chaos<S> {
     pub inner: S,
     per_mille: Arc<AtomicU32>,
-    rng: Arc<std::sync::atomic::AtomicU64>,
+    rng: Arc<super::rng::Seeded>,
     failed: Arc<AtomicU32>,
 }
 
@@ -171,7 +171,7 @@ impl<S> Chaos<S> {
         Chaos {
             inner,
             per_mille: Arc::new(AtomicU32::new(per_mille)),
-            rng: Arc::new(std::sync::atomic::AtomicU64::new(seed | 1)),
+            rng: Arc::new(super::rng::Seeded::new(seed)),
             failed: Arc::default(),
         }
     }
@@ -188,12 +188,7 @@ impl<S> Chaos<S> {
 
     /// A number in 0..1000.
     fn roll(&self) -> u64 {
-        let mut x = self.rng.load(Ordering::SeqCst);
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.rng.store(x, Ordering::SeqCst);
-        x % 1000
+        self.rng.below(1000)
     }
 }
 

@@ -14,6 +14,7 @@ pub mod faults;
 pub mod model;
 pub mod procs;
 pub mod proxy;
+pub mod rng;
 pub mod upstream;
 
 use std::collections::BTreeMap;

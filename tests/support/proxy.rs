@@ -22,18 +22,13 @@ struct Faults {
     paused: AtomicBool,
     /// Connections cut so far.
     cuts: AtomicU32,
-    /// xorshift state: the cuts are random, and repeat with the seed.
-    rng: AtomicU64,
+    /// The cuts are random, and repeat with the seed.
+    rng: super::rng::Seeded,
 }
 
 impl Faults {
     fn roll(&self, per_mille: u32) -> bool {
-        let mut x = self.rng.load(Ordering::Relaxed);
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.rng.store(x, Ordering::Relaxed);
-        x % 1000 < u64::from(per_mille)
+        self.rng.below(1000) < u64::from(per_mille)
     }
 
     async fn wait_while_paused(&self) {
@@ -59,7 +54,7 @@ impl FaultProxy {
     pub async fn start(upstream: SocketAddr, seed: u64) -> FaultProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("proxy listens");
         let addr = listener.local_addr().unwrap();
-        let faults = Arc::new(Faults { rng: AtomicU64::new(seed | 1), ..Faults::default() });
+        let faults = Arc::new(Faults { rng: super::rng::Seeded::new(seed), ..Faults::default() });
         let shared = Arc::clone(&faults);
         let accept = tokio::spawn(async move {
             let mut connections = tokio::task::JoinSet::new();

@@ -1,0 +1,34 @@
+//! A seeded generator for the tests' own random faults and picks: xorshift64, shared across tasks,
+//! so a failing run repeats from its seed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Debug)]
+pub struct Seeded(AtomicU64);
+
+impl Default for Seeded {
+    fn default() -> Self {
+        Seeded::new(1)
+    }
+}
+
+impl Seeded {
+    /// Any seed will do (zero, the one xorshift cannot leave, is made odd).
+    pub fn new(seed: u64) -> Self {
+        Seeded(AtomicU64::new(seed | 1))
+    }
+
+    pub fn next(&self) -> u64 {
+        let mut x = self.0.load(Ordering::SeqCst);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0.store(x, Ordering::SeqCst);
+        x
+    }
+
+    /// A number in `0..n` (0 when `n` is).
+    pub fn below(&self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
