@@ -144,18 +144,21 @@ impl LocalLimits {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What the store said a scope's daily budget has left, on day `day` (its answer to a reserve).
-    pub fn saw_budget(&self, key: &str, day: u64, left: u64) {
+    /// What the store said each scope's daily budget has left, on day `day` (its answer to a
+    /// reserve): `(scope key, left)`, under one lock for the decision.
+    pub fn saw_budgets<'k>(&self, day: u64, seen: impl IntoIterator<Item = (&'k str, u64)>) {
         let mut state = self.lock();
-        if let Some(b) = state.budgets.get_mut(key) {
-            if b.day != day {
-                *b = DayBudget { day, ..DayBudget::default() };
+        for (key, left) in seen {
+            if let Some(b) = state.budgets.get_mut(key) {
+                if b.day != day {
+                    *b = DayBudget { day, ..DayBudget::default() };
+                }
+                b.store_left = Some(left);
+                continue;
             }
-            b.store_left = Some(left);
-            return;
+            state.make_room(Instant::now(), day);
+            state.budgets.insert(key.to_string(), DayBudget { day, store_left: Some(left), spent: 0.0 });
         }
-        state.make_room(Instant::now(), day);
-        state.budgets.insert(key.to_string(), DayBudget { day, store_left: Some(left), spent: 0.0 });
     }
 
     /// The replicas last counted through the store (1 until the first count).
@@ -336,7 +339,7 @@ mod tests {
         local.counted(2);
         let l = budget(10_000);
         let t0 = Instant::now();
-        local.saw_budget("tenant", NOON / DAY_MS, 1_000);
+        local.saw_budgets(NOON / DAY_MS, [("tenant", 1_000)]);
         // Half of the 1,000 left: five holds of 100.
         for i in 0..5 {
             assert_eq!(local.admit([("tenant", &l)].into_iter(), 100, t0, NOON), Ok(()), "hold {i}");
@@ -348,7 +351,7 @@ mod tests {
             "until midnight"
         );
         // The store, which never sees local admissions, says the same again: still spent.
-        local.saw_budget("tenant", NOON / DAY_MS, 1_000);
+        local.saw_budgets(NOON / DAY_MS, [("tenant", 1_000)]);
         assert!(local.admit([("tenant", &l)].into_iter(), 100, t0, NOON).is_err(), "spent stays spent that day");
         // A new day the store has not spoken of: half the whole budget.
         let tomorrow = NOON + DAY_MS;

@@ -41,18 +41,24 @@ impl<S: Store> Admission<S> {
         }
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
-        let outcome = match self.home(&r, reservation_id) {
+        let at_store = || async {
+            let learning = policy.tenant(r.tenant).and_then(|tp| {
+                tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
+            });
+            self.protocol.commit(r.tenant, reservation_id, counted, learning).await
+        };
+        let outcome = match self.home(&r) {
             Home::Store => {
-                let learning = policy.tenant(r.tenant).and_then(|tp| {
-                    tp.adaptive_output
-                        .map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
-                });
-                let outcome = self.protocol.commit(r.tenant, reservation_id, counted, learning).await?;
+                let outcome = at_store().await?;
                 self.record_commit(&policy, r.tenant, &outcome, counted);
                 outcome
             }
             Home::Slice(leases) => {
-                let outcome = leases.commit(r.tenant, reservation_id, counted);
+                let outcome = match leases.commit(r.tenant, reservation_id, counted) {
+                    // Not a hold of the slices: a store hold under a leased id (see `home`).
+                    CommitOutcome::NotFound => at_store().await?,
+                    outcome => outcome,
+                };
                 self.record_commit(&policy, r.tenant, &outcome, counted);
                 outcome
             }
@@ -99,12 +105,16 @@ impl<S: Store> Admission<S> {
         let policy = self.policy();
         let Some(tp) = policy.tenant(r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
-        let outcome = match self.home(&r, reservation_id) {
-            Home::Store => {
-                self.note_tenant(r.tenant, lease);
-                self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await?
-            }
-            Home::Slice(leases) => leases.renew(r.tenant, reservation_id, lease),
+        let at_store = || async {
+            self.note_tenant(r.tenant, lease);
+            self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await
+        };
+        let outcome = match self.home(&r) {
+            Home::Store => at_store().await?,
+            Home::Slice(leases) => match leases.renew(r.tenant, reservation_id, lease) {
+                RenewOutcome::NotFound => at_store().await?,
+                outcome => outcome,
+            },
             Home::Replica(replica) => {
                 let renewal = Forwarded::Renew { lease_ms: lease };
                 match self.forward(&policy, &r, replica, reservation_id, renewal).await? {
@@ -132,9 +142,12 @@ impl<S: Store> Admission<S> {
     /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
-        let outcome = match self.home(&r, reservation_id) {
+        let outcome = match self.home(&r) {
             Home::Store => self.protocol.release(r.tenant, reservation_id).await?,
-            Home::Slice(leases) => leases.release(r.tenant, reservation_id),
+            Home::Slice(leases) => match leases.release(r.tenant, reservation_id) {
+                ReleaseOutcome::NotFound => self.protocol.release(r.tenant, reservation_id).await?,
+                outcome => outcome,
+            },
             Home::Replica(replica) => {
                 match self.forward(&self.policy(), &r, replica, reservation_id, Forwarded::Release).await? {
                     true => ReleaseOutcome::Forwarded,
@@ -154,18 +167,13 @@ impl<S: Store> Admission<S> {
     }
 
     /// Where the hold an id names lives: the one answer commit, renew and release route by. A
-    /// leased id this replica does not know is a store hold: a leased decision its slices could not
-    /// cover after all (a reload took the scope out of leasing under it) was made at the store.
-    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>, id: &str) -> Home<'a> {
+    /// leased id of this replica that its slices do not know (they answer `NotFound`) is a store
+    /// hold: a leased decision its slices could not cover after all (a reload took the scope out of
+    /// leasing under it) was made at the store.
+    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>) -> Home<'a> {
         match (r.replica, &self.leases) {
             (None, _) => Home::Store,
-            (Some(replica), Some(leases)) if leases.replica == replica => {
-                if leases.knows(r.tenant, id) {
-                    Home::Slice(leases)
-                } else {
-                    Home::Store
-                }
-            }
+            (Some(replica), Some(leases)) if leases.replica == replica => Home::Slice(leases),
             (Some(replica), _) => Home::Replica(replica),
         }
     }
@@ -191,7 +199,8 @@ impl<S: Store> Admission<S> {
 enum Home<'a> {
     /// In the store: its scripts settle it.
     Store,
-    /// In this replica's slices: settled in memory, no store call.
+    /// In this replica's slices: settled in memory, no store call (or, when they do not know it, in
+    /// the store).
     Slice(&'a Leases),
     /// In another replica's slices: the operation is left for that replica (`lease_forward.lua`),
     /// which applies it within one lease window.

@@ -51,12 +51,12 @@ impl<S: Store> Admission<S> {
         if plan.tp.on_store_error != OnStoreError::Local {
             return;
         }
-        let day = self.clock.now_ms() / crate::hold::DAY_MS;
-        for (scope, left) in plan.scopes.iter().zip(left) {
-            if let Some(left) = left {
-                self.local.saw_budget(&scope.key, day, *left);
-            }
+        if left.iter().all(Option::is_none) {
+            return;
         }
+        let day = self.clock.now_ms() / crate::hold::DAY_MS;
+        let seen = plan.scopes.iter().zip(left).filter_map(|(scope, left)| left.map(|l| (scope.key.as_str(), l)));
+        self.local.saw_budgets(day, seen);
     }
 
     /// A store failure, under the tenant's `on_store_error`: refuse, or admit unmetered.

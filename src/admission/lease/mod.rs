@@ -404,14 +404,6 @@ impl Leases {
         self.existing(tenant).and_then(|t| t.lock().pending.as_ref().map(call::Prepared::seq))
     }
 
-    /// Whether this replica holds, or remembers settling, the leased hold `id`.
-    pub fn knows(&self, tenant: &str, id: &str) -> bool {
-        self.existing(tenant).is_some_and(|t| {
-            let s = t.lock();
-            s.holds.contains_key(id) || s.closed.contains_key(id)
-        })
-    }
-
     /// How many holds this replica keeps in memory for the tenant, live and settled.
     pub fn held(&self, tenant: &str) -> (usize, usize) {
         self.existing(tenant).map_or((0, 0), |t| {
