@@ -6,8 +6,9 @@
 //! stall (no decision, window or call for up to 9 s, past their lease) and replicas that die
 //! without giving their slices back; half the cases start 20 s before midnight and cross it; in
 //! half, store calls that fail at random (a tenth run and lose their reply, a tenth never arrive),
-//! which a caller retries; and in half, a tenant whose expired holds give their tokens back
-//! (`expired_usage: refund`).
+//! which a caller retries, settlements forwarded all the same (one whose application fails is
+//! applied by the owner's retry queue, drained before the next step); and in half, a tenant whose
+//! expired holds give their tokens back (`expired_usage: refund`).
 //!
 //! Beside them runs a reference: one bucket per scope as a single store would keep it, driven by
 //! what the replicas actually admitted and settled. After every step:
@@ -277,12 +278,6 @@ struct World {
     unsent_debt: [u64; REPLICAS],
     /// The tenant's expired holds give their tokens back (`expired_usage: refund`).
     refund: bool,
-    /// Random cases with faults settle at the owner only: a forwarded operation whose lease call
-    /// lost its answer, or whose application went to the retry queue, is applied at a moment the
-    /// reference cannot see, and a settlement at the owner beside it would race it. (The named
-    /// regressions forward under faults, on seeds whose order is known; `tests/conservation.rs`
-    /// forwards under faults and checks the end.)
-    owner_only: bool,
     holds: Vec<Hold>,
     pending: BTreeMap<usize, Vec<Pending>>,
     now: u64,
@@ -324,7 +319,6 @@ impl World {
             lost_debt: 0,
             unsent_debt: [0; REPLICAS],
             refund,
-            owner_only: false,
             holds: Vec::new(),
             pending: BTreeMap::new(),
             now: 0,
@@ -488,7 +482,6 @@ impl World {
             }
             Op::Commit { hold, replica, per_mille } => {
                 let Some(i) = self.pick(hold) else { return };
-                let replica = if self.owner_only { self.holds[i].owner } else { replica };
                 if !self.running(replica) {
                     return;
                 }
@@ -519,7 +512,6 @@ impl World {
             }
             Op::Release { hold, replica } => {
                 let Some(i) = self.pick(hold) else { return };
-                let replica = if self.owner_only { self.holds[i].owner } else { replica };
                 if !self.running(replica) {
                     return;
                 }
@@ -678,6 +670,7 @@ impl World {
     /// Operations forwarded to a replica are taken by its next lease call (a window, or a miss):
     /// those no longer waiting in the store were applied by this step, in the order they came.
     async fn collect_forwarded(&mut self) {
+        self.drain_retries().await;
         let tenant = self.tenant_name().to_string();
         for r in 0..REPLICAS {
             let Some(pending) = self.pending.remove(&r) else { continue };
@@ -714,6 +707,16 @@ impl World {
             if !still.is_empty() {
                 self.pending.insert(r, still);
             }
+        }
+    }
+
+    /// Waits (real time, bounded) until every replica's retry queue is empty: a forwarded operation
+    /// whose application failed is applied by it, within the step the reference sees it in.
+    async fn drain_retries(&self) {
+        for r in &self.replicas {
+            let drained =
+                r.eventually(std::time::Duration::from_secs(20), || async { r.admission.retries_waiting() == 0 });
+            assert!(drained.await, "settlements left in the retry queue");
         }
     }
 
@@ -883,11 +886,9 @@ async fn run_in(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool) {
     run_world(World::new(share, faults, refund, STARTS[0]).await, ops).await;
 }
 
-/// A random case: with faults, settlements at the owner only (see `World::owner_only`).
+/// A random case.
 async fn run_random(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool, start: u64) {
-    let mut w = World::new(share, faults, refund, start).await;
-    w.owner_only = faults.is_some();
-    run_world(w, ops).await;
+    run_world(World::new(share, faults, refund, start).await, ops).await;
 }
 
 async fn run_world(mut w: World, ops: Vec<Op>) {
