@@ -2,8 +2,9 @@
 //! replicas, commits (some beyond their hold: debt) and releases at the owner or forwarded through
 //! another replica, renewals and lease windows, while calls fail at random: through a TCP proxy in
 //! front of a real Redis that cuts connections right after forwarding a script call (the script
-//! ran, its reply is lost) and holds replies past the command timeout, and through a store wrapper
-//! that loses replies or calls on the embedded store and the Cluster. A caller retries what failed,
+//! ran, its reply is lost) and holds replies past the command timeout, the same in front of every
+//! node of a Redis Cluster (each announcing its proxy as itself), and through a store wrapper that
+//! loses replies or calls on the embedded store and the shared Cluster. A caller retries what failed,
 //! as a client of the Admission service would.
 //!
 //! At the end (faults off, every replica's windows taken, every hold settled, the slices given back,
@@ -200,6 +201,36 @@ async fn the_books_balance_through_a_proxy_that_cuts_connections() {
     };
     assert!(proxy.cuts() >= 5, "the proxy cut {} connections: not a fault test", proxy.cuts());
     eprintln!("{run:?}; {} connections cut", proxy.cuts());
+}
+
+/// The same on a Redis Cluster of the test's own, each node behind a fault proxy that it announces
+/// as itself: a script call's connection cut (and the client's re-send after it), on whichever
+/// node holds the tenant's slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_books_balance_through_proxies_on_a_cluster() {
+    use support::proxy::ProxiedCluster;
+    let cluster = ProxiedCluster::start(0xc105).await;
+    let timeout = Duration::from_millis(300);
+    let options = RedisOptions { command_timeout: timeout, ..RedisOptions::default() };
+    let target = RedisTarget::Cluster(cluster.nodes());
+    let connect = || RedisStore::connect(&target, options);
+    let nodes = cluster.nodes().iter().map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", ");
+    let (tenant, pool) = (support::unique_tenant("t"), support::unique_tenant("p"));
+    let (top, body) = policy().split_once(TOP_SEPARATOR).map(|(t, b)| (t.to_string(), b.to_string())).unwrap();
+    let yaml = support::policy_yaml(&tenant, &pool, &body, &format!("{top}\nstore:\n  redis_cluster: [{nodes}]"));
+    let policy = tollgate::config::Policy::parse("test.yaml", &yaml).expect("test policy");
+    let first =
+        Harness::from_parts(connect().await.expect("the cluster, through its proxies"), policy, tenant, pool, None)
+            .await;
+    let own = connect().await.expect("a second connection");
+    let second = first.wrapped(|_| own).await;
+    for proxy in &cluster.proxies {
+        proxy.cut_after_scripts(200);
+    }
+    let run = books_balance(&[first, second], 0xc105, || cluster.proxies.iter().for_each(FaultProxy::calm)).await;
+    let cuts: u32 = cluster.proxies.iter().map(FaultProxy::cuts).sum();
+    assert!(cuts >= 5, "the proxies cut {cuts} connections: not a fault test");
+    eprintln!("{run:?}; {cuts} connections cut");
 }
 
 /// The same with calls failing in the store wrapper (15% lose their reply, 15% never arrive), on
