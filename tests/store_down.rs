@@ -382,6 +382,52 @@ async fn with_redis_gone_each_replica_admits_its_local_share() {
     }
 }
 
+/// A partial partition: of two replicas, one reaches Redis and one does not (its proxy stops
+/// forwarding). The one cut off admits its local share (1,000 × 0.8 ÷ 2 = 400: four holds of 100),
+/// the other all the store has (the whole burst: ten), so together they admit `limit × (1 +
+/// local_factor × cut-off ÷ replicas)` = 1,400 tokens, the bound docs/failure-modes.md states, and
+/// no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_partition_admits_the_limit_and_the_cut_off_replicas_shares() {
+    let redis = OwnRedis::start(free_port());
+    let proxy = support::proxy::FaultProxy::start(([127, 0, 0, 1], redis.port).into(), 1).await;
+    let policy = |url: &str| {
+        format!(
+            "store:\n  redis_url: {url}\nmodels:\n  m: {{ max_output_tokens: 10 }}\n\
+             tenants:\n  acme:\n    limits: {{ tokens_per_minute: 60, burst_tokens: 1000 }}\n"
+        )
+    };
+    let reaching = Tollgate::start(&policy(&format!("redis://127.0.0.1:{}", redis.port)));
+    let cut_off = Tollgate::start(&policy(&proxy.url()));
+    let hold = ReserveRequest { prompt_tokens: 90, max_tokens: 10, ..reserve() };
+    // Both heartbeats are in (one a second): each replica counts two.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut clients = Vec::new();
+    for t in [&reaching, &cut_off] {
+        let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+        let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+        assert!(r.admitted && !r.unmetered, "{r:?}");
+        client.release(tollgate::proto::ReleaseRequest { reservation_id: r.reservation_id }).await.unwrap();
+        clients.push(client);
+    }
+    proxy.pause(true);
+    let mut admitted = [0, 0];
+    for (i, client) in clients.iter_mut().enumerate() {
+        for _ in 0..20 {
+            let r = client.reserve(hold.clone()).await.unwrap().into_inner();
+            if !r.admitted {
+                assert_eq!(r.reason, "token_rate", "{r:?}");
+                break;
+            }
+            assert_eq!(r.unmetered, i == 1, "decided by the store only where it is reached: {r:?}");
+            admitted[i] += 100;
+        }
+    }
+    assert_eq!(admitted, [1_000, 400], "the store's whole burst, and the cut-off replica's share\n{}", cut_off.log());
+    assert!(admitted.iter().sum::<u64>() <= 1_000 + 1_000 * 8 / 10 / 2, "the stated bound");
+    proxy.pause(false);
+}
+
 /// A scope limited only by a daily budget gets a local share of what the store last said it had
 /// left: 1,000 tokens a day, 600 used, so 400 × 0.8 = 320 tokens for the one replica while Redis
 /// is gone (three holds of 100), then `budget` until midnight.

@@ -353,6 +353,13 @@ impl Drop for OwnRedis {
     }
 }
 
+/// A command's reply from the loopback Redis on `port`, as redis-cli prints it (empty when it does
+/// not answer).
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// A Redis Cluster of the test's own on loopback, each primary with one replica, for tests that
 /// kill a node (the suite's shared Cluster has no replicas, and other tests use it).
 pub struct OwnCluster {
@@ -420,8 +427,7 @@ impl OwnCluster {
 
     /// A command's reply as redis-cli prints it (empty when the node does not answer).
     pub fn cli(&self, port: u16, args: &[&str]) -> String {
-        let out = Command::new("redis-cli").args(["-p", &port.to_string()]).args(args).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        redis_cli(port, args)
     }
 
     /// The cluster as the first live node sees it.

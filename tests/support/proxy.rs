@@ -11,6 +11,8 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::procs::{OwnRedis, free_port, redis_cli};
+
 /// What the proxy does to the traffic, changed at any time.
 #[derive(Default)]
 struct Faults {
@@ -161,85 +163,54 @@ async fn proxy(client: TcpStream, server: TcpStream, faults: &Faults) {
 /// A 3-node Redis Cluster of its own, every node behind a [`FaultProxy`]: each node announces its
 /// proxy's port as its own (`cluster-announce-port`), so a client that follows the cluster's slot
 /// map reaches every node through its proxy; the nodes gossip on their bus ports, unproxied. The
-/// nodes are killed, and their files removed, when it drops.
+/// nodes stop when it drops.
 pub struct ProxiedCluster {
     pub proxies: Vec<FaultProxy>,
-    nodes: Vec<std::process::Child>,
-    _dir: super::procs::TempDir,
+    _nodes: Vec<OwnRedis>,
 }
 
 impl ProxiedCluster {
     pub async fn start(seed: u64) -> ProxiedCluster {
-        let dir = super::procs::TempDir::new("tollgate-proxied-cluster");
-        let mut proxies = Vec::new();
-        let mut nodes = Vec::new();
-        let mut ports = Vec::new();
+        let (mut proxies, mut nodes, mut buses) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..3u64 {
-            let (port, bus) = (super::procs::free_port(), super::procs::free_port());
+            let (port, bus) = (free_port(), free_port().to_string());
             let proxy = FaultProxy::start(SocketAddr::from(([127, 0, 0, 1], port)), seed.wrapping_add(i)).await;
-            let node = std::process::Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--dir", &dir.0.display().to_string(), "--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", &format!("nodes-{i}.conf"), "--cluster-port", &bus.to_string()])
-                .args(["--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", &proxy.addr.port().to_string()])
-                .args(["--cluster-announce-bus-port", &bus.to_string(), "--cluster-node-timeout", "2000"])
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .expect("redis-server starts (bash scripts/test installs it)");
-            nodes.push(node);
+            let announced = proxy.addr.port().to_string();
+            nodes.push(OwnRedis::start_with(
+                port,
+                &["--cluster-enabled", "yes", "--cluster-port", &bus, "--cluster-node-timeout", "2000"],
+            ));
+            // (Announced once the node runs: its own port is free until it binds.)
+            redis_cli(port, &["config", "set", "cluster-announce-ip", "127.0.0.1"]);
+            redis_cli(port, &["config", "set", "cluster-announce-port", &announced]);
+            redis_cli(port, &["config", "set", "cluster-announce-bus-port", &bus]);
             proxies.push(proxy);
-            ports.push((port, bus));
+            buses.push(bus);
         }
-        let cluster = ProxiedCluster { proxies, nodes, _dir: dir };
-        for &(port, _) in &ports {
-            cluster.wait_for(port, "PONG", &["ping"]).await;
+        let ports: Vec<u16> = nodes.iter().map(|n| n.port).collect();
+        for (&port, (first, last)) in ports.iter().zip([(0, 5460), (5461, 10922), (10923, 16383)]) {
+            redis_cli(port, &["cluster", "addslotsrange", &first.to_string(), &last.to_string()]);
         }
-        let slots = [(0, 5460), (5461, 10922), (10923, 16383)];
-        for (&(port, _), (first, last)) in ports.iter().zip(slots) {
-            cli(port, &["cluster", "addslotsrange", &first.to_string(), &last.to_string()]);
+        for i in 1..3 {
+            let announced = proxies[i].addr.port().to_string();
+            redis_cli(ports[0], &["cluster", "meet", "127.0.0.1", &announced, &buses[i]]);
         }
-        for (i, &(_, bus)) in ports.iter().enumerate().skip(1) {
-            let announced = cluster.proxies[i].addr.port().to_string();
-            cli(ports[0].0, &["cluster", "meet", "127.0.0.1", &announced, &bus.to_string()]);
+        for &port in &ports {
+            let mut ok = false;
+            for _ in 0..400 {
+                ok = redis_cli(port, &["cluster", "info"]).contains("cluster_state:ok");
+                if ok {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(ok, "the proxied cluster did not form (node {port})");
         }
-        for &(port, _) in &ports {
-            cluster.wait_for(port, "cluster_state:ok", &["cluster", "info"]).await;
-        }
-        cluster
+        ProxiedCluster { proxies, _nodes: nodes }
     }
 
     /// The nodes' addresses as the cluster announces them: the proxies'.
     pub fn nodes(&self) -> Vec<String> {
         self.proxies.iter().map(|p| p.addr.to_string()).collect()
-    }
-
-    /// Waits (at most 20 s) until `redis-cli -p <port> <args>` says `expected`.
-    async fn wait_for(&self, port: u16, expected: &str, args: &[&str]) {
-        for _ in 0..400 {
-            if cli(port, args).contains(expected) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("redis on {port} never said {expected} to {args:?}");
-    }
-}
-
-/// `redis-cli -p <port> <args>`, its output ('' when it cannot run).
-fn cli(port: u16, args: &[&str]) -> String {
-    std::process::Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
-}
-
-impl Drop for ProxiedCluster {
-    fn drop(&mut self) {
-        for node in &mut self.nodes {
-            let _ = node.kill();
-            let _ = node.wait();
-        }
     }
 }
