@@ -138,17 +138,9 @@ for i = 1, n do
   local back_tokens, back_cost, back_day = a[9], a[10], a[11]
   local earlier_tokens, earlier_cost, earlier_day = a[12], a[13], a[14]
   local charge_tokens, charge_cost, back_requests, held = a[15], a[16], a[17], a[18]
-  -- Tokens and cost may go different ways (a refund of tokens, debt in money at another price).
-  if back_tokens > 0 then
-    refund({ key }, back_tokens, 0, back_day, now)
-  elseif back_tokens < 0 then
-    charge({ key }, -back_tokens, 0, now)
-  end
-  if back_cost > 0 then
-    refund({ key }, 0, back_cost, back_day, now)
-  elseif back_cost < 0 then
-    charge({ key }, 0, -back_cost, now)
-  end
+  -- What comes back goes to the day it was drawn on, debt to today; tokens and cost may go
+  -- different ways (a refund of tokens, debt in money at another price).
+  settle({ key }, -back_tokens, -back_cost, back_day, now)
   refund({ key }, earlier_tokens, earlier_cost, earlier_day, now)
   charge({ key }, charge_tokens, charge_cost, now)
   if back_requests > 0 and a[2] > 0 then
@@ -186,27 +178,23 @@ for i, s in ipairs(scopes) do
   if reason == '' then
     local need_tokens, need_cost, need_requests, need_slots = a[19], a[20], a[21], a[22]
     local want_tokens, want_cost, want_requests, want_slots = a[23], a[24], a[25], a[26]
-    if s.tcap > 0 or s.budget > 0 or s.mbudget > 0 then
-      local have = math.huge
-      if s.tcap > 0 then
-        have = math.floor(s.t)
+    -- What a scope has left under each of its limits ({limit, used} pairs; 0: no such limit),
+    -- the least of them; nil when none limits it.
+    local function left(limits)
+      local have = nil
+      for _, l in ipairs(limits) do
+        if l[1] > 0 then
+          have = math.min(have or math.huge, l[1] - l[2])
+        end
       end
-      if s.budget > 0 then
-        have = math.min(have, s.budget - s.du)
-      end
-      if s.mbudget > 0 then
-        have = math.min(have, s.mbudget - s.mu)
-      end
+      return have
+    end
+    local have = left({ { s.tcap, s.tcap - math.floor(s.t or 0) }, { s.budget, s.du }, { s.mbudget, s.mu } })
+    if have then
       tokens = math.max(need_tokens, math.min(want_tokens, have))
     end
-    if s.dcost > 0 or s.mcost > 0 then
-      local have = math.huge
-      if s.dcost > 0 then
-        have = s.dcost - s.dc
-      end
-      if s.mcost > 0 then
-        have = math.min(have, s.mcost - s.mc)
-      end
+    have = left({ { s.dcost, s.dc }, { s.mcost, s.mc } })
+    if have then
       cost = math.max(need_cost, math.min(want_cost, have))
     end
     if s.rcap > 0 then

@@ -421,7 +421,15 @@ impl<S: Store + Clone> World<S> {
                     clock.advance_ms(IDLE_MS);
                     self.elapsed = 0;
                     self.model.forget_idle();
-                    for key in scopes {
+                    let mut gone = scopes;
+                    for tenant in &self.tenants {
+                        gone.extend([keys::leases(tenant), keys::holds(tenant)]);
+                        let mine = self.ids.iter().filter(|id| id.starts_with(&format!("{tenant}:")));
+                        gone.extend(mine.map(|id| keys::record(tenant, id)));
+                    }
+                    let pool = &self.model.pool_name;
+                    gone.extend([keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)]);
+                    for key in gone {
                         assert!(self.h.scope(&key).await.is_none(), "{at}: {key} outlived its TTL");
                     }
                 }
@@ -450,7 +458,7 @@ impl<S: Store + Clone> World<S> {
         }
         let got = self.lossy.admission.reserve(&attributes).await;
         self.quiet(at).await;
-        self.faults.clear();
+        let unmet = self.faults.clear();
         let unavailable = Decision::Denied(Denial {
             retry_after_ms: Some(1_000),
             ..Denial::now(Reason::StoreUnavailable, "admission store unavailable")
@@ -462,6 +470,8 @@ impl<S: Store + Clone> World<S> {
                 // It ran: the hold was made, then given back by its id.
                 Decision::Admitted(e) => {
                     assert_eq!(e.reservation_id, NEW_ID, "{at}: only a new hold is given back");
+                    // Both calls failed: the reserve's reply, and (an outage) its give-back's.
+                    assert_eq!(unmet, 0, "{at}: a fault no call met");
                     let id = self.faults.last_first_arg("reserve").expect("the reserve's id");
                     self.model.adopt(&id);
                     self.ids.push(id.clone());
@@ -615,8 +625,10 @@ impl<S: Store + Clone> World<S> {
             let (du, dc) = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or((0, 0), |s| (s.du, s.dc));
             // What was charged before the last idle spell is no longer in any counter.
             let (before_tokens, before_cost) = self.ledger_before_idle.get(tenant).copied().unwrap_or_default();
-            let tokens: u64 = charged.values().map(|c| c.0).sum::<u64>() - before_tokens;
-            let cost: u64 = charged.values().map(|c| c.1).sum::<u64>() - before_cost;
+            let since =
+                |all: u64, before: u64| all.checked_sub(before).expect("the ledger lost entries since the idle");
+            let tokens = since(charged.values().map(|c| c.0).sum(), before_tokens);
+            let cost = since(charged.values().map(|c| c.1).sum(), before_cost);
             assert_eq!((tokens, cost), (du, dc), "what {tenant}'s ledger charges, tokens and cost: {ledger:?}");
         }
         if let Some(file) = &self.ledger_file {

@@ -400,8 +400,9 @@ async fn a_partial_partition_admits_the_limit_and_the_cut_off_replicas_shares() 
     let reaching = Tollgate::start(&policy(&format!("redis://127.0.0.1:{}", redis.port)));
     let cut_off = Tollgate::start(&policy(&proxy.url()));
     let hold = ReserveRequest { prompt_tokens: 90, max_tokens: 10, ..reserve() };
-    // Both heartbeats are in (one a second): each replica counts two.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Both heartbeats are in (one a second, the second of each counting two), with room to spare
+    // on a busy machine.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let mut clients = Vec::new();
     for t in [&reaching, &cut_off] {
         let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
@@ -424,7 +425,6 @@ async fn a_partial_partition_admits_the_limit_and_the_cut_off_replicas_shares() 
         }
     }
     assert_eq!(admitted, [1_000, 400], "the store's whole burst, and the cut-off replica's share\n{}", cut_off.log());
-    assert!(admitted.iter().sum::<u64>() <= 1_000 + 1_000 * 8 / 10 / 2, "the stated bound");
     proxy.pause(false);
 }
 

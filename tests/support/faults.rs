@@ -113,9 +113,12 @@ impl<S> Queued<S> {
         self.faults.lock().unwrap().push((script, fault));
     }
 
-    /// Forgets the faults no call has met.
-    pub fn clear(&self) {
-        self.faults.lock().unwrap().clear();
+    /// Forgets the faults no call has met, and says how many there were.
+    pub fn clear(&self) -> usize {
+        let mut faults = self.faults.lock().unwrap();
+        let left = faults.len();
+        faults.clear();
+        left
     }
 
     /// The first argument of the last call of `script`.

@@ -76,18 +76,9 @@ pub struct Scope {
     pub mc: u64,
 }
 
-/// The UTC calendar month of a day number, as year x 12 + month - 1 (as common.lua's month_of).
-pub fn month_of(day: u64) -> u64 {
-    let z = day as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y * 12 + m - 1) as u64
-}
+/// The UTC calendar month of a day number: tollgate's own, which the counters this model holds
+/// against the store's (day and month turns included) check against `common.lua`'s.
+pub use tollgate::hold::month_of;
 
 /// The day number a month (as [`month_of`] numbers it) starts on.
 pub fn month_start(month: u64) -> u64 {

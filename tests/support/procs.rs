@@ -360,6 +360,15 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Waits (at most 30 s) until every node on `ports` says `cluster_state:ok`.
+pub fn wait_for_cluster(ports: &[u16]) {
+    let start = Instant::now();
+    while !ports.iter().all(|&p| redis_cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok")) {
+        assert!(start.elapsed() < Duration::from_secs(30), "the cluster on {ports:?} did not form");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A Redis Cluster of the test's own on loopback, each primary with one replica, for tests that
 /// kill a node (the suite's shared Cluster has no replicas, and other tests use it).
 pub struct OwnCluster {

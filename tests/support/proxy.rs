@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::procs::{OwnRedis, free_port, redis_cli};
+use super::procs::{OwnRedis, free_port, redis_cli, wait_for_cluster};
 
 /// What the proxy does to the traffic, changed at any time.
 #[derive(Default)]
@@ -195,17 +195,8 @@ impl ProxiedCluster {
             let announced = proxies[i].addr.port().to_string();
             redis_cli(ports[0], &["cluster", "meet", "127.0.0.1", &announced, &buses[i]]);
         }
-        for &port in &ports {
-            let mut ok = false;
-            for _ in 0..400 {
-                ok = redis_cli(port, &["cluster", "info"]).contains("cluster_state:ok");
-                if ok {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            assert!(ok, "the proxied cluster did not form (node {port})");
-        }
+        // (A blocking wait, once, while the cluster forms: the proxies forward on other threads.)
+        tokio::task::block_in_place(|| wait_for_cluster(&ports));
         ProxiedCluster { proxies, _nodes: nodes }
     }
 

@@ -19,12 +19,15 @@ impl Seeded {
     }
 
     pub fn next(&self) -> u64 {
-        let mut x = self.0.load(Ordering::SeqCst);
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0.store(x, Ordering::SeqCst);
-        x
+        let step = |mut x: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        // One step per caller, however many tasks draw at once.
+        let before = self.0.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |x| Some(step(x))).unwrap_or_default();
+        step(before)
     }
 
     /// A number in `0..n` (0 when `n` is).

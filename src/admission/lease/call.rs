@@ -169,16 +169,25 @@ impl Leases {
         let now = self.clock.now_ms();
         let pending = t.lock().pending.clone();
         let pending = match pending {
-            // Past the store's memory of its answer a re-send would run as a new call: given up.
-            // What it gave back stays charged (missing is never refunded twice).
-            // (Half of it: a re-send on its way when the store forgets runs as a new call.)
+            // Given up once half the store's memory of its answer has passed (a re-send still on
+            // its way when the store forgets would run as a new call). Whether it ran is unknown:
+            // what it gave back stays charged (missing is never refunded twice), and what it
+            // charged (debt, usage counted) is charged again by the next call; its ledger entries
+            // are lost (logged), rather than entered twice.
             Some(p) if now.saturating_sub(p.sent_at) >= p.idle_ttl_ms / 2 => {
                 tracing::warn!(
                     tenant,
                     seq = p.seq,
-                    "a lease call unanswered for longer than the store remembers answers: given up"
+                    entries = p.entries.len(),
+                    "a lease call unanswered for half as long as the store remembers answers: given up"
                 );
-                t.lock().pending = None;
+                let mut s = t.lock();
+                s.pending = None;
+                for scope in &p.scopes {
+                    if let Some(slice) = s.slices.get_mut(&scope.key) {
+                        slice.charge_again(scope);
+                    }
+                }
                 None
             }
             other => other,

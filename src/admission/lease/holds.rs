@@ -12,9 +12,8 @@ const MAX_CLOSED: usize = 100_000;
 
 #[derive(Debug, Clone)]
 pub(super) struct LocalHold {
-    pub(super) scopes: Vec<String>,
-    /// What it took from each scope's slice, in `scopes` order.
-    pub(super) took: Vec<Taken>,
+    /// The scopes it charged, each with what it took from the scope's slice.
+    pub(super) scopes: Vec<(String, Taken)>,
     pub(super) held: u64,
     pub(super) prompt: u64,
     pub(super) day: u64,
@@ -37,12 +36,12 @@ impl LocalHold {
     }
 
     fn held_cost(&self) -> u64 {
-        self.cost(self.prompt, self.held.saturating_sub(self.prompt))
+        self.spend().cost
     }
 
     /// What the hold took from each slice.
     fn spend(&self) -> Spend {
-        Spend { tokens: self.held, cost: self.held_cost() }
+        Spend::of_hold(self.price, self.held, self.prompt)
     }
 
     /// What `counted` charges this hold: tokens, and their cost.
@@ -102,14 +101,11 @@ impl State {
         let (outcome, usage, counts, charged, cost) = match how {
             Entered::Committed { used, counted, late } => {
                 let outcome = if late { "late_committed" } else { "committed" };
+                let cost = hold.used(counted).cost;
                 match counted {
-                    Counted::Exact { prompt, output } => {
-                        (outcome, "exact", Some((prompt, output)), used, hold.cost(prompt, output))
-                    }
-                    Counted::Metered { output } => {
-                        (outcome, "metered", Some((hold.prompt, output)), used, hold.cost(hold.prompt, output))
-                    }
-                    Counted::AsHeld => (outcome, "held", None, used, hold.held_cost()),
+                    Counted::Exact { prompt, output } => (outcome, "exact", Some((prompt, output)), used, cost),
+                    Counted::Metered { output } => (outcome, "metered", Some((hold.prompt, output)), used, cost),
+                    Counted::AsHeld => (outcome, "held", None, used, cost),
                 }
             }
             Entered::Released => ("released", "none", None, 0, 0),
@@ -165,7 +161,7 @@ impl State {
         let refund = hold.refund_on_expiry;
         let held = hold.spend();
         let today = self.today(now);
-        for (key, took) in hold.scopes.iter().zip(&hold.took) {
+        for (key, took) in &hold.scopes {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.free_slot();
                 let used = if refund { Spend::default() } else { held };
@@ -180,7 +176,7 @@ impl State {
     /// what a scope does not lease (by an expiry that charged the hold).
     pub(super) fn reconcile(&mut self, hold: &LocalHold, charged: Spend, counted: Spend, used: Spend, now: u64) {
         let today = self.today(now);
-        for (key, took) in hold.scopes.iter().zip(&hold.took) {
+        for (key, took) in &hold.scopes {
             if let Some(slice) = self.slices.get_mut(key) {
                 slice.settle(*took, charged, counted, used, hold.day, today);
             }
@@ -214,7 +210,7 @@ impl Leases {
         if let Some(hold) = s.holds.remove(id) {
             let spent = hold.used(counted);
             let used = spent.tokens;
-            for key in &hold.scopes {
+            for (key, _) in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
                 }
@@ -253,7 +249,7 @@ impl Leases {
         s.expire_if_due(id, now, retention);
         if let Some(hold) = s.holds.remove(id) {
             let today = s.today(now);
-            for (key, took) in hold.scopes.iter().zip(&hold.took) {
+            for (key, took) in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
                     slice.settle(*took, hold.spend(), Spend::default(), Spend::default(), hold.day, today);

@@ -79,8 +79,7 @@ pub(super) struct Ask<'a> {
 impl Ask<'_> {
     /// What the hold takes from each slice: its tokens, and what they may cost.
     fn spend(&self) -> Spend {
-        let output = self.hold.saturating_sub(self.prompt);
-        Spend { tokens: self.hold, cost: super::plan::cost_of(self.price, self.prompt, output) }
+        Spend::of_hold(self.price, self.hold, self.prompt)
     }
 }
 
@@ -308,18 +307,17 @@ impl Leases {
             };
         }
         let mut tightest: Option<i64> = None;
-        let mut took = Vec::with_capacity(ask.scopes.len());
+        let mut scopes = Vec::with_capacity(ask.scopes.len());
         for scope in &ask.scopes {
             if let Some(slice) = s.slices.get_mut(scope.key) {
-                took.push(slice.take(ask.spend()));
+                scopes.push((scope.key.to_string(), slice.take(ask.spend())));
                 if slice.limits_tokens() {
                     tightest = Some(tightest.map_or(slice.tokens, |t| t.min(slice.tokens)));
                 }
             }
         }
         let hold = LocalHold {
-            scopes: ask.scopes.iter().map(|a| a.key.to_string()).collect(),
-            took,
+            scopes,
             held: ask.hold,
             prompt: ask.prompt,
             day: s.day,

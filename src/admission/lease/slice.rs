@@ -64,6 +64,13 @@ pub(super) struct Taken {
 }
 
 impl Spend {
+    /// What a hold of `hold` tokens, `prompt` of them input, takes at `price`: its tokens, and
+    /// what they may cost.
+    pub(super) fn of_hold(price: crate::config::Price, hold: u64, prompt: u64) -> Spend {
+        let output = hold.saturating_sub(prompt);
+        Spend { tokens: hold, cost: crate::admission::plan::cost_of(price, prompt, output) }
+    }
+
     pub(super) fn add(self, other: Spend) -> Spend {
         Spend { tokens: self.tokens.saturating_add(other.tokens), cost: self.cost.saturating_add(other.cost) }
     }
@@ -202,8 +209,13 @@ impl Slice {
         } else {
             self.charge_today = self.charge_today.add(debt);
         }
+        // What the scope does not lease: use beyond what was counted (by an expiry that charged
+        // the hold) is counted today; what was counted and not used comes off its day's usage.
         let used_elsewhere = Spend { tokens: unleased(took.tokens, used.tokens), cost: unleased(took.cost, used.cost) };
-        self.charge_today = self.charge_today.add(used_elsewhere.beyond(counted));
+        let counted_elsewhere =
+            Spend { tokens: unleased(took.tokens, counted.tokens), cost: unleased(took.cost, counted.cost) };
+        self.charge_today = self.charge_today.add(used_elsewhere.beyond(counted_elsewhere));
+        self.refund(counted_elsewhere.beyond(used_elsewhere), day);
     }
 
     /// Tokens and money back from a hold drawn on `day`.
@@ -262,6 +274,17 @@ impl Slice {
         self.tokens = self.tokens.min(0);
         self.cost = self.cost.min(0);
         self.day = day;
+    }
+
+    /// What a lease call given up unanswered charged (its debt, the usage it counted), charged
+    /// again with the next call: counted twice if it ran, never lost.
+    pub(super) fn charge_again(&mut self, call: &LeaseScope) {
+        let debt = |back: i64| u64::try_from(back.saturating_neg()).unwrap_or(0);
+        let again = Spend {
+            tokens: debt(call.back_tokens).saturating_add(call.charge_tokens),
+            cost: debt(call.back_cost).saturating_add(call.charge_cost),
+        };
+        self.charge_today = self.charge_today.add(again);
     }
 
     /// Anything to give back to the store: free amounts, refunds set aside, debt.

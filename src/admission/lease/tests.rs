@@ -61,7 +61,7 @@ fn a_refund_beyond_the_share_is_given_back_not_spent() {
     for (tokens, day) in [(50, 6), (20, 5), (5, 6), (1, 3)] {
         give_back(&mut slice, took, Spend { tokens, cost: 0 }, Spend::default(), day);
     }
-    // Days 0 to 6 since the epoch are January 1970; day 3 is the latest with a refund of that month.
+    // Days 3 to 6 since the epoch are in January 1970: one entry, under the latest of them (6).
     let earlier: Vec<(u64, u64)> = slice.earlier.values().map(|(d, s)| (*d, s.tokens)).collect();
     assert_eq!(earlier, [(6, 76)], "a hold of another day refunds its month, kept apart");
 }
