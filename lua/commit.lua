@@ -42,7 +42,8 @@ if not r then
   return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0 }
 end
 if r.st == 'committed' or r.st == 'late_committed' then
-  return { r.st, 1, tonumber(r.us), r.h, tonumber(r.rf), tonumber(r.ov), tonumber(r.mx) or 0, r.md or '',
+  local us = tonumber(r.us)
+  return { r.st, 1, us, r.h, math.max(0, r.h - us), math.max(0, us - r.h), tonumber(r.mx) or 0, r.md or '',
     tonumber(r.oh) or -1, r.cc }
 end
 if r.st == 'released' then
@@ -77,8 +78,7 @@ local mx = 0
 if metered then
   mx = 1
 end
-redis.call('HSET', rk, 'st', state, 'ch', used, 'cc', cost, 'sl', 0, 'pt', prompt, 'ot', output, 'us', used,
-  'rf', refunded, 'ov', overrun, 'mx', mx)
+settled_record(rk, r, { 'st', state, 'us', used, 'cc', cost, 'mx', mx })
 close(rk, id, r, leases, holds)
 -- How the charge was counted: the output is what is metered, so a commit without it stands on
 -- the hold; a metered one charges the prompt held.

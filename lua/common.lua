@@ -12,7 +12,7 @@
 --   ik  its idempotency key, or empty       rt  retention (ms) once settled
 --   it  idle TTL (ms) of the tenant's keys: every phase that touches a hold keeps its keys alive
 --   oh  the output part of the hold         es  1 when that came from the output estimate
---   pt ot us rf ov  commit result: prompt, output, used, refunded (release too), overrun tokens
+--   us rf  commit result: tokens used; refunded by a release
 --   mx  1 when the commit's counts were metered by tollgate, not reported by the response
 --   ok  output-estimate hash commit teaches (empty: the tenant does not learn)
 --   oq  the quantile that estimate tracks
@@ -22,6 +22,9 @@
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
+-- Once committed or released it keeps only st h md oh at es rt and its result (us mx cc, or rf):
+-- what a repeat is answered with (settled_record). An expired record keeps every field until its
+-- retention passes: a late commit reconciles against it.
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
 --   id -> "<tokens charged> <day> <expired-usage policy> <cost charged> <scope keys...>"
@@ -108,7 +111,7 @@ local function split(s)
   return out
 end
 
-local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'pt', 'ot', 'us', 'rf', 'ov',
+local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'us', 'rf',
   'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc' }
 
 -- Reads a record into a table; returns nil when it does not exist.
@@ -403,6 +406,18 @@ end
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer
 -- pointing at it (the key keeps counting attempts until its own TTL), kept for `rt` ms so that a
 -- repeated commit or release can still be answered.
+-- Replaces a settled record by what answering a repeat takes, no more: the state and what the
+-- settlement said (`fields`, name and value in turn), the hold, the model and the output part of
+-- the hold it reports, and what a re-sent reserve of the hold answers (attempts, estimated). The
+-- rest (scopes, prices, terms, who it was for) went into the counters and the ledger when it
+-- settled; a record of a few fields is a fraction of the memory of one of thirty.
+-- (An expired record keeps everything: a late commit reconciles against it.)
+local function settled_record(rk, r, fields)
+  redis.call('DEL', rk)
+  redis.call('HSET', rk, 'h', r.h, 'md', r.md or '', 'oh', r.oh or '', 'at', r.at or 1, 'es', r.es or '', 'rt', r.rt,
+    unpack(fields))
+end
+
 local function close(rk, id, r, leases, holds)
   redis.call('ZREM', leases, id)
   redis.call('HDEL', holds, id)

@@ -31,7 +31,7 @@ local keys = split(r.ks)
 free_slots(keys)
 refund(keys, r.ch, r.cc, r.dy, now)
 keep_alive(keys, leases, holds, r.it)
-redis.call('HSET', rk, 'st', 'released', 'ch', 0, 'cc', 0, 'sl', 0, 'rf', r.ch)
+settled_record(rk, r, { 'st', 'released', 'rf', r.ch })
 close(rk, id, r, leases, holds)
 ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0), now)
 return { 'released', r.ch, 0 }

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
-use support::{Harness, admitted, denied};
+use support::{Harness, KeyView, admitted, denied};
 use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
-use tollgate::hold::{Counted, ReleaseOutcome, RenewOutcome};
+use tollgate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::{Store, keys};
 
 /// Scenarios, each generic over the store.
@@ -375,6 +375,33 @@ mod scenarios {
         let record = keys::record(&h.tenant, &id);
         let view = h.inspect(vec![record.clone()]).await.remove(&record).unwrap();
         assert!(view.pttl > 0 && view.pttl <= 3_600_000, "settled records keep the retention TTL: {}", view.pttl);
+    }
+
+    /// A settled record keeps only what answering a repeat takes (a handful of fields, not thirty),
+    /// and still answers it: a repeated commit its first result, a repeated release its refund;
+    /// past the retention it is gone, and a repeat finds nothing (on the manual clock).
+    pub async fn a_settled_record_keeps_only_what_a_repeat_needs<S: Store>(h: Harness<S>) {
+        let fields = |view: &KeyView| view.fields.keys().cloned().collect::<Vec<_>>();
+        let committed = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        let first = h.admission.commit(&committed, 4, 3).await.unwrap();
+        let released = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        h.admission.release(&released).await.unwrap();
+        let (c, r) = (keys::record(&h.tenant, &committed), keys::record(&h.tenant, &released));
+        let mut views = h.inspect(vec![c.clone(), r.clone()]).await;
+        assert_eq!(fields(&views[&c]), ["at", "cc", "es", "h", "md", "mx", "oh", "rt", "st", "us"]);
+        assert_eq!(fields(&views[&r]), ["at", "es", "h", "md", "oh", "rf", "rt", "st"]);
+        let again = h.admission.commit(&committed, 9, 9).await.unwrap();
+        let CommitOutcome::Committed(u) = &first else { panic!("{first:?}") };
+        assert_eq!(again, CommitOutcome::Committed(Usage { duplicate: true, ..u.clone() }), "the first result");
+        let again = h.admission.release(&released).await.unwrap();
+        assert_eq!(again, ReleaseOutcome::Released { refunded: 20, repeated: true });
+        let retention = views.remove(&c).unwrap().pttl;
+        assert!(retention > 0, "kept for the retention");
+        if h.exact_time() {
+            h.advance(u64::try_from(retention).unwrap() + 1).await;
+            assert!(h.scope(&c).await.is_none() && h.scope(&r).await.is_none(), "gone after the retention");
+            assert_eq!(h.admission.commit(&committed, 4, 3).await.unwrap(), CommitOutcome::NotFound);
+        }
     }
 
     /// A reload that shortens the lease (and with it the idle TTL) leaves a hold made before it its
@@ -1025,6 +1052,7 @@ macro_rules! conformance {
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(a_settled_record_keeps_only_what_a_repeat_needs, BUCKET);
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
