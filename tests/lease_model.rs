@@ -1075,40 +1075,6 @@ fn regression_a_forwarded_commit_that_fails_to_apply_is_retried() {
     runtime().block_on(run_in(0.1, ops, Some(12_321_353_374_983_456_544), true));
 }
 
-#[test]
-fn tmp_ci_case() {
-    let ops = vec![
-        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
-        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 1 },
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
-        Op::Advance { ms: 6500 },
-        Op::Advance { ms: 6114 },
-        Op::Commit { hold: 0, replica: 0, per_mille: 0 },
-        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
-        Op::Advance { ms: 7386 },
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
-        Op::Tick { replica: 1 },
-        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 1 },
-        Op::Commit { hold: 37547111823927477, replica: 1, per_mille: 0 },
-        Op::Reserve { replica: 0, user: false, prompt: 107, max_tokens: 345 },
-        Op::Reserve { replica: 2, user: false, prompt: 180, max_tokens: 213 },
-        Op::Tick { replica: 0 },
-        Op::Reserve { replica: 1, user: false, prompt: 52, max_tokens: 229 },
-        Op::Commit { hold: 2019639814616786263, replica: 0, per_mille: 0 },
-        Op::Reserve { replica: 1, user: false, prompt: 277, max_tokens: 398 },
-        Op::Tick { replica: 0 },
-        Op::Release { hold: 12806964947106694796, replica: 0 },
-        Op::Tick { replica: 2 },
-        Op::Commit { hold: 15469345597571829983, replica: 0, per_mille: 3 },
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 1 },
-        Op::Advance { ms: 1 },
-        Op::Advance { ms: 4999 },
-    ];
-    runtime().block_on(run_random(0.1, ops, Some(8393230269657374578), false, STARTS[0]));
-}
-
 /// Found by the property test in CI under faults: a release handed over by a call whose answer was
 /// lost, applied when that call went again, and a commit of the same hold handed over by the next
 /// call, whose answer was lost too: the reference took the release for unapplied (same hold id).
