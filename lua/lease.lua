@@ -87,6 +87,18 @@ local function read_scopes(day)
   return scopes
 end
 
+-- The least a scope's limits leave, from {limit, what it leaves} pairs (limit 0: no such limit);
+-- nil when none of them limits it.
+local function least_left(limits)
+  local have = nil
+  for _, l in ipairs(limits) do
+    if l[1] > 0 then
+      have = math.min(have or math.huge, l[2])
+    end
+  end
+  return have
+end
+
 -- 0. A re-send of the last call: its answer again, and nothing changed. An older call still (a
 -- first sending that arrived after its re-send was answered and the replica moved on) changes
 -- nothing either: nobody waits for its answer.
@@ -178,22 +190,12 @@ for i, s in ipairs(scopes) do
   if reason == '' then
     local need_tokens, need_cost, need_requests, need_slots = a[19], a[20], a[21], a[22]
     local want_tokens, want_cost, want_requests, want_slots = a[23], a[24], a[25], a[26]
-    -- What a scope has left under each of its limits ({limit, used} pairs; 0: no such limit),
-    -- the least of them; nil when none limits it.
-    local function left(limits)
-      local have = nil
-      for _, l in ipairs(limits) do
-        if l[1] > 0 then
-          have = math.min(have or math.huge, l[1] - l[2])
-        end
-      end
-      return have
-    end
-    local have = left({ { s.tcap, s.tcap - math.floor(s.t or 0) }, { s.budget, s.du }, { s.mbudget, s.mu } })
+    local have = least_left({ { s.tcap, math.floor(s.t or 0) }, { s.budget, s.budget - s.du },
+      { s.mbudget, s.mbudget - s.mu } })
     if have then
       tokens = math.max(need_tokens, math.min(want_tokens, have))
     end
-    have = left({ { s.dcost, s.dc }, { s.mcost, s.mc } })
+    have = least_left({ { s.dcost, s.dcost - s.dc }, { s.mcost, s.mcost - s.mc } })
     if have then
       cost = math.max(need_cost, math.min(want_cost, have))
     end

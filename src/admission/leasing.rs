@@ -146,8 +146,9 @@ impl<S: Store> Admission<S> {
                 // Forwarded operations settle holds and free what they held: a leaving replica
                 // gives that back with a second call.
                 // (And a call whose answer was lost goes again first.)
+                // Noted before the calls, which may run though their answers are lost.
+                self.note_tenant(&tenant, tp.lease_ttl_ms);
                 for _ in 0..3 {
-                    self.note_tenant(&tenant, tp.lease_ttl_ms);
                     match leases.call(&self.protocol, &tenant, &t, None, leaving, sweep_args(&policy)).await {
                         Ok(Called { followups: f, resent, .. }) => {
                             released.extend(f.released);

@@ -60,7 +60,7 @@ impl LocalHold {
 
 /// How a leased hold settled, for its ledger entry.
 pub(super) enum Entered {
-    Committed { used: u64, counted: Counted, late: bool },
+    Committed { spent: Spend, counted: Counted, late: bool },
     Released,
     Expired { charged: u64 },
 }
@@ -99,9 +99,9 @@ impl State {
         }
         let n = |v: u64| v.to_string();
         let (outcome, usage, counts, charged, cost) = match how {
-            Entered::Committed { used, counted, late } => {
+            Entered::Committed { spent, counted, late } => {
                 let outcome = if late { "late_committed" } else { "committed" };
-                let cost = hold.used(counted).cost;
+                let (used, cost) = (spent.tokens, spent.cost);
                 match counted {
                     Counted::Exact { prompt, output } => (outcome, "exact", Some((prompt, output)), used, cost),
                     Counted::Metered { output } => (outcome, "metered", Some((hold.prompt, output)), used, cost),
@@ -209,15 +209,14 @@ impl Leases {
         s.expire_if_due(id, now, retention);
         if let Some(hold) = s.holds.remove(id) {
             let spent = hold.used(counted);
-            let used = spent.tokens;
             for (key, _) in &hold.scopes {
                 if let Some(slice) = s.slices.get_mut(key) {
                     slice.free_slot();
                 }
             }
             s.reconcile(&hold, hold.spend(), Spend::default(), spent, now);
-            let usage = usage(&hold, used, false, metered, counted);
-            s.enter(id, &hold, Entered::Committed { used, counted, late: false }, now);
+            let usage = usage(&hold, spent, false, metered);
+            s.enter(id, &hold, Entered::Committed { spent, counted, late: false }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
             return CommitOutcome::Committed(usage);
         }
@@ -226,12 +225,11 @@ impl Leases {
             Some(Closed::Released { .. }) => CommitOutcome::Released,
             Some(Closed::Expired { hold, charged }) => {
                 let spent = hold.used(counted);
-                let used = spent.tokens;
                 // An expired hold charges all it held, or nothing (refunded).
                 let charged = if charged == 0 { Spend::default() } else { hold.spend() };
                 s.reconcile(&hold, charged, charged, spent, now);
-                let usage = usage(&hold, used, true, metered, counted);
-                s.enter(id, &hold, Entered::Committed { used, counted, late: true }, now);
+                let usage = usage(&hold, spent, true, metered);
+                s.enter(id, &hold, Entered::Committed { spent, counted, late: true }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
                 CommitOutcome::Committed(usage)
             }
@@ -283,7 +281,8 @@ impl Leases {
     }
 }
 
-fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool, counted: Counted) -> Usage {
+fn usage(hold: &LocalHold, spent: Spend, late: bool, metered: bool) -> Usage {
+    let used = spent.tokens;
     Usage {
         late,
         duplicate: false,
@@ -294,6 +293,6 @@ fn usage(hold: &LocalHold, used: u64, late: bool, metered: bool, counted: Counte
         overrun: used.saturating_sub(hold.held),
         model: Some(hold.model.clone()),
         output_held: Some(hold.held.saturating_sub(hold.prompt)),
-        cost_nanos: hold.used(counted).cost,
+        cost_nanos: spent.cost,
     }
 }

@@ -285,6 +285,7 @@ impl Leases {
     /// Decides `ask` from the slices, or says a lease call must.
     pub fn try_admit(&self, t: &TenantLease, ask: &Ask<'_>) -> Local {
         let now = self.clock.now_ms();
+        let spend = ask.spend();
         let mut s = t.lock();
         s.active = true;
         // A slice belongs to its day: past the store's midnight, the next call draws the new day's.
@@ -296,7 +297,7 @@ impl Leases {
             if slice.day != s.day {
                 return Local::Miss;
             }
-            if slice.covers(ask.spend()) {
+            if slice.covers(spend) {
                 continue;
             }
             return match slice.blocked {
@@ -310,7 +311,7 @@ impl Leases {
         let mut scopes = Vec::with_capacity(ask.scopes.len());
         for scope in &ask.scopes {
             if let Some(slice) = s.slices.get_mut(scope.key) {
-                scopes.push((scope.key.to_string(), slice.take(ask.spend())));
+                scopes.push((scope.key.to_string(), slice.take(spend)));
                 if slice.limits_tokens() {
                     tightest = Some(tightest.map_or(slice.tokens, |t| t.min(slice.tokens)));
                 }

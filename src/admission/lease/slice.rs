@@ -63,6 +63,17 @@ pub(super) struct Taken {
     pub(super) cost: Option<u64>,
 }
 
+impl Taken {
+    /// `s` split into what this hold took from the slice's own amounts and what it did not.
+    fn split(self, s: Spend) -> (Spend, Spend) {
+        let part = |took: Option<u64>, n: u64, leased: bool| if took.is_some() == leased { n } else { 0 };
+        (
+            Spend { tokens: part(self.tokens, s.tokens, true), cost: part(self.cost, s.cost, true) },
+            Spend { tokens: part(self.tokens, s.tokens, false), cost: part(self.cost, s.cost, false) },
+        )
+    }
+}
+
 impl Spend {
     /// What a hold of `hold` tokens, `prompt` of them input, takes at `price`: its tokens, and
     /// what they may cost.
@@ -197,10 +208,9 @@ impl Slice {
     /// back or is debt; use of the others beyond what was counted is counted. `today`: the store's
     /// day as this replica places it.
     pub(super) fn settle(&mut self, took: Taken, charged: Spend, counted: Spend, used: Spend, day: u64, today: u64) {
-        let leased = |t: Option<u64>, n: u64| if t.is_some() { n } else { 0 };
-        let unleased = |t: Option<u64>, n: u64| if t.is_none() { n } else { 0 };
-        let charged_here = Spend { tokens: leased(took.tokens, charged.tokens), cost: leased(took.cost, charged.cost) };
-        let used_here = Spend { tokens: leased(took.tokens, used.tokens), cost: leased(took.cost, used.cost) };
+        let (charged_here, _) = took.split(charged);
+        let (used_here, used_elsewhere) = took.split(used);
+        let (_, counted_elsewhere) = took.split(counted);
         self.refund(charged_here.beyond(used_here), day);
         let debt = used_here.beyond(charged_here);
         if today == self.day {
@@ -211,9 +221,6 @@ impl Slice {
         }
         // What the scope does not lease: use beyond what was counted (by an expiry that charged
         // the hold) is counted today; what was counted and not used comes off its day's usage.
-        let used_elsewhere = Spend { tokens: unleased(took.tokens, used.tokens), cost: unleased(took.cost, used.cost) };
-        let counted_elsewhere =
-            Spend { tokens: unleased(took.tokens, counted.tokens), cost: unleased(took.cost, counted.cost) };
         self.charge_today = self.charge_today.add(used_elsewhere.beyond(counted_elsewhere));
         self.refund(counted_elsewhere.beyond(used_elsewhere), day);
     }
@@ -227,7 +234,7 @@ impl Slice {
             self.set_aside(day, back);
             return;
         }
-        let room = |free: i64, cap: u64| u64::try_from(signed(cap).saturating_sub(free)).unwrap_or(0);
+        let room = |free: i64, cap: u64| unsigned(signed(cap).saturating_sub(free));
         let kept = Spend {
             tokens: back.tokens.min(room(self.tokens, self.cap.tokens)),
             cost: back.cost.min(room(self.cost, self.cap.cost)),
@@ -263,10 +270,7 @@ impl Slice {
         if day == self.day {
             return;
         }
-        let free = Spend {
-            tokens: u64::try_from(self.tokens.max(0)).unwrap_or(0),
-            cost: u64::try_from(self.cost.max(0)).unwrap_or(0),
-        };
+        let free = Spend { tokens: unsigned(self.tokens), cost: unsigned(self.cost) };
         let back = free.add(std::mem::take(&mut self.surplus));
         if !back.is_zero() {
             self.set_aside(self.day, back);
@@ -279,7 +283,7 @@ impl Slice {
     /// What a lease call given up unanswered charged (its debt, the usage it counted), charged
     /// again with the next call: counted twice if it ran, never lost.
     pub(super) fn charge_again(&mut self, call: &LeaseScope) {
-        let debt = |back: i64| u64::try_from(back.saturating_neg()).unwrap_or(0);
+        let debt = |back: i64| unsigned(back.saturating_neg());
         let again = Spend {
             tokens: debt(call.back_tokens).saturating_add(call.charge_tokens),
             cost: debt(call.back_cost).saturating_add(call.charge_cost),
@@ -317,7 +321,6 @@ impl Slice {
         let back_requests =
             self.requests.saturating_sub(keep_requests).saturating_add(std::mem::take(&mut self.surplus_requests));
         let keep_slots = self.slots_free.min(target.slots);
-        let unsigned = |n: i64| u64::try_from(n).unwrap_or(0);
         let mut need = Amounts::default();
         if let Some(hold) = asking {
             if self.limits_tokens() {
@@ -394,8 +397,13 @@ impl Slice {
 
 /// What of `free` a slice keeps within `cap`, and the excess set aside (debt is kept whole).
 fn beyond(free: i64, cap: u64) -> (i64, u64) {
-    let excess = free.saturating_sub(signed(cap)).max(0);
-    (free.saturating_sub(excess), u64::try_from(excess).unwrap_or(0))
+    let excess = unsigned(free.saturating_sub(signed(cap)));
+    (free.saturating_sub(signed(excess)), excess)
+}
+
+/// What is free of an amount that may be debt: 0 for debt.
+fn unsigned(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
 }
 
 /// `share` of `capacity`, at least 1.

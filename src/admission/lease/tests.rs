@@ -70,8 +70,7 @@ fn a_refund_beyond_the_share_is_given_back_not_spent() {
 /// takes what it may cost, and a commit gives back what it did not use, or runs up debt.
 #[test]
 fn a_slice_of_a_money_budget_keeps_cost_beside_tokens() {
-    let tp = money_tenant("cost_per_day: 0.001, tokens_per_month: 800");
-    let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
+    let mut slice = money_slice("cost_per_day: 0.001, tokens_per_month: 800", 0);
     assert_eq!((slice.cap.tokens, slice.cap.cost), (400, 500_000), "half the month's tokens and the day's money");
     slice.tokens = 400;
     slice.cost = 500_000;
@@ -90,9 +89,7 @@ fn a_slice_of_a_money_budget_keeps_cost_beside_tokens() {
 /// is counted in the scope's usage instead, as a store hold counts it.
 #[test]
 fn a_hold_settles_what_it_took_whatever_a_reload_limits_since() {
-    let before = money_tenant("tokens_per_minute: 60000, burst_tokens: 10000");
-    let mut slice = Slice::new(ScopeOf::Tenant, Some(&before.limits), 7, 0.5);
-    slice.tokens = 1_000;
+    let mut slice = money_slice("tokens_per_minute: 60000, burst_tokens: 10000", 1_000);
     let held = Spend { tokens: 1_000, cost: 2_600_000 };
     let took = slice.take(held);
     assert_eq!(took, Taken { tokens: Some(1_000), cost: None }, "no money limit: none drawn");
@@ -110,15 +107,21 @@ fn a_hold_settles_what_it_took_whatever_a_reload_limits_since() {
 /// the slice gives back to its own day.
 #[test]
 fn debt_after_midnight_is_charged_to_the_new_day() {
-    let tp = money_tenant("tokens_per_minute: 60000, burst_tokens: 10000");
-    let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
-    slice.tokens = 1_000;
+    let mut slice = money_slice("tokens_per_minute: 60000, burst_tokens: 10000", 1_000);
     let held = Spend { tokens: 100, cost: 0 };
     let took = slice.take(held);
     slice.settle(took, held, Spend::default(), Spend { tokens: 400, cost: 0 }, 7, 8);
     assert_eq!((slice.tokens, slice.charge_today.tokens), (900, 300), "free tokens of day 7 kept whole");
     let scope = slice.ready("scope", Amounts { tokens: 1_000, ..Amounts::default() }, None, 8);
     assert_eq!((scope.back_tokens, scope.back_day, scope.charge_tokens), (900, 7, 300));
+}
+
+/// A slice of day 7, half the share, of a `money_tenant` scope under `limits`, holding `tokens` free.
+fn money_slice(limits: &str, tokens: i64) -> Slice {
+    let tp = money_tenant(limits);
+    let mut slice = Slice::new(ScopeOf::Tenant, Some(&tp.limits), 7, 0.5);
+    slice.tokens = tokens;
+    slice
 }
 
 /// A tenant whose model `m` is priced (1 and 3 per million tokens), under `limits`.
