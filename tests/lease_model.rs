@@ -180,31 +180,43 @@ impl Bucket {
         }
     }
 
-    /// A reload sets a new capacity: the level as a single store reads it next, never above.
+    /// The level a single store reads now: what it holds and has refilled since, never above the
+    /// capacity it reads with. (A reload that cuts the capacity and restores it before the store
+    /// reads the bucket cuts nothing.)
+    fn level(&self) -> f64 {
+        self.tokens.min(self.capacity)
+    }
+
+    /// A reload sets a new capacity, the one the store reads the level with next.
     fn reload(&mut self, capacity: u64, slack: f64) {
         if (capacity as f64) < self.capacity {
             self.before_reload = self.before_reload.max(slack);
         }
         self.capacity = capacity as f64;
-        self.tokens = self.tokens.min(self.capacity);
     }
 
     fn refill(&mut self, ms: u64, in_flight: u64) {
-        self.tokens = (self.tokens + self.per_ms * ms as f64).min(self.capacity);
+        self.tokens += self.per_ms * ms as f64;
         self.requests = (self.requests + self.requests_per_ms * ms as f64).min(self.request_capacity);
         self.note_full(in_flight);
     }
 
+    /// A reservation takes `tokens` from the level the store reads.
+    fn take(&mut self, tokens: u64) {
+        self.tokens = self.level() - tokens as f64;
+        self.requests -= 1.0;
+    }
+
     fn refund(&mut self, tokens: u64, in_flight: u64) {
-        self.tokens = (self.tokens + tokens as f64).min(self.capacity);
+        self.tokens = (self.level() + tokens as f64).min(self.capacity);
         self.note_full(in_flight);
     }
 
     fn note_full(&mut self, in_flight: u64) {
-        if self.tokens >= 0.0 {
+        if self.level() >= 0.0 {
             self.before_reload = 0.0;
         }
-        if self.tokens >= self.capacity {
+        if self.level() >= self.capacity {
             self.in_flight_when_full = in_flight as f64;
         }
     }
@@ -446,11 +458,9 @@ impl World {
                 if let Decision::Admitted(ad) = r.admission.reserve(&a).await {
                     let held = prompt + max_tokens;
                     assert_eq!(ad.reserved_tokens, held);
-                    self.tenant.tokens -= held as f64;
-                    self.tenant.requests -= 1.0;
+                    self.tenant.take(held);
                     if user {
-                        self.user.tokens -= held as f64;
-                        self.user.requests -= 1.0;
+                        self.user.take(held);
                     }
                     self.usage.entry(today).or_default().0 += held;
                     // The hold's lease ends with its replica's lease record, if that is sooner: a
@@ -768,9 +778,9 @@ impl World {
             assert!(live <= b.max_concurrency, "{name}: {live} holds alive, {} slots", b.max_concurrency);
             let bound = slack(b.capacity) + b.in_flight_when_full + b.before_reload;
             assert!(
-                b.tokens >= -bound - 1e-6,
+                b.level() >= -bound - 1e-6,
                 "{name}: a single store would be at {} tokens; leasing may overshoot by {bound} at most",
-                b.tokens,
+                b.level(),
             );
             assert!(
                 b.requests >= -slack(b.request_capacity) - 1e-6,
