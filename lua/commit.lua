@@ -11,6 +11,8 @@
 -- ARGV[4] TTL of the output estimate this commit teaches (ms)
 -- ARGV[5] samples the estimate keeps before it halves them all (0: the tenant no longer learns)
 -- ARGV[6] exact | metered: whether the counts were reported or metered by tollgate
+-- ARGV[7] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
+-- ARGV[8] retention of settled records (ms): the period of the settled buckets
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held,
 --         cost (nanos, at the prices the hold was made with)}
@@ -36,8 +38,10 @@ local id = ARGV[1]
 local estimate_ttl = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
 local metered = ARGV[6] == 'metered'
+local settled = { prefix = ARGV[7], retention = tonumber(ARGV[8]) }
 
-local r = load(rk)
+local now = now_ms()
+local r = load_hold(rk, id, settled, now)
 if not r then
   return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0 }
 end
@@ -53,7 +57,6 @@ local output_held = math.min(r.h, tonumber(r.oh) or 0)
 local prompt = tonumber(ARGV[2]) or (r.h - output_held)
 local output = tonumber(ARGV[3]) or output_held
 
-local now = now_ms()
 if r.st == 'reserved' and now >= r.le then
   -- Entered in the ledger once, as the late commit below.
   expire(rk, id, r, leases, holds, now, nil)
@@ -78,8 +81,8 @@ local mx = 0
 if metered then
   mx = 1
 end
-settled_record(rk, r, { 'st', state, 'us', used, 'cc', cost, 'mx', mx })
-close(rk, id, r, leases, holds)
+close(id, r, leases, holds)
+file_settled(rk, id, r, settled, now, state, used, cost, mx)
 -- How the charge was counted: the output is what is metered, so a commit without it stands on
 -- the hold; a metered one charges the prompt held.
 local usage = 'exact'

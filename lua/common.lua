@@ -9,7 +9,7 @@
 --   dy  day number (UTC) the hold was charged to (its month is the month of that day)
 --   ks  the scope hashes it charged, space separated
 --   xp  expired-usage policy: charge | refund
---   ik  its idempotency key, or empty       rt  retention (ms) once settled
+--   ik  its idempotency key, or empty       rt  how long it waits for a late commit once expired (ms)
 --   it  idle TTL (ms) of the tenant's keys: every phase that touches a hold keeps its keys alive
 --   oh  the output part of the hold         es  1 when that came from the output estimate
 --   us rf  commit result: tokens used; refunded by a release
@@ -22,9 +22,16 @@
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
--- Once committed or released it keeps only st h md oh at es rt and its result (us mx cc, or rf):
--- what a repeat is answered with (settled_record). An expired record keeps every field until its
--- retention passes: a late commit reconciles against it.
+-- Once committed or released the record is gone: what a repeat is answered with moves to its
+-- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)
+-- passes: a late commit reconciles against it.
+--
+-- Settled buckets (a hash per tenant and period of the settled-record retention R, at
+-- `<settled prefix><period number>`, kept until the end of the next period): for every hold
+-- committed or released in that period, what a repeated commit, release, renew or reserve is
+-- answered with, as one short value (see file_settled). A repeat looks in the current period's
+-- bucket and the one before, so a settled hold answers repeats for at least R and at most 2R.
+-- One bucket entry costs about a third of a record of its own (no key, no TTL, no field names).
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
 --   id -> "<tokens charged> <day> <expired-usage policy> <cost charged> <scope keys...>"
@@ -404,27 +411,78 @@ local function keep_alive(keys, leases, holds, idle)
 end
 
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer
--- pointing at it (the key keeps counting attempts until its own TTL), kept for `rt` ms so that a
--- repeated commit or release can still be answered.
--- Replaces a settled record by what answering a repeat takes, no more: the state and what the
--- settlement said (`fields`, name and value in turn), the hold, the model and the output part of
--- the hold it reports, and what a re-sent reserve of the hold answers (attempts, estimated). The
--- rest (scopes, prices, terms, who it was for) went into the counters and the ledger when it
--- settled; a record of a few fields is a fraction of the memory of one of thirty.
--- (An expired record keeps everything: a late commit reconciles against it.)
-local function settled_record(rk, r, fields)
-  redis.call('DEL', rk)
-  redis.call('HSET', rk, 'h', r.h, 'md', r.md or '', 'oh', r.oh or '', 'at', r.at or 1, 'es', r.es or '', 'rt', r.rt,
-    unpack(fields))
-end
-
-local function close(rk, id, r, leases, holds)
+-- pointing at it (the key keeps counting attempts until its own TTL).
+local function close(id, r, leases, holds)
   redis.call('ZREM', leases, id)
   redis.call('HDEL', holds, id)
   if r.ik and r.ik ~= '' and redis.call('HGET', r.ik, 'id') == id then
     redis.call('HDEL', r.ik, 'id')
   end
-  redis.call('PEXPIRE', rk, r.rt)
+end
+
+local HEX32 = string.rep('%x', 32)
+local SETTLED_STATES = { c = 'committed', l = 'late_committed', r = 'released' }
+local SETTLED_CODES = { committed = 'c', late_committed = 'l', released = 'r' }
+
+-- A hold's field in its tenant's settled bucket: its id without the tenant (the bucket is the
+-- tenant's), the 128 random bits as 16 bytes rather than 32 hex digits.
+local function settled_field(id)
+  local head, hex, tail = string.match(id, '^[^:]+:(.-)(' .. HEX32 .. ')(.*)$')
+  if not hex then
+    return id
+  end
+  return head .. (string.gsub(hex, '..', function(h)
+    return string.char(tonumber(h, 16))
+  end)) .. tail
+end
+
+-- Files a hold settled now (`state`: committed | late_committed | released) in the current
+-- period's bucket of `settled` ({prefix, retention}), as
+--   "<state code><metered> <held> <attempts> <output held> <used or refunded> <cost>"
+-- (state code c | l | r; metered 0 | 1; output held -1 when unknown; the estimated flag rides on
+-- the attempts as a sign), and drops its record. The model, the scopes, the prices and who it
+-- was for went into the counters and the ledger: a repeat needs only the counts.
+local function file_settled(rk, id, r, settled, now, state, result, cost, metered)
+  local period = math.floor(now / settled.retention)
+  local bucket = settled.prefix .. period
+  local attempts = r.at or 1
+  if r.es == '1' then
+    attempts = -attempts
+  end
+  redis.call('HSET', bucket, settled_field(id), string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
+    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost))
+  redis.call('PEXPIRE', bucket, (period + 2) * settled.retention - now)
+  redis.call('DEL', rk)
+end
+
+-- A settled hold as file_settled filed it, read as load reads a record (st h at oh es mx, and us
+-- and cc, or rf; md empty), or nil when neither bucket a repeat looks in has it.
+local function load_settled(id, settled, now)
+  local period = math.floor(now / settled.retention)
+  local field = settled_field(id)
+  local v = redis.call('HGET', settled.prefix .. period, field)
+    or redis.call('HGET', settled.prefix .. (period - 1), field)
+  if not v then
+    return nil
+  end
+  local code, metered, h, at, oh, result, cost =
+    string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
+  local r = { st = SETTLED_STATES[code], h = tonumber(h), at = math.abs(tonumber(at)), oh = oh, md = '',
+    mx = metered, cc = tonumber(cost), es = '0' }
+  if tonumber(at) < 0 then
+    r.es = '1'
+  end
+  if r.st == 'released' then
+    r.rf = result
+  else
+    r.us = result
+  end
+  return r
+end
+
+-- A hold's record, or what its settled bucket kept once it settled, or nil.
+local function load_hold(rk, id, settled, now)
+  return load(rk) or load_settled(id, settled, now)
 end
 
 -- Appends one settled hold to the tenant's ledger `stream`, under the terms the hold was made with
@@ -474,7 +532,8 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   r.st = 'expired'
   r.sl = '0'
   redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
-  close(rk, id, r, leases, holds)
+  redis.call('PEXPIRE', rk, r.rt)
+  close(id, r, leases, holds)
   local usage = 'held'
   if r.ch == 0 then
     usage = 'none'
@@ -553,13 +612,13 @@ end
 
 -- Loads a hold that is still live. Otherwise returns nil and the reply to send: not_found, the
 -- state it was settled in, or expired (settling it now when its lease has passed unswept).
-local function live_hold(rk, id, leases, holds, now, ledger)
-  local r = load(rk)
+local function live_hold(rk, id, leases, holds, now, ledger, settled)
+  local r = load_hold(rk, id, settled, now)
   if not r then
     return nil, { 'not_found', 0 }
   end
   if r.st ~= 'reserved' then
-    return nil, { r.st, 0 }
+    return nil, { r.st, 0 }, r
   end
   if now >= r.le then
     expire(rk, id, r, leases, holds, now, ledger)

@@ -6,6 +6,8 @@
 -- KEYS[3] the tenant's holds hash
 -- KEYS[4] the tenant's usage ledger (a hold settled here is entered in it)
 -- ARGV[1] reservation id
+-- ARGV[2] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
+-- ARGV[3] retention of settled records (ms): the period of the settled buckets
 --
 -- Reply: {state, refunded tokens, repeated (0|1)}
 --   state: released when the hold is released (repeated = 1 when an earlier call released it:
@@ -17,12 +19,13 @@ local leases = KEYS[2]
 local holds = KEYS[3]
 local ledger = KEYS[4]
 local id = ARGV[1]
+local settled = { prefix = ARGV[2], retention = tonumber(ARGV[3]) }
 
 local now = now_ms()
-local r, reply = live_hold(rk, id, leases, holds, now, ledger)
+local r, reply, done = live_hold(rk, id, leases, holds, now, ledger, settled)
 if not r then
   if reply[1] == 'released' then
-    return { 'released', tonumber(redis.call('HGET', rk, 'rf')) or 0, 1 }
+    return { 'released', tonumber(done.rf) or 0, 1 }
   end
   return { reply[1], 0, 0 }
 end
@@ -31,7 +34,7 @@ local keys = split(r.ks)
 free_slots(keys)
 refund(keys, r.ch, r.cc, r.dy, now)
 keep_alive(keys, leases, holds, r.it)
-settled_record(rk, r, { 'st', 'released', 'rf', r.ch })
-close(rk, id, r, leases, holds)
+close(id, r, leases, holds)
+file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0)
 ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0), now)
 return { 'released', r.ch, 0 }

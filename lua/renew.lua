@@ -7,6 +7,8 @@
 -- ARGV[1] reservation id
 -- ARGV[2] new lease, from now (ms)
 -- ARGV[3] idle TTL of the tenant's keys (ms)
+-- ARGV[4] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
+-- ARGV[5] retention of settled records (ms): the period of the settled buckets
 --
 -- Reply: {state, lease remaining ms}
 --   state: reserved when renewed; otherwise the record's state (expired, committed, ...) or
@@ -23,9 +25,10 @@ local ledger = KEYS[4]
 local id = ARGV[1]
 local lease = tonumber(ARGV[2])
 local idle = tonumber(ARGV[3])
+local settled = { prefix = ARGV[4], retention = tonumber(ARGV[5]) }
 
 local now = now_ms()
-local r, reply = live_hold(rk, id, leases, holds, now, ledger)
+local r, reply = live_hold(rk, id, leases, holds, now, ledger, settled)
 if not r then
   return reply
 end

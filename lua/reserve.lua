@@ -12,7 +12,7 @@
 -- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
 -- ARGV[3]  prompt tokens             ARGV[4]  lease (ms)
 -- ARGV[5]  idle TTL of scope hashes, index and live records (ms)
--- ARGV[6]  retention of settled records (ms)
+-- ARGV[6]  how long an expired record waits for a late commit (ms)
 -- ARGV[7]  expired-usage policy: charge | refund
 -- ARGV[8]  sweep batch: most expired holds settled by this call
 -- ARGV[9]  what a repeat of the idempotency key means: '' (no key) | same (the caller lost the
@@ -31,6 +31,8 @@
 --          (kept on the record: the hold is entered under the terms it was made with)
 -- ARGV[22] the model's price per input token (nanos; 0: free)
 -- ARGV[23] the model's price per output token (nanos; 0: free)
+-- ARGV[24] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
+-- ARGV[25] retention of settled records (ms): the period of the settled buckets
 -- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos)
@@ -73,7 +75,7 @@ local prefix = ARGV[2]
 local prompt = tonumber(ARGV[3])
 local lease = tonumber(ARGV[4])
 local idle = tonumber(ARGV[5])
-local retention = tonumber(ARGV[6])
+local late_commit_wait = tonumber(ARGV[6])
 local policy = ARGV[7]
 local batch = tonumber(ARGV[8])
 local key_use = ARGV[9]
@@ -88,18 +90,21 @@ local model = ARGV[17]
 local tenant, user, tier = ARGV[18], ARGV[19], ARGV[20]
 local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
 local price_in, price_out = tonumber(ARGV[22]), tonumber(ARGV[23])
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 23, 9
+local settled = { prefix = ARGV[24], retention = tonumber(ARGV[25]) }
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 25, 9
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
 local month = month_of(today)
 
 -- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
--- nothing, not even the sweep: it answers as the first run did, below.
--- (A new id has no record: one field tells, before the whole record is read.)
+-- nothing, not even the sweep: it answers as the first run did, below, even when the hold has
+-- settled since. (A new id has no record: one field tells, before the whole record is read.)
 local mine = nil
 if redis.call('HGET', KEYS[2], 'st') then
   mine = load(KEYS[2])
+else
+  mine = load_settled(id, settled, now)
 end
 local resent = mine ~= nil or (key_use ~= '' and redis.call('HGET', KEYS[3], 'lc') == id)
 
@@ -241,7 +246,7 @@ if min_samples > 0 then
 end
 local ks = table.concat(names, ' ')
 local record = { 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts, 'dy', today, 'ks', ks,
-  'xp', policy, 'ik', ik, 'rt', retention, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output, 'es', estimated,
+  'xp', policy, 'ik', ik, 'rt', late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output, 'es', estimated,
   'md', model }
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
 -- record without them reads as free: see load).

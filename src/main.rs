@@ -12,7 +12,9 @@ use tollgate::cli::{Cli, Command};
 use tollgate::tools::run;
 
 /// mimalloc: a decision allocates (gRPC frames, headers, protobuf messages, Lua values) and glibc's
-/// malloc was a sixth of tollgate's CPU behind Envoy (docs/BENCHMARKS.md).
+/// malloc was a sixth of tollgate's CPU behind Envoy (docs/BENCHMARKS.md). Built without
+/// transparent huge pages (`no_thp`): with them an idle sidecar kept 20 MB of 2 MB pages it had
+/// barely touched.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
-use support::{Harness, KeyView, admitted, denied};
+use support::{Harness, admitted, denied};
 use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
+use tollgate::store::clock::Clock;
 use tollgate::store::{Store, keys};
 
 /// Scenarios, each generic over the store.
@@ -372,35 +373,47 @@ mod scenarios {
             assert_eq!(view.pttl, 1, "{key} has no TTL");
         }
         h.admission.commit(&id, 1, 1).await.unwrap();
-        let record = keys::record(&h.tenant, &id);
-        let view = h.inspect(vec![record.clone()]).await.remove(&record).unwrap();
-        assert!(view.pttl > 0 && view.pttl <= 3_600_000, "settled records keep the retention TTL: {}", view.pttl);
+        let retention = i64::try_from(h.admission.policy().record_retention_ms).unwrap();
+        let settled = h.settled().await;
+        assert_eq!(settled.len(), 1, "{settled:?}");
+        for (field, (_, pttl)) in settled {
+            assert!(pttl > 0 && pttl <= 2 * retention, "{field}'s settled bucket expires in {pttl} ms");
+        }
     }
 
-    /// A settled record keeps only what answering a repeat takes (a handful of fields, not thirty),
-    /// and still answers it: a repeated commit its first result, a repeated release its refund;
-    /// past the retention it is gone, and a repeat finds nothing (on the manual clock).
-    pub async fn a_settled_record_keeps_only_what_a_repeat_needs<S: Store>(h: Harness<S>) {
-        let fields = |view: &KeyView| view.fields.keys().cloned().collect::<Vec<_>>();
+    /// A hold once committed or released leaves no record: one entry of its tenant's settled
+    /// bucket, a 16-byte field and a value of under 32 bytes, answers a repeated commit, release
+    /// or renew with the first result for at least the retention, and is gone after twice it.
+    pub async fn a_settled_hold_is_one_short_entry_that_answers_repeats<S: Store>(h: Harness<S>) {
         let committed = admitted(&h.reserve(10, 10).await).reservation_id.clone();
         let first = h.admission.commit(&committed, 4, 3).await.unwrap();
         let released = admitted(&h.reserve(10, 10).await).reservation_id.clone();
         h.admission.release(&released).await.unwrap();
         let (c, r) = (keys::record(&h.tenant, &committed), keys::record(&h.tenant, &released));
-        let mut views = h.inspect(vec![c.clone(), r.clone()]).await;
-        assert_eq!(fields(&views[&c]), ["at", "cc", "es", "h", "md", "mx", "oh", "rt", "st", "us"]);
-        assert_eq!(fields(&views[&r]), ["at", "es", "h", "md", "oh", "rf", "rt", "st"]);
-        let again = h.admission.commit(&committed, 9, 9).await.unwrap();
+        assert!(h.scope(&c).await.is_none() && h.scope(&r).await.is_none(), "no record left");
+        let entries = h.settled().await;
+        let field = |id: &str| id.rsplit_once(':').unwrap().1.to_string();
+        let values: Vec<&str> = [&committed, &released].map(|id| entries[&field(id)].0.as_str()).to_vec();
+        // (state and metered, held, attempts, output held, used or refunded, cost)
+        assert_eq!(values, ["c0 20 1 10 7 13000", "r0 20 1 10 20 0"], "{entries:?}");
         let CommitOutcome::Committed(u) = &first else { panic!("{first:?}") };
-        assert_eq!(again, CommitOutcome::Committed(Usage { duplicate: true, ..u.clone() }), "the first result");
+        let repeat = Usage { duplicate: true, model: None, ..u.clone() };
+        assert_eq!(h.admission.commit(&committed, 9, 9).await.unwrap(), CommitOutcome::Committed(repeat.clone()));
         let again = h.admission.release(&released).await.unwrap();
         assert_eq!(again, ReleaseOutcome::Released { refunded: 20, repeated: true });
-        let retention = views.remove(&c).unwrap().pttl;
-        assert!(retention > 0, "kept for the retention");
-        if h.exact_time() {
-            h.advance(u64::try_from(retention).unwrap() + 1).await;
-            assert!(h.scope(&c).await.is_none() && h.scope(&r).await.is_none(), "gone after the retention");
+        assert_eq!(h.admission.renew(&committed, 0).await.unwrap().state(), "committed");
+        assert_eq!(h.admission.commit(&released, 1, 1).await.unwrap(), CommitOutcome::Released);
+        let retention = h.admission.policy().record_retention_ms;
+        let pttl = entries[&field(&committed)].1;
+        assert!(pttl > i64::try_from(retention).unwrap() && pttl <= 2 * i64::try_from(retention).unwrap(), "{pttl}");
+        if let Some(clock) = &h.clock {
+            let bucket = format!("{}{}", keys::settled_prefix(&h.tenant), clock.now_ms() / retention);
+            h.advance(retention - 1).await;
+            assert_eq!(h.admission.commit(&committed, 4, 3).await.unwrap(), CommitOutcome::Committed(repeat));
+            h.advance(retention + 1).await;
+            assert!(h.scope(&bucket).await.is_none(), "gone after twice the retention");
             assert_eq!(h.admission.commit(&committed, 4, 3).await.unwrap(), CommitOutcome::NotFound);
+            assert_eq!(h.admission.release(&released).await.unwrap(), ReleaseOutcome::NotFound);
         }
     }
 
@@ -1052,7 +1065,7 @@ macro_rules! conformance {
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
-            scenario!(a_settled_record_keeps_only_what_a_repeat_needs, BUCKET);
+            scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);

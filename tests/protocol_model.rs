@@ -340,7 +340,7 @@ impl<S: Store + Clone> World<S> {
                 let got = if *twice {
                     // The first run charged; the re-sent one answers with its stored result.
                     if let tollgate::hold::CommitOutcome::Committed(u) = &mut expected {
-                        u.duplicate = true;
+                        (u.duplicate, u.model) = (true, None);
                     }
                     self.twice.admission.commit(&id, *prompt, *output).await
                 } else {
@@ -511,7 +511,7 @@ impl<S: Store + Clone> World<S> {
                 assert!(failed.is_err(), "{at}: a lost commit answered {failed:?}");
                 let mut expected = self.model.commit(&id, *prompt, *output, now);
                 if let (true, tollgate::hold::CommitOutcome::Committed(u)) = (ran, &mut expected) {
-                    u.duplicate = true;
+                    (u.duplicate, u.model) = (true, None);
                 }
                 let got = self.lossy.admission.commit(&id, *prompt, *output).await.unwrap();
                 if let tollgate::hold::CommitOutcome::Committed(u) = &got {

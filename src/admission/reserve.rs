@@ -178,7 +178,7 @@ impl<S: Store> Admission<S> {
     pub(super) async fn abandon(&self, id: &str, tenant_leg: bool, pool_leg: bool) -> Result<(), AdmissionError> {
         let r = super::parse_id(id)?;
         if tenant_leg {
-            self.protocol.release(r.tenant, id).await?;
+            self.protocol.release(r.tenant, id, self.policy().record_retention_ms).await?;
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
             self.protocol.pool_release(pool, id).await?;
@@ -250,6 +250,8 @@ impl<S: Store> Admission<S> {
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
             retention_ms: policy.record_retention_ms,
+            // A generation that outruns its lease by as much again still commits late.
+            late_commit_ms: plan.tp.lease_ttl_ms.max(policy.record_retention_ms),
             expired_usage: plan.tp.expired_usage,
             sweep_batch: policy.sweep_batch,
             idempotency: plan.idempotency.as_ref().map(|(k, fingerprint)| KeyCall {

@@ -45,7 +45,7 @@ impl<S: Store> Admission<S> {
             let learning = policy.tenant(r.tenant).and_then(|tp| {
                 tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
             });
-            self.protocol.commit(r.tenant, reservation_id, counted, learning).await
+            self.protocol.commit(r.tenant, reservation_id, counted, learning, policy.record_retention_ms).await
         };
         let outcome = match self.home(&r) {
             Home::Store => {
@@ -107,7 +107,7 @@ impl<S: Store> Admission<S> {
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
         let at_store = || async {
             self.note_tenant(r.tenant, lease);
-            self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms).await
+            self.protocol.renew(r.tenant, reservation_id, lease, tp.idle_ttl_ms, policy.record_retention_ms).await
         };
         let outcome = match self.home(&r) {
             Home::Store => at_store().await?,
@@ -142,10 +142,11 @@ impl<S: Store> Admission<S> {
     /// Gives a hold back without usage, and its pool work with it.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
+        let retention = self.policy().record_retention_ms;
         let outcome = match self.home(&r) {
-            Home::Store => self.protocol.release(r.tenant, reservation_id).await?,
+            Home::Store => self.protocol.release(r.tenant, reservation_id, retention).await?,
             Home::Slice(leases) => match leases.release(r.tenant, reservation_id) {
-                ReleaseOutcome::NotFound => self.protocol.release(r.tenant, reservation_id).await?,
+                ReleaseOutcome::NotFound => self.protocol.release(r.tenant, reservation_id, retention).await?,
                 outcome => outcome,
             },
             Home::Replica(replica) => {

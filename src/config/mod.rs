@@ -102,6 +102,10 @@ pub struct StoreSettings {
     /// The share of each limit the replicas admit, together, while the store cannot be reached
     /// (`on_store_error: local`): each admits `limit × local_factor ÷ replicas`.
     pub local_factor: f64,
+    /// The embedded store's memory cap (bytes): past it the oldest settled records are evicted,
+    /// and when none is left no new hold is made until some settle. (Redis has its own
+    /// `maxmemory`.)
+    pub max_memory_bytes: usize,
 }
 
 /// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,

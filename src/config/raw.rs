@@ -82,6 +82,7 @@ pub(super) struct RawStore {
     pub command_timeout_ms: Option<u64>,
     pub breaker: Option<RawBreaker>,
     pub local_factor: Option<f64>,
+    pub max_memory_mb: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -14,7 +14,9 @@ impl Policy {
             b.max_open.as_millis()
         );
         let store = match &self.store.choice {
-            StoreChoice::Embedded => "embedded (single replica)".to_string(),
+            StoreChoice::Embedded => {
+                format!("embedded (single replica), capped at {} MB", self.store.max_memory_bytes >> 20)
+            }
             StoreChoice::Redis { url } => format!("redis {url}{guarded}"),
             StoreChoice::Cluster { nodes } => format!("redis cluster {}{guarded}", nodes.join(",")),
         };

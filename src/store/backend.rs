@@ -25,10 +25,12 @@ impl Backend {
         let redis = match RedisTarget::of(&policy.store.choice) {
             Some(target) => RedisStore::connect(&target, RedisOptions::from(&policy.store)).await?,
             None => {
-                return Ok(Backend::Embedded(match policy.ledger.as_ref().and_then(|l| l.file.as_deref()) {
+                let store = match policy.ledger.as_ref().and_then(|l| l.file.as_deref()) {
                     Some(file) => EmbeddedStore::with_ledger_file(clock, file)?,
                     None => EmbeddedStore::with_clock(clock)?,
-                }));
+                };
+                store.cap_memory(policy.store.max_memory_bytes)?;
+                return Ok(Backend::Embedded(store));
             }
         };
         Ok(Backend::Redis(Breaker::new(redis, BreakerSettings::from(&policy.store.breaker))))

@@ -13,6 +13,7 @@
 //! tg:{acme}:leases           sorted set: reservation id by lease expiry, for the expiry sweep
 //! tg:{acme}:holds            hash: reservation id → what settling it takes, while it is live
 //! tg:{acme}:r:<id>           reservation record
+//! tg:{acme}:settled:<n>      hash: what a repeat of each hold settled in period n is answered with
 //! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
 //! tg:{acme}:ledger           stream: one entry per settled hold (the usage ledger)
@@ -102,6 +103,19 @@ pub fn ledger_tenant(key: &str) -> Option<&str> {
 /// The prefix that, followed by a reservation id, names its record.
 pub fn record_prefix(tenant: &str) -> String {
     format!("tg:{{{tenant}}}:r:")
+}
+
+/// The prefix that, followed by a period number, names one of the tenant's settled buckets (see
+/// `lua/common.lua`): the period is the settled-record retention, the number the store's clock
+/// over it, so the script builds the name.
+pub fn settled_prefix(tenant: &str) -> String {
+    format!("tg:{{{tenant}}}:settled:")
+}
+
+/// Whether `key` is one of a tenant's settled buckets: what the embedded store's memory cap may
+/// evict (a repeat of a hold it held is then answered `not_found`, changing nothing).
+pub fn is_settled_bucket(key: &[u8]) -> bool {
+    key.starts_with(b"tg:{") && key.windows(b"}:settled:".len()).any(|w| w == b"}:settled:")
 }
 
 /// A reservation's record.

@@ -141,6 +141,25 @@ end
 return out
 "#;
 
+/// Reads a tenant's settled buckets, the previous period's and the current one's (`ARGV`: the
+/// bucket prefix, the retention), as {field in hex, value, the bucket's PTTL} each. `KEYS[1]` is
+/// any key of the tenant, for a Cluster to route the call.
+const SETTLED: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local period = math.floor(now / tonumber(ARGV[2]))
+local out = {}
+for _, n in ipairs({ period - 1, period }) do
+  local k = ARGV[1] .. n
+  local flat = redis.call('HGETALL', k)
+  for i = 1, #flat, 2 do
+    local hex = string.gsub(flat[i], '.', function(c) return string.format('%02x', string.byte(c)) end)
+    out[#out + 1] = { hex, flat[i + 1], redis.call('PTTL', k) }
+  end
+end
+return out
+"#;
+
 /// One key as [`Harness::inspect`] sees it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KeyView {
@@ -165,6 +184,7 @@ pub struct Harness<S> {
     /// The embedded store's ledger file, when the policy has a ledger.
     pub ledger_file: Option<std::path::PathBuf>,
     inspect: Script,
+    settled: Script,
     ledger: Script,
 }
 
@@ -256,6 +276,7 @@ impl<S: Store> Harness<S> {
             clock,
             ledger_file: None,
             inspect: Script::new("inspect", INSPECT.to_string()),
+            settled: Script::new("settled", SETTLED.to_string()),
             ledger: Script::new("ledger", "return redis.call('XRANGE', KEYS[1], '-', '+')".to_string()),
         }
     }
@@ -357,6 +378,22 @@ impl<S: Store> Harness<S> {
         out
     }
 
+    /// What the tenant's settled buckets hold: each settled hold's field (in hex), and its value
+    /// with the PTTL of the bucket it is in.
+    pub async fn settled(&self) -> BTreeMap<String, (String, i64)> {
+        let args = vec![keys::settled_prefix(&self.tenant), self.admission.policy().record_retention_ms.to_string()];
+        let store = self.admission.protocol().store();
+        let reply = store.eval(&self.settled, vec![keys::holds(&self.tenant)], args).await.expect("settled");
+        let Reply::Array(entries) = reply else { panic!("settled reply {reply:?}") };
+        entries
+            .into_iter()
+            .map(|e| {
+                let Reply::Array(p) = e else { panic!("entry {e:?}") };
+                (p[0].as_text().unwrap().to_string(), (p[1].as_text().unwrap().to_string(), p[2].as_int().unwrap()))
+            })
+            .collect()
+    }
+
     /// The tenant's ledger stream, oldest entry first: each entry's fields.
     pub async fn ledger(&self) -> Vec<BTreeMap<String, String>> {
         self.ledger_of(&self.tenant).await
@@ -412,11 +449,16 @@ impl<S: Store> Harness<S> {
         (n, w)
     }
 
-    /// Every key a tenant-level scenario touches: scope, lease index, and the given records.
+    /// Every key a tenant-level scenario touches: scope, lease index, the given records, and the
+    /// entries of the settled buckets.
     pub async fn snapshot(&self, ids: &[&str]) -> BTreeMap<String, KeyView> {
         let mut keys = vec![keys::tenant_scope(&self.tenant), keys::leases(&self.tenant)];
         keys.extend(ids.iter().map(|id| keys::record(&self.tenant, id)));
         let mut snap = self.inspect(keys).await;
+        for (field, (value, pttl)) in self.settled().await {
+            let fields = BTreeMap::from([("value".to_string(), value)]);
+            snap.insert(format!("settled {field}"), KeyView { kind: "settled".into(), pttl, fields });
+        }
         // PTTL counts down on Redis between two looks; contents are what must not change.
         for view in snap.values_mut() {
             view.pttl = view.pttl.signum();

@@ -313,9 +313,16 @@ impl Model {
         }
     }
 
+    /// Ends a hold's life in the index and its key. An expired record waits for a late commit
+    /// for the retention (or the lease, if longer: here never); a committed or released hold is
+    /// filed in the settled bucket of its period, gone at the end of the next.
     fn close(&mut self, id: &str, now: u64) {
+        let retention = self.retention_ms;
         let h = self.holds.get_mut(id).expect("closing a known hold");
-        h.gone_at = Some(now + self.retention_ms);
+        h.gone_at = Some(match h.state {
+            State::Settled(Settled::Expired) => now + retention,
+            _ => (now / retention + 2) * retention,
+        });
         let (tenant, key) = (h.tenant.clone(), h.key.clone());
         if let Some(set) = self.leases.get_mut(&tenant) {
             set.retain(|(_, i)| i != id);
@@ -793,8 +800,9 @@ impl Model {
         let Some(h) = self.record(id, now).cloned() else { return CommitOutcome::NotFound };
         match h.state {
             State::Settled(Settled::Committed | Settled::LateCommitted) => {
+                // A repeat answers with the first commit's counts; the model went with the record.
                 let u = h.usage.expect("a committed hold has its usage");
-                return CommitOutcome::Committed(Usage { duplicate: true, ..u });
+                return CommitOutcome::Committed(Usage { duplicate: true, model: None, ..u });
             }
             State::Settled(Settled::Released) => return CommitOutcome::Released,
             _ => {}

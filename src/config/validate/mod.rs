@@ -24,6 +24,8 @@ type Problem = (String, String);
 const MIN_LEASE_MS: u64 = 50;
 const MAX_LEASE_MS: u64 = 86_400_000;
 const DAY_MS: u64 = 86_400_000;
+/// The embedded store's memory cap unless `store.max_memory_mb` says otherwise.
+const DEFAULT_MAX_MEMORY_MB: u64 = 128;
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
@@ -109,6 +111,18 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         }
         (None, None) => StoreChoice::Embedded,
     };
+    let max_memory_bytes = match (raw.store.max_memory_mb, &choice) {
+        (Some(_), StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => {
+            return Err(problem(
+                "store.max_memory_mb",
+                "caps the embedded store only; Redis's memory is its own maxmemory setting",
+            ));
+        }
+        (mb, _) => usize::try_from(positive("store.max_memory_mb", mb, DEFAULT_MAX_MEMORY_MB)?)
+            .ok()
+            .and_then(|mb| mb.checked_mul(1 << 20))
+            .ok_or_else(|| problem("store.max_memory_mb", "is more memory than this machine can address"))?,
+    };
     let store = StoreSettings {
         choice,
         connect_timeout: Duration::from_millis(positive(
@@ -127,12 +141,13 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             Some(f) if f > 0.0 && f <= 1.0 => f,
             Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
         },
+        max_memory_bytes,
     };
 
     let d = raw.defaults;
     let lease_ttl_ms = lease("defaults.lease_ttl_ms", d.lease_ttl_ms.unwrap_or(120_000))?;
     let expired_usage = d.expired_usage.unwrap_or_default();
-    let record_retention_ms = positive("defaults.record_retention_ms", d.record_retention_ms, 3_600_000)?;
+    let record_retention_ms = positive("defaults.record_retention_ms", d.record_retention_ms, 60_000)?;
     let sweep_batch = positive_u32("defaults.sweep_batch", d.sweep_batch, 16)?;
     let max_attempts = positive_u32("defaults.max_attempts", d.max_attempts, 3)?;
     let concurrency_retry_ms = positive("defaults.concurrency_retry_ms", d.concurrency_retry_ms, 1_000)?;

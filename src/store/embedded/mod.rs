@@ -20,10 +20,14 @@ pub use keyspace::{Keyspace, LedgerSink};
 use keyspace::{Resp, format_number};
 
 use super::clock::{Clock, SystemClock};
-use super::{Reply, Script, Store, StoreError};
+use super::{Reply, Script, Store, StoreError, keys};
 
 /// How many expired keys each script call reclaims, at most, besides the ones it touches.
 const PURGE_PER_CALL: usize = 32;
+
+/// The scripts that make new holds: refused while the keyspace is over its memory cap with
+/// nothing left to evict. (Settling, renewing and reading go on: they are what frees memory.)
+const MAKES_HOLDS: [&str; 3] = ["reserve", "lease", "pool_reserve"];
 
 /// The store thread's state.
 struct Host {
@@ -36,6 +40,10 @@ struct Host {
 struct Context {
     keyspace: Keyspace,
     clock: Arc<dyn Clock>,
+    /// The memory cap (bytes); `None`: uncapped.
+    cap: Option<usize>,
+    /// Whether the keyspace was over its cap with nothing left to evict, at the last call.
+    full: bool,
 }
 
 /// Work for the store thread.
@@ -43,13 +51,16 @@ enum Job {
     Load { script: Script, reply: oneshot::Sender<Result<(), StoreError>> },
     Eval { script: Script, keys: Vec<String>, args: Vec<String>, reply: oneshot::Sender<Result<Reply, StoreError>> },
     Size { reply: oneshot::Sender<KeyspaceSize> },
+    Cap { bytes: usize },
 }
 
-/// How much the keyspace holds: its keys, and the entries of its expiry index (never more).
+/// How much the keyspace holds: its keys, the entries of its expiry index (never more), and the
+/// bytes it counts against the memory cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyspaceSize {
     pub keys: usize,
     pub expiry_index: usize,
+    pub bytes: usize,
 }
 
 /// The in-process store. Clones share one keyspace; the thread ends when the last clone drops.
@@ -99,8 +110,9 @@ impl EmbeddedStore {
                     let _ = ready.send(Err(script_error("redis api", e)));
                     return;
                 }
-                let keyspace = sink.map_or_else(Keyspace::default, Keyspace::with_sink);
-                lua.set_app_data(Context { keyspace, clock });
+                let mut keyspace = sink.map_or_else(Keyspace::default, Keyspace::with_sink);
+                keyspace.evict_only(keys::is_settled_bucket);
+                lua.set_app_data(Context { keyspace, clock, cap: None, full: false });
                 let _ = ready.send(Ok(()));
                 let mut host = Host { lua, scripts: HashMap::new() };
                 for job in queue {
@@ -120,6 +132,13 @@ impl EmbeddedStore {
         self.jobs.send(Job::Size { reply }).map_err(|_| stopped())?;
         answer.await.map_err(|_| stopped())
     }
+
+    /// Caps the keyspace at `bytes`: past them the settled buckets are evicted, oldest first, and
+    /// when none is left the scripts that make holds are refused (as a store error: each tenant's
+    /// `on_store_error` decides) until settled holds bring it back under.
+    pub fn cap_memory(&self, bytes: usize) -> Result<(), StoreError> {
+        self.jobs.send(Job::Cap { bytes }).map_err(|_| stopped())
+    }
 }
 
 impl Host {
@@ -133,8 +152,14 @@ impl Host {
             }
             Job::Size { reply } => {
                 if let Some(ctx) = self.lua.app_data_ref::<Context>() {
-                    let _ = reply
-                        .send(KeyspaceSize { keys: ctx.keyspace.len(), expiry_index: ctx.keyspace.expiry_index_len() });
+                    let k = &ctx.keyspace;
+                    let _ =
+                        reply.send(KeyspaceSize { keys: k.len(), expiry_index: k.expiry_index_len(), bytes: k.used() });
+                }
+            }
+            Job::Cap { bytes } => {
+                if let Some(mut ctx) = self.lua.app_data_mut::<Context>() {
+                    ctx.cap = Some(bytes);
                 }
             }
         }
@@ -160,6 +185,29 @@ impl Host {
         if let Some(mut ctx) = lua.app_data_mut::<Context>() {
             let now = ctx.clock.now_ms();
             ctx.keyspace.purge_expired(now, PURGE_PER_CALL);
+            if let Some(cap) = ctx.cap {
+                let full = !ctx.keyspace.make_room(cap);
+                if full != ctx.full {
+                    ctx.full = full;
+                    let (used_mb, cap_mb) = (ctx.keyspace.used() >> 20, cap >> 20);
+                    if full {
+                        tracing::error!(
+                            used_mb,
+                            cap_mb,
+                            "the embedded store is at its memory cap with no settled record left to evict: no new hold until some settle"
+                        );
+                    } else {
+                        tracing::warn!(used_mb, cap_mb, "the embedded store is back under its memory cap");
+                    }
+                }
+                if full && MAKES_HOLDS.contains(&script.name) {
+                    return Err(StoreError::Unavailable(format!(
+                        "the embedded store holds {} MB with no settled record left to evict, over its cap (store.max_memory_mb: {})",
+                        ctx.keyspace.used() >> 20,
+                        cap >> 20
+                    )));
+                }
+            }
         }
         let globals = lua.globals();
         let set = || -> mlua::Result<()> {

@@ -8,13 +8,13 @@ use crate::hold::{Bucket, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
-pub(crate) const ARGV: [&str; 23] = [
+pub(crate) const ARGV: [&str; 25] = [
     "reservation id",
     "record key prefix",
     "prompt tokens",
     "lease (ms)",
     "idle TTL",
-    "retention of settled records",
+    "how long an expired record waits for a late commit",
     "expired-usage policy",
     "sweep batch",
     "what a repeat of the idempotency key means",
@@ -32,6 +32,8 @@ pub(crate) const ARGV: [&str; 23] = [
     "the usage ledger's terms",
     "the model's price per input token",
     "the model's price per output token",
+    "the tenant's settled-bucket prefix",
+    "retention of settled records",
 ];
 
 /// Then these, per scope, in `KEYS` order (`0`: no such limit).
@@ -69,7 +71,10 @@ pub struct ReserveCall<'a> {
     pub adaptive: Option<(u64, f64)>,
     pub lease_ms: u64,
     pub idle_ttl_ms: u64,
+    /// How long a settled hold answers repeats (at least; at most twice as long).
     pub retention_ms: u64,
+    /// How long an expired hold's record waits for a late commit.
+    pub late_commit_ms: u64,
     pub expired_usage: ExpiredUsage,
     pub sweep_batch: u32,
     pub idempotency: Option<KeyCall<'a>>,
@@ -133,7 +138,7 @@ impl<S: Store> Protocol<S> {
         a.push("prompt tokens", call.prompt_tokens.to_string());
         a.push("lease (ms)", call.lease_ms.to_string());
         a.push("idle TTL", call.idle_ttl_ms.to_string());
-        a.push("retention of settled records", call.retention_ms.to_string());
+        a.push("how long an expired record waits for a late commit", call.late_commit_ms.to_string());
         a.push("expired-usage policy", expired_usage(call.expired_usage).to_string());
         a.push("sweep batch", call.sweep_batch.to_string());
         a.push("what a repeat of the idempotency key means", repeat.to_string());
@@ -154,6 +159,8 @@ impl<S: Store> Protocol<S> {
         );
         a.push("the model's price per input token", call.price.input_nanos.to_string());
         a.push("the model's price per output token", call.price.output_nanos.to_string());
+        a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
+        a.push("retention of settled records", call.retention_ms.to_string());
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);

@@ -5,20 +5,24 @@ use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
-pub(crate) const COMMIT_ARGV: [&str; 6] = [
+pub(crate) const COMMIT_ARGV: [&str; 8] = [
     "reservation id",
     "prompt tokens used",
     "output tokens used",
     "TTL of the output estimate",
     "samples the estimate keeps",
     "exact | metered",
+    "the tenant's settled-bucket prefix",
+    "retention of settled records",
 ];
 
 /// `renew.lua`'s `ARGV`, in order.
-pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
+pub(crate) const RENEW_ARGV: [&str; 5] =
+    ["reservation id", "new lease", "idle TTL", "the tenant's settled-bucket prefix", "retention of settled records"];
 
 /// `release.lua`'s `ARGV`.
-pub(crate) const RELEASE_ARGV: [&str; 1] = ["reservation id"];
+pub(crate) const RELEASE_ARGV: [&str; 3] =
+    ["reservation id", "the tenant's settled-bucket prefix", "retention of settled records"];
 
 /// What a commit teaches the output estimate of a hold that learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,13 +35,15 @@ pub struct Learning {
 
 impl<S: Store> Protocol<S> {
     /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once.
-    /// `learning` is `None` when the hold's tenant no longer learns.
+    /// `learning` is `None` when the hold's tenant no longer learns. A repeat within `retention_ms`
+    /// of the first is answered with the first's result (as are those of renew and release).
     pub async fn commit(
         &self,
         tenant: &str,
         id: &str,
         counted: Counted,
         learning: Option<Learning>,
+        retention_ms: u64,
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
         let (prompt, output, measure) = match counted {
@@ -52,6 +58,7 @@ impl<S: Store> Protocol<S> {
         a.push("TTL of the output estimate", learning.map_or(0, |l| l.ttl_ms).to_string());
         a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
         a.push("exact | metered", measure.to_string());
+        push_settled(&mut a, tenant, retention_ms);
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
@@ -80,12 +87,14 @@ impl<S: Store> Protocol<S> {
         id: &str,
         lease_ms: u64,
         idle_ttl_ms: u64,
+        retention_ms: u64,
     ) -> Result<RenewOutcome, StoreError> {
         let script = &self.scripts.renew;
         let mut a = Argv::new("renew", &RENEW_ARGV, 0);
         a.push("reservation id", id.to_string());
         a.push("new lease", lease_ms.to_string());
         a.push("idle TTL", idle_ttl_ms.to_string());
+        push_settled(&mut a, tenant, retention_ms);
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
@@ -96,10 +105,11 @@ impl<S: Store> Protocol<S> {
     }
 
     /// Gives a hold back without usage: every token refunded, the slot freed, once.
-    pub async fn release(&self, tenant: &str, id: &str) -> Result<ReleaseOutcome, StoreError> {
+    pub async fn release(&self, tenant: &str, id: &str, retention_ms: u64) -> Result<ReleaseOutcome, StoreError> {
         let script = &self.scripts.release;
         let mut a = Argv::new("release", &RELEASE_ARGV, 0);
         a.push("reservation id", id.to_string());
+        push_settled(&mut a, tenant, retention_ms);
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
@@ -113,4 +123,11 @@ impl<S: Store> Protocol<S> {
 /// KEYS of commit, renew and release: the record, the lease index, the holds hash, the ledger.
 fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
     vec![keys::record(tenant, id), keys::leases(tenant), keys::holds(tenant), keys::ledger(tenant)]
+}
+
+/// Where a settled hold of `tenant` is filed and looked for: its settled buckets, one per
+/// `retention_ms`.
+fn push_settled(a: &mut Argv, tenant: &str, retention_ms: u64) {
+    a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
+    a.push("retention of settled records", retention_ms.to_string());
 }

@@ -9,6 +9,11 @@
 //! Streams are the usage ledger: every entry XADD appends is also handed to the keyspace's
 //! [`LedgerSink`] when it has one (the embedded store's ledger file), so a single replica keeps its
 //! ledger past a restart. Trimming (`~` or exact) trims exactly.
+//!
+//! The keyspace counts the bytes it holds ([`Keyspace::used`]: keys, fields, values and members,
+//! with an estimate of what each costs the maps and the allocator beyond its bytes), and
+//! [`Keyspace::make_room`] evicts the keys its `evictable` test picks, soonest to expire first,
+//! until the count is under a cap.
 
 // A Redis emulator: its arithmetic is Redis's own, on millisecond clocks and member counts far from
 // any bound, so the crate's token-arithmetic lint does not apply here.
@@ -93,6 +98,20 @@ impl ZSet {
 struct Entry {
     value: Value,
     expires_at: Option<u64>,
+    /// What it holds, as [`Keyspace::used`] counts it.
+    bytes: usize,
+}
+
+/// What a key costs beyond its bytes: its slot in the key map, its entry, the allocator's headers.
+const KEY_COST: usize = 128;
+/// What a hash field or a sorted-set member costs beyond its bytes (a member is kept twice).
+const FIELD_COST: usize = 64;
+/// What a key's place in the expiry index costs beyond a copy of its name.
+const EXPIRY_COST: usize = 48;
+
+/// Bytes held by one hash field and its value.
+fn field_bytes(field: &[u8], value: &[u8]) -> usize {
+    field.len() + value.len() + FIELD_COST
 }
 
 /// The keyspace. Expired keys vanish when touched, and [`Keyspace::purge_expired`] reclaims a
@@ -106,6 +125,11 @@ pub struct Keyspace {
     entries: HashMap<Vec<u8>, Entry>,
     expiries: BTreeSet<(u64, Vec<u8>)>,
     sink: Option<LedgerSink>,
+    /// Bytes held: every entry's `bytes` and the expiry index.
+    used: usize,
+    /// The keys [`Keyspace::make_room`] may evict, by expiry: those `evictable` picks that have a TTL.
+    evictable: Option<fn(&[u8]) -> bool>,
+    eviction_order: BTreeSet<(u64, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for Keyspace {
@@ -135,12 +159,33 @@ impl Keyspace {
         self.expiries.len()
     }
 
+    /// The bytes the keyspace holds, as it counts them.
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Lets [`Keyspace::make_room`] evict the keys `evictable` picks (only those with a TTL).
+    pub fn evict_only(&mut self, evictable: fn(&[u8]) -> bool) {
+        self.evictable = Some(evictable);
+    }
+
+    /// Evicts evictable keys, the soonest to expire first, until the keyspace holds no more than
+    /// `cap` bytes. Returns whether it does.
+    pub fn make_room(&mut self, cap: usize) -> bool {
+        while self.used > cap {
+            let Some((_, key)) = self.eviction_order.first().cloned() else { return false };
+            self.remove(&key);
+        }
+        true
+    }
+
     /// Removes a key and its expiry entry.
     fn remove(&mut self, key: &[u8]) -> Option<Entry> {
         let entry = self.entries.remove(key)?;
         if let Some(at) = entry.expires_at {
-            self.expiries.remove(&(at, key.to_vec()));
+            self.unindex(at, key);
         }
+        self.used -= entry.bytes;
         Some(entry)
     }
 
@@ -151,9 +196,42 @@ impl Keyspace {
             if at > now {
                 return;
             }
-            self.expiries.pop_first();
-            self.entries.remove(&key);
+            self.remove(&key);
         }
+    }
+
+    /// A key under `key` holding `value`, counted.
+    fn insert(&mut self, key: &[u8], value: Value) -> &mut Entry {
+        let bytes = key.len() + KEY_COST + value_bytes(&value);
+        self.used += bytes;
+        if let Some(old) = self.entries.insert(key.to_vec(), Entry { value, expires_at: None, bytes }) {
+            // (Callers remove a key before they replace it: this only keeps the count right.)
+            self.used -= old.bytes;
+        }
+        self.entries.get_mut(key).expect("inserted above")
+    }
+
+    /// Counts a change of `delta` bytes in what `key` holds.
+    fn resize(&mut self, key: &[u8], added: usize, removed: usize) {
+        if let Some(e) = self.entries.get_mut(key) {
+            e.bytes = e.bytes + added - removed;
+            self.used = self.used + added - removed;
+        }
+    }
+
+    fn index(&mut self, at: u64, key: &[u8]) {
+        self.used += key.len() + EXPIRY_COST;
+        self.expiries.insert((at, key.to_vec()));
+        if self.evictable.is_some_and(|evictable| evictable(key)) {
+            self.eviction_order.insert((at, key.to_vec()));
+        }
+    }
+
+    fn unindex(&mut self, at: u64, key: &[u8]) {
+        self.used -= key.len() + EXPIRY_COST;
+        let entry = (at, key.to_vec());
+        self.expiries.remove(&entry);
+        self.eviction_order.remove(&entry);
     }
 
     /// Runs one command; `now` is the store clock in milliseconds.
@@ -266,12 +344,17 @@ impl Keyspace {
                     Value::Hash(h) => h,
                     _ => return Err(wrongtype()),
                 };
-                let mut added = 0;
+                let (mut added, mut grew, mut shrank) = (0, 0, 0);
                 for pair in a[1..].chunks(2) {
-                    if h.insert(pair[0].clone(), pair[1].clone()).is_none() {
-                        added += 1;
+                    match h.insert(pair[0].clone(), pair[1].clone()) {
+                        None => {
+                            added += 1;
+                            grew += field_bytes(&pair[0], &pair[1]);
+                        }
+                        Some(old) => (grew, shrank) = (grew + pair[1].len(), shrank + old.len()),
                     }
                 }
+                self.resize(&a[0], grew, shrank);
                 Ok(Resp::Int(added))
             }
             "HINCRBY" => {
@@ -286,21 +369,31 @@ impl Keyspace {
                     None => 0,
                 };
                 let next = current.checked_add(by).ok_or("ERR increment or decrement would overflow")?;
-                h.insert(a[1].clone(), next.to_string().into_bytes());
+                let (grew, shrank) = match h.insert(a[1].clone(), next.to_string().into_bytes()) {
+                    Some(old) => (next.to_string().len(), old.len()),
+                    None => (field_bytes(&a[1], next.to_string().as_bytes()), 0),
+                };
+                self.resize(&a[0], grew, shrank);
                 Ok(Resp::Int(next))
             }
             "HDEL" => {
                 if a.len() < 2 {
                     return Err(arity_error());
                 }
-                let (n, empty) = match self.live(now, &a[0]).map(|e| &mut e.value) {
-                    None => (0, false),
+                let (n, shrank, empty) = match self.live(now, &a[0]).map(|e| &mut e.value) {
+                    None => (0, 0, false),
                     Some(Value::Hash(h)) => {
-                        let n = a[1..].iter().filter(|f| h.remove(*f).is_some()).count();
-                        (n, h.is_empty())
+                        let (mut n, mut shrank) = (0, 0);
+                        for f in &a[1..] {
+                            if let Some(v) = h.remove(f) {
+                                (n, shrank) = (n + 1, shrank + field_bytes(f, &v));
+                            }
+                        }
+                        (n, shrank, h.is_empty())
                     }
                     Some(_) => return Err(wrongtype()),
                 };
+                self.resize(&a[0], 0, shrank);
                 if empty {
                     self.remove(&a[0]);
                 }
@@ -318,19 +411,28 @@ impl Keyspace {
                     Value::ZSet(z) => z,
                     _ => return Err(wrongtype()),
                 };
-                Ok(Resp::Int(pairs.into_iter().map(|(s, m)| z.add(s, m)).sum()))
+                let (mut added, mut grew) = (0, 0);
+                for (score, member) in pairs {
+                    let bytes = member_bytes(&member);
+                    if z.add(score, member) == 1 {
+                        (added, grew) = (added + 1, grew + bytes);
+                    }
+                }
+                self.resize(&a[0], grew, 0);
+                Ok(Resp::Int(added))
             }
             "ZREM" => {
                 if a.len() < 2 {
                     return Err(arity_error());
                 }
-                let (n, empty) = match self.zset_mut(now, &a[0])? {
+                let (n, shrank, empty) = match self.zset_mut(now, &a[0])? {
                     Some(z) => {
-                        let n = a[1..].iter().filter(|m| z.remove(m)).count();
-                        (n, z.scores.is_empty())
+                        let removed: Vec<&Vec<u8>> = a[1..].iter().filter(|m| z.remove(m)).collect();
+                        (removed.len(), removed.iter().map(|m| member_bytes(m)).sum(), z.scores.is_empty())
                     }
-                    None => (0, false),
+                    None => (0, 0, false),
                 };
+                self.resize(&a[0], 0, shrank);
                 if empty {
                     self.remove(&a[0]);
                 }
@@ -361,7 +463,7 @@ impl Keyspace {
             _ => return Err("ERR syntax error (embedded SET takes only EX or PX)".into()),
         };
         self.remove(&a[0]);
-        self.entries.insert(a[0].clone(), Entry { value: Value::Str(a[1].clone()), expires_at: None });
+        self.insert(&a[0], Value::Str(a[1].clone()));
         self.set_expiry(&a[0], expiry);
         Ok(Resp::Status("OK"))
     }
@@ -419,9 +521,9 @@ impl Keyspace {
 
     fn entry_or_insert(&mut self, now: u64, key: &[u8], new: impl FnOnce() -> Value) -> &mut Entry {
         if self.live(now, key).is_none() {
-            self.entries.insert(key.to_vec(), Entry { value: new(), expires_at: None });
+            return self.insert(key, new());
         }
-        self.entries.get_mut(key).expect("inserted above")
+        self.entries.get_mut(key).expect("live above")
     }
 
     fn hash(&mut self, now: u64, key: &[u8]) -> Result<Option<&Hash>, String> {
@@ -449,14 +551,28 @@ impl Keyspace {
     }
 
     fn set_expiry(&mut self, key: &[u8], at: Option<u64>) {
-        if let Some(entry) = self.entries.get_mut(key) {
-            if let Some(old) = std::mem::replace(&mut entry.expires_at, at) {
-                self.expiries.remove(&(old, key.to_vec()));
-            }
-            if let Some(at) = at {
-                self.expiries.insert((at, key.to_vec()));
-            }
+        let Some(entry) = self.entries.get_mut(key) else { return };
+        if let Some(old) = std::mem::replace(&mut entry.expires_at, at) {
+            self.unindex(old, key);
         }
+        if let Some(at) = at {
+            self.index(at, key);
+        }
+    }
+}
+
+/// Bytes held by one sorted-set member: kept in the score order and in the score map.
+fn member_bytes(member: &[u8]) -> usize {
+    2 * (member.len() + FIELD_COST)
+}
+
+/// Bytes held by a value as a key is made with it (a new hash, set or stream is empty).
+fn value_bytes(value: &Value) -> usize {
+    match value {
+        Value::Str(v) => v.len(),
+        Value::Hash(h) => h.iter().map(|(f, v)| field_bytes(f, v)).sum(),
+        Value::ZSet(z) => z.scores.keys().map(|m| member_bytes(m)).sum(),
+        Value::Stream(st) => st.bytes(),
     }
 }
 
@@ -509,6 +625,25 @@ fn bound_arg(v: &[u8]) -> Result<f64, String> {
         b"-inf" => Ok(f64::NEG_INFINITY),
         b"+inf" | b"inf" => Ok(f64::INFINITY),
         _ => float_arg(v).map_err(|_| "ERR min or max is not a float".into()),
+    }
+}
+
+#[cfg(test)]
+impl Keyspace {
+    /// What the keyspace holds, counted from scratch: what [`Keyspace::used`] must always equal.
+    fn recount(&self) -> usize {
+        let entries: usize = self
+            .entries
+            .iter()
+            .map(|(k, e)| {
+                let value = match &e.value {
+                    Value::Stream(st) => st.recount(),
+                    v => value_bytes(v),
+                };
+                k.len() + KEY_COST + value
+            })
+            .sum();
+        entries + self.expiries.iter().map(|(_, k)| k.len() + EXPIRY_COST).sum::<usize>()
     }
 }
 

@@ -1,7 +1,9 @@
 //! Streams, the usage ledger: XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN, XRANGE. Every entry
 //! XADD appends is also handed to the keyspace's [`super::LedgerSink`] when it has one.
 
-use super::{CmdResult, Keyspace, Resp, Value, arity, arity_error, int_arg, positive, wrongtype};
+use super::{
+    CmdResult, FIELD_COST, Keyspace, Resp, Value, arity, arity_error, field_bytes, int_arg, positive, wrongtype,
+};
 
 /// A stream entry's id: milliseconds and a sequence within them.
 pub(super) type StreamId = (u64, u64);
@@ -14,6 +16,24 @@ type Fields = Vec<(Vec<u8>, Vec<u8>)>;
 pub(super) struct Stream {
     entries: std::collections::BTreeMap<StreamId, Fields>,
     last: StreamId,
+    /// What its entries hold, as the keyspace counts it.
+    bytes: usize,
+}
+
+impl Stream {
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    #[cfg(test)]
+    pub(super) fn recount(&self) -> usize {
+        self.entries.values().map(entry_bytes).sum()
+    }
+}
+
+/// Bytes held by one stream entry: its id and its fields.
+fn entry_bytes(fields: &Fields) -> usize {
+    FIELD_COST + fields.iter().map(|(f, v)| field_bytes(f, v)).sum::<usize>()
 }
 
 impl Keyspace {
@@ -40,12 +60,16 @@ impl Keyspace {
         let Value::Stream(st) = &mut entry.value else { return Err(wrongtype()) };
         let id = if now > st.last.0 { (now, 0) } else { (st.last.0, st.last.1 + 1) };
         st.last = id;
+        let grew = entry_bytes(&fields);
         st.entries.insert(id, fields.clone());
+        let mut shrank = 0;
         if let Some(max) = max_len {
             while st.entries.len() as u64 > max {
-                st.entries.pop_first();
+                shrank += st.entries.pop_first().map_or(0, |(_, f)| entry_bytes(&f));
             }
         }
+        st.bytes = st.bytes + grew - shrank;
+        self.resize(&a[0], grew, shrank);
         let id = format_id(id);
         if let Some(sink) = &mut self.sink {
             sink(&a[0], &id, &fields);
@@ -67,14 +91,18 @@ impl Keyspace {
             return Err("ERR syntax error (embedded XTRIM takes only MINID ~|= id)".into());
         }
         let min = stream_id(&a[3])?;
-        Ok(Resp::Int(match self.stream_mut(now, &a[0])? {
+        let (trimmed, shrank) = match self.stream_mut(now, &a[0])? {
             Some(st) => {
                 let keep = st.entries.split_off(&min);
-                let trimmed = std::mem::replace(&mut st.entries, keep).len();
-                trimmed as i64
+                let trimmed = std::mem::replace(&mut st.entries, keep);
+                let shrank = trimmed.values().map(entry_bytes).sum();
+                st.bytes -= shrank;
+                (trimmed.len(), shrank)
             }
-            None => 0,
-        }))
+            None => (0, 0),
+        };
+        self.resize(&a[0], 0, shrank);
+        Ok(Resp::Int(trimmed as i64))
     }
 
     pub(super) fn xlen(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {

@@ -71,3 +71,61 @@ fn zscore_reads_a_members_score_or_nil() {
     assert_eq!(cmd(&mut ks, 0, &["ZSCORE", "z", "b"]), Ok(Resp::Nil));
     assert_eq!(cmd(&mut ks, 0, &["ZSCORE", "none", "a"]), Ok(Resp::Nil));
 }
+
+/// Every write, overwrite, delete and expiry keeps the count of bytes equal to a recount, and it
+/// returns to zero with the last key.
+#[test]
+fn the_byte_count_follows_every_change_and_returns_to_zero() {
+    let mut ks = Keyspace::default();
+    ks.evict_only(|k| k.starts_with(b"s:"));
+    for i in 0..400u64 {
+        let (key, f, v) = (format!("h{}", i % 5), format!("f{}", i % 7), "x".repeat((i % 13) as usize + 1));
+        cmd(&mut ks, i, &["HSET", &key, &f, &v, "n", "1"]).unwrap();
+        cmd(&mut ks, i, &["HINCRBY", &key, "n", "12345"]).unwrap();
+        cmd(&mut ks, i, &["ZADD", &format!("z{}", i % 3), &i.to_string(), &f]).unwrap();
+        cmd(&mut ks, i, &["SET", &format!("s:{}", i % 4), &v, "PX", "50"]).unwrap();
+        cmd(&mut ks, i, &["XADD", "x", "MAXLEN", "~", "20", "*", "id", &v]).unwrap();
+        if i % 3 == 0 {
+            cmd(&mut ks, i, &["HDEL", &key, &f, "n"]).unwrap();
+            cmd(&mut ks, i, &["ZREM", &format!("z{}", i % 3), &f]).unwrap();
+            cmd(&mut ks, i, &["PEXPIRE", &key, "30"]).unwrap();
+        }
+        if i % 50 == 0 {
+            cmd(&mut ks, i, &["XTRIM", "x", "MINID", "~", &i.saturating_sub(5).to_string()]).unwrap();
+        }
+        ks.purge_expired(i, 2);
+        assert_eq!(ks.used(), ks.recount(), "step {i}");
+    }
+    for key in ["h0", "h1", "h2", "h3", "h4", "z0", "z1", "z2", "x"] {
+        cmd(&mut ks, 400, &["DEL", key]).unwrap();
+    }
+    ks.purge_expired(1_000, 100);
+    assert!(ks.is_empty());
+    assert_eq!(ks.used(), 0);
+}
+
+/// Eviction takes only the keys the test picks, soonest to expire first, and only as many as
+/// bring the count under the cap; what it may not take stays, over the cap if need be.
+#[test]
+fn room_is_made_from_evictable_keys_soonest_to_expire_first() {
+    let mut ks = Keyspace::default();
+    ks.evict_only(|k| k.starts_with(b"s:"));
+    cmd(&mut ks, 0, &["HSET", "live", "f", &"v".repeat(1_000)]).unwrap();
+    cmd(&mut ks, 0, &["HSET", "live-with-ttl", "f", "v"]).unwrap();
+    cmd(&mut ks, 0, &["PEXPIRE", "live-with-ttl", "10"]).unwrap();
+    for (key, ttl) in [("s:3", "300"), ("s:1", "100"), ("s:2", "200")] {
+        cmd(&mut ks, 0, &["HSET", key, "f", &"v".repeat(500)]).unwrap();
+        cmd(&mut ks, 0, &["PEXPIRE", key, ttl]).unwrap();
+    }
+    let before = ks.used();
+    assert!(ks.make_room(before - 1), "one eviction is room enough");
+    assert_eq!(cmd(&mut ks, 0, &["TYPE", "s:1"]), Ok(Resp::Status("none")), "the soonest to expire went first");
+    assert_eq!(cmd(&mut ks, 0, &["TYPE", "s:2"]), Ok(Resp::Status("hash")));
+    let per_key = before - ks.used();
+    assert!(ks.make_room(ks.used() - per_key), "one more");
+    assert_eq!(cmd(&mut ks, 0, &["TYPE", "s:2"]), Ok(Resp::Status("none")));
+    assert_eq!(cmd(&mut ks, 0, &["TYPE", "s:3"]), Ok(Resp::Status("hash")));
+    assert!(!ks.make_room(0), "what may not be evicted is over any cap");
+    assert_eq!(ks.len(), 2, "only the unevictable keys are left");
+    assert_eq!(ks.used(), ks.recount());
+}
