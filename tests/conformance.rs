@@ -382,8 +382,9 @@ mod scenarios {
     }
 
     /// A hold once committed or released leaves no record: one entry of its tenant's settled
-    /// bucket, a 16-byte field and a value of under 32 bytes, answers a repeated commit, release
-    /// or renew with the first result for at least the retention, and is gone after twice it.
+    /// bucket, the last 20 hex digits of its id and a short value, answers a repeated commit,
+    /// release or renew with the first result for at least the retention, and is gone after twice
+    /// it.
     pub async fn a_settled_hold_is_one_short_entry_that_answers_repeats<S: Store>(h: Harness<S>) {
         let committed = admitted(&h.reserve(10, 10).await).reservation_id.clone();
         let first = h.admission.commit(&committed, 4, 3).await.unwrap();
@@ -392,7 +393,7 @@ mod scenarios {
         let (c, r) = (keys::record(&h.tenant, &committed), keys::record(&h.tenant, &released));
         assert!(h.scope(&c).await.is_none() && h.scope(&r).await.is_none(), "no record left");
         let entries = h.settled().await;
-        let field = |id: &str| id.rsplit_once(':').unwrap().1.to_string();
+        let field = |id: &str| id[id.len() - 20..].to_string();
         let values: Vec<&str> = [&committed, &released].map(|id| entries[&field(id)].0.as_str()).to_vec();
         // (state and metered, held, attempts, output held, used or refunded, cost)
         assert_eq!(values, ["c0 20 1 10 7 13000", "r0 20 1 10 20 0"], "{entries:?}");

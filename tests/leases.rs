@@ -415,10 +415,18 @@ mod scenarios {
         }
         // A hold nobody settles: entered as expired, charged as held; a late commit then enters
         // what it used, superseding that entry.
+        // It comes later than the retention of settled holds (a minute) and within a lease past
+        // the expiry, with the replica's windows going on meanwhile: an expired hold waits that
+        // long for its late commit.
         let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
         r.advance(121_000).await;
         r.admission.lease_tick(false).await.unwrap();
-        r.admission.commit(&id, 10, 5).await.unwrap();
+        for _ in 0..70 {
+            r.advance(1_000).await;
+            r.admission.lease_tick(false).await.unwrap();
+        }
+        let late = r.admission.commit(&id, 10, 5).await.unwrap();
+        assert!(late.usage().is_some_and(|u| u.late && u.used == 15), "{late:?}");
         r.admission.lease_tick(true).await.unwrap();
         let ledger = h.ledger_of(&h.tenant).await;
         let mine: Vec<Vec<String>> = ledger

@@ -114,8 +114,15 @@ pub fn settled_prefix(tenant: &str) -> String {
 
 /// Whether `key` is one of a tenant's settled buckets: what the embedded store's memory cap may
 /// evict (a repeat of a hold it held is then answered `not_found`, changing nothing).
+/// The shape is exact (`tg:{<tenant>}:settled:<digits>`; a tenant holds no `}`): a user, model or
+/// idempotency key named to look like a bucket is inside another key's name, never this shape.
 pub fn is_settled_bucket(key: &[u8]) -> bool {
-    key.starts_with(b"tg:{") && key.windows(b"}:settled:".len()).any(|w| w == b"}:settled:")
+    let Some(rest) = key.strip_prefix(b"tg:{") else { return false };
+    let Some(close) = rest.iter().position(|&b| b == b'}') else { return false };
+    match rest[close + 1..].strip_prefix(b":settled:") {
+        Some(period) => !period.is_empty() && period.iter().all(u8::is_ascii_digit),
+        None => false,
+    }
 }
 
 /// A reservation's record.
@@ -195,6 +202,7 @@ mod tests {
             lease_record("acme", "0a1b2c3d4e5f"),
             forwarded("acme", "0a1b2c3d4e5f"),
             last_lease_call("acme", "0a1b2c3d4e5f"),
+            format!("{}29932", settled_prefix("acme")),
         ];
         for key in &keys {
             assert_eq!(hash_tag(key), "acme", "{key}");
@@ -204,6 +212,24 @@ mod tests {
         assert_eq!(lease_record("acme", "r1"), format!("{}{}", record_prefix("acme"), lease_member("r1")));
         for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a")] {
             assert_eq!(hash_tag(&key), "gpu-a", "{key}");
+        }
+    }
+
+    /// Only a settled bucket is evictable: never a key whose name a client chose to look like one.
+    #[test]
+    fn a_settled_bucket_is_told_by_its_whole_shape() {
+        assert!(is_settled_bucket(format!("{}29932", settled_prefix("acme")).as_bytes()));
+        for key in [
+            user_scope("acme", "x}:settled:1"),
+            model_scope("acme", "m}:settled:1"),
+            idempotency("acme", "k}:settled:1"),
+            idempotency("acme", "}:settled:1"),
+            format!("{}29932x", settled_prefix("acme")),
+            settled_prefix("acme"),
+            tenant_scope("acme"),
+            record("acme", "acme:0f"),
+        ] {
+            assert!(!is_settled_bucket(key.as_bytes()), "{key}");
         }
     }
 }

@@ -142,7 +142,7 @@ return out
 "#;
 
 /// Reads a tenant's settled buckets, the previous period's and the current one's (`ARGV`: the
-/// bucket prefix, the retention), as {field in hex, value, the bucket's PTTL} each. `KEYS[1]` is
+/// bucket prefix, the retention), as {field, value, the bucket's PTTL} each. `KEYS[1]` is
 /// any key of the tenant, for a Cluster to route the call.
 const SETTLED: &str = r#"
 local t = redis.call('TIME')
@@ -153,8 +153,7 @@ for _, n in ipairs({ period - 1, period }) do
   local k = ARGV[1] .. n
   local flat = redis.call('HGETALL', k)
   for i = 1, #flat, 2 do
-    local hex = string.gsub(flat[i], '.', function(c) return string.format('%02x', string.byte(c)) end)
-    out[#out + 1] = { hex, flat[i + 1], redis.call('PTTL', k) }
+    out[#out + 1] = { flat[i], flat[i + 1], redis.call('PTTL', k) }
   end
 end
 return out
@@ -378,8 +377,8 @@ impl<S: Store> Harness<S> {
         out
     }
 
-    /// What the tenant's settled buckets hold: each settled hold's field (in hex), and its value
-    /// with the PTTL of the bucket it is in.
+    /// What the tenant's settled buckets hold: each settled hold's field, and its value with the
+    /// PTTL of the bucket it is in.
     pub async fn settled(&self) -> BTreeMap<String, (String, i64)> {
         let args = vec![keys::settled_prefix(&self.tenant), self.admission.policy().record_retention_ms.to_string()];
         let store = self.admission.protocol().store();

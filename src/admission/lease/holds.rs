@@ -134,9 +134,16 @@ impl State {
         self.unentered.push(fields.iter().map(|f| escape(f)).collect::<Vec<_>>().join("\t"));
     }
 
+    /// Keeps a settled hold's outcome for repeats: `retention_ms`; an expired hold's, for its late
+    /// commit, as long as it lived again (its lease, as renewed) if that is longer, as the store
+    /// keeps an expired record.
     pub(super) fn close(&mut self, id: &str, closed: Closed, now: u64, retention_ms: u64) {
+        let keep = match &closed {
+            Closed::Expired { hold, .. } => retention_ms.max(hold.lease_until.saturating_sub(hold.reserved_at)),
+            _ => retention_ms,
+        };
         self.closed.insert(id.to_string(), closed);
-        self.closed_order.push_back((now.saturating_add(retention_ms), id.to_string()));
+        self.closed_order.push_back((now.saturating_add(keep), id.to_string()));
         while self.closed_order.len() > MAX_CLOSED {
             if let Some((_, old)) = self.closed_order.pop_front() {
                 self.closed.remove(&old);

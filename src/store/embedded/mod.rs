@@ -25,9 +25,14 @@ use super::{Reply, Script, Store, StoreError, keys};
 /// How many expired keys each script call reclaims, at most, besides the ones it touches.
 const PURGE_PER_CALL: usize = 32;
 
-/// The scripts that make new holds: refused while the keyspace is over its memory cap with
-/// nothing left to evict. (Settling, renewing and reading go on: they are what frees memory.)
-const MAKES_HOLDS: [&str; 3] = ["reserve", "lease", "pool_reserve"];
+/// The scripts that make new hold records: refused while the keyspace is over its memory cap with
+/// nothing left to evict. (Settling, renewing and reading go on: they are what frees memory. A
+/// lease call draws slices, which make no records, and hands back what leased holds settled.)
+const MAKES_HOLDS: [&str; 2] = ["reserve", "pool_reserve"];
+
+/// Once full, the keyspace counts as full until it is back under this share of its cap (per
+/// mille), so that near the cap every settled hold does not flip it back and forth.
+const ROOM_AGAIN_PER_MILLE: usize = 900;
 
 /// The store thread's state.
 struct Host {
@@ -186,7 +191,12 @@ impl Host {
             let now = ctx.clock.now_ms();
             ctx.keyspace.purge_expired(now, PURGE_PER_CALL);
             if let Some(cap) = ctx.cap {
-                let full = !ctx.keyspace.make_room(cap);
+                if ctx.keyspace.used() > cap {
+                    // What has expired goes before anything is evicted.
+                    ctx.keyspace.purge_expired(now, usize::MAX);
+                }
+                let room = if ctx.full { cap / 1000 * ROOM_AGAIN_PER_MILLE } else { cap };
+                let full = !ctx.keyspace.make_room(room);
                 if full != ctx.full {
                     ctx.full = full;
                     let (used_mb, cap_mb) = (ctx.keyspace.used() >> 20, cap >> 20);

@@ -173,7 +173,7 @@ impl Keyspace {
     /// `cap` bytes. Returns whether it does.
     pub fn make_room(&mut self, cap: usize) -> bool {
         while self.used > cap {
-            let Some((_, key)) = self.eviction_order.first().cloned() else { return false };
+            let Some((_, key)) = self.eviction_order.pop_first() else { return false };
             self.remove(&key);
         }
         true
@@ -185,17 +185,18 @@ impl Keyspace {
         if let Some(at) = entry.expires_at {
             self.unindex(at, key);
         }
-        self.used -= entry.bytes;
+        self.uncount(entry.bytes);
         Some(entry)
     }
 
     /// Removes up to `limit` keys whose TTL has passed.
     pub fn purge_expired(&mut self, now: u64, limit: usize) {
         for _ in 0..limit {
-            let Some((at, key)) = self.expiries.first().cloned() else { return };
-            if at > now {
-                return;
+            match self.expiries.first() {
+                Some((at, _)) if *at <= now => {}
+                _ => return,
             }
+            let Some((_, key)) = self.expiries.pop_first() else { return };
             self.remove(&key);
         }
     }
@@ -206,17 +207,26 @@ impl Keyspace {
         self.used += bytes;
         if let Some(old) = self.entries.insert(key.to_vec(), Entry { value, expires_at: None, bytes }) {
             // (Callers remove a key before they replace it: this only keeps the count right.)
-            self.used -= old.bytes;
+            self.uncount(old.bytes);
         }
         self.entries.get_mut(key).expect("inserted above")
     }
 
-    /// Counts a change of `delta` bytes in what `key` holds.
+    /// Counts what `key` holds growing by `added` bytes and shrinking by `removed`.
     fn resize(&mut self, key: &[u8], added: usize, removed: usize) {
         if let Some(e) = self.entries.get_mut(key) {
-            e.bytes = e.bytes + added - removed;
-            self.used = self.used + added - removed;
+            debug_assert!(e.bytes + added >= removed, "{} bytes less {removed}", e.bytes + added);
+            e.bytes = (e.bytes + added).saturating_sub(removed);
+            self.used += added;
+            self.uncount(removed);
         }
+    }
+
+    /// Takes `bytes` off the count (never below zero: a miscount shows in debug builds, and
+    /// cannot wrap into a count that would evict everything in release ones).
+    fn uncount(&mut self, bytes: usize) {
+        debug_assert!(self.used >= bytes, "{} bytes counted, {bytes} taken off", self.used);
+        self.used = self.used.saturating_sub(bytes);
     }
 
     fn index(&mut self, at: u64, key: &[u8]) {
@@ -228,7 +238,7 @@ impl Keyspace {
     }
 
     fn unindex(&mut self, at: u64, key: &[u8]) {
-        self.used -= key.len() + EXPIRY_COST;
+        self.uncount(key.len() + EXPIRY_COST);
         let entry = (at, key.to_vec());
         self.expiries.remove(&entry);
         self.eviction_order.remove(&entry);
