@@ -119,7 +119,7 @@ pub fn settled_prefix(tenant: &str) -> String {
 pub fn is_settled_bucket(key: &[u8]) -> bool {
     let Some(rest) = key.strip_prefix(b"tg:{") else { return false };
     let Some(close) = rest.iter().position(|&b| b == b'}') else { return false };
-    match rest[close + 1..].strip_prefix(b":settled:") {
+    match rest.get(close.saturating_add(1)..).and_then(|after| after.strip_prefix(b":settled:")) {
         Some(period) => !period.is_empty() && period.iter().all(u8::is_ascii_digit),
         None => false,
     }

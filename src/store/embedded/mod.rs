@@ -195,7 +195,7 @@ impl Host {
                     // What has expired goes before anything is evicted.
                     ctx.keyspace.purge_expired(now, usize::MAX);
                 }
-                let room = if ctx.full { cap / 1000 * ROOM_AGAIN_PER_MILLE } else { cap };
+                let room = if ctx.full { (cap / 1000).saturating_mul(ROOM_AGAIN_PER_MILLE) } else { cap };
                 let full = !ctx.keyspace.make_room(room);
                 if full != ctx.full {
                     ctx.full = full;
