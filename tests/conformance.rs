@@ -188,6 +188,33 @@ mod scenarios {
         assert!((-20.0..-18.0).contains(&t), "the late commit charges the 120 used, got {t}");
     }
 
+    /// An expired hold's record waits for its late commit for the retention (here longer than the
+    /// lease), and then is gone: a later commit is answered `not_found` and changes nothing (under
+    /// `refund`, the hold stays given back). On the manual clock.
+    pub async fn an_expired_hold_waits_its_time_for_a_late_commit<S: Store>(h: Harness<S>) {
+        if !h.exact_time() {
+            return;
+        }
+        let wait = h.admission.policy().record_retention_ms;
+        let (early, late) = (admitted(&h.reserve(100, 500).await).reservation_id.clone(), {
+            h.advance(400).await;
+            admitted(&h.reserve(10, 10).await).reservation_id.clone()
+        });
+        // `early` expired at the reserve that swept it, a moment ago; `late` is let expire too.
+        h.admission.release(&late).await.unwrap();
+        h.advance(wait - 1).await;
+        let c = h.admission.commit(&early, 100, 20).await.unwrap();
+        assert_eq!(c.state(), "late_committed", "{c:?}");
+        let again = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+        h.advance(400).await;
+        admitted(&h.reserve(10, 10).await);
+        let before = h.tenant_scope().await.num("t");
+        h.advance(wait + 1).await;
+        assert_eq!(h.admission.commit(&again, 100, 20).await.unwrap(), CommitOutcome::NotFound);
+        let after = h.tenant_scope().await.num("t");
+        assert!(after >= before, "nothing charged: {before} then {after}");
+    }
+
     pub async fn a_commit_after_the_lease_settles_the_expiry_first<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
         h.advance(400).await;
@@ -1067,6 +1094,7 @@ macro_rules! conformance {
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
             scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);
+            scenario!(an_expired_hold_waits_its_time_for_a_late_commit, LEASE_REFUND);
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
