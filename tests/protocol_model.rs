@@ -892,7 +892,7 @@ fn config(cases: u32) -> ProptestConfig {
 }
 
 proptest! {
-    #![proptest_config(config(1500))]
+    #![proptest_config(config(1000))]
     #[test]
     fn the_embedded_store_keeps_the_models_books(
         ops in prop::collection::vec(op(), 1..40),
