@@ -17,10 +17,11 @@
 //! the day usage the counters charged (on the embedded store, its ledger file too).
 //!
 //! A thousand cases a run on the embedded store with its manual clock, where every number must
-//! agree exactly. A shorter run on Redis and on the Cluster, whose clock is the server's own: there the
-//! policy refills slowly and leases are long, time does not jump, and only what real time cannot
-//! move is compared exactly. A failing case shrinks to a minimal sequence; proptest keeps it in
-//! `tests/protocol_model.proptest-regressions` and replays it first on every later run.
+//! agree exactly. A shorter run on Redis and on the Cluster, whose clock is the server's own:
+//! there the policy refills slowly and leases are long, time does not jump, and only what real
+//! time cannot move is compared exactly. A failing case shrinks to a minimal sequence; proptest
+//! keeps it in `tests/protocol_model.proptest-regressions` and replays it first on every later
+//! run.
 
 mod support;
 
