@@ -163,25 +163,44 @@ async fn a_stream_without_usage_is_committed_metered() {
     assert_eq!((c.used_tokens, c.metered), (held_prompt + 40, true), "{c:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_leaves_mid_stream_is_charged_what_was_generated() {
+/// A streamed request whose client reads `frames` frames of the response and leaves: what it
+/// was charged.
+async fn left_after(path: &str, body: String, frames: usize) -> CommitResponse {
     // 40 tokens at 20 tokens/s: two seconds of stream; the client leaves after the first chunks.
     let stack = Stack::start(20.0).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
-    let request = hyper::Request::post(format!("http://127.0.0.1:{}{CHAT}", stack.envoy.port))
+    let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", stack.envoy.port))
         .header("content-type", "application/json")
         .header(TENANT.0, TENANT.1)
-        .body(Full::new(Bytes::from(chat(true, false))))
+        .body(Full::new(Bytes::from(body)))
         .unwrap();
     let response = client.request(request).await.unwrap();
     let id = response.headers()["x-sim-reservation"].to_str().unwrap().to_string();
     let mut body = response.into_body();
-    let first = tokio::time::timeout(Duration::from_secs(5), body.frame()).await.unwrap();
-    assert!(first.is_some());
+    for _ in 0..frames {
+        let frame = tokio::time::timeout(Duration::from_secs(5), body.frame()).await.unwrap();
+        assert!(frame.is_some(), "the stream ended before the client left");
+    }
     drop(body);
     drop(client);
-    let c = stack.charged(&id).await;
+    stack.charged(&id).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_is_charged_what_was_generated() {
+    let c = left_after(CHAT, chat(true, false), 1).await;
     assert!(c.metered, "{c:?}");
+    assert!(c.used_tokens < c.reserved_tokens, "charged what was generated, not the hold: {c:?}");
+}
+
+/// Anthropic's `message_start` carries a placeholder output count of 1: a stream cut after it
+/// and some deltas is metered from the deltas, never taken as exact at 1 output token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anthropic_stream_cut_short_is_metered_not_taken_at_its_placeholder() {
+    let c = left_after("/v1/messages", anthropic(true), 6).await;
+    assert!(c.metered, "a placeholder count taken as exact: {c:?}");
+    // The sim's prompt (50 held) and at least one delta's worth of output past the placeholder.
+    assert!(c.used_tokens > 50 + 1, "{c:?}");
     assert!(c.used_tokens < c.reserved_tokens, "charged what was generated, not the hold: {c:?}");
 }
 

@@ -11,8 +11,16 @@
 //!   OpenAI's final chunk (`stream_options.include_usage`), Anthropic's `message_start`
 //!   (`message.usage`, the input) and `message_delta` (`usage`, the output so far), or the
 //!   Responses API's `response.completed` (`response.usage`). Counts are cumulative, so the largest
-//!   seen is the count. Generated text is metered as it passes: OpenAI `choices[].delta.content`
-//!   and `choices[].text`, Anthropic `delta.text`, Responses `delta` strings.
+//!   seen is the count. Generated output is metered as it passes, whatever carries it: OpenAI
+//!   `choices[].delta` content, refusals, reasoning, tool-call and function-call arguments, and
+//!   `choices[].text`; Anthropic `delta` text, thinking and tool input (`partial_json`); Responses
+//!   `delta` strings.
+//!
+//! A stream's counts are exact only once its final usage has arrived: OpenAI's usage chunk (no
+//! choices, or `[DONE]` after usage), Anthropic's `message_delta`, Responses' `response.completed`.
+//! A stream cut before that (the client left) is metered from all the output that passed, or from
+//! the partial count if that is larger: `message_start`'s placeholder output of 1 never stands for
+//! a hundred deltas that passed after it.
 //!
 //! A compressed body (any `content-encoding` but `identity`) is never parsed, nor is a content type
 //! tollgate does not read: their usage is unknown, and the hold is charged as it was made (as an
@@ -47,6 +55,8 @@ pub struct Meter {
     overflowed: bool,
     prompt: Option<u64>,
     output: Option<u64>,
+    /// A stream's final usage has arrived: its counts are the response's last word.
+    final_usage: bool,
     /// Bytes of generated text seen (events), or of the whole body (opaque).
     text_bytes: u64,
 }
@@ -69,6 +79,7 @@ impl Meter {
             overflowed: false,
             prompt: None,
             output: None,
+            final_usage: false,
             text_bytes: 0,
         }
     }
@@ -125,21 +136,31 @@ impl Meter {
             }
             _ => {}
         }
+        let complete = self.format != Format::Events || self.final_usage;
         match (self.prompt, self.output) {
-            (Some(prompt), Some(output)) => Measured::Exact { prompt, output },
+            (Some(prompt), Some(output)) if complete => Measured::Exact { prompt, output },
             _ if self.opaque() => Measured::AsHeld,
-            _ => Measured::Metered { output: tokens_of(self.text_bytes, self.bytes_per_token) },
+            (_, partial) => {
+                let metered = tokens_of(self.text_bytes, self.bytes_per_token);
+                Measured::Metered { output: metered.max(partial.unwrap_or(0)) }
+            }
         }
     }
 
     fn event_line(&mut self, line: &[u8]) {
         let Some(data) = line.strip_prefix(b"data:") else { return };
         let data = data.trim_ascii();
-        if data.is_empty() || data == b"[DONE]" {
+        if data == b"[DONE]" {
+            // OpenAI's end of stream: whatever usage came before it was the last.
+            self.final_usage |= self.output.is_some();
+            return;
+        }
+        if data.is_empty() {
             return;
         }
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) else { return };
         self.read_usage(&v);
+        self.final_usage |= carries_final_usage(&v);
         self.text_bytes = self.text_bytes.saturating_add(generated_text(&v));
     }
 
@@ -170,17 +191,41 @@ impl Meter {
     }
 }
 
-/// Bytes of generated text in one streamed event.
+/// Whether a streamed event is the one that closes its stream's usage: Anthropic's
+/// `message_delta` (the final output count), the Responses API's `response.completed`, or an
+/// OpenAI-style usage chunk with no choices (`stream_options.include_usage`; a server that puts a
+/// running count in every chunk puts it beside choices).
+fn carries_final_usage(v: &serde_json::Value) -> bool {
+    match v["type"].as_str() {
+        Some("message_delta") => v["usage"]["output_tokens"].is_u64(),
+        Some("response.completed") => v["response"]["usage"].is_object(),
+        Some(_) => false,
+        None => v["usage"].is_object() && v["choices"].as_array().is_none_or(Vec::is_empty),
+    }
+}
+
+/// Bytes of generated output in one streamed event: text, refusals, reasoning and thinking,
+/// tool-call and function-call arguments, in the formats read.
 fn generated_text(v: &serde_json::Value) -> u64 {
     let mut bytes = 0u64;
     let mut add = |s: Option<&str>| bytes = bytes.saturating_add(s.map_or(0, |s| len(s.as_bytes())));
     if let Some(choices) = v["choices"].as_array() {
         for c in choices {
-            add(c["delta"]["content"].as_str());
+            let delta = &c["delta"];
+            for field in ["content", "refusal", "reasoning_content", "reasoning"] {
+                add(delta[field].as_str());
+            }
+            add(delta["function_call"]["arguments"].as_str());
+            for call in delta["tool_calls"].as_array().into_iter().flatten() {
+                add(call["function"]["arguments"].as_str());
+            }
             add(c["text"].as_str());
         }
     }
-    add(v["delta"]["text"].as_str());
+    // Anthropic's text_delta, thinking_delta and input_json_delta.
+    for field in ["text", "thinking", "partial_json"] {
+        add(v["delta"][field].as_str());
+    }
     add(v["delta"].as_str());
     bytes
 }
@@ -272,6 +317,38 @@ mod tests {
         let mut m = Meter::new(Some("application/octet-stream"), None, 4.0);
         m.feed(b"bytes");
         assert_eq!(m.measured(), Measured::AsHeld);
+    }
+
+    /// An Anthropic stream cut after its `message_start` (placeholder output 1) and a hundred
+    /// deltas: metered from the deltas, not taken as exact at 1.
+    #[test]
+    fn a_placeholder_count_is_never_exact() {
+        let mut m = Meter::new(Some("text/event-stream"), None, 4.0);
+        m.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n");
+        for _ in 0..100 {
+            m.feed(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"word\"}}\n\n");
+        }
+        assert_eq!(m.measured(), Measured::Metered { output: 100 });
+        // A running count larger than what the meter saw wins.
+        let mut m = Meter::new(Some("text/event-stream"), None, 4.0);
+        m.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"ab\"}}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9}}\n\n");
+        assert_eq!(m.measured(), Measured::Metered { output: 9 }, "a running count beside choices is not final");
+    }
+
+    /// What carries output besides text is metered too: tool-call and function-call arguments,
+    /// reasoning, refusals (OpenAI); thinking and tool input (Anthropic).
+    #[test]
+    fn tool_calls_reasoning_and_thinking_are_metered() {
+        let openai = "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"city\\\": \\\"Paris\\\"}\"}}]}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"think\"}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"function_call\":{\"arguments\":\"abcd\"}}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"refusal\":\"no\"}}]}\n\ndata: [DONE]\n\n";
+        // 17 + 5 + 4 + 2 bytes at 4 a token.
+        assert_eq!(run("text/event-stream", &[openai]), Measured::Metered { output: 7 });
+        let anthropic = "data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"hmm hmm\"}}\n\n\
+                         data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\":1}\"}}\n\n";
+        // 7 + 7 bytes.
+        assert_eq!(run("text/event-stream", &[anthropic]), Measured::Metered { output: 4 });
     }
 
     #[test]
