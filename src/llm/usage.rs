@@ -88,6 +88,8 @@ impl Meter {
     pub fn feed(&mut self, chunk: &[u8]) {
         match self.format {
             Format::Json => {
+                // Its size, for a body too large to read: metered from that.
+                self.text_bytes = self.text_bytes.saturating_add(len(chunk));
                 if self.pending.len().saturating_add(chunk.len()) > MAX_JSON_BODY {
                     self.overflowed = true;
                     self.pending = Vec::new();
@@ -349,6 +351,17 @@ mod tests {
                          data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\":1}\"}}\n\n";
         // 7 + 7 bytes.
         assert_eq!(run("text/event-stream", &[anthropic]), Measured::Metered { output: 4 });
+    }
+
+    /// A JSON body too large to buffer is metered from its size, never charged nothing.
+    #[test]
+    fn a_json_body_too_large_to_read_is_metered_from_its_size() {
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        let chunk = vec![b' '; 1 << 20];
+        for _ in 0..9 {
+            m.feed(&chunk);
+        }
+        assert_eq!(m.measured(), Measured::Metered { output: (9 << 20) / 4 });
     }
 
     #[test]
