@@ -1,7 +1,7 @@
 //! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
-//! Commands: TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
+//! Commands (sorted sets in `zsets`, streams in `streams`): TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
 //! ZREM, ZSCORE, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT), XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN,
 //! XRANGE. Anything else is an error, so a script that starts using a new command fails its
 //! conformance test on the embedded store at once.
@@ -20,11 +20,13 @@
 #![allow(clippy::arithmetic_side_effects)]
 
 mod streams;
+mod zsets;
 
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap};
 
 use streams::Stream;
+use zsets::ZSet;
 
 /// A command's reply, as Redis would send it.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,33 +66,6 @@ impl PartialOrd for Score {
 impl Ord for Score {
     fn cmp(&self, other: &Self) -> Ordering {
         self.0.total_cmp(&other.0)
-    }
-}
-
-#[derive(Debug, Default)]
-struct ZSet {
-    by_score: BTreeSet<(Score, Vec<u8>)>,
-    scores: HashMap<Vec<u8>, Score>,
-}
-
-impl ZSet {
-    fn add(&mut self, score: f64, member: Vec<u8>) -> i64 {
-        let added = match self.scores.insert(member.clone(), Score(score)) {
-            Some(old) => {
-                self.by_score.remove(&(old, member.clone()));
-                0
-            }
-            None => 1,
-        };
-        self.by_score.insert((Score(score), member));
-        added
-    }
-
-    fn remove(&mut self, member: &[u8]) -> bool {
-        match self.scores.remove(member) {
-            Some(score) => self.by_score.remove(&(score, member.to_vec())),
-            None => false,
-        }
     }
 }
 
@@ -478,47 +453,6 @@ impl Keyspace {
         Ok(Resp::Status("OK"))
     }
 
-    fn zrange(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
-        let with_scores = match a.len() {
-            3 => false,
-            4 if a[3].eq_ignore_ascii_case(b"WITHSCORES") => true,
-            _ => return Err("ERR syntax error (embedded ZRANGE takes only WITHSCORES)".into()),
-        };
-        let (start, stop) = (int_arg(&a[1])?, int_arg(&a[2])?);
-        let Some(z) = self.zset(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
-        let len = z.by_score.len() as i64;
-        let norm = |i: i64| if i < 0 { (len + i).max(0) } else { i };
-        let (start, stop) = (norm(start), norm(stop).min(len - 1));
-        let mut out = Vec::new();
-        if start <= stop {
-            let skip = usize::try_from(start).unwrap_or(usize::MAX);
-            let take = usize::try_from(stop - start + 1).unwrap_or(0);
-            for (score, member) in z.by_score.iter().skip(skip).take(take) {
-                push_member(&mut out, score, member, with_scores);
-            }
-        }
-        Ok(Resp::Array(out))
-    }
-
-    fn zrangebyscore(&mut self, now: u64, a: &[Vec<u8>]) -> CmdResult {
-        let (offset, count) = match a.len() {
-            3 => (0, usize::MAX),
-            6 if a[3].eq_ignore_ascii_case(b"LIMIT") => {
-                let count = int_arg(&a[5])?;
-                let offset = usize::try_from(int_arg(&a[4])?.max(0)).unwrap_or(usize::MAX);
-                (offset, usize::try_from(count).unwrap_or(usize::MAX))
-            }
-            _ => return Err("ERR syntax error (embedded ZRANGEBYSCORE takes only LIMIT)".into()),
-        };
-        let (min, max) = (bound_arg(&a[1])?, bound_arg(&a[2])?);
-        let Some(z) = self.zset(now, &a[0])? else { return Ok(Resp::Array(vec![])) };
-        let mut out = Vec::new();
-        for (score, member) in z.by_score.iter().filter(|(s, _)| s.0 >= min && s.0 <= max).skip(offset).take(count) {
-            push_member(&mut out, score, member, false);
-        }
-        Ok(Resp::Array(out))
-    }
-
     /// The entry under `key` unless it has expired (an expired one is removed on the way).
     fn live(&mut self, now: u64, key: &[u8]) -> Option<&mut Entry> {
         let expired = matches!(self.entries.get(key), Some(Entry { expires_at: Some(at), .. }) if *at <= now);
@@ -583,13 +517,6 @@ fn value_bytes(value: &Value) -> usize {
         Value::Hash(h) => h.iter().map(|(f, v)| field_bytes(f, v)).sum(),
         Value::ZSet(z) => z.scores.keys().map(|m| member_bytes(m)).sum(),
         Value::Stream(st) => st.bytes(),
-    }
-}
-
-fn push_member(out: &mut Vec<Resp>, score: &Score, member: &[u8], with_scores: bool) {
-    out.push(Resp::Bulk(member.to_vec()));
-    if with_scores {
-        out.push(Resp::Bulk(format_number(score.0).into_bytes()));
     }
 }
 
