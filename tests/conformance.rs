@@ -679,7 +679,7 @@ mod scenarios {
                 match d {
                     Decision::Admitted(a) => pending.push((i, a.reservation_id)),
                     Decision::Denied(d) => refused.push(d.reason),
-                    Decision::Unmetered => panic!("the store is up: nothing is unmetered"),
+                    Decision::Unmetered(_) => panic!("the store is up: nothing is unmetered"),
                 }
             }
         }

@@ -19,8 +19,8 @@ use tollgate::admission::{Admission, Decision};
 use tollgate::config::Policy;
 use tollgate::grpc::admission::AdmissionService;
 use tollgate::grpc::authz::attributes;
-use tollgate::llm::body;
-use tollgate::llm::usage::Meter;
+use tollgate::llm::body::{self, Body};
+use tollgate::llm::usage::{Measured, Meter};
 use tollgate::proto::admission_server::Admission as _;
 use tollgate::proto::{CommitRequest, ReleaseRequest, RenewRequest, ReserveRequest};
 use tollgate::store::Protocol;
@@ -94,8 +94,17 @@ fn input(seeds: &'static [&'static str]) -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-const REQUESTS: &[&str] = &["chat.json", "responses.json", "anthropic.json"];
-const RESPONSES: &[&str] = &["completion.json", "openai-stream.sse", "anthropic-stream.sse", "responses-stream.sse"];
+const REQUESTS: &[&str] =
+    &["chat.json", "responses.json", "anthropic.json", "gemini.json", "converse-request.json", "ollama.json"];
+const RESPONSES: &[&str] = &[
+    "completion.json",
+    "openai-stream.sse",
+    "anthropic-stream.sse",
+    "responses-stream.sse",
+    "gemini-stream.sse",
+    "converse.json",
+    "ollama-chat.ndjson",
+];
 
 /// Header values as clients send them, hostile ones included.
 fn header_value() -> impl Strategy<Value = String> {
@@ -172,8 +181,12 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(3000), ..ProptestConfig::default() })]
 
     #[test]
-    fn request_bodies_are_read_or_refused(bytes in input(REQUESTS), partial in any::<bool>()) {
-        let _ = body::parse(&bytes, partial);
+    fn request_bodies_are_read_or_refused(
+        bytes in input(REQUESTS),
+        partial in any::<bool>(),
+        shape in prop::sample::select(vec![Body::OpenAi, Body::Anthropic, Body::Gemini, Body::Converse, Body::Invoke, Body::Ollama]),
+    ) {
+        let _ = body::parse(shape, &bytes, partial);
     }
 
     #[test]
@@ -187,7 +200,15 @@ proptest! {
     fn response_bodies_are_metered_or_charged_as_held(
         bytes in input(RESPONSES),
         cuts in prop::collection::vec(any::<usize>(), 0..6),
-        content_type in prop::sample::select(vec![None, Some("application/json"), Some("text/event-stream"), Some("text/plain"), Some("")]),
+        content_type in prop::sample::select(vec![
+            None,
+            Some("application/json"),
+            Some("text/event-stream"),
+            Some("application/x-ndjson"),
+            Some("application/vnd.amazon.eventstream"),
+            Some("text/plain"),
+            Some(""),
+        ]),
         encoding in prop::sample::select(vec![None, Some("gzip"), Some("identity"), Some("br")]),
         bytes_per_token in prop::sample::select(vec![0.5, 1.0, 4.0, 1e9]),
     ) {
@@ -200,7 +221,16 @@ proptest! {
             from = cut;
         }
         let _ = meter.saw_output();
-        let _ = meter.measured();
+        let measured = meter.measured();
+        // What is charged does not depend on how the body was cut into pieces.
+        let mut whole = Meter::new(content_type, encoding, bytes_per_token);
+        whole.feed(&bytes);
+        prop_assert_eq!(measured, whole.measured());
+        // A body it cannot read is charged as held, never a count read from it.
+        let readable = matches!(encoding, None | Some("identity")) && matches!(content_type, Some(t) if t.contains('/') && t != "text/plain");
+        if !readable {
+            prop_assert_eq!(measured, Measured::AsHeld);
+        }
     }
 
     /// Policies: mutations of the example policy load or stop with a message naming the file.

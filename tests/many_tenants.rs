@@ -57,6 +57,7 @@ async fn a_hundred_thousand_tenants_leave_no_key_without_a_ttl() {
         prompt: PromptSize::Tokens(10),
         max_tokens: Some(10),
         stream: false,
+        input_only: false,
     };
     // Reserve and commit, 32 tenants at a time.
     let settled = futures_util::stream::iter(0..TENANTS)

@@ -287,6 +287,7 @@ impl<S: Store + Clone> World<S> {
             prompt: PromptSize::Tokens(*prompt),
             max_tokens: Some(*max_tokens),
             stream: false,
+            input_only: false,
         };
         let ask = Ask {
             tenant,
@@ -486,7 +487,7 @@ impl<S: Store + Clone> World<S> {
                 {
                     Decision::Denied(d)
                 }
-                Decision::Denied(_) | Decision::Unmetered => unavailable,
+                Decision::Denied(_) | Decision::Unmetered(_) => unavailable,
             },
         };
         same_decision(&got, &expected, self.exact, at);

@@ -130,8 +130,26 @@ impl Denial {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
     Admitted(Admitted),
-    /// Admitted without a hold, so with nothing to commit: the store could not be reached and the
-    /// tenant fails open.
-    Unmetered,
+    /// Admitted without a hold, so with nothing to commit.
+    Unmetered(Unmetered),
     Denied(Denial),
+}
+
+/// Why a request was admitted without a hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unmetered {
+    /// The store could not be reached and the tenant fails open (or stays within its local share).
+    StoreUnavailable,
+    /// It costs nothing: a token count (Gemini's `countTokens`, Anthropic's `count_tokens`).
+    Free,
+}
+
+impl Unmetered {
+    /// As the `x-tollgate-unmetered` header says it.
+    pub fn code(self) -> &'static str {
+        match self {
+            Unmetered::StoreUnavailable => "store_unavailable",
+            Unmetered::Free => "free",
+        }
+    }
 }

@@ -40,7 +40,7 @@ use std::sync::{Arc, RwLock};
 
 use tokio_util::task::TaskTracker;
 
-pub use decision::{Admitted, Decision, Denial, Reason};
+pub use decision::{Admitted, Decision, Denial, Reason, Unmetered};
 
 use crate::config::Policy;
 pub use crate::config::Priority;
@@ -72,6 +72,8 @@ pub struct Attributes {
     /// The caller's output ceiling.
     pub max_tokens: Option<u64>,
     pub stream: bool,
+    /// Nothing is generated (embeddings): the input alone is held, and `max_tokens` is not read.
+    pub input_only: bool,
 }
 
 /// A request's idempotency key, and what a repeat of it means on the interface it came by.

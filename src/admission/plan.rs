@@ -19,33 +19,40 @@ use crate::store::keys;
 /// The largest body size (`content-length`, `prompt_bytes`) a prompt estimate starts from: 1 TiB.
 pub const MAX_PROMPT_BYTES: u64 = 1 << 40;
 
+/// Who a request is charged to: its tenant (or the policy's anonymous tenant) and that tenant's
+/// policy, with its user id checked.
+pub(super) fn identify<'p>(policy: &'p Policy, a: &'p Attributes) -> Result<(&'p str, &'p Arc<TenantPolicy>), Denial> {
+    use Reason::{InvalidRequest, Unauthenticated};
+    let header = &policy.server.tenant_header;
+    let tenant = a
+        .tenant
+        .as_deref()
+        .or(policy.anonymous_tenant.as_deref())
+        .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
+    names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
+    let tp = policy
+        .tenant(tenant)
+        .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?;
+    if let Some(user) = &a.user {
+        names::check_user(user).map_err(|e| Denial::now(InvalidRequest, format!("user id {e}")))?;
+    }
+    Ok((tenant, tp))
+}
+
 impl<S> Admission<S> {
     /// Checks everything that needs no store and works out what to hold where.
     pub(super) fn plan(&self, policy: &Arc<Policy>, a: &Attributes) -> Result<Plan, Denial> {
-        use Reason::{InvalidRequest, Unauthenticated, Unsatisfiable};
-        let header = &policy.server.tenant_header;
-        let tenant = a
-            .tenant
-            .as_deref()
-            .or(policy.anonymous_tenant.as_deref())
-            .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
-        names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
-        let tp = policy
-            .tenant(tenant)
-            .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?;
-        if let Some(user) = &a.user {
-            names::check_user(user).map_err(|e| Denial::now(InvalidRequest, format!("user id {e}")))?;
-        }
+        use Reason::{InvalidRequest, Unsatisfiable};
+        let (tenant, tp) = identify(policy, a)?;
         if let Some(k) = &a.idempotency {
             names::check_idempotency_key(&k.key)
                 .map_err(|e| Denial::now(InvalidRequest, format!("idempotency-key {e}")))?;
         }
-        let model_name = a.model.as_deref().ok_or_else(|| Denial::now(InvalidRequest, "the request names no model"))?;
-        let model = policy
-            .models
-            .get(model_name)
-            .ok_or_else(|| Denial::now(InvalidRequest, format!("model {model_name:?} is not served here")))?;
-        if let Some(n) = a.max_tokens
+        let asked = a.model.as_deref().ok_or_else(|| Denial::now(InvalidRequest, "the request names no model"))?;
+        let (model_name, model) = policy
+            .model(asked)
+            .ok_or_else(|| Denial::now(InvalidRequest, format!("model {asked:?} is not served here")))?;
+        if let Some(n) = a.max_tokens.filter(|_| !a.input_only)
             && (n == 0 || n > model.max_output_tokens)
         {
             return Err(Denial::now(
@@ -55,11 +62,11 @@ impl<S> Admission<S> {
         }
 
         let prompt = bounded_prompt(a.prompt, model)?;
-        let ceiling = estimate::output_reservation(a.max_tokens, model);
+        let ceiling = if a.input_only { 0 } else { estimate::output_reservation(a.max_tokens, model) };
         let hold = prompt.saturating_add(ceiling);
         // With a learned output the hold may be smaller than the ceiling; the script checks the
         // actual hold against every capacity. Here, only what can never fit.
-        let smallest = if tp.adaptive_output.is_some() { prompt.saturating_add(1) } else { hold };
+        let smallest = if tp.adaptive_output.is_some() { prompt.saturating_add(1).min(hold) } else { hold };
         let scopes = scopes(tenant, a.user.as_deref(), model_name, tp);
         let price = model.price.unwrap_or_default();
         let cheapest = cost_of(price, prompt, smallest.saturating_sub(prompt));

@@ -39,7 +39,9 @@ use tokio::sync::oneshot;
 use super::lease::Local;
 use super::plan::{Plan, PoolLeg};
 use super::retry::Settlement;
-use super::{Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, ids};
+use super::{
+    Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, Unmetered, ids,
+};
 use crate::config::Policy;
 use crate::hold::{PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
@@ -56,6 +58,19 @@ impl<S: Store> Admission<S> {
         decision
     }
 
+    /// A request that costs nothing (a token count): admitted without a hold once it is known
+    /// whose it is.
+    pub fn pass_free(&self, a: &Attributes) -> Decision {
+        let start = std::time::Instant::now();
+        let policy = self.policy();
+        let decision = match super::plan::identify(&policy, a) {
+            Ok(_) => Decision::Unmetered(Unmetered::Free),
+            Err(denial) => Decision::Denied(denial),
+        };
+        self.record(&policy, a, &decision, start.elapsed());
+        decision
+    }
+
     /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
     /// policy serves (any other name a client sent is `other`), the tier, the reason.
     pub(super) fn record(&self, policy: &Policy, a: &Attributes, decision: &Decision, took: std::time::Duration) {
@@ -68,7 +83,7 @@ impl<S: Store> Admission<S> {
             Some(tp) => a.priority.unwrap_or(tp.default_priority).min(tp.max_priority),
             None => a.priority.unwrap_or(Priority::Standard),
         };
-        let model = a.model.as_deref().map(|m| if policy.models.contains_key(m) { m } else { "other" });
+        let model = a.model.as_deref().map(|m| policy.model(m).map_or("other", |(name, _)| name));
         let (outcome, reason) = match decision {
             Decision::Admitted(admitted) => {
                 if !admitted.replayed {
@@ -79,7 +94,7 @@ impl<S: Store> Admission<S> {
                     None => (Outcome::Admitted, "ok"),
                 }
             }
-            Decision::Unmetered => (Outcome::Unmetered, "ok"),
+            Decision::Unmetered(_) => (Outcome::Unmetered, "ok"),
             Decision::Denied(d) => (Outcome::Denied, d.reason.code()),
         };
         self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took });
@@ -246,7 +261,8 @@ impl<S: Store> Admission<S> {
             id: &plan.id,
             prompt_tokens: plan.prompt,
             output_ceiling: plan.ceiling,
-            adaptive: plan.tp.adaptive_output.map(|a| (a.min_samples, a.quantile)),
+            // Nothing to learn from a request that generates nothing (embeddings).
+            adaptive: plan.tp.adaptive_output.filter(|_| plan.ceiling > 0).map(|a| (a.min_samples, a.quantile)),
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: plan.tp.idle_ttl_ms,
             retention_ms: policy.record_retention_ms,

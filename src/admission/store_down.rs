@@ -6,7 +6,7 @@
 
 use super::plan::Plan;
 use super::reserve::refusal_reason;
-use super::{Admission, AdmissionError, Decision, Denial};
+use super::{Admission, AdmissionError, Decision, Denial, Unmetered};
 use crate::config::OnStoreError;
 use crate::metrics::Outcome;
 use crate::store::Store;
@@ -64,7 +64,7 @@ impl<S: Store> Admission<S> {
         let decision = self.by_store_down_mode(plan, denial);
         let outcome = match &decision {
             Decision::Admitted(_) => Outcome::Admitted,
-            Decision::Unmetered => Outcome::Unmetered,
+            Decision::Unmetered(_) => Outcome::Unmetered,
             Decision::Denied(_) => Outcome::Denied,
         };
         self.metrics.degraded(&plan.tenant, plan.tp.on_store_error.as_str(), outcome);
@@ -76,7 +76,7 @@ impl<S: Store> Admission<S> {
             OnStoreError::FailClosed => Decision::Denied(denial),
             OnStoreError::FailOpen => {
                 tracing::warn!(tenant = %plan.tenant, "store unavailable; admitting unmetered (fail_open)");
-                Decision::Unmetered
+                Decision::Unmetered(Unmetered::StoreUnavailable)
             }
             OnStoreError::Local => {
                 let scopes = plan.scopes.iter().map(|s| (s.key.as_str(), &s.limits));
@@ -84,7 +84,7 @@ impl<S: Store> Admission<S> {
                 match self.local.admit(scopes, hold, std::time::Instant::now(), self.clock.now_ms()) {
                     Ok(()) => {
                         tracing::debug!(tenant = %plan.tenant, "store unavailable; admitted within the local share");
-                        Decision::Unmetered
+                        Decision::Unmetered(Unmetered::StoreUnavailable)
                     }
                     Err(refusal) => {
                         let scope = plan.scopes.get(refusal.scope).map_or("?", |s| s.label.as_str());

@@ -391,6 +391,8 @@ pub struct Policy {
     pub server: ServerSettings,
     pub store: StoreSettings,
     pub models: HashMap<String, ModelPolicy>,
+    /// Other names of models (`models.<name>.aliases`) → the model's name.
+    pub aliases: HashMap<String, String>,
     pub pools: HashMap<String, Arc<PoolPolicy>>,
     pub tenants: HashMap<String, Arc<TenantPolicy>>,
     /// Applied to a tenant the policy does not name (each such tenant gets its own buckets); none
@@ -452,6 +454,12 @@ pub fn version_of(text: &str) -> String {
 }
 
 impl Policy {
+    /// A model by its name or one of its aliases: its name, and its policy.
+    pub fn model(&self, name: &str) -> Option<(&str, &ModelPolicy)> {
+        let name = self.aliases.get(name).map_or(name, String::as_str);
+        self.models.get_key_value(name).map(|(k, m)| (k.as_str(), m))
+    }
+
     /// Reads and validates a policy file.
     pub fn load(path: &Path) -> Result<Policy, ConfigError> {
         let file = path.display().to_string();

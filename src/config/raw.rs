@@ -136,6 +136,10 @@ pub(super) struct RawModel {
     #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: u64,
     pub price: Option<RawPrice>,
+    /// Other names requests use for this model: an Azure deployment, a Bedrock inference
+    /// profile, a dated version.
+    #[serde(default)]
+    pub aliases: Vec<String>,
 }
 
 /// A model's price, in the policy's currency per million tokens.

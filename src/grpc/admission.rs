@@ -61,6 +61,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             },
             max_tokens: (r.max_tokens > 0).then_some(r.max_tokens),
             stream: false,
+            input_only: false,
         };
         let reply = match self.admission.reserve(&attributes).await {
             Decision::Admitted(a) => {
@@ -79,7 +80,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     ..Default::default()
                 }
             }
-            Decision::Unmetered => ReserveResponse {
+            Decision::Unmetered(_) => ReserveResponse {
                 admitted: true,
                 unmetered: true,
                 http_status: 200,

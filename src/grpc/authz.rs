@@ -1,5 +1,6 @@
 //! Envoy ext_authz `Check` = the reserve phase. This file only translates: `CheckRequest` →
-//! [`Attributes`], and the decision back through [`super::response`].
+//! [`Attributes`] (read as the API its path names: [`crate::llm::api`]), and the decision back
+//! through [`super::response`], a refusal in that API's shape. A token count passes free.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use tonic::{Request, Response, Status};
 use super::response::check_response;
 use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason};
 use crate::estimate::PromptSize;
+use crate::llm::api::{self, Endpoint, Work};
 use crate::llm::body;
 use crate::store::Store;
 
@@ -34,9 +36,13 @@ impl<S: Store> Authorization for AuthzService<S> {
     async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
         let header = &self.admission.policy().server.tenant_header;
         let own = own_headers(request.get_ref());
+        let endpoint = api::endpoint(http(request.get_ref()).map_or("", |h| h.path.as_str()));
         let decision = match attributes(request.get_ref(), header) {
             Ok(a) => {
-                let d = self.admission.reserve(&a).await;
+                let d = match endpoint.work {
+                    Work::CountTokens => self.admission.pass_free(&a),
+                    Work::Generate | Work::Embed => self.admission.reserve(&a).await,
+                };
                 log_decision(&a, &d);
                 d
             }
@@ -45,7 +51,7 @@ impl<S: Store> Authorization for AuthzService<S> {
                 Decision::Denied(denial)
             }
         };
-        Ok(Response::new(check_response(&decision, &own)))
+        Ok(Response::new(check_response(&decision, &own, endpoint.family)))
     }
 }
 
@@ -62,7 +68,9 @@ fn log_decision(a: &Attributes, d: &Decision) {
             tokens = ok.reserved_tokens,
             "admitted"
         ),
-        Decision::Unmetered => tracing::debug!(tenant = a.tenant.as_deref(), "admitted unmetered"),
+        Decision::Unmetered(why) => {
+            tracing::debug!(tenant = a.tenant.as_deref(), why = why.code(), "admitted unmetered")
+        }
         Decision::Denied(no) => tracing::debug!(
             tenant = a.tenant.as_deref(),
             reason = no.reason.code(),
@@ -90,9 +98,14 @@ fn header<'a>(http: &'a HttpRequest, name: &str) -> Result<Option<&'a str>, Deni
         .map_err(|_| Denial::now(Reason::InvalidRequest, format!("header {name} is not UTF-8")))
 }
 
+/// The HTTP request a Check is about.
+fn http(request: &CheckRequest) -> Option<&HttpRequest> {
+    request.attributes.as_ref().and_then(|a: &AttributeContext| a.request.as_ref()).and_then(|r| r.http.as_ref())
+}
+
 /// The `x-tollgate-*` headers the request came with: none of them may reach the backend as sent.
 fn own_headers(request: &CheckRequest) -> Vec<String> {
-    let Some(http) = request.attributes.as_ref().and_then(|a| a.request.as_ref()).and_then(|r| r.http.as_ref()) else {
+    let Some(http) = http(request) else {
         return Vec::new();
     };
     let keys = http.headers.keys().chain(http.header_map.iter().flat_map(|m| m.headers.iter().map(|h| &h.key)));
@@ -104,15 +117,12 @@ fn own_headers(request: &CheckRequest) -> Vec<String> {
     own
 }
 
-/// Reads the attributes of a Check request; a request that cannot be read is refused here.
+/// Reads the attributes of a Check request, as the API its path names; a request that cannot be
+/// read is refused here.
 pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attributes, Denial> {
     let invalid = |m: String| Denial::now(Reason::InvalidRequest, m);
-    let http = request
-        .attributes
-        .as_ref()
-        .and_then(|a: &AttributeContext| a.request.as_ref())
-        .and_then(|r| r.http.as_ref())
-        .ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
+    let http = http(request).ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
+    let endpoint: Endpoint = api::endpoint(&http.path);
 
     let text = |name: &str| -> Result<Option<String>, Denial> {
         Ok(header(http, name)?.map(str::trim).filter(|v| !v.is_empty()).map(str::to_string))
@@ -128,7 +138,7 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
 
     let body_bytes: &[u8] = if http.raw_body.is_empty() { http.body.as_bytes() } else { &http.raw_body };
     let partial = header(http, PARTIAL_BODY)?.is_some_and(|v| v.eq_ignore_ascii_case("true"));
-    let fields = body::parse(body_bytes, partial).map_err(|e| invalid(e.0))?;
+    let fields = body::parse(endpoint.body, body_bytes, partial).map_err(|e| invalid(e.0))?;
     // The whole body's size: content-length, or a size Envoy reports beyond the bytes it sent
     // (a size equal to what was sent says nothing about what was cut).
     let seen = u64::try_from(body_bytes.len()).unwrap_or(u64::MAX);
@@ -139,7 +149,8 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         declared => PromptSize::Bytes(declared.unwrap_or(0).max(seen)),
     };
 
-    let model = match (fields.model, text(headers::MODEL)?) {
+    // The path's model (Gemini, Bedrock, an Azure deployment), else the body's, else the header's.
+    let model = match (endpoint.model.or(fields.model), text(headers::MODEL)?) {
         (Some(model), _) | (None, Some(model)) => Some(model),
         (None, None) if partial => {
             return Err(invalid(format!(
@@ -162,7 +173,9 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         // A retried HTTP request reaches the backend too: a new attempt with its own hold.
         idempotency: text(headers::IDEMPOTENCY_KEY)?.map(|key| IdempotencyKey { key, repeat: KeyRepeat::NewAttempt }),
         prompt,
-        max_tokens: fields.max_tokens,
-        stream: fields.stream,
+        max_tokens: fields.max_tokens.filter(|_| endpoint.work == Work::Generate),
+        // Ollama streams unless told not to; the others only when told to (or by their path).
+        stream: endpoint.stream.or(fields.stream).unwrap_or(endpoint.body == body::Body::Ollama),
+        input_only: endpoint.work == Work::Embed,
     })
 }

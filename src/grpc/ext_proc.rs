@@ -180,11 +180,18 @@ impl Exchange {
                     .as_deref()
                     .and_then(|m| policy.models.get(m))
                     .map_or(DEFAULT_BYTES_PER_TOKEN, |m| m.bytes_per_token);
-                self.meter = Some(Meter::new(
+                let mut meter = Meter::new(
                     header(&headers, headers::CONTENT_TYPE),
                     header(&headers, headers::CONTENT_ENCODING),
                     bytes_per_token,
-                ));
+                );
+                let count = |name| header(&headers, name).and_then(|v| v.trim().parse::<u64>().ok());
+                if let (Some(prompt), Some(output)) =
+                    (count(headers::BEDROCK_INPUT_TOKENS), count(headers::BEDROCK_OUTPUT_TOKENS))
+                {
+                    meter.reported(prompt, output);
+                }
+                self.meter = Some(meter);
                 if h.end_of_stream {
                     self.settle(admission, Ending::Complete).await;
                 }

@@ -17,6 +17,10 @@ pub const CONTENT_LENGTH: &str = "content-length";
 pub const CONTENT_TYPE: &str = "content-type";
 /// A compressed response is not read: its hold is charged as held.
 pub const CONTENT_ENCODING: &str = "content-encoding";
+/// Response: Bedrock's InvokeModel reports its counts here rather than in its body.
+pub const BEDROCK_INPUT_TOKENS: &str = "x-amzn-bedrock-input-token-count";
+/// Response: the output count beside [`BEDROCK_INPUT_TOKENS`].
+pub const BEDROCK_OUTPUT_TOKENS: &str = "x-amzn-bedrock-output-token-count";
 /// Envoy sets this when it sent only the first bytes of the body.
 pub const PARTIAL_BODY: &str = "x-envoy-auth-partial-body";
 

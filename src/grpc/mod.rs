@@ -4,7 +4,8 @@
 //! - [`authz`]: Envoy's `Check` → attributes → a reserve.
 //! - [`ext_proc`]: the response as it streams back through Envoy: usage read, the hold settled.
 //! - [`admission`]: tollgate's own `Admission` service (Reserve, Commit, Renew, Release, ...).
-//! - [`response`]: a decision → `CheckResponse`, the one place for status, headers and body.
+//! - [`response`]: a decision → `CheckResponse`, the one place for status, headers and body;
+//!   [`refusal`], a refusal's body and status in the shape of the API the request came by.
 //! - [`headers`]: every header name, once.
 //! - [`server`]: the tower stack, health, reflection, the drain; [`tls`], the main port's TLS.
 
@@ -12,6 +13,7 @@ pub mod admission;
 pub mod authz;
 pub mod ext_proc;
 pub mod headers;
+pub mod refusal;
 pub mod response;
 pub mod server;
 pub mod tls;

@@ -15,6 +15,9 @@ use envoy_types::pb::google::rpc::Status as RpcStatus;
 
 use crate::admission::{Decision, Denial};
 use crate::hold::Headroom;
+use crate::llm::api::Family;
+
+use super::refusal::refusal;
 
 use super::headers::{
     self, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD, RESERVED_TOKENS, SHADOW,
@@ -26,8 +29,8 @@ const RPC_PERMISSION_DENIED: i32 = 7;
 
 /// The response to a Check. `client_own` names the `x-tollgate-*` headers the request came with:
 /// tollgate's own headers go upstream only as tollgate sets them, so every one of them that this
-/// answer does not overwrite is removed.
-pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckResponse {
+/// answer does not overwrite is removed. A refusal takes `family`'s shape.
+pub fn check_response(decision: &Decision, client_own: &[String], family: Family) -> CheckResponse {
     match decision {
         Decision::Admitted(a) => {
             let mut upstream = vec![
@@ -53,10 +56,10 @@ pub fn check_response(decision: &Decision, client_own: &[String]) -> CheckRespon
             });
             response
         }
-        Decision::Unmetered => {
-            admitted(vec![header(headers::UNMETERED, "store_unavailable".to_string())], Vec::new(), client_own)
+        Decision::Unmetered(why) => {
+            admitted(vec![header(headers::UNMETERED, why.code().to_string())], Vec::new(), client_own)
         }
-        Decision::Denied(d) => denied(d),
+        Decision::Denied(d) => denied(d, family),
     }
 }
 
@@ -79,7 +82,8 @@ fn admitted(
     }
 }
 
-fn denied(d: &Denial) -> CheckResponse {
+fn denied(d: &Denial, family: Family) -> CheckResponse {
+    let shaped = refusal(family, d);
     let mut headers = vec![
         header(REASON, d.reason.code().to_string()),
         header(headers::CONTENT_TYPE, "application/json".to_string()),
@@ -93,6 +97,9 @@ fn denied(d: &Denial) -> CheckResponse {
         None => {}
     }
     headers.extend(rate_limit_headers(&d.headroom));
+    if let Some((name, value)) = shaped.header {
+        headers.push(header(name, value.to_string()));
+    }
     CheckResponse {
         status: Some(RpcStatus {
             code: RPC_PERMISSION_DENIED,
@@ -100,24 +107,12 @@ fn denied(d: &Denial) -> CheckResponse {
             ..Default::default()
         }),
         http_response: Some(HttpResponse::DeniedResponse(DeniedHttpResponse {
-            status: Some(HttpStatus { code: i32::from(d.reason.http_status()) }),
+            status: Some(HttpStatus { code: i32::from(shaped.status) }),
             headers,
-            body: error_body(d),
+            body: shaped.body,
         })),
         ..Default::default()
     }
-}
-
-/// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse.
-pub fn error_body(d: &Denial) -> String {
-    serde_json::json!({
-        "error": {
-            "message": d.message,
-            "type": d.reason.error_type(),
-            "code": d.reason.code(),
-        }
-    })
-    .to_string()
 }
 
 /// `retry-after` is whole seconds, rounded up, never 0 (0 would invite an immediate retry).
@@ -162,7 +157,7 @@ fn header(key: &str, value: String) -> HeaderValueOption {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::admission::Reason;
+    use crate::admission::{Reason, Unmetered};
 
     fn headers(r: &CheckResponse) -> Vec<(String, String)> {
         let list = match &r.http_response {
@@ -178,7 +173,7 @@ mod tests {
         for reason in Reason::ALL {
             let retry = reason.retryable().then_some(1500);
             let d = Denial { retry_after_ms: retry, ..Denial::now(reason, "m") };
-            let r = check_response(&Decision::Denied(d.clone()), &[]);
+            let r = check_response(&Decision::Denied(d.clone()), &[], Family::OpenAi);
             let Some(HttpResponse::DeniedResponse(denied)) = &r.http_response else { panic!() };
             assert_eq!(denied.status.as_ref().unwrap().code, i32::from(reason.http_status()));
             let h = headers(&r);
@@ -199,7 +194,7 @@ mod tests {
     #[test]
     fn an_unmetered_admission_carries_no_reservation_not_even_a_forged_one() {
         let forged = [RESERVATION.to_string(), headers::UNMETERED.to_string(), "x-tollgate-model".to_string()];
-        let r = check_response(&Decision::Unmetered, &forged);
+        let r = check_response(&Decision::Unmetered(Unmetered::StoreUnavailable), &forged, Family::OpenAi);
         assert_eq!(headers(&r), vec![(headers::UNMETERED.to_string(), "store_unavailable".to_string())]);
         let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { panic!() };
         assert_eq!(ok.headers_to_remove, vec![RESERVATION.to_string(), "x-tollgate-model".to_string()]);
@@ -216,14 +211,19 @@ mod tests {
             headroom: Headroom::default(),
             shadow: None,
         };
-        let r = check_response(&Decision::Admitted(ok), &[]);
+        let r = check_response(&Decision::Admitted(ok), &[], Family::OpenAi);
         let fields = &r.dynamic_metadata.expect("dynamic metadata").fields;
         let text = |k: &str| match fields.get(k).and_then(|v| v.kind.as_ref()) {
             Some(Kind::StringValue(s)) => s.clone(),
             other => panic!("{k}: {other:?}"),
         };
         assert_eq!((text(RESERVATION_FIELD), text(MODEL_FIELD)), ("acme:r1".to_string(), "m".to_string()));
-        assert!(check_response(&Decision::Unmetered, &[]).dynamic_metadata.is_none(), "no hold, nothing to commit");
+        assert!(
+            check_response(&Decision::Unmetered(Unmetered::StoreUnavailable), &[], Family::OpenAi)
+                .dynamic_metadata
+                .is_none(),
+            "no hold, nothing to commit"
+        );
     }
 
     #[test]

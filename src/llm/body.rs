@@ -1,6 +1,9 @@
-//! The few fields of an OpenAI-compatible (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/responses`) or Anthropic (`/v1/messages`) request body that admission needs: `model`, the
-//! output ceiling (`max_completion_tokens`, `max_output_tokens` or `max_tokens`) and `stream`.
+//! The few fields of a request body that admission needs: `model`, the output ceiling and
+//! `stream`, wherever the body's API puts them ([`Body`]: OpenAI's `max_completion_tokens`,
+//! `max_output_tokens` or `max_tokens`; Anthropic's `max_tokens`; Gemini's
+//! `generationConfig.maxOutputTokens`; Bedrock's `inferenceConfig.maxTokens` or the model's own;
+//! Ollama's `options.num_predict`). Only the fields of the body's own API are read: a Gemini
+//! backend ignores a `max_tokens`, so a hold must too.
 //!
 //! Envoy may send only the first bytes of a body (`allow_partial_message`). Fields are collected
 //! as the parser meets them, so a body cut short still yields everything before the cut. A number
@@ -14,12 +17,15 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 
+pub use super::api::Body;
+
 /// What admission reads from a body.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BodyFields {
     pub model: Option<String>,
     pub max_tokens: Option<u64>,
-    pub stream: bool,
+    /// `None`: the body does not say (its API streams by its path, or by default).
+    pub stream: Option<bool>,
 }
 
 /// Why a body was refused.
@@ -27,19 +33,64 @@ pub struct BodyFields {
 #[error("{0}")]
 pub struct BodyError(pub String);
 
-/// Reads the fields from `body`; `partial` says Envoy cut it short, so running out of input is
-/// expected rather than an error.
-pub fn parse(body: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
-    let mut found = Found::default();
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let result = Collector(&mut found).deserialize(&mut de).and_then(|()| de.end());
+/// Where a body puts its output ceiling: the field, inside an object or at the top (`""`), with
+/// every spelling its API accepts. The first one present is the ceiling.
+struct Ceiling {
+    within: &'static [&'static str],
+    names: &'static [&'static str],
+    /// How the API reads it: zero and below mean "no limit" (Ollama's `-1`), not an error.
+    unlimited_below_one: bool,
+}
+
+const fn at(within: &'static [&'static str], names: &'static [&'static str]) -> Ceiling {
+    Ceiling { within, names, unlimited_below_one: false }
+}
+
+const TOP: &[&str] = &[""];
+
+/// Each API's ceilings, in precedence order.
+fn ceilings(body: Body) -> &'static [Ceiling] {
+    const OPENAI: &[Ceiling] =
+        &[at(TOP, &["max_completion_tokens"]), at(TOP, &["max_output_tokens"]), at(TOP, &["max_tokens"])];
+    const ANTHROPIC: &[Ceiling] = &[at(TOP, &["max_tokens"])];
+    const GEMINI: &[Ceiling] =
+        &[at(&["generationConfig", "generation_config"], &["maxOutputTokens", "max_output_tokens"])];
+    const CONVERSE: &[Ceiling] = &[at(&["inferenceConfig"], &["maxTokens"])];
+    // Anthropic and Mistral, Nova, Llama, Titan.
+    const INVOKE: &[Ceiling] = &[
+        at(TOP, &["max_tokens"]),
+        at(&["inferenceConfig"], &["max_new_tokens"]),
+        at(TOP, &["max_gen_len"]),
+        at(&["textGenerationConfig"], &["maxTokenCount"]),
+    ];
+    const OLLAMA: &[Ceiling] = &[Ceiling { within: &["options"], names: &["num_predict"], unlimited_below_one: true }];
+    match body {
+        Body::OpenAi => OPENAI,
+        Body::Anthropic => ANTHROPIC,
+        Body::Gemini => GEMINI,
+        Body::Converse => CONVERSE,
+        Body::Invoke => INVOKE,
+        Body::Ollama => OLLAMA,
+    }
+}
+
+/// Whether the API reads `model` and `stream` from the body (Gemini and Bedrock take both from
+/// the path, and ignore them in a body).
+fn names_model_and_stream(body: Body) -> bool {
+    matches!(body, Body::OpenAi | Body::Anthropic | Body::Ollama)
+}
+
+/// Reads the fields of a `body`-shaped request from `bytes`; `partial` says Envoy cut it short,
+/// so running out of input is expected rather than an error.
+pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
+    let mut found = Found { body, ..Found::default() };
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let result = Collector { found: &mut found, within: "" }.deserialize(&mut de).and_then(|()| de.end());
     match result {
         Ok(()) => {}
         Err(e) if partial && e.is_eof() => {
             if found.last_was_number {
-                found.max_tokens = None;
-                found.max_completion_tokens = None;
-                found.max_output_tokens = None;
+                found.ceilings = [None; 4];
             }
         }
         Err(e) if e.is_data() => return Err(BodyError(e.to_string())),
@@ -47,35 +98,53 @@ pub fn parse(body: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
     }
     Ok(BodyFields {
         model: found.model,
-        max_tokens: found.max_completion_tokens.or(found.max_output_tokens).or(found.max_tokens),
-        stream: found.stream.unwrap_or(false),
+        max_tokens: found.ceilings.iter().flatten().next().copied(),
+        stream: found.stream,
     })
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Found {
+    body: Body,
     model: Option<String>,
-    max_tokens: Option<u64>,
-    max_completion_tokens: Option<u64>,
-    max_output_tokens: Option<u64>,
     stream: Option<bool>,
+    /// By position in [`ceilings`].
+    ceilings: [Option<u64>; 4],
     /// The most recent value read was a token count, and nothing has been read after it.
     last_was_number: bool,
-    /// The fields read so far, to refuse one named twice.
-    seen: Vec<&'static str>,
+    /// The fields read so far (by their first spelling), to refuse one named twice.
+    seen: Vec<(&'static str, &'static str)>,
+}
+
+impl Default for Found {
+    fn default() -> Self {
+        Found {
+            body: Body::OpenAi,
+            model: None,
+            stream: None,
+            ceilings: [None; 4],
+            last_was_number: false,
+            seen: Vec::new(),
+        }
+    }
 }
 
 impl Found {
-    fn first<E: de::Error>(&mut self, field: &'static str) -> Result<(), E> {
+    fn first<E: de::Error>(&mut self, field: (&'static str, &'static str)) -> Result<(), E> {
         if self.seen.contains(&field) {
-            return Err(E::custom(format!("the body names {field} more than once")));
+            let name = if field.0.is_empty() { field.1.to_string() } else { format!("{}.{}", field.0, field.1) };
+            return Err(E::custom(format!("the body names {name} more than once")));
         }
         self.seen.push(field);
         Ok(())
     }
 }
 
-struct Collector<'a>(&'a mut Found);
+/// Collects the fields of one object: the body (`within` is `""`) or an object inside it.
+struct Collector<'a> {
+    found: &'a mut Found,
+    within: &'static str,
+}
 
 impl<'de> DeserializeSeed<'de> for Collector<'_> {
     type Value = ();
@@ -93,31 +162,37 @@ impl<'de> Visitor<'de> for Collector<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let shape = ceilings(self.found.body);
         while let Some(key) = map.next_key::<String>()? {
-            self.0.last_was_number = false;
-            match key.as_str() {
-                "model" => {
-                    self.0.first("model")?;
-                    self.0.model = map.next_value()?;
+            self.found.last_was_number = false;
+            let key = key.as_str();
+            let top = self.within.is_empty();
+            if top && names_model_and_stream(self.found.body) && (key == "model" || key == "stream") {
+                if key == "model" {
+                    self.found.first(("", "model"))?;
+                    self.found.model = map.next_value()?;
+                } else {
+                    self.found.first(("", "stream"))?;
+                    self.found.stream = map.next_value()?;
                 }
-                "stream" => {
-                    self.0.first("stream")?;
-                    self.0.stream = map.next_value()?;
-                }
-                "max_tokens" => {
-                    self.0.first("max_tokens")?;
-                    self.0.max_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
-                    self.0.last_was_number = true;
-                }
-                "max_completion_tokens" => {
-                    self.0.first("max_completion_tokens")?;
-                    self.0.max_completion_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
-                    self.0.last_was_number = true;
-                }
-                "max_output_tokens" => {
-                    self.0.first("max_output_tokens")?;
-                    self.0.max_output_tokens = map.next_value::<Option<TokenCount>>()?.map(|t| t.0);
-                    self.0.last_was_number = true;
+                continue;
+            }
+            let ceiling =
+                shape.iter().enumerate().find(|(_, c)| c.within.contains(&self.within) && c.names.contains(&key));
+            if let Some((i, c)) = ceiling {
+                self.found.first((c.within[0], c.names[0]))?;
+                let count =
+                    map.next_value_seed(CountSeed { name: c.names[0], unlimited_below_one: c.unlimited_below_one })?;
+                self.found.ceilings[i] = count;
+                self.found.last_was_number = true;
+                continue;
+            }
+            // An object holding a ceiling, under its first spelling.
+            let container = shape.iter().find(|c| c.within.contains(&key)).map(|c| c.within[0]);
+            match container {
+                Some(within) if top && !within.is_empty() => {
+                    self.found.first((within, ""))?;
+                    map.next_value_seed(Nested(Collector { found: self.found, within }))?;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -128,33 +203,82 @@ impl<'de> Visitor<'de> for Collector<'_> {
     }
 }
 
-/// A token count: a JSON integer from 1 up. Negative, zero, fractional or string values are
-/// refused with a message that says so.
-struct TokenCount(u64);
+/// An object inside the body, or `null`.
+struct Nested<'a>(Collector<'a>);
 
-impl<'de> de::Deserialize<'de> for TokenCount {
-    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = TokenCount;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a positive integer")
-            }
-            fn visit_u64<E: de::Error>(self, n: u64) -> Result<TokenCount, E> {
-                if n == 0 { Err(E::custom("max_tokens must be at least 1")) } else { Ok(TokenCount(n)) }
-            }
-            fn visit_i64<E: de::Error>(self, n: i64) -> Result<TokenCount, E> {
-                if n <= 0 {
-                    Err(E::custom(format!("max_tokens must be at least 1, not {n}")))
-                } else {
-                    Ok(TokenCount(n.unsigned_abs()))
-                }
-            }
-            fn visit_f64<E: de::Error>(self, n: f64) -> Result<TokenCount, E> {
-                Err(E::custom(format!("max_tokens must be an integer, not {n}")))
-            }
+impl<'de> DeserializeSeed<'de> for Nested<'_> {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_option(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Nested<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} to be an object", self.0.within)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        self.0.deserialize(d)
+    }
+}
+
+/// A token count: a JSON integer from 1 up, or `null` (none given). Negative, zero, fractional
+/// or string values are refused with a message that names the field, unless the API reads zero
+/// and below as "no limit".
+struct CountSeed {
+    name: &'static str,
+    unlimited_below_one: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for CountSeed {
+    type Value = Option<u64>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Option<u64>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl Visitor<'_> for CountSeed {
+    type Value = Option<u64>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} to be a positive integer", self.name)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+        Ok(None)
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Option<u64>, E> {
+        match n {
+            0 if self.unlimited_below_one => Ok(None),
+            0 => Err(E::custom(format!("{} must be at least 1", self.name))),
+            n => Ok(Some(n)),
         }
-        d.deserialize_any(V)
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<Option<u64>, E> {
+        match u64::try_from(n) {
+            Ok(n) => self.visit_u64(n),
+            Err(_) if self.unlimited_below_one => Ok(None),
+            Err(_) => Err(E::custom(format!("{} must be at least 1, not {n}", self.name))),
+        }
+    }
+
+    fn visit_f64<E: de::Error>(self, n: f64) -> Result<Option<u64>, E> {
+        Err(E::custom(format!("{} must be an integer, not {n}", self.name)))
     }
 }
 
@@ -166,28 +290,28 @@ mod tests {
     fn reads_openai_and_anthropic_bodies() {
         let chat = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":64,"stream":true}"#;
         assert_eq!(
-            parse(chat, false),
-            Ok(BodyFields { model: Some("gpt-4o".into()), max_tokens: Some(64), stream: true })
+            parse(Body::OpenAi, chat, false),
+            Ok(BodyFields { model: Some("gpt-4o".into()), max_tokens: Some(64), stream: Some(true) })
         );
         let messages = br#"{"model":"claude","max_tokens":1024,"messages":[]}"#;
-        assert_eq!(parse(messages, false).unwrap().max_tokens, Some(1024));
+        assert_eq!(parse(Body::Anthropic, messages, false).unwrap().max_tokens, Some(1024));
         let responses = br#"{"model":"gpt-4o","input":"hi","max_output_tokens":77}"#;
-        assert_eq!(parse(responses, false).unwrap().max_tokens, Some(77));
-        assert_eq!(parse(br#"{"model":"m","max_tokens":null}"#, false).unwrap().max_tokens, None);
+        assert_eq!(parse(Body::OpenAi, responses, false).unwrap().max_tokens, Some(77));
+        assert_eq!(parse(Body::OpenAi, br#"{"model":"m","max_tokens":null}"#, false).unwrap().max_tokens, None);
     }
 
     #[test]
     fn a_cut_body_keeps_what_came_before_the_cut() {
         let cut = br#"{"model":"gpt-4o","max_tokens":300,"messages":[{"role":"user","content":"a very lo"#;
-        assert_eq!(parse(cut, true).unwrap().max_tokens, Some(300));
-        assert_eq!(parse(cut, true).unwrap().model.as_deref(), Some("gpt-4o"));
-        assert!(parse(cut, false).is_err(), "a cut body Envoy did not mark partial is malformed");
+        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().max_tokens, Some(300));
+        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().model.as_deref(), Some("gpt-4o"));
+        assert!(parse(Body::OpenAi, cut, false).is_err(), "a cut body Envoy did not mark partial is malformed");
     }
 
     #[test]
     fn a_number_at_the_cut_is_not_trusted() {
         let cut = br#"{"model":"gpt-4o","max_tokens":12"#;
-        assert_eq!(parse(cut, true).unwrap().max_tokens, None);
+        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().max_tokens, None);
     }
 
     #[test]
@@ -204,7 +328,59 @@ mod tests {
             br#"{"model":"m","max_tokens":1,"max_tokens":9}"#,
             br#"{"model":"m","stream":false,"stream":true}"#,
         ] {
-            assert!(parse(body, false).is_err(), "{}", String::from_utf8_lossy(body));
+            assert!(parse(Body::OpenAi, body, false).is_err(), "{}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn each_api_reads_its_own_ceiling_and_no_other() {
+        let gemini = br#"{"contents":[{"parts":[{"text":"hi"}]}],"max_tokens":5,"generationConfig":{"temperature":0.2,"maxOutputTokens":321}}"#;
+        assert_eq!(parse(Body::Gemini, gemini, false).unwrap().max_tokens, Some(321));
+        let snake = br#"{"generation_config":{"max_output_tokens":12}}"#;
+        assert_eq!(parse(Body::Gemini, snake, false).unwrap().max_tokens, Some(12));
+        assert_eq!(
+            parse(Body::Gemini, br#"{"max_tokens":5,"model":"x","stream":true}"#, false).unwrap(),
+            BodyFields::default()
+        );
+        let converse = br#"{"messages":[],"inferenceConfig":{"maxTokens":512,"temperature":0.5}}"#;
+        assert_eq!(parse(Body::Converse, converse, false).unwrap().max_tokens, Some(512));
+        for (invoke, want) in [
+            (&br#"{"anthropic_version":"bedrock-2023-05-31","max_tokens":200,"messages":[]}"#[..], 200),
+            (br#"{"schemaVersion":"messages-v1","inferenceConfig":{"max_new_tokens":300}}"#, 300),
+            (br#"{"prompt":"hi","max_gen_len":400}"#, 400),
+            (br#"{"inputText":"hi","textGenerationConfig":{"maxTokenCount":500}}"#, 500),
+        ] {
+            assert_eq!(parse(Body::Invoke, invoke, false).unwrap().max_tokens, Some(want));
+        }
+        let ollama = br#"{"model":"llama3.2","messages":[],"options":{"num_predict":128}}"#;
+        assert_eq!(
+            parse(Body::Ollama, ollama, false).unwrap(),
+            BodyFields { model: Some("llama3.2".into()), max_tokens: Some(128), stream: None }
+        );
+        for unlimited in
+            [&br#"{"model":"m","options":{"num_predict":-1}}"#[..], br#"{"model":"m","options":{"num_predict":-2}}"#]
+        {
+            assert_eq!(parse(Body::Ollama, unlimited, false).unwrap().max_tokens, None, "the model's ceiling");
+        }
+        assert_eq!(parse(Body::Ollama, br#"{"model":"m","options":null}"#, false).unwrap().max_tokens, None);
+    }
+
+    #[test]
+    fn nested_ceilings_are_refused_twice_or_bad_and_dropped_at_a_cut() {
+        for bad in [
+            &br#"{"generationConfig":{"maxOutputTokens":1},"generation_config":{"maxOutputTokens":2}}"#[..],
+            br#"{"generationConfig":{"maxOutputTokens":1,"max_output_tokens":2}}"#,
+            br#"{"generationConfig":{"maxOutputTokens":0}}"#,
+            br#"{"generationConfig":{"maxOutputTokens":"9"}}"#,
+            br#"{"generationConfig":[1]}"#,
+        ] {
+            assert!(parse(Body::Gemini, bad, false).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+        let err = parse(Body::Converse, br#"{"inferenceConfig":{"maxTokens":-3}}"#, false).unwrap_err();
+        assert!(err.0.contains("maxTokens must be at least 1"), "{err}");
+        let cut = br#"{"contents":[],"generationConfig":{"maxOutputTokens":12"#;
+        assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, None);
+        let cut = br#"{"generationConfig":{"maxOutputTokens":12},"contents":[{"parts":[{"text":"lo"#;
+        assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, Some(12));
     }
 }

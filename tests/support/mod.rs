@@ -346,6 +346,7 @@ impl<S: Store> Harness<S> {
             prompt: PromptSize::Tokens(prompt),
             max_tokens: Some(max_tokens),
             stream: false,
+            input_only: false,
         }
     }
 

@@ -164,6 +164,21 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         return Err(problem("models", "name at least one model: a request for an unknown model is refused"));
     }
     let mut models = HashMap::new();
+    let mut aliases = HashMap::new();
+    for (name, m) in &raw.models {
+        for alias in &m.aliases {
+            let field = format!("models.{name}.aliases");
+            if ids::check_model(alias).is_err() {
+                return Err(problem(field, format!("{alias:?}: a model name is 1-128 visible ASCII characters")));
+            }
+            if raw.models.contains_key(alias) {
+                return Err(problem(field, format!("{alias:?} is the name of a model")));
+            }
+            if let Some(other) = aliases.insert(alias.clone(), name.clone()) {
+                return Err(problem(field, format!("{alias:?} is also an alias of {other}")));
+            }
+        }
+    }
     for (name, m) in raw.models {
         let field = format!("models.{name}");
         if ids::check_model(&name).is_err() {
@@ -253,6 +268,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         server,
         store,
         models,
+        aliases,
         pools,
         tenants,
         default_tenant,

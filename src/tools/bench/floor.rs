@@ -38,7 +38,7 @@ impl Authorization for Floor {
             headroom: Headroom::default(),
             shadow: None,
         });
-        Ok(Response::new(check_response(&admitted, &[])))
+        Ok(Response::new(check_response(&admitted, &[], crate::llm::api::Family::OpenAi)))
     }
 }
 

@@ -151,10 +151,14 @@ pub async fn serve(
                 async move {
                     let commits_itself = sim.tollgate.is_some();
                     let reservation = req.headers().get("x-tollgate-reservation").cloned();
+                    let reserved = req.headers().get("x-tollgate-reserved-tokens").cloned();
                     let mut response = handle(sim, req).await?;
                     // Echoed, so a client (a test) can look its hold up.
                     if let Some(id) = reservation {
                         response.headers_mut().insert("x-sim-reservation", id);
+                    }
+                    if let Some(tokens) = reserved {
+                        response.headers_mut().insert("x-sim-reserved-tokens", tokens);
                     }
                     if commits_itself {
                         // Envoy's commit from the response leaves this backend's holds to it.
@@ -188,12 +192,13 @@ fn error(status: StatusCode, message: &str) -> Response<Body> {
 }
 
 async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
-    let api = match Api::of_path(req.uri().path()) {
+    let (api, path_stream) = match Api::of_path(req.uri().path()) {
         Some(api) if req.method() == hyper::Method::POST => api,
         _ => {
             return Ok(error(
                 StatusCode::NOT_FOUND,
-                "the simulator serves POST /v1/chat/completions, /v1/messages and /v1/responses",
+                "the simulator serves POST /v1/chat/completions, /v1/messages, /v1/responses, /v1/embeddings, \
+                 Gemini's generateContent, Bedrock's converse and Ollama's /api/chat and /api/generate",
             ));
         }
     };
@@ -204,11 +209,16 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         Ok(b) => b.to_bytes(),
         Err(_) => return Ok(error(StatusCode::BAD_REQUEST, "body unreadable or over 16 MiB")),
     };
-    let ask = match formats::parse(api, &body, sim.config.bytes_per_token) {
+    let ask = match formats::parse(api, path_stream, &body, sim.config.bytes_per_token) {
         Ok(a) => a,
         Err(e) => return Ok(error(StatusCode::BAD_REQUEST, &e)),
     };
-    let output = fixed_output.map_or_else(|| sim.sampler.sample(ask.max_tokens), |n| n.clamp(1, ask.max_tokens));
+    let output = match fixed_output {
+        // Embeddings generate nothing.
+        _ if ask.max_tokens == 0 => 0,
+        Some(n) => n.clamp(1, ask.max_tokens),
+        None => sim.sampler.sample(ask.max_tokens),
+    };
 
     // The queue: a slot is taken in arrival order, and held for the whole generation.
     let Ok(slot) = sim.slots.clone().acquire_owned().await else {
@@ -226,7 +236,7 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
     let (tx, rx): (Chunks, _) = mpsc::channel(16);
     tokio::spawn(async move {
         let _slot = slot;
-        let frame = |text: String| Ok(Frame::data(Bytes::from(text)));
+        let frame = |bytes: Vec<u8>| Ok(Frame::data(Bytes::from(bytes)));
         for opening in formats::opening(&ask) {
             let _ = tx.send(frame(opening)).await;
         }
@@ -245,7 +255,7 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
     });
     let body = StreamBody::new(ReceiverStream::new(rx)).boxed();
     Ok(Response::builder()
-        .header("content-type", "text/event-stream")
+        .header("content-type", api.stream_content_type())
         .header("cache-control", "no-cache")
         .body(body)
         .unwrap_or_default())

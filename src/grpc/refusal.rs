@@ -1,0 +1,122 @@
+//! A refusal in the shape of the API the request came by, so the client's own SDK shows the reason
+//! and retries what its provider's endpoint would have it retry. Every shape keeps tollgate's
+//! reason header and retry hints beside it (see [`super::response`]).
+//!
+//! | API | body | status, and what names the error |
+//! |---|---|---|
+//! | OpenAI, Azure, Anthropic | `{"error": {"message", "type", "code": <reason>}}` | the reason's |
+//! | Gemini, Vertex AI | `{"error": {"code": <status>, "message", "status"}}` | the reason's; `status` is Google's name for it |
+//! | Bedrock | `{"message"}` | `x-amzn-errortype` and the status that error has on Bedrock |
+//! | Ollama | `{"error": "…"}` | the reason's |
+
+use crate::admission::{Denial, Reason};
+use crate::llm::api::Family;
+
+/// The header botocore reads an error's code from.
+pub const AMZN_ERROR_TYPE: &str = "x-amzn-errortype";
+
+/// A refusal's status, body, and any header its shape adds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub status: u16,
+    pub body: String,
+    pub header: Option<(&'static str, &'static str)>,
+}
+
+/// The refusal of `d` in `family`'s shape.
+pub fn refusal(family: Family, d: &Denial) -> Refusal {
+    let status = d.reason.http_status();
+    match family {
+        Family::OpenAi => Refusal { status, body: openai_body(d), header: None },
+        Family::Gemini => Refusal {
+            status,
+            body: serde_json::json!({
+                "error": { "code": status, "message": d.message, "status": google_status(d.reason) }
+            })
+            .to_string(),
+            header: None,
+        },
+        Family::Bedrock => {
+            let (status, error) = bedrock_error(d.reason);
+            Refusal {
+                status,
+                body: serde_json::json!({ "message": d.message }).to_string(),
+                header: Some((AMZN_ERROR_TYPE, error)),
+            }
+        }
+        Family::Ollama => Refusal { status, body: serde_json::json!({ "error": d.message }).to_string(), header: None },
+    }
+}
+
+/// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse.
+pub fn openai_body(d: &Denial) -> String {
+    serde_json::json!({
+        "error": {
+            "message": d.message,
+            "type": d.reason.error_type(),
+            "code": d.reason.code(),
+        }
+    })
+    .to_string()
+}
+
+/// Google's canonical code for a reason.
+fn google_status(reason: Reason) -> &'static str {
+    match reason {
+        Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => "RESOURCE_EXHAUSTED",
+        Reason::QueueFull | Reason::StoreUnavailable => "UNAVAILABLE",
+        Reason::Deadline => "DEADLINE_EXCEEDED",
+        Reason::Unsatisfiable => "FAILED_PRECONDITION",
+        Reason::InvalidRequest => "INVALID_ARGUMENT",
+        Reason::Unauthenticated => "UNAUTHENTICATED",
+    }
+}
+
+/// Bedrock's error for a reason, with the status Bedrock gives it: botocore retries throttling
+/// (`ThrottlingException`) and any 503, and nothing else here. A spent budget is a quota that
+/// waiting seconds will not lift; a request that cannot finish in time is the model's timeout,
+/// which is not retried either.
+fn bedrock_error(reason: Reason) -> (u16, &'static str) {
+    match reason {
+        Reason::TokenRate | Reason::RequestRate | Reason::Concurrency => (429, "ThrottlingException"),
+        Reason::Budget => (400, "ServiceQuotaExceededException"),
+        Reason::QueueFull | Reason::StoreUnavailable => (503, "ServiceUnavailableException"),
+        Reason::Deadline => (408, "ModelTimeoutException"),
+        Reason::Unsatisfiable | Reason::InvalidRequest => (400, "ValidationException"),
+        Reason::Unauthenticated => (403, "AccessDeniedException"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_family_has_its_shape_for_every_reason() {
+        for reason in Reason::ALL {
+            let d = Denial::now(reason, "why");
+            let json = |r: &Refusal| serde_json::from_str::<serde_json::Value>(&r.body).unwrap();
+            let openai = refusal(Family::OpenAi, &d);
+            assert_eq!(
+                (openai.status, json(&openai)["error"]["code"].as_str()),
+                (reason.http_status(), Some(reason.code()))
+            );
+            let gemini = refusal(Family::Gemini, &d);
+            let g = json(&gemini);
+            assert_eq!(
+                (g["error"]["code"].as_u64(), g["error"]["message"].as_str()),
+                (Some(u64::from(reason.http_status())), Some("why"))
+            );
+            assert!(
+                g["error"]["status"].as_str().is_some_and(|s| s.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+            );
+            let bedrock = refusal(Family::Bedrock, &d);
+            assert_eq!(json(&bedrock)["message"], "why");
+            let (_, error) = bedrock.header.unwrap();
+            // botocore retries a 503 whatever its code, and throttling codes at any status.
+            let retried = bedrock.status == 503 || error == "ThrottlingException";
+            assert_eq!(retried, reason.retryable() && reason != Reason::Budget, "{reason:?}");
+            assert_eq!(json(&refusal(Family::Ollama, &d))["error"], "why");
+        }
+    }
+}

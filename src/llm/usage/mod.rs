@@ -1,0 +1,476 @@
+//! What a response says it used, read as it streams past, or, where it says nothing, a meter of
+//! what was generated. Where each provider puts its counts and its output: [`fields`].
+//!
+//! Framings read:
+//!
+//! - JSON (`application/json`, `+json`): one body (or, as Gemini streams without `alt=sse`, an
+//!   array of its chunks), read whole at its end.
+//! - Server-sent events (`text/event-stream`): every `data:` payload is an event (OpenAI,
+//!   Anthropic, the Responses API, Gemini with `alt=sse`).
+//! - Newline-delimited JSON (`application/x-ndjson`): every line is an event (Ollama's streams).
+//! - Amazon's event stream (`application/vnd.amazon.eventstream`): every message is an event, its
+//!   model's own inside a `chunk` (Bedrock's ConverseStream and InvokeModelWithResponseStream;
+//!   see [`aws`]).
+//! - Counts in response headers (Bedrock's InvokeModel: `x-amzn-bedrock-input-token-count` and
+//!   `-output-token-count`), given with [`Meter::reported`].
+//!
+//! Counts are cumulative where a stream repeats them, so the largest seen is the count. A stream's
+//! counts are exact only once its final usage has arrived (an event [`fields::is_final`] names);
+//! a stream cut before that (the client left) is metered from all the output that passed, or from
+//! the partial count if that is larger: Anthropic's `message_start` placeholder output of 1 never
+//! stands for a hundred deltas that passed after it.
+//!
+//! A compressed body (any `content-encoding` but `identity`) is never parsed, nor is a content type
+//! tollgate does not read, nor an event stream whose framing breaks: their usage is unknown, and
+//! the hold is charged as it was made (as an expired hold is under `charge_reserved`), never a
+//! count mis-read from bytes it cannot read. A JSON body past [`MAX_JSON_BODY`] is not buffered
+//! further and is metered from its size.
+
+pub mod aws;
+pub mod fields;
+
+use fields::len;
+
+/// The largest JSON response body buffered to read its usage.
+pub const MAX_JSON_BODY: usize = 8 << 20;
+
+/// The longest event (a line, or an event-stream message) kept while it is incomplete.
+const MAX_EVENT: usize = 1 << 20;
+
+/// What a response used, as far as it says: exact counts it reported, or the output metered from
+/// the text that passed (bytes per token) with the prompt that was held at admission.
+pub use crate::hold::Counted as Measured;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Json,
+    /// Server-sent events: a `data:` line is an event.
+    Events,
+    /// Newline-delimited JSON: a line is an event.
+    Lines,
+    /// Amazon's event stream: a message is an event.
+    AwsEvents,
+    /// Compressed, or a content type tollgate does not read: only its size is known.
+    Opaque,
+}
+
+/// Reads one response body as it streams.
+#[derive(Debug)]
+pub struct Meter {
+    format: Format,
+    bytes_per_token: f64,
+    /// JSON: the body so far. Events and lines: the current, incomplete line. AWS: the current,
+    /// incomplete message.
+    pending: Vec<u8>,
+    overflowed: bool,
+    prompt: Option<u64>,
+    output: Option<u64>,
+    /// A stream's final usage has arrived: its counts are the response's last word.
+    final_usage: bool,
+    /// Bytes of generated text seen (events), or of the whole body (opaque, JSON).
+    text_bytes: u64,
+}
+
+impl Meter {
+    /// A meter for a response with these headers. `bytes_per_token` is the model's, for metering.
+    pub fn new(content_type: Option<&str>, content_encoding: Option<&str>, bytes_per_token: f64) -> Self {
+        let compressed = content_encoding.is_some_and(|e| !e.trim().eq_ignore_ascii_case("identity"));
+        let kind = content_type.map(|c| c.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+        let format = match kind.as_deref() {
+            _ if compressed => Format::Opaque,
+            Some("text/event-stream") => Format::Events,
+            Some("application/x-ndjson" | "application/ndjson" | "application/jsonl") => Format::Lines,
+            Some("application/vnd.amazon.eventstream") => Format::AwsEvents,
+            Some(k) if k == "application/json" || k.ends_with("+json") => Format::Json,
+            _ => Format::Opaque,
+        };
+        Meter {
+            format,
+            bytes_per_token,
+            pending: Vec::new(),
+            overflowed: false,
+            prompt: None,
+            output: None,
+            final_usage: false,
+            text_bytes: 0,
+        }
+    }
+
+    /// Counts the response reported in its headers (Bedrock's InvokeModel): its last word, whatever
+    /// the body says.
+    pub fn reported(&mut self, prompt: u64, output: u64) {
+        self.prompt = Some(prompt);
+        self.output = Some(output);
+        self.final_usage = true;
+    }
+
+    /// Reads the next piece of the body.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        match self.format {
+            Format::Json => {
+                // Its size, for a body too large to read: metered from that.
+                self.text_bytes = self.text_bytes.saturating_add(len(chunk));
+                if self.pending.len().saturating_add(chunk.len()) > MAX_JSON_BODY {
+                    self.overflowed = true;
+                    self.pending = Vec::new();
+                } else if !self.overflowed {
+                    self.pending.extend_from_slice(chunk);
+                }
+            }
+            Format::Events | Format::Lines => {
+                for &b in chunk {
+                    if b == b'\n' {
+                        let line = std::mem::take(&mut self.pending);
+                        self.line(&line);
+                    } else if self.pending.len() < MAX_EVENT {
+                        self.pending.push(b);
+                    }
+                }
+            }
+            Format::AwsEvents => {
+                self.pending.extend_from_slice(chunk);
+                self.aws_messages();
+            }
+            Format::Opaque => self.text_bytes = self.text_bytes.saturating_add(len(chunk)),
+        }
+    }
+
+    /// Whether generated output has passed yet: only a stream says so as it goes. (A JSON body
+    /// arrives whole, and a failed response's body is an error message, not output.)
+    pub fn saw_output(&self) -> bool {
+        self.streams() && (self.text_bytes > 0 || self.output.is_some_and(|o| o > 0))
+    }
+
+    fn streams(&self) -> bool {
+        matches!(self.format, Format::Events | Format::Lines | Format::AwsEvents)
+    }
+
+    /// What the whole body used, at its end (or at a disconnect: what passed until then).
+    pub fn measured(&mut self) -> Measured {
+        match self.format {
+            Format::Json if !self.overflowed => {
+                let body = std::mem::take(&mut self.pending);
+                match serde_json::from_slice::<serde_json::Value>(&body) {
+                    // Gemini's stream as one JSON array of its chunks.
+                    Ok(serde_json::Value::Array(chunks)) => chunks.iter().for_each(|c| self.take_counts(c)),
+                    Ok(v) => self.take_counts(&v),
+                    Err(_) => {}
+                }
+                self.text_bytes = len(&body);
+            }
+            Format::Events | Format::Lines if !self.pending.is_empty() => {
+                let line = std::mem::take(&mut self.pending);
+                self.line(&line);
+            }
+            _ => {}
+        }
+        let complete = !self.streams() || self.final_usage;
+        match (self.prompt, self.output) {
+            (Some(prompt), Some(output)) if complete => Measured::Exact { prompt, output },
+            _ if self.format == Format::Opaque => Measured::AsHeld,
+            (_, partial) => {
+                let metered = tokens_of(self.text_bytes, self.bytes_per_token);
+                Measured::Metered { output: metered.max(partial.unwrap_or(0)) }
+            }
+        }
+    }
+
+    /// One line of a stream: a server-sent event's `data:`, or a JSON line.
+    fn line(&mut self, line: &[u8]) {
+        let data = match self.format {
+            Format::Events => match line.strip_prefix(b"data:") {
+                Some(data) => data.trim_ascii(),
+                None => return,
+            },
+            _ => line.trim_ascii(),
+        };
+        if data == b"[DONE]" {
+            // OpenAI's end of stream: whatever usage came before it was the last.
+            self.final_usage |= self.output.is_some();
+            return;
+        }
+        if data.is_empty() {
+            return;
+        }
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) {
+            self.event(&v);
+        }
+    }
+
+    /// Every whole message of an event stream received so far.
+    fn aws_messages(&mut self) {
+        let mut at = 0;
+        loop {
+            match aws::next(&self.pending[at..], MAX_EVENT) {
+                aws::Frame::Incomplete => break,
+                aws::Frame::Broken => {
+                    // Not an event stream after all: unreadable from here on.
+                    self.format = Format::Opaque;
+                    self.pending = Vec::new();
+                    return;
+                }
+                aws::Frame::Message { len, event } => {
+                    at += len;
+                    if let Some(v) = event {
+                        self.event(&v);
+                    }
+                }
+            }
+        }
+        self.pending.drain(..at);
+    }
+
+    /// One streamed event: its counts, whether it closes the stream, the output it carries.
+    fn event(&mut self, v: &serde_json::Value) {
+        if fields::is_final(v) {
+            // The last word: what it says replaces what came before (Anthropic's placeholder
+            // output of 1 is not kept over a final 0).
+            let r = fields::reported(v);
+            self.prompt = r.prompt.or(self.prompt);
+            self.output = r.output.or(self.output);
+            self.final_usage = true;
+        } else {
+            self.take_counts(v);
+        }
+        self.text_bytes = self.text_bytes.saturating_add(fields::generated_bytes(v));
+    }
+
+    /// Keeps the largest counts seen.
+    fn take_counts(&mut self, v: &serde_json::Value) {
+        let r = fields::reported(v);
+        if let Some(p) = r.prompt {
+            self.prompt = Some(self.prompt.map_or(p, |q| q.max(p)));
+        }
+        if let Some(o) = r.output {
+            self.output = Some(self.output.map_or(o, |q| q.max(o)));
+        }
+    }
+}
+
+/// `ceil(bytes / bytes_per_token)`; a response body is far below 2^53 bytes.
+#[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn tokens_of(bytes: u64, bytes_per_token: f64) -> u64 {
+    (bytes as f64 / bytes_per_token).ceil() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(content_type: &str, chunks: &[&str]) -> Measured {
+        let mut m = Meter::new(Some(content_type), None, 4.0);
+        for c in chunks {
+            m.feed(c.as_bytes());
+        }
+        m.measured()
+    }
+
+    #[test]
+    fn openai_json_usage_is_exact() {
+        let body = r#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}"#;
+        let (a, b) = body.split_at(20);
+        assert_eq!(run("application/json; charset=utf-8", &[a, b]), Measured::Exact { prompt: 12, output: 7 });
+    }
+
+    #[test]
+    fn embeddings_report_no_output() {
+        let body = r#"{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#;
+        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 8, output: 0 });
+    }
+
+    #[test]
+    fn anthropic_and_responses_json_usage_is_exact() {
+        let messages =
+            r#"{"type":"message","usage":{"input_tokens":10,"cache_read_input_tokens":5,"output_tokens":3}}"#;
+        assert_eq!(run("application/json", &[messages]), Measured::Exact { prompt: 15, output: 3 });
+        let responses = r#"{"object":"response","usage":{"input_tokens":4,"output_tokens":9,"total_tokens":13}}"#;
+        assert_eq!(run("application/json", &[responses]), Measured::Exact { prompt: 4, output: 9 });
+    }
+
+    #[test]
+    fn an_openai_stream_with_its_usage_chunk_is_exact_across_any_split() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"tok tok \"}}]}\n\n\
+                      data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n\
+                      data: [DONE]\n\n";
+        for cut in 1..stream.len() {
+            let (a, b) = stream.split_at(cut);
+            assert_eq!(run("text/event-stream", &[a, b]), Measured::Exact { prompt: 5, output: 2 }, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn a_stream_without_usage_is_metered_from_its_text() {
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"tok tok \"}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"content\":\"tok \"}}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(run("text/event-stream", &[stream]), Measured::Metered { output: 3 });
+    }
+
+    #[test]
+    fn anthropic_streams_take_input_from_the_start_and_output_from_the_last_delta() {
+        let stream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
+                      event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello\"}}\n\n\
+                      event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n";
+        assert_eq!(run("text/event-stream", &[stream]), Measured::Exact { prompt: 25, output: 15 });
+    }
+
+    #[test]
+    fn the_responses_api_stream_takes_its_completed_usage() {
+        let stream = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n\
+                      event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":3,\"output_tokens\":2}}}\n\n";
+        assert_eq!(run("text/event-stream", &[stream]), Measured::Exact { prompt: 3, output: 2 });
+    }
+
+    #[test]
+    fn compressed_bodies_are_never_parsed() {
+        let body = r#"{"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
+        let mut m = Meter::new(Some("application/json"), Some("gzip"), 4.0);
+        m.feed(body.as_bytes());
+        assert!(!m.saw_output());
+        assert_eq!(m.measured(), Measured::AsHeld);
+        let mut m = Meter::new(Some("application/octet-stream"), None, 4.0);
+        m.feed(b"bytes");
+        assert_eq!(m.measured(), Measured::AsHeld);
+    }
+
+    /// An Anthropic stream cut after its `message_start` (placeholder output 1) and a hundred
+    /// deltas: metered from the deltas, not taken as exact at 1.
+    #[test]
+    fn a_placeholder_count_is_never_exact() {
+        let mut m = Meter::new(Some("text/event-stream"), None, 4.0);
+        m.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n");
+        for _ in 0..100 {
+            m.feed(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"word\"}}\n\n");
+        }
+        assert_eq!(m.measured(), Measured::Metered { output: 100 });
+        // A running count larger than what the meter saw wins.
+        let mut m = Meter::new(Some("text/event-stream"), None, 4.0);
+        m.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"ab\"}}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":9}}\n\n");
+        assert_eq!(m.measured(), Measured::Metered { output: 9 }, "a running count beside choices is not final");
+    }
+
+    /// What carries output besides text is metered too: tool-call and function-call arguments,
+    /// reasoning, refusals (OpenAI); thinking and tool input (Anthropic).
+    #[test]
+    fn tool_calls_reasoning_and_thinking_are_metered() {
+        let openai = "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"city\\\": \\\"Paris\\\"}\"}}]}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"think\"}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"function_call\":{\"arguments\":\"abcd\"}}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"refusal\":\"no\"}}]}\n\ndata: [DONE]\n\n";
+        // 17 + 5 + 4 + 2 bytes at 4 a token.
+        assert_eq!(run("text/event-stream", &[openai]), Measured::Metered { output: 7 });
+        let anthropic = "data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"hmm hmm\"}}\n\n\
+                         data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\":1}\"}}\n\n";
+        // 7 + 7 bytes.
+        assert_eq!(run("text/event-stream", &[anthropic]), Measured::Metered { output: 4 });
+    }
+
+    /// A JSON body too large to buffer is metered from its size, never charged nothing.
+    #[test]
+    fn a_json_body_too_large_to_read_is_metered_from_its_size() {
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        let chunk = vec![b' '; 1 << 20];
+        for _ in 0..9 {
+            m.feed(&chunk);
+        }
+        assert_eq!(m.measured(), Measured::Metered { output: (9 << 20) / 4 });
+    }
+
+    #[test]
+    fn a_cut_stream_is_metered_from_what_passed() {
+        let mut m = Meter::new(Some("text/event-stream"), None, 4.0);
+        m.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"tok tok tok \"}}]}\n\ndata: {\"choi");
+        assert!(m.saw_output());
+        assert_eq!(m.measured(), Measured::Metered { output: 3 });
+    }
+
+    #[test]
+    fn gemini_reports_prompt_candidates_and_thoughts() {
+        let body = r#"{"candidates":[{"content":{"parts":[{"text":"Hi"}],"role":"model"},"finishReason":"STOP"}],
+            "usageMetadata":{"promptTokenCount":9,"cachedContentTokenCount":4,"candidatesTokenCount":3,"thoughtsTokenCount":20,"totalTokenCount":32}}"#;
+        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 9, output: 23 });
+        let sse = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"Hello\"}]}}],\"usageMetadata\":{\"promptTokenCount\":9,\"candidatesTokenCount\":1}}\r\n\r\n\
+                   data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" there\"}]},\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":9,\"candidatesTokenCount\":2}}\r\n\r\n";
+        assert_eq!(run("text/event-stream", &[sse]), Measured::Exact { prompt: 9, output: 2 });
+        let (cut, _) = sse.split_at(sse.find("\r\n\r\n").unwrap() + 4);
+        assert_eq!(run("text/event-stream", &[cut]), Measured::Metered { output: 2 }, "cut before the finish");
+        // Without alt=sse: one JSON array of the same chunks.
+        let array = r#"[{"candidates":[{"content":{"parts":[{"text":"Hello"}]}}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":1}},
+            {"candidates":[{"content":{"parts":[{"text":" there"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":2}}]"#;
+        assert_eq!(run("application/json", &[array]), Measured::Exact { prompt: 9, output: 2 });
+    }
+
+    #[test]
+    fn bedrock_converse_and_its_event_stream() {
+        let body = r#"{"output":{"message":{"role":"assistant","content":[{"text":"Hi"}]}},"stopReason":"end_turn",
+            "usage":{"inputTokens":11,"outputTokens":4,"totalTokens":20,"cacheReadInputTokens":5},"metrics":{"latencyMs":120}}"#;
+        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 16, output: 4 });
+        let mut stream = aws::encode("messageStart", br#"{"role":"assistant"}"#);
+        for _ in 0..10 {
+            stream.extend(aws::encode("contentBlockDelta", br#"{"contentBlockIndex":0,"delta":{"text":"word"}}"#));
+        }
+        let cut = stream.len();
+        stream.extend(aws::encode("messageStop", br#"{"stopReason":"end_turn"}"#));
+        stream.extend(aws::encode(
+            "metadata",
+            br#"{"usage":{"inputTokens":11,"outputTokens":12,"totalTokens":23},"metrics":{"latencyMs":9}}"#,
+        ));
+        let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
+        for piece in stream.chunks(7) {
+            m.feed(piece);
+        }
+        assert_eq!(m.measured(), Measured::Exact { prompt: 11, output: 12 });
+        let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
+        m.feed(&stream[..cut + 5]);
+        assert!(m.saw_output());
+        assert_eq!(m.measured(), Measured::Metered { output: 10 }, "cut before its metadata");
+        let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
+        m.feed(b"not an event stream at all, just bytes");
+        assert_eq!(m.measured(), Measured::AsHeld, "a broken framing is unreadable");
+    }
+
+    #[test]
+    fn bedrock_invoke_counts_come_in_headers_or_metrics() {
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        m.reported(30, 7);
+        m.feed(br#"{"generation":"text","prompt_token_count":1,"generation_token_count":1}"#);
+        assert_eq!(m.measured(), Measured::Exact { prompt: 30, output: 7 });
+        use base64::Engine;
+        let chunk = |inner: &str| {
+            let payload = serde_json::json!({"bytes": base64::engine::general_purpose::STANDARD.encode(inner)});
+            aws::encode("chunk", payload.to_string().as_bytes())
+        };
+        let mut stream = chunk(r#"{"type":"content_block_delta","delta":{"type":"text_delta","text":"abcdefgh"}}"#);
+        stream.extend(chunk(
+            r#"{"type":"message_stop","amazon-bedrock-invocationMetrics":{"inputTokenCount":6,"outputTokenCount":3}}"#,
+        ));
+        let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
+        m.feed(&stream);
+        assert_eq!(m.measured(), Measured::Exact { prompt: 6, output: 3 });
+    }
+
+    #[test]
+    fn ollama_counts_and_lines() {
+        let chat = r#"{"model":"llama3.2","message":{"role":"assistant","content":"Hi"},"done":true,"prompt_eval_count":26,"eval_count":290}"#;
+        assert_eq!(run("application/json; charset=utf-8", &[chat]), Measured::Exact { prompt: 26, output: 290 });
+        let embed = r#"{"model":"all-minilm","embeddings":[[0.1,0.2]],"prompt_eval_count":8}"#;
+        assert_eq!(run("application/json", &[embed]), Measured::Exact { prompt: 8, output: 0 });
+        let lines = "{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"word\"},\"done\":false}\n\
+                     {\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"thinking\":\"hmmm\"},\"done\":false}\n\
+                     {\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"prompt_eval_count\":5,\"eval_count\":3}\n";
+        assert_eq!(run("application/x-ndjson", &[lines]), Measured::Exact { prompt: 5, output: 3 });
+        let cut = lines.rsplit_once("{\"model").unwrap().0;
+        assert_eq!(run("application/x-ndjson", &[cut]), Measured::Metered { output: 2 });
+        let generate = "{\"model\":\"m\",\"response\":\"abcd\",\"done\":false}\n{\"model\":\"m\",\"response\":\"efgh\",\"done\":false}\n";
+        assert_eq!(run("application/x-ndjson", &[generate]), Measured::Metered { output: 2 });
+    }
+
+    #[test]
+    fn gemini_and_ollama_tool_calls_are_metered_as_their_json() {
+        let gemini = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"functionCall\":{\"name\":\"f\",\"args\":{\"city\":\"Paris\"}}}]}}]}\n\n";
+        // {"name":"f","args":{"city":"Paris"}}: 36 bytes.
+        assert_eq!(run("text/event-stream", &[gemini]), Measured::Metered { output: 9 });
+        let ollama = "{\"message\":{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":{\"city\":\"Paris\"}}}]},\"done\":false}\n";
+        // {"city":"Paris"}: 16 bytes.
+        assert_eq!(run("application/x-ndjson", &[ollama]), Measured::Metered { output: 4 });
+    }
+}

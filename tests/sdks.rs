@@ -1,0 +1,205 @@
+//! Each provider's own Python SDK (installed from PyPI into the test venv, as Envoy is) through
+//! the shipped `envoy/envoy.yaml`, in front of a stand-in backend that answers in that provider's
+//! format and commits nothing: Gemini and Vertex AI (`google-genai`), Bedrock (`boto3`), Ollama
+//! (`ollama`), Azure OpenAI and embeddings (`openai`). Each is admitted with a hold as tight as an
+//! OpenAI request's, is charged what the backend reported, and is refused for a spent budget in
+//! words its SDK shows. The clients: `tests/sdks/clients.py`.
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use support::procs::{Envoy, Tollgate};
+use tokio_util::sync::CancellationToken;
+use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::proto::{CommitRequest, CommitResponse, RenewRequest, ReserveRequest};
+use tollgate::tools::sim::formats::Text;
+
+/// Every model a client names, each by the name its API uses; Azure's deployment is an alias.
+const POLICY: &str = "models:\n  gemini-2.0-flash: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                      \x20 amazon.nova-lite-v1:0: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                      \x20 llama3.2: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                      \x20 gpt-4o: { max_output_tokens: 4096, bytes_per_token: 4, aliases: [my-gpt4o] }\n\
+                      \x20 text-embedding-3-small: { max_output_tokens: 1, bytes_per_token: 4 }\n\
+                      tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n\
+                      \x20 broke:\n    limits: { tokens_per_day: 1000 }\n";
+
+/// The output each request asks for (and the stand-in generates: its fixed 40).
+const MAX_TOKENS: i64 = 40;
+
+struct Stack {
+    tollgate: Tollgate,
+    envoy: Envoy,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Stack {
+    async fn start() -> Stack {
+        let tollgate = Tollgate::start(POLICY);
+        let (port, shutdown) = support::sim_backend(10_000.0, Text::Tok).await;
+        let envoy = Envoy::start(tollgate.addr, port);
+        Stack { tollgate, envoy, shutdown }
+    }
+
+    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
+        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
+    }
+
+    /// Runs `family`'s SDK as `tenant`: one JSON line per call.
+    fn run(&self, family: &str, tenant: &str) -> Vec<Value> {
+        let python = std::env::var("TOLLGATE_TEST_PYTHON")
+            .expect("TOLLGATE_TEST_PYTHON is not set: run the suite with `bash scripts/test`, which installs the SDKs");
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdks/clients.py");
+        let base = format!("http://127.0.0.1:{}", self.envoy.port);
+        let out =
+            Command::new("timeout").args(["60", &python, script, family, &base, tenant]).output().expect("run python");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{family}: {}\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.diagnostics()
+        );
+        stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"))).collect()
+    }
+
+    /// Waits until the hold is settled, then what its commit charged (a repeat answers with it).
+    async fn charged(&self, id: &str) -> CommitResponse {
+        let mut client = self.client().await;
+        let start = Instant::now();
+        loop {
+            let state =
+                client.renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 }).await.unwrap().into_inner().state;
+            if state != "reserved" {
+                assert_eq!(state, "committed", "{id}\n{}", self.diagnostics());
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let repeat = CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 };
+        let c = client.commit(repeat).await.unwrap().into_inner();
+        assert!(c.duplicate, "the response's commit came first: {c:?}");
+        c
+    }
+
+    /// Spends all but 9 of tenant `broke`'s daily budget.
+    async fn spend(&self, model: &str) {
+        let mut client = self.client().await;
+        let r = client
+            .reserve(ReserveRequest {
+                tenant: "broke".into(),
+                model: model.into(),
+                prompt_tokens: 990,
+                max_tokens: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.admitted, "{r:?}");
+        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 990, completion_tokens: 1 };
+        client.commit(c).await.unwrap();
+    }
+
+    fn diagnostics(&self) -> String {
+        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
+    }
+}
+
+/// Both calls admitted with a hold of the prompt's estimate and the 40 asked (never the model's
+/// 4,096), and charged exactly what the backend reported: the prompt it counted and the 40.
+async fn admitted_tightly_and_charged_exactly(family: &str) {
+    let stack = Stack::start().await;
+    let calls = stack.run(family, "acme");
+    assert_eq!(
+        calls.iter().map(|c| c["call"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["generate", "stream"],
+        "{calls:?}"
+    );
+    for call in &calls {
+        let reserved = call["reserved_tokens"].as_i64().unwrap();
+        // The body is under 600 bytes at 4 a token.
+        assert!((MAX_TOKENS + 1..MAX_TOKENS + 150).contains(&reserved), "{family} {call}: a hold of {reserved}");
+        assert_eq!(call["text_bytes"], 4 * MAX_TOKENS.min(64), "{family} {call}: the SDK read the answer");
+        let c = stack.charged(call["reservation"].as_str().unwrap()).await;
+        assert!(!c.metered, "{family} {call}: exact, from the usage the response reported: {c:?}");
+        // The stand-in counts the prompt's text alone (156 bytes, 39 tokens), below the estimate.
+        assert_eq!(c.used_tokens, 39 + 40, "{family} {call}: {c:?}");
+    }
+}
+
+/// Refused for a spent budget, as its SDK shows its provider's own refusal.
+async fn refused_for_budget(family: &str, model: &str) -> Value {
+    let stack = Stack::start().await;
+    stack.spend(model).await;
+    let calls = stack.run(family, "broke");
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let call = calls.into_iter().next().unwrap();
+    assert!(call["shown"].as_str().unwrap().contains("is spent"), "{family}: the SDK shows the reason: {call}");
+    call
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_through_google_genai() {
+    admitted_tightly_and_charged_exactly("gemini").await;
+    let r = refused_for_budget("gemini", "gemini-2.0-flash").await;
+    assert_eq!(
+        (&r["error"], &r["code"], &r["status"]),
+        (&"ClientError".into(), &429.into(), &"RESOURCE_EXHAUSTED".into()),
+        "{r}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vertex_ai_gemini_through_google_genai() {
+    admitted_tightly_and_charged_exactly("vertex").await;
+    let r = refused_for_budget("vertex", "gemini-2.0-flash").await;
+    assert_eq!((&r["code"], &r["status"]), (&429.into(), &"RESOURCE_EXHAUSTED".into()), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bedrock_through_boto3() {
+    admitted_tightly_and_charged_exactly("bedrock").await;
+    let r = refused_for_budget("bedrock", "amazon.nova-lite-v1:0").await;
+    // botocore reads the code from x-amzn-errortype; a spent budget is a quota it does not retry.
+    assert_eq!(
+        (&r["code"], &r["status"], &r["attempts"]),
+        (&"ServiceQuotaExceededException".into(), &400.into(), &0.into()),
+        "{r}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ollama_through_its_client() {
+    admitted_tightly_and_charged_exactly("ollama").await;
+    let r = refused_for_budget("ollama", "llama3.2").await;
+    assert_eq!((&r["error"], &r["status"]), (&"ResponseError".into(), &429.into()), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn azure_openai_through_the_openai_sdk() {
+    admitted_tightly_and_charged_exactly("azure").await;
+    let r = refused_for_budget("azure", "gpt-4o").await;
+    assert_eq!((&r["error"], &r["status"]), (&"RateLimitError".into(), &429.into()), "{r}");
+}
+
+/// An embedding holds its input alone: a 5-token input is not held at the output ceiling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_hold_the_input_alone() {
+    let stack = Stack::start().await;
+    let calls = stack.run("embeddings", "acme");
+    let reserved = calls[0]["reserved_tokens"].as_i64().unwrap();
+    // {"input":"five tokens of input","model":"text-embedding-3-small","encoding_format":"base64"}
+    assert!((10..40).contains(&reserved), "{calls:?}");
+    let c = stack.charged(calls[0]["reservation"].as_str().unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered), (5, false), "{c:?}");
+}

@@ -1,0 +1,141 @@
+"""Each provider's own Python SDK, pointed at the gateway as its README says, for tests/sdks.rs.
+
+    python clients.py <family> <gateway base URL> <tenant>
+
+Runs one call that streams and one that does not (one embedding call for `embeddings`), then
+prints one JSON line per call: the hold tollgate made (`x-sim-reserved-tokens`, echoed by the
+stand-in backend), its reservation, and what the SDK read back; or, for a refused call, the
+exception the SDK raised, as the SDK shows it. Nothing here retries on its own: what retries is
+the SDK's own policy, left as shipped unless a line says otherwise.
+"""
+
+import json
+import sys
+
+import httpx
+
+FAMILY, BASE, TENANT = sys.argv[1], sys.argv[2].rstrip("/"), sys.argv[3]
+HEADERS = {"x-tenant-id": TENANT}
+PROMPT = "Say something about admission control. " * 4
+
+seen = []
+
+
+def remember(response: httpx.Response) -> None:
+    """An httpx event hook: the headers of every response, for the hold it echoes."""
+    seen.append(dict(response.headers))
+
+
+def report(call: str, headers: dict, text: str = "") -> None:
+    print(json.dumps({
+        "call": call,
+        "reservation": headers.get("x-sim-reservation"),
+        "reserved_tokens": int(headers.get("x-sim-reserved-tokens", "-1")),
+        "text_bytes": len(text),
+    }), flush=True)
+
+
+def refused(call: str, e: Exception, **shown) -> None:
+    print(json.dumps({"call": call, "error": type(e).__name__, "shown": str(e), **shown}), flush=True)
+
+
+def gemini(vertex: bool) -> None:
+    from google import genai
+    from google.genai import errors, types
+
+    options = types.HttpOptions(base_url=BASE, headers=HEADERS, client_args={"event_hooks": {"response": [remember]}})
+    if vertex:
+        from google.oauth2.credentials import Credentials
+
+        client = genai.Client(vertexai=True, project="p", location="us-central1",
+                              credentials=Credentials(token="test"), http_options=options)
+    else:
+        client = genai.Client(api_key="test", http_options=options)
+    config = types.GenerateContentConfig(max_output_tokens=40)
+    try:
+        r = client.models.generate_content(model="gemini-2.0-flash", contents=PROMPT, config=config)
+        report("generate", seen[-1], r.text or "")
+        text = "".join(c.text or "" for c in client.models.generate_content_stream(
+            model="gemini-2.0-flash", contents=PROMPT, config=config))
+        report("stream", seen[-1], text)
+    except errors.APIError as e:
+        refused("generate", e, code=e.code, status=e.status, message=e.message)
+
+
+def bedrock() -> None:
+    import boto3
+    from botocore.exceptions import ClientError
+
+    client = boto3.client("bedrock-runtime", endpoint_url=BASE, region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+
+    def tenant(request, **_):
+        request.headers["x-tenant-id"] = TENANT
+
+    client.meta.events.register("before-send.bedrock-runtime.*", tenant)
+    model = "amazon.nova-lite-v1:0"
+    messages = [{"role": "user", "content": [{"text": PROMPT}]}]
+    try:
+        r = client.converse(modelId=model, messages=messages, inferenceConfig={"maxTokens": 40})
+        report("generate", r["ResponseMetadata"]["HTTPHeaders"], r["output"]["message"]["content"][0]["text"])
+        r = client.converse_stream(modelId=model, messages=messages, inferenceConfig={"maxTokens": 40})
+        text = "".join(e["contentBlockDelta"]["delta"]["text"] for e in r["stream"] if "contentBlockDelta" in e)
+        report("stream", r["ResponseMetadata"]["HTTPHeaders"], text)
+    except ClientError as e:
+        error = e.response["Error"]
+        refused("generate", e, code=error.get("Code"), message=error.get("Message"),
+                status=e.response["ResponseMetadata"]["HTTPStatusCode"],
+                attempts=e.response["ResponseMetadata"].get("RetryAttempts"))
+
+
+def ollama_client() -> None:
+    import ollama
+
+    client = ollama.Client(host=BASE, headers=HEADERS, event_hooks={"response": [remember]})
+    try:
+        r = client.chat(model="llama3.2", messages=[{"role": "user", "content": PROMPT}],
+                        options={"num_predict": 40}, stream=False)
+        report("generate", seen[-1], r.message.content or "")
+        text = "".join(c.message.content or "" for c in client.chat(
+            model="llama3.2", messages=[{"role": "user", "content": PROMPT}], options={"num_predict": 40}, stream=True))
+        report("stream", seen[-1], text)
+    except ollama.ResponseError as e:
+        refused("generate", e, status=e.status_code, message=e.error)
+
+
+def azure() -> None:
+    import openai
+
+    client = openai.AzureOpenAI(azure_endpoint=BASE, api_key="test", api_version="2024-10-21",
+                                default_headers=HEADERS, max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    try:
+        raw = client.chat.completions.with_raw_response.create(model="my-gpt4o", messages=messages, max_tokens=40)
+        report("generate", dict(raw.headers), raw.parse().choices[0].message.content or "")
+        raw = client.chat.completions.with_raw_response.create(
+            model="my-gpt4o", messages=messages, max_tokens=40, stream=True, stream_options={"include_usage": True})
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        report("stream", dict(raw.headers), text)
+    except openai.APIStatusError as e:
+        refused("generate", e, status=e.status_code, message=e.message)
+
+
+def embeddings() -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=BASE + "/v1", api_key="test", default_headers=HEADERS, max_retries=0)
+    try:
+        raw = client.embeddings.with_raw_response.create(model="text-embedding-3-small", input="five tokens of input")
+        report("embed", dict(raw.headers))
+    except openai.APIStatusError as e:
+        refused("embed", e, status=e.status_code, message=e.message)
+
+
+{
+    "gemini": lambda: gemini(vertex=False),
+    "vertex": lambda: gemini(vertex=True),
+    "bedrock": bedrock,
+    "ollama": ollama_client,
+    "azure": azure,
+    "embeddings": embeddings,
+}[FAMILY]()
