@@ -100,7 +100,10 @@ async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
             assert_eq!(header(&r, "x-amzn-errortype").as_deref(), Some("ValidationException"));
             assert!(body["message"].as_str().unwrap().contains("\"nope\" is not served here"), "{body}");
         } else {
-            assert_eq!((body["error"]["code"].as_u64(), body["error"]["status"].as_str()), (Some(400), Some("INVALID_ARGUMENT")));
+            assert_eq!(
+                (body["error"]["code"].as_u64(), body["error"]["status"].as_str()),
+                (Some(400), Some("INVALID_ARGUMENT"))
+            );
         }
     }
 }

@@ -85,7 +85,7 @@ impl Stack {
                 return state;
             }
             // Envoy tells tollgate of a client that left by closing the stream, deferred_close_timeout
-            // (1 s) after the request ended.
+            // (0.1 s) after the request ended.
             assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -323,7 +323,7 @@ async fn responses_api_json_and_streams_are_committed_exactly() {
 /// reservation from the metadata, and commits the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filter_forwarded_the_metadata_instead_of_the_request_headers_commits_the_same() {
-    const DEFERRED: &str = "                      deferred_close_timeout: 1s\n";
+    const DEFERRED: &str = "                      deferred_close_timeout: 0.1s\n";
     let stack = Stack::start_edited(10_000.0, |config| {
         assert!(config.contains(DEFERRED) && config.contains("request_header_mode: SEND"), "envoy.yaml changed");
         let forwarding = "                      metadata_options:\n\

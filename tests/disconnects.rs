@@ -1,0 +1,159 @@
+//! The end of a stream through the shipped `envoy/envoy.yaml`, as the client's concurrency slot
+//! sees it. A client that leaves mid-stream (an SDK's `stream.close()`, "stop generating") gets its
+//! slot back within 250 ms: Envoy tells tollgate by closing the ext_proc stream
+//! `deferred_close_timeout` after the client left, and tollgate commits what passed. And a
+//! thousand streams that end normally each settle with their exact usage: the shorter close loses
+//! no settlement and turns none of them into a metered one.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use support::procs::{Envoy, Tollgate};
+use support::upstream::post;
+use tokio_util::sync::CancellationToken;
+use tollgate::proto::admission_client::AdmissionClient;
+use tollgate::proto::{CommitRequest, RenewRequest};
+use tollgate::tools::sim::formats::Text;
+
+const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                      tenants:\n  acme:\n    limits: { max_concurrency: 1000 }\n  single:\n    limits: { max_concurrency: 1 }\n";
+const CHAT: &str = "/v1/chat/completions";
+
+struct Stack {
+    tollgate: Tollgate,
+    envoy: Envoy,
+    shutdown: CancellationToken,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Stack {
+    async fn start(decode_tokens_per_second: f64) -> Stack {
+        let tollgate = Tollgate::start(POLICY);
+        let (port, shutdown) = support::sim_backend(decode_tokens_per_second, Text::Tok).await;
+        let envoy = Envoy::start(tollgate.addr, port);
+        Stack { tollgate, envoy, shutdown }
+    }
+
+    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
+        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
+    }
+
+    fn diagnostics(&self) -> String {
+        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
+    }
+}
+
+fn chat(stream: bool) -> String {
+    format!(
+        r#"{{"model":"sim","max_tokens":100,"stream":{stream},"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(200)
+    )
+}
+
+/// A client holding the tenant's one slot reads two chunks of a long stream and leaves; the time
+/// until its hold is settled (polled every 5 ms), and a new request admitted at once after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_gets_its_slot_back_within_250_ms() {
+    // 40 tokens at 20 a second: two seconds of stream, of which the client reads the first chunks.
+    let stack = Stack::start(20.0).await;
+    let mut admission = stack.client().await;
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let request = hyper::Request::post(format!("http://127.0.0.1:{}{CHAT}", stack.envoy.port))
+            .header("content-type", "application/json")
+            .header("x-tenant-id", "single")
+            .body(Full::new(Bytes::from(chat(true))))
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        assert_eq!(response.status(), 200, "{}", stack.diagnostics());
+        let id = response.headers()["x-sim-reservation"].to_str().unwrap().to_string();
+        let mut body = response.into_body();
+        for _ in 0..2 {
+            let frame = tokio::time::timeout(Duration::from_secs(5), body.frame()).await.unwrap();
+            assert!(frame.is_some(), "the stream ended before the client left");
+        }
+        drop(body);
+        drop(client);
+        let left = Instant::now();
+        loop {
+            let state = admission
+                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
+                .await
+                .unwrap()
+                .into_inner()
+                .state;
+            if state != "reserved" {
+                assert_eq!(state, "committed", "charged what passed");
+                break;
+            }
+            assert!(left.elapsed() < Duration::from_secs(5), "{id} never settled\n{}", stack.diagnostics());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        took.push(left.elapsed());
+        // The slot is free: the next stream is admitted, not refused for concurrency.
+    }
+    eprintln!("settled after the client left: {took:?}");
+    for t in &took {
+        assert!(*t < Duration::from_millis(250), "the slot came back {t:?} after the client left: {took:?}");
+    }
+}
+
+/// A thousand streams, 16 at a time, each committed from its response with exactly the usage it
+/// reported: none lost, none metered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_normal_streams_each_settle_exactly() {
+    let stack = Stack::start(20_000.0).await;
+    let port = stack.envoy.port;
+    let ids = futures_util::stream::iter(0..1000)
+        .map(|_| async move {
+            let r = post(port, CHAT, &[("x-tenant-id", "acme")], chat(true)).await;
+            assert_eq!(r.status, 200, "{r:?}");
+            r.header("x-sim-reservation").unwrap().to_string()
+        })
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
+    let mut admission = stack.client().await;
+    let (mut exact, mut metered, mut open) = (0, 0, 0);
+    for id in &ids {
+        let start = Instant::now();
+        loop {
+            let state = admission
+                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
+                .await
+                .unwrap()
+                .into_inner()
+                .state;
+            if state == "committed" {
+                let repeat = CommitRequest { reservation_id: id.clone(), prompt_tokens: 999, completion_tokens: 999 };
+                let c = admission.commit(repeat).await.unwrap().into_inner();
+                assert!(c.duplicate, "{c:?}");
+                if c.metered {
+                    metered += 1
+                } else {
+                    exact += 1
+                }
+                break;
+            }
+            if start.elapsed() > Duration::from_secs(5) {
+                open += 1;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eprintln!("1000 streams: {exact} exact, {metered} metered, {open} never settled");
+    assert_eq!((exact, metered, open), (1000, 0, 0), "{}", stack.diagnostics());
+}
