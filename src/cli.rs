@@ -223,6 +223,10 @@ pub struct CycleArgs {
     /// against what it allows.
     #[arg(long, value_parser = parse_quota)]
     pub quota: Option<(u64, u64)>,
+    /// Every prompt this many bytes, instead of a realistic spread around 1,200 (what a body's size
+    /// costs; with --http, what Envoy's max_request_bytes costs).
+    #[arg(long)]
+    pub prompt_bytes: Option<usize>,
 }
 
 fn parse_quota(s: &str) -> Result<(u64, u64), String> {

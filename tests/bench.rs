@@ -31,6 +31,7 @@ async fn the_cycle_benchmark_sends_its_whole_schedule() {
         connections: 2,
         store_stats: None,
         quota: None,
+        prompt_bytes: None,
     };
     let report = bench::run(&options).await.unwrap();
     assert_eq!((report.cycles, report.admitted, report.errors), (200, 200, 0), "{report}");
@@ -65,6 +66,7 @@ async fn the_cycle_benchmark_drives_replicas_and_measures_hits_and_quota() {
         connections: 1,
         store_stats: Some(url.clone()),
         quota,
+        prompt_bytes: None,
     };
     // About 450 tokens a cycle at 200/s: 90,000 tokens/s against a quota of 10,000/s.
     let limited = bench::run(&options(&tenant, Some((600_000, 20_000)))).await.unwrap();
@@ -106,6 +108,7 @@ async fn through_envoy(
         connections: 1,
         store_stats: None,
         quota: None,
+        prompt_bytes: None,
     };
     let report = bench::run(&options).await.unwrap();
     shutdown.cancel();

@@ -1,5 +1,7 @@
-//! The end of a stream through the shipped `envoy/envoy.yaml`, as the client's concurrency slot
-//! sees it. A client that leaves mid-stream (an SDK's `stream.close()`, "stop generating") gets its
+//! The edges of a request through the shipped `envoy/envoy.yaml`: its body's size, and the end of
+//! its stream, as the client's concurrency slot sees it. A body up to 1 MiB reaches tollgate whole
+//! and is held at what it asks; a larger one is cut there, admitted, and held at the model's
+//! output ceiling, since the rest could name a second `max_tokens`. A client that leaves mid-stream (an SDK's `stream.close()`, "stop generating") gets its
 //! slot back within 250 ms: Envoy tells tollgate by closing the ext_proc stream
 //! `deferred_close_timeout` after the client left, and tollgate commits what passed. And a
 //! thousand streams that end normally each settle with their exact usage: the shorter close loses
@@ -59,6 +61,41 @@ fn chat(stream: bool) -> String {
         r#"{{"model":"sim","max_tokens":100,"stream":{stream},"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"{}"}}]}}"#,
         "x".repeat(200)
     )
+}
+
+/// Bodies on either side of the 1 MiB Envoy sends whole: each admitted (never a 413), the first
+/// held at the 100 it asks, the second at the model's 4,096 with its prompt from content-length,
+/// and both charged what the backend reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
+    let stack = Stack::start(10_000.0).await;
+    let mut admission = stack.client().await;
+    for (content, ceiling) in [(1_000_000, 100), (3_000_000, 4096)] {
+        let body = format!(
+            r#"{{"model":"sim","max_tokens":100,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "x".repeat(content)
+        );
+        let r = post(stack.envoy.port, CHAT, &[("x-tenant-id", "acme")], body.clone()).await;
+        assert_eq!(r.status, 200, "{content} bytes: {r:?}\n{}", stack.diagnostics());
+        let reserved: u64 = r.header("x-sim-reserved-tokens").unwrap().parse().unwrap();
+        assert_eq!(reserved, (body.len() as u64).div_ceil(4) + ceiling, "{content} bytes");
+        let id = r.header("x-sim-reservation").unwrap().to_string();
+        let start = Instant::now();
+        while admission
+            .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
+            .await
+            .unwrap()
+            .into_inner()
+            .state
+            == "reserved"
+        {
+            assert!(start.elapsed() < Duration::from_secs(5), "never settled");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let repeat = CommitRequest { reservation_id: id, prompt_tokens: 1, completion_tokens: 1 };
+        let c = admission.commit(repeat).await.unwrap().into_inner();
+        assert_eq!((c.used_tokens, c.metered), ((content as u64).div_ceil(4) + 40, false), "{c:?}");
+    }
 }
 
 /// A client holding the tenant's one slot reads two chunks of a long stream and leaves; the time

@@ -243,14 +243,15 @@ async fn bad_input_gets_the_right_reason_and_charges_nothing() {
     assert_eq!(r.header("x-test-reserved-tokens"), Some("1000"));
 }
 
-/// Envoy sends only the first 8 KiB; the prompt estimate comes from content-length.
+/// Envoy sends only the first MiB: the prompt estimate comes from content-length, and the
+/// model's ceiling is held, not the max_tokens before the cut (the rest could name another).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_larger_than_envoy_sends_is_estimated_from_content_length() {
     let stack = Stack::start("").await;
-    let body = chat_body("m", Some(10), 40_000);
+    let body = chat_body("m", Some(10), 1_200_000);
     let r = stack.chat("big", &body, &[]).await;
     assert_eq!(r.status, 200, "{r:?}");
-    let expected = (body.len() as u64).div_ceil(4) + 10;
+    let expected = (body.len() as u64).div_ceil(4) + 4096;
     assert_eq!(r.header("x-test-reserved-tokens"), Some(expected.to_string().as_str()));
 }
 
@@ -261,7 +262,7 @@ async fn a_body_larger_than_envoy_sends_is_estimated_from_content_length() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_body_without_its_model_is_admitted_with_the_model_header() {
     let stack = Stack::start("").await;
-    let body = chat_body_messages_first("m", 10, 40_000);
+    let body = chat_body_messages_first("m", 10, 1_200_000);
     let r = stack.chat("big", &body, &[("x-tollgate-model", "m")]).await;
     assert_eq!(r.status, 200, "{r:?}");
     // max_tokens was past the cut too, so the model's ceiling is held.

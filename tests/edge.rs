@@ -192,16 +192,27 @@ async fn a_body_that_names_its_model_or_ceiling_twice_is_refused() {
     }
 }
 
+/// A cut body holds the worst case of what it cannot see: the model's longest prompt when its
+/// length is unknown, and always the model's output ceiling, since what follows the cut could
+/// name a second `max_tokens` (a backend keeping the last would generate that many).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cut_body_of_unknown_length_holds_the_worst_case_prompt() {
+async fn a_cut_body_holds_the_worst_case_of_what_it_cannot_see() {
     let mut e = Edge::start().await;
     // Chunked: no content-length, and Envoy sent only the first bytes.
     let cut = br#"{"model":"m","max_tokens":10,"messages":[{"role":"user","content":"and on and on"#;
     let d = e.check(check(&[("x-tenant-id", "big"), ("x-envoy-auth-partial-body", "true")], cut)).await;
-    assert_eq!(upstream(&d, "x-tollgate-reserved-tokens"), Some("131082"), "the model's max_prompt_tokens + 10");
+    assert_eq!(upstream(&d, "x-tollgate-reserved-tokens"), Some("131136"), "max_prompt_tokens + max_output_tokens");
     let with_length = [("x-tenant-id", "big"), ("x-envoy-auth-partial-body", "true"), ("content-length", "4000")];
     let d = e.check(check(&with_length, cut)).await;
-    assert_eq!(upstream(&d, "x-tollgate-reserved-tokens"), Some("1010"), "content-length known: 4000 / 4 + 10");
+    assert_eq!(
+        upstream(&d, "x-tollgate-reserved-tokens"),
+        Some("1064"),
+        "content-length known: 4000 / 4 + 64, not + 10"
+    );
+    // The same body whole holds what it asks.
+    let whole = br#"{"model":"m","max_tokens":10,"messages":[{"role":"user","content":"and on and on"}]}"#;
+    let d = e.check(check(&[("x-tenant-id", "big")], whole)).await;
+    assert_eq!(upstream(&d, "x-tollgate-reserved-tokens"), Some(&*(whole.len().div_ceil(4) + 10).to_string()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

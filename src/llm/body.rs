@@ -6,9 +6,11 @@
 //! backend ignores a `max_tokens`, so a hold must too.
 //!
 //! Envoy may send only the first bytes of a body (`allow_partial_message`). Fields are collected
-//! as the parser meets them, so a body cut short still yields everything before the cut. A number
-//! that runs into the cut may itself be cut (`"max_tokens": 12` of `1200`), so it is dropped and
-//! the model's ceiling is reserved instead: a partial body can only make the hold larger.
+//! as the parser meets them, so a body cut short still yields its model and `stream` from before
+//! the cut. Never its output ceiling: the rest of the body, which tollgate never sees, could name
+//! a second one (`"max_tokens": 10, …, "max_tokens": 4000`) that a backend keeping the last would
+//! obey, so a cut body is held at the model's ceiling. The shipped Envoy sends bodies up to 1 MiB
+//! whole, so only a prompt longer than that pays for it (docs/envoy.md, "What Envoy sends").
 //!
 //! A field named twice is refused: JSON leaves duplicates to the reader, and a backend that keeps
 //! the last `model` or `max_tokens` would generate for a request other than the one admitted.
@@ -88,17 +90,13 @@ pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, Body
     let result = Collector { found: &mut found, within: "" }.deserialize(&mut de).and_then(|()| de.end());
     match result {
         Ok(()) => {}
-        Err(e) if partial && e.is_eof() => {
-            if found.last_was_number {
-                found.ceilings = [None; 4];
-            }
-        }
+        Err(e) if partial && e.is_eof() => {}
         Err(e) if e.is_data() => return Err(BodyError(e.to_string())),
         Err(e) => return Err(BodyError(format!("request body is not valid JSON: {e}"))),
     }
     Ok(BodyFields {
         model: found.model,
-        max_tokens: found.ceilings.iter().flatten().next().copied(),
+        max_tokens: found.ceilings.iter().flatten().next().copied().filter(|_| !partial),
         stream: found.stream,
     })
 }
@@ -110,22 +108,13 @@ struct Found {
     stream: Option<bool>,
     /// By position in [`ceilings`].
     ceilings: [Option<u64>; 4],
-    /// The most recent value read was a token count, and nothing has been read after it.
-    last_was_number: bool,
     /// The fields read so far (by their first spelling), to refuse one named twice.
     seen: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Found {
     fn default() -> Self {
-        Found {
-            body: Body::OpenAi,
-            model: None,
-            stream: None,
-            ceilings: [None; 4],
-            last_was_number: false,
-            seen: Vec::new(),
-        }
+        Found { body: Body::OpenAi, model: None, stream: None, ceilings: [None; 4], seen: Vec::new() }
     }
 }
 
@@ -164,7 +153,6 @@ impl<'de> Visitor<'de> for Collector<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let shape = ceilings(self.found.body);
         while let Some(key) = map.next_key::<String>()? {
-            self.found.last_was_number = false;
             let key = key.as_str();
             let top = self.within.is_empty();
             if top && names_model_and_stream(self.found.body) && (key == "model" || key == "stream") {
@@ -184,7 +172,6 @@ impl<'de> Visitor<'de> for Collector<'_> {
                 let count =
                     map.next_value_seed(CountSeed { name: c.names[0], unlimited_below_one: c.unlimited_below_one })?;
                 self.found.ceilings[i] = count;
-                self.found.last_was_number = true;
                 continue;
             }
             // An object holding a ceiling, under its first spelling.
@@ -301,17 +288,15 @@ mod tests {
     }
 
     #[test]
-    fn a_cut_body_keeps_what_came_before_the_cut() {
-        let cut = br#"{"model":"gpt-4o","max_tokens":300,"messages":[{"role":"user","content":"a very lo"#;
-        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().max_tokens, Some(300));
-        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().model.as_deref(), Some("gpt-4o"));
+    fn a_cut_body_keeps_its_model_but_never_its_ceiling() {
+        // What follows the cut could say "max_tokens": 4000 again, and a backend keep that one.
+        let cut =
+            br#"{"model":"gpt-4o","max_tokens":300,"stream":true,"messages":[{"role":"user","content":"a very lo"#;
+        let read = parse(Body::OpenAi, cut, true).unwrap();
+        assert_eq!((read.model.as_deref(), read.max_tokens, read.stream), (Some("gpt-4o"), None, Some(true)));
         assert!(parse(Body::OpenAi, cut, false).is_err(), "a cut body Envoy did not mark partial is malformed");
-    }
-
-    #[test]
-    fn a_number_at_the_cut_is_not_trusted() {
         let cut = br#"{"model":"gpt-4o","max_tokens":12"#;
-        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().max_tokens, None);
+        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().max_tokens, None, "nor a number at the cut");
     }
 
     #[test]
@@ -378,9 +363,7 @@ mod tests {
         }
         let err = parse(Body::Converse, br#"{"inferenceConfig":{"maxTokens":-3}}"#, false).unwrap_err();
         assert!(err.0.contains("maxTokens must be at least 1"), "{err}");
-        let cut = br#"{"contents":[],"generationConfig":{"maxOutputTokens":12"#;
-        assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, None);
         let cut = br#"{"generationConfig":{"maxOutputTokens":12},"contents":[{"parts":[{"text":"lo"#;
-        assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, Some(12));
+        assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, None, "a cut body's ceiling is not read");
     }
 }

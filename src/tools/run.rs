@@ -145,6 +145,7 @@ impl CycleArgs {
                 connections: self.connections,
                 store_stats: self.store_stats,
                 quota: self.quota,
+                prompt_bytes: self.prompt_bytes,
             },
             rates: self.rates,
             runs: self.runs,

@@ -54,7 +54,7 @@ pub async fn run<S: Store>(
     calls: usize,
 ) -> DecisionTimes {
     let service = AuthzService::new(Arc::clone(&admission));
-    let mix = RequestMix::new(model, 1);
+    let mix = RequestMix::new(model, 1, None);
     let mut times = Vec::with_capacity(calls);
     let mut admitted = 0;
     for i in 0..warmup.saturating_add(calls) {

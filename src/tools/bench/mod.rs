@@ -64,6 +64,9 @@ pub struct BenchOptions {
     /// The tenants' token quota, (tokens per minute, burst), each: what is admitted over a run is
     /// measured against `burst + rate × time` per tenant.
     pub quota: Option<(u64, u64)>,
+    /// Every prompt this many bytes, instead of the realistic spread (to measure what a body's
+    /// size costs).
+    pub prompt_bytes: Option<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,7 +145,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     let measured = (options.duration.as_secs_f64() * f64::from(options.rate)) as u64;
     let total = warm + measured;
     let samples = Arc::new(Mutex::new(Vec::with_capacity(measured as usize)));
-    let mix = Arc::new(RequestMix::new(&options.model, 1));
+    let mix = Arc::new(RequestMix::new(&options.model, 1, options.prompt_bytes));
 
     // The schedule is kept by a thread of its own: tokio's timer ticks in whole milliseconds, so
     // at 1,000 cycles/s it would send most cycles late and charge the lateness to the server.
@@ -247,7 +250,7 @@ async fn store_calls(url: &str) -> Result<u64, BenchError> {
 }
 
 /// `max_request_bytes` of the ext_authz filter in envoy/envoy.yaml.
-const ENVOY_BODY_BYTES: usize = 8192;
+const ENVOY_BODY_BYTES: usize = 1 << 20;
 
 /// One request of the mix: its body, and the usage its commit reports.
 #[derive(Debug)]
@@ -260,18 +263,18 @@ struct MixedRequest {
 /// A realistic spread of requests, drawn once before the run (so drawing costs the run nothing):
 /// prompt sizes log-normal around 1,200 bytes (about 300 tokens; from a few dozen to 32 KiB),
 /// `max_tokens` of 128 to 1,024, and committed outputs log-normal around 150 tokens, cut at
-/// `max_tokens`. Cycle `i` sends request `i mod 1024`.
+/// `max_tokens`. Cycle `i` sends request `i mod 1024`. `prompt_bytes` fixes every prompt's size.
 #[derive(Debug)]
 struct RequestMix(Vec<MixedRequest>);
 
 impl RequestMix {
-    fn new(model: &str, seed: u64) -> Self {
+    fn new(model: &str, seed: u64, prompt_bytes: Option<usize>) -> Self {
         let prompts = Sampler::new(OutputLengths::LogNormal { median: 1200.0, sigma: 1.0 }, seed);
         let outputs = Sampler::new(OutputLengths::LogNormal { median: 150.0, sigma: 0.8 }, seed + 1);
         let mut rng = fastrand::Rng::with_seed(seed + 2);
         let requests = (0..1024)
             .map(|_| {
-                let bytes = prompts.sample(32 * 1024) as usize;
+                let bytes = prompt_bytes.unwrap_or_else(|| prompts.sample(32 * 1024) as usize);
                 let max_tokens = [128, 256, 512, 1024][rng.usize(..4)];
                 let body = format!(
                     r#"{{"model":"{model}","max_tokens":{max_tokens},"messages":[{{"role":"user","content":"{}"}}]}}"#,
@@ -338,7 +341,7 @@ async fn http_cycle(
     }
 }
 
-/// The Check Envoy's bootstrap would send for a request of the mix: at most the first 8 KiB of its
+/// The Check Envoy's bootstrap would send for a request of the mix: at most the first MiB of its
 /// body, the rest announced by `content-length`.
 fn check_request(tenant: String, mixed: &MixedRequest) -> CheckRequest {
     let body = mixed.body.as_bytes();

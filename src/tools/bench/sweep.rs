@@ -276,6 +276,7 @@ mod tests {
                 connections: 1,
                 store_stats: None,
                 quota: None,
+                prompt_bytes: None,
             },
             rates: vec![],
             runs: 3,
