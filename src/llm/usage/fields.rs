@@ -12,7 +12,11 @@
 //! | Bedrock InvokeModel | `amazon-bedrock-invocationMetrics` (streams), else the model's own (Anthropic's above) | the metrics chunk | the model's own: Anthropic's, Nova's `contentBlockDelta`, Llama's `generation`, Titan's `outputText` |
 //! | Ollama | `prompt_eval_count`, `eval_count` (embeddings: none) | `"done": true` | `message` content, thinking, tool arguments; `response`, `thinking` |
 //!
-//! Counts are cumulative where a stream repeats them, so the caller keeps the largest seen.
+//! Counts are cumulative where a stream repeats them, so the caller keeps the largest seen. Each
+//! provider's cache reads and writes and reasoning tokens are read too ([`Detail`]), within the
+//! prompt and output counts: OpenAI's `cached_tokens` and `reasoning_tokens` (chat and Responses),
+//! Anthropic's `cache_read_input_tokens` and `cache_creation_input_tokens`, Gemini's
+//! `cachedContentTokenCount` and `thoughtsTokenCount`, Bedrock's cache reads and writes.
 
 use serde_json::Value;
 
@@ -21,16 +25,47 @@ use serde_json::Value;
 pub struct Reported {
     pub prompt: Option<u64>,
     pub output: Option<u64>,
+    /// What of them the provider says more of: cache reads and writes (within the prompt),
+    /// reasoning (within the output).
+    pub detail: Detail,
+}
+
+/// The parts of a response's counts that a provider prices apart, each within its total: the
+/// prompt tokens read from its cache and written to it, and the output tokens spent reasoning.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Detail {
+    pub cache_read: Option<u64>,
+    pub cache_write: Option<u64>,
+    pub reasoning: Option<u64>,
+}
+
+/// The largest of two counts, where either says.
+fn max(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+impl Detail {
+    /// Each count the largest either says.
+    pub fn merge(self, other: Detail) -> Detail {
+        Detail {
+            cache_read: max(self.cache_read, other.cache_read),
+            cache_write: max(self.cache_write, other.cache_write),
+            reasoning: max(self.reasoning, other.reasoning),
+        }
+    }
 }
 
 impl Reported {
     /// Both counts taken together: the largest of each.
     fn merge(self, other: Reported) -> Reported {
-        let max = |a: Option<u64>, b: Option<u64>| match (a, b) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        };
-        Reported { prompt: max(self.prompt, other.prompt), output: max(self.output, other.output) }
+        Reported {
+            prompt: max(self.prompt, other.prompt),
+            output: max(self.output, other.output),
+            detail: self.detail.merge(other.detail),
+        }
     }
 }
 
@@ -52,7 +87,9 @@ pub fn reported(v: &Value) -> Reported {
             (None, None) => None,
             (c, t) => Some(c.unwrap_or(0).saturating_add(t.unwrap_or(0))),
         };
-        found = found.merge(Reported { prompt, output });
+        let detail =
+            Detail { cache_read: n("cachedContentTokenCount"), cache_write: None, reasoning: n("thoughtsTokenCount") };
+        found = found.merge(Reported { prompt, output, detail });
     }
     let metrics = &v["amazon-bedrock-invocationMetrics"];
     if metrics.is_object() {
@@ -61,14 +98,19 @@ pub fn reported(v: &Value) -> Reported {
             i.saturating_add(n("cacheReadInputTokenCount").unwrap_or(0))
                 .saturating_add(n("cacheWriteInputTokenCount").unwrap_or(0))
         });
-        found = found.merge(Reported { prompt, output: n("outputTokenCount") });
+        let detail = Detail {
+            cache_read: n("cacheReadInputTokenCount"),
+            cache_write: n("cacheWriteInputTokenCount"),
+            reasoning: None,
+        };
+        found = found.merge(Reported { prompt, output: n("outputTokenCount"), detail });
     }
     // Ollama, at the top level; its embeddings report the prompt alone.
     if let Some(prompt) = v["prompt_eval_count"].as_u64() {
         let output = v["eval_count"].as_u64().or_else(|| v["embeddings"].is_array().then_some(0));
-        found = found.merge(Reported { prompt: Some(prompt), output });
+        found = found.merge(Reported { prompt: Some(prompt), output, detail: Detail::default() });
     } else if let Some(output) = v["eval_count"].as_u64() {
-        found = found.merge(Reported { prompt: None, output: Some(output) });
+        found = found.merge(Reported { prompt: None, output: Some(output), detail: Detail::default() });
     }
     found
 }
@@ -85,7 +127,19 @@ fn openai_or_anthropic(usage: &Value) -> Reported {
     let output = n("completion_tokens")
         .or_else(|| n("output_tokens"))
         .or_else(|| (n("prompt_tokens").is_some() && n("total_tokens").is_some()).then_some(0));
-    Reported { prompt, output }
+    // OpenAI's chat (`*_tokens_details`) and Responses (`input_`/`output_tokens_details`);
+    // Anthropic's cache reads and writes.
+    let detail = Detail {
+        cache_read: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .or_else(|| usage["input_tokens_details"]["cached_tokens"].as_u64())
+            .or_else(|| n("cache_read_input_tokens")),
+        cache_write: n("cache_creation_input_tokens"),
+        reasoning: usage["completion_tokens_details"]["reasoning_tokens"]
+            .as_u64()
+            .or_else(|| usage["output_tokens_details"]["reasoning_tokens"].as_u64()),
+    };
+    Reported { prompt, output, detail }
 }
 
 fn bedrock(usage: &Value) -> Reported {
@@ -93,7 +147,9 @@ fn bedrock(usage: &Value) -> Reported {
     let prompt = n("inputTokens").map(|i| {
         i.saturating_add(n("cacheReadInputTokens").unwrap_or(0)).saturating_add(n("cacheWriteInputTokens").unwrap_or(0))
     });
-    Reported { prompt, output: n("outputTokens") }
+    let detail =
+        Detail { cache_read: n("cacheReadInputTokens"), cache_write: n("cacheWriteInputTokens"), reasoning: None };
+    Reported { prompt, output: n("outputTokens"), detail }
 }
 
 /// Whether a streamed event is the one that closes its stream's usage: Anthropic's

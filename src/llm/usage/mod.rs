@@ -67,6 +67,8 @@ pub struct Meter {
     output: Option<u64>,
     /// A stream's final usage has arrived: its counts are the response's last word.
     final_usage: bool,
+    /// Cache reads and writes and reasoning, as far as the response said.
+    detail: fields::Detail,
     /// Bytes of generated text seen (events), or of the whole body (opaque, JSON).
     text_bytes: u64,
 }
@@ -92,8 +94,15 @@ impl Meter {
             prompt: None,
             output: None,
             final_usage: false,
+            detail: fields::Detail::default(),
             text_bytes: 0,
         }
+    }
+
+    /// The cache reads and writes and reasoning tokens the response reported, within its counts
+    /// (after [`Meter::measured`]; none where it said nothing).
+    pub fn detail(&self) -> fields::Detail {
+        self.detail
     }
 
     /// Counts the response reported in its headers (Bedrock's InvokeModel): its last word, whatever
@@ -228,6 +237,7 @@ impl Meter {
             let r = fields::reported(v);
             self.prompt = r.prompt.or(self.prompt);
             self.output = r.output.or(self.output);
+            self.detail = self.detail.merge(r.detail);
             self.final_usage = true;
         } else {
             self.take_counts(v);
@@ -238,6 +248,7 @@ impl Meter {
     /// Keeps the largest counts seen.
     fn take_counts(&mut self, v: &serde_json::Value) {
         let r = fields::reported(v);
+        self.detail = self.detail.merge(r.detail);
         if let Some(p) = r.prompt {
             self.prompt = Some(self.prompt.map_or(p, |q| q.max(p)));
         }
@@ -472,5 +483,30 @@ mod tests {
         let ollama = "{\"message\":{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"function\":{\"name\":\"f\",\"arguments\":{\"city\":\"Paris\"}}}]},\"done\":false}\n";
         // {"city":"Paris"}: 16 bytes.
         assert_eq!(run("application/x-ndjson", &[ollama]), Measured::Metered { output: 4 });
+    }
+
+    /// Cache reads and writes and reasoning, as each provider reports them.
+    #[test]
+    fn cache_and_reasoning_counts_are_read() {
+        use fields::Detail;
+        let detail = |content_type: &str, body: &str| {
+            let mut m = Meter::new(Some(content_type), None, 4.0);
+            m.feed(body.as_bytes());
+            m.measured();
+            m.detail()
+        };
+        let d = |r, w, t| Detail { cache_read: r, cache_write: w, reasoning: t };
+        let openai = r#"{"usage":{"prompt_tokens":2006,"completion_tokens":300,"prompt_tokens_details":{"cached_tokens":1920},"completion_tokens_details":{"reasoning_tokens":256}}}"#;
+        assert_eq!(detail("application/json", openai), d(Some(1920), None, Some(256)));
+        let responses = r#"{"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":40},"output_tokens":9,"output_tokens_details":{"reasoning_tokens":4}}}"#;
+        assert_eq!(detail("application/json", responses), d(Some(40), None, Some(4)));
+        let anthropic = r#"{"usage":{"input_tokens":10,"cache_read_input_tokens":500,"cache_creation_input_tokens":30,"output_tokens":3}}"#;
+        assert_eq!(detail("application/json", anthropic), d(Some(500), Some(30), None));
+        let gemini = r#"{"usageMetadata":{"promptTokenCount":9,"cachedContentTokenCount":4,"candidatesTokenCount":3,"thoughtsTokenCount":20}}"#;
+        assert_eq!(detail("application/json", gemini), d(Some(4), None, Some(20)));
+        let bedrock =
+            r#"{"usage":{"inputTokens":11,"outputTokens":4,"cacheReadInputTokens":5,"cacheWriteInputTokens":7}}"#;
+        assert_eq!(detail("application/json", bedrock), d(Some(5), Some(7), None));
+        assert_eq!(detail("application/json", r#"{"prompt_eval_count":1,"eval_count":2}"#), Detail::default());
     }
 }
