@@ -1,6 +1,7 @@
 //! The meter against every format it reads, as the stand-in backend writes them (OpenAI chat with
 //! and without its usage chunk, the Responses API, Anthropic Messages, Gemini, Bedrock's event
-//! stream, Ollama's JSON lines, and each as one JSON body), with known text and known usage, cut
+//! stream (Converse, and InvokeModel's base64 chunks), Ollama's JSON lines, and each as one JSON
+//! body but InvokeModel's, whose counts come in headers), with known text and known usage, cut
 //! at any point and fed in any pieces. Properties:
 //!
 //! - once the event that closes the usage has wholly passed, the charge is exactly that usage;
@@ -13,8 +14,16 @@ use proptest::prelude::*;
 use tollgate::llm::usage::{Measured, Meter};
 use tollgate::tools::sim::formats::{self, Api, Ask, Text, Writer};
 
-const STREAMS: [Api; 7] =
-    [Api::Chat, Api::Responses, Api::Messages, Api::Gemini, Api::Converse, Api::OllamaChat, Api::OllamaGenerate];
+const STREAMS: [Api; 8] = [
+    Api::Chat,
+    Api::Responses,
+    Api::Messages,
+    Api::Gemini,
+    Api::Converse,
+    Api::Invoke,
+    Api::OllamaChat,
+    Api::OllamaGenerate,
+];
 
 /// A stream as the events it is made of: each one's bytes, and the output text it carries.
 struct Events {

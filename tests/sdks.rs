@@ -21,6 +21,7 @@ use tollgate::tools::sim::formats::Text;
 const POLICY: &str = "models:\n  gemini-2.0-flash: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 amazon.nova-lite-v1:0: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 llama3.2: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                      \x20 meta.llama3-8b-instruct-v1:0: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 gpt-4o: { max_output_tokens: 4096, bytes_per_token: 4, aliases: [my-gpt4o] }\n\
                       \x20 text-embedding-3-small: { max_output_tokens: 1, bytes_per_token: 4 }\n\
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n\
@@ -115,16 +116,13 @@ impl Stack {
     }
 }
 
-/// Both calls admitted with a hold of the prompt's estimate and the 40 asked (never the model's
-/// 4,096), and charged exactly what the backend reported: the prompt it counted and the 40.
-async fn admitted_tightly_and_charged_exactly(family: &str) {
+/// Every call (`expected`, streamed and not) admitted with a hold of the prompt's estimate and the
+/// 40 asked (never the model's 4,096), and charged exactly what the backend reported: the prompt
+/// it counted and the 40 (Bedrock's InvokeModel: in its headers, or its stream's last chunk).
+async fn admitted_tightly_and_charged_exactly(family: &str, expected: &[&str]) {
     let stack = Stack::start().await;
     let calls = stack.run(family, "acme");
-    assert_eq!(
-        calls.iter().map(|c| c["call"].as_str().unwrap()).collect::<Vec<_>>(),
-        ["generate", "stream"],
-        "{calls:?}"
-    );
+    assert_eq!(calls.iter().map(|c| c["call"].as_str().unwrap()).collect::<Vec<_>>(), expected, "{calls:?}");
     for call in &calls {
         let reserved = call["reserved_tokens"].as_i64().unwrap();
         // The body is under 600 bytes at 4 a token.
@@ -150,7 +148,7 @@ async fn refused_for_budget(family: &str, model: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemini_through_google_genai() {
-    admitted_tightly_and_charged_exactly("gemini").await;
+    admitted_tightly_and_charged_exactly("gemini", &["generate", "stream"]).await;
     let r = refused_for_budget("gemini", "gemini-2.0-flash").await;
     assert_eq!(
         (&r["error"], &r["code"], &r["status"]),
@@ -161,14 +159,14 @@ async fn gemini_through_google_genai() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vertex_ai_gemini_through_google_genai() {
-    admitted_tightly_and_charged_exactly("vertex").await;
+    admitted_tightly_and_charged_exactly("vertex", &["generate", "stream"]).await;
     let r = refused_for_budget("vertex", "gemini-2.0-flash").await;
     assert_eq!((&r["code"], &r["status"]), (&429.into(), &"RESOURCE_EXHAUSTED".into()), "{r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bedrock_through_boto3() {
-    admitted_tightly_and_charged_exactly("bedrock").await;
+    admitted_tightly_and_charged_exactly("bedrock", &["generate", "stream", "invoke", "invoke-stream"]).await;
     let r = refused_for_budget("bedrock", "amazon.nova-lite-v1:0").await;
     // botocore reads the code from x-amzn-errortype; a spent budget is a quota it does not retry.
     assert_eq!(
@@ -180,14 +178,14 @@ async fn bedrock_through_boto3() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ollama_through_its_client() {
-    admitted_tightly_and_charged_exactly("ollama").await;
+    admitted_tightly_and_charged_exactly("ollama", &["generate", "stream"]).await;
     let r = refused_for_budget("ollama", "llama3.2").await;
     assert_eq!((&r["error"], &r["status"]), (&"ResponseError".into(), &429.into()), "{r}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn azure_openai_through_the_openai_sdk() {
-    admitted_tightly_and_charged_exactly("azure").await;
+    admitted_tightly_and_charged_exactly("azure", &["generate", "stream"]).await;
     let r = refused_for_budget("azure", "gpt-4o").await;
     assert_eq!((&r["error"], &r["status"]), (&"RateLimitError".into(), &429.into()), "{r}");
 }

@@ -81,6 +81,15 @@ def bedrock() -> None:
         r = client.converse_stream(modelId=model, messages=messages, inferenceConfig={"maxTokens": 40})
         text = "".join(e["contentBlockDelta"]["delta"]["text"] for e in r["stream"] if "contentBlockDelta" in e)
         report("stream", r["ResponseMetadata"]["HTTPHeaders"], text)
+        # InvokeModel with a Meta Llama body: Bedrock reports its counts in headers (and, streamed,
+        # in the last chunk's invocation metrics), not in a body tollgate reads.
+        llama = "meta.llama3-8b-instruct-v1:0"
+        body = json.dumps({"prompt": PROMPT, "max_gen_len": 40})
+        r = client.invoke_model(modelId=llama, body=body)
+        report("invoke", r["ResponseMetadata"]["HTTPHeaders"], json.loads(r["body"].read())["generation"])
+        r = client.invoke_model_with_response_stream(modelId=llama, body=body)
+        text = "".join(json.loads(e["chunk"]["bytes"])["generation"] for e in r["body"] if "chunk" in e)
+        report("invoke-stream", r["ResponseMetadata"]["HTTPHeaders"], text)
     except ClientError as e:
         error = e.response["Error"]
         refused("generate", e, code=error.get("Code"), message=error.get("Message"),

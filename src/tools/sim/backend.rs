@@ -230,7 +230,13 @@ async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>,
         generation.finish().await;
         drop(slot);
         let mut writer = formats::Writer::new(sim.config.text, sim.next_seed());
-        return Ok(json(StatusCode::OK, formats::answer(&ask, output, &mut writer)));
+        let mut response = json(StatusCode::OK, formats::answer(&ask, output, &mut writer));
+        for (name, value) in formats::answer_headers(&ask, output) {
+            if let Ok(value) = hyper::header::HeaderValue::from_str(&value) {
+                response.headers_mut().insert(name, value);
+            }
+        }
+        return Ok(response);
     }
 
     let (tx, rx): (Chunks, _) = mpsc::channel(16);

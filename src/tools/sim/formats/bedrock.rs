@@ -1,4 +1,6 @@
-//! Amazon Bedrock's Converse, and ConverseStream in Amazon's event stream framing.
+//! Amazon Bedrock's Converse, and ConverseStream in Amazon's event stream framing; InvokeModel and
+//! its stream with a Meta Llama body (`prompt`, `max_gen_len`; `generation` back), whose counts
+//! Bedrock gives in headers, or base64 chunks ending with invocation metrics.
 
 use serde_json::{Value, json};
 
@@ -49,4 +51,40 @@ pub(super) fn closing(ask: &Ask, output: u64) -> Vec<Vec<u8>> {
             json!({"usage": usage(ask, output), "metrics": {"latencyMs": 1}}).to_string().as_bytes(),
         ),
     ]
+}
+
+pub(super) fn read_invoke(v: &Value) -> Read {
+    Read {
+        content_bytes: v["prompt"].as_str().map_or(0, str::len),
+        max_tokens: v["max_gen_len"].as_u64(),
+        stream: None,
+    }
+}
+
+fn llama_stop(ask: &Ask, output: u64) -> &'static str {
+    if output == ask.max_tokens { "length" } else { "stop" }
+}
+
+/// Llama's own body, with counts of its own that tollgate does not read: Bedrock's headers are
+/// what says.
+pub(super) fn answer_invoke(ask: &Ask, output: u64, content: &str) -> Value {
+    json!({"generation": content, "prompt_token_count": ask.prompt_tokens, "generation_token_count": output,
+        "stop_reason": llama_stop(ask, output)})
+}
+
+/// An InvokeModel stream's chunk: the model's own event, base64-encoded.
+fn chunk(inner: &Value) -> Vec<u8> {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD.encode(inner.to_string());
+    aws::encode("chunk", json!({ "bytes": bytes }).to_string().as_bytes())
+}
+
+pub(super) fn step_invoke(text: &str) -> Vec<u8> {
+    chunk(&json!({"generation": text, "prompt_token_count": null, "generation_token_count": 1, "stop_reason": null}))
+}
+
+pub(super) fn closing_invoke(ask: &Ask, output: u64) -> Vec<Vec<u8>> {
+    vec![chunk(&json!({"generation": "", "stop_reason": llama_stop(ask, output),
+        "amazon-bedrock-invocationMetrics": {"inputTokenCount": ask.prompt_tokens, "outputTokenCount": output,
+            "invocationLatency": 1, "firstByteLatency": 1}}))]
 }

@@ -25,6 +25,9 @@ pub enum Api {
     Embeddings,
     Gemini,
     Converse,
+    /// Bedrock's InvokeModel with a Meta Llama body, whose counts only Bedrock reports: in
+    /// response headers, or in a stream's last chunk's invocation metrics.
+    Invoke,
     OllamaChat,
     OllamaGenerate,
 }
@@ -58,6 +61,8 @@ impl Api {
         match path.strip_prefix("/model/").and_then(|rest| rest.rsplit_once('/')).map(|(_, action)| action) {
             Some("converse") => Some((Api::Converse, Some(false))),
             Some("converse-stream") => Some((Api::Converse, Some(true))),
+            Some("invoke") => Some((Api::Invoke, Some(false))),
+            Some("invoke-with-response-stream") => Some((Api::Invoke, Some(true))),
             _ => None,
         }
     }
@@ -65,7 +70,7 @@ impl Api {
     /// The content type of its streams.
     pub fn stream_content_type(self) -> &'static str {
         match self {
-            Api::Converse => "application/vnd.amazon.eventstream",
+            Api::Converse | Api::Invoke => "application/vnd.amazon.eventstream",
             Api::OllamaChat | Api::OllamaGenerate => "application/x-ndjson",
             _ => "text/event-stream",
         }
@@ -101,6 +106,7 @@ pub fn parse(api: Api, path_stream: Option<bool>, body: &[u8], bytes_per_token: 
         Api::Messages => anthropic::read(&v),
         Api::Gemini => gemini::read(&v),
         Api::Converse => bedrock::read(&v),
+        Api::Invoke => bedrock::read_invoke(&v),
         Api::OllamaChat | Api::OllamaGenerate => ollama::read(&v),
     };
     Ok(Ask {
@@ -193,6 +199,7 @@ pub fn answer(ask: &Ask, output: u64, writer: &mut Writer) -> Value {
         Api::Messages => anthropic::answer(ask, output, &content),
         Api::Gemini => gemini::answer(ask, output, &content),
         Api::Converse => bedrock::answer(ask, output, &content),
+        Api::Invoke => bedrock::answer_invoke(ask, output, &content),
         Api::OllamaChat | Api::OllamaGenerate => ollama::answer(ask, output, &content),
     }
 }
@@ -203,7 +210,7 @@ pub fn opening(ask: &Ask) -> Vec<Vec<u8>> {
         Api::Chat | Api::Responses | Api::Embeddings => openai::opening(ask),
         Api::Messages => anthropic::opening(ask),
         Api::Converse => bedrock::opening(),
-        Api::Gemini | Api::OllamaChat | Api::OllamaGenerate => Vec::new(),
+        Api::Gemini | Api::Invoke | Api::OllamaChat | Api::OllamaGenerate => Vec::new(),
     }
 }
 
@@ -214,6 +221,7 @@ pub fn step(ask: &Ask, text: &str) -> Vec<u8> {
         Api::Messages => anthropic::step(text),
         Api::Gemini => gemini::step(ask, text),
         Api::Converse => bedrock::step(text),
+        Api::Invoke => bedrock::step_invoke(text),
         Api::OllamaChat | Api::OllamaGenerate => ollama::step(ask, text),
     }
 }
@@ -225,7 +233,20 @@ pub fn closing(ask: &Ask, output: u64) -> Vec<Vec<u8>> {
         Api::Messages => anthropic::closing(ask, output),
         Api::Gemini => gemini::closing(ask, output),
         Api::Converse => bedrock::closing(ask, output),
+        Api::Invoke => bedrock::closing_invoke(ask, output),
         Api::OllamaChat | Api::OllamaGenerate => ollama::closing(ask, output),
+    }
+}
+
+/// Headers an answer carries besides its content type: Bedrock's InvokeModel reports its counts
+/// in them.
+pub fn answer_headers(ask: &Ask, output: u64) -> Vec<(&'static str, String)> {
+    match ask.api {
+        Api::Invoke => vec![
+            ("x-amzn-bedrock-input-token-count", ask.prompt_tokens.to_string()),
+            ("x-amzn-bedrock-output-token-count", output.to_string()),
+        ],
+        _ => Vec::new(),
     }
 }
 
