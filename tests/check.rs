@@ -90,6 +90,20 @@ async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
     let r = client.check(at("/v1/models/m:generateContent", "acme", gemini)).await.unwrap().into_inner();
     assert_eq!(reservation(&r).map(|(_, n)| n), Some(gemini.len().div_ceil(4) as u64 + 30), "{r:?}");
 
+    // Under Ollama's prefix, a path tollgate does not read is refused in Ollama's shape, whatever
+    // the body says; an escape is decoded as Ollama's router decodes it.
+    let ollama_like = br#"{"model":"m","max_tokens":1,"options":{"num_predict":-1}}"#;
+    let r = client.check(at("/api/pull", "acme", ollama_like)).await.unwrap().into_inner();
+    assert_eq!(reason(&r), "invalid_request");
+    let Some(HttpResponse::DeniedResponse(d)) = &r.http_response else { panic!() };
+    assert!(d.body.contains(r#""error":"tollgate does not read the API at /api/pull""#), "{}", d.body);
+    let r = client.check(at("/api/c%68at", "acme", ollama_like)).await.unwrap().into_inner();
+    assert_eq!(
+        reservation(&r).map(|(_, n)| n),
+        Some(ollama_like.len().div_ceil(4) as u64 + 64),
+        "num_predict -1: the ceiling"
+    );
+
     for (path, status) in [("/v1/models/nope:generateContent", 400), ("/model/nope/converse", 400)] {
         let r = client.check(at(path, "acme", b"{}")).await.unwrap().into_inner();
         assert_eq!(reason(&r), "invalid_request", "{path}");

@@ -42,6 +42,13 @@ impl<S: Store> Authorization for AuthzService<S> {
                 let d = match endpoint.work {
                     Work::CountTokens => self.admission.pass_free(&a),
                     Work::Generate | Work::Embed => self.admission.reserve(&a).await,
+                    Work::Unknown => Decision::Denied(Denial::now(
+                        Reason::InvalidRequest,
+                        format!(
+                            "tollgate does not read the API at {}",
+                            http(request.get_ref()).map_or("", |h| h.path.as_str())
+                        ),
+                    )),
                 };
                 log_decision(&a, &d);
                 d

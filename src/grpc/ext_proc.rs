@@ -48,6 +48,7 @@ use crate::admission::{Admission, AdmissionError};
 use crate::config::DEFAULT_BYTES_PER_TOKEN;
 use crate::hold::RenewOutcome;
 use crate::hold::id as ids;
+use crate::llm::api::{self, Work};
 use crate::llm::settlement::{self, Ending, Verdict};
 use crate::llm::usage::{Measured, Meter};
 use crate::store::Store;
@@ -122,6 +123,8 @@ struct Exchange {
     renew_every: Option<Duration>,
     /// Someone else commits this hold.
     caller_commits: bool,
+    /// The request generates nothing (an embedding, by its path).
+    input_only: bool,
     status: Option<u16>,
     meter: Option<Meter>,
     /// On tokio's clock, which the renewal timer sleeps on.
@@ -136,6 +139,7 @@ impl Exchange {
             model: None,
             renew_every: None,
             caller_commits: false,
+            input_only: false,
             status: None,
             meter: None,
             last_renewal: tokio::time::Instant::now(),
@@ -159,6 +163,7 @@ impl Exchange {
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
+                self.input_only = header(&headers, ":path").is_some_and(|p| api::endpoint(p).work == Work::Embed);
                 if self.reservation.is_none() {
                     self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
                 }
@@ -190,6 +195,9 @@ impl Exchange {
                     (count(headers::BEDROCK_INPUT_TOKENS), count(headers::BEDROCK_OUTPUT_TOKENS))
                 {
                     meter.reported(prompt, output);
+                }
+                if self.input_only {
+                    meter.input_only();
                 }
                 self.meter = Some(meter);
                 if h.end_of_stream {

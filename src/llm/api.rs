@@ -15,8 +15,11 @@
 //! | `/api/chat`, `/api/generate` | Ollama | body | unless `"stream": false` |
 //! | `/api/embed`, `/api/embeddings` | Ollama embeddings | body | never |
 //!
-//! Any other path is read as OpenAI's, as before there were others: a body with `model` and
-//! `max_tokens` is admitted by them whatever its path.
+//! A path is matched with its escapes decoded (but `%2F`), as the backend's router matches it.
+//! Under the prefixes only those APIs use (`/api/`, `/model/`, `/openai/deployments/`, `/v1beta`,
+//! `/v1alpha/`, `…/projects/…`), a path not in the table is [`Work::Unknown`] and refused: its
+//! ceiling and model may be anywhere. Any other path is read as OpenAI's, as before there were
+//! others: a body with `model` and `max_tokens` is admitted by them whatever its path.
 
 /// The shape of a request body: which fields carry the output ceiling and `stream`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +63,8 @@ pub enum Work {
     Embed,
     /// A token count: passes free, with no hold.
     CountTokens,
+    /// A path under one of the APIs' prefixes that tollgate does not read: refused.
+    Unknown,
 }
 
 /// A request's API, as its path says.
@@ -93,7 +98,10 @@ impl Endpoint {
 /// The endpoint of a request to `path` (query string and all).
 pub fn endpoint(path: &str) -> Endpoint {
     use {Body as B, Family as F, Work as W};
-    let path = path.split(['?', '#']).next().unwrap_or("");
+    // Decoded as the backend's router decodes it (`/api/c%68at` is Ollama's `/api/chat`), but for
+    // `%2F`, which stays inside its segment (a Bedrock ARN's slashes).
+    let decoded = path_decoded(path.split(['?', '#']).next().unwrap_or(""));
+    let path = decoded.as_str();
     let openai = |rest: &str| match rest {
         "embeddings" => Some(Endpoint::new(B::OpenAi, F::OpenAi, W::Embed).stream(false)),
         "chat/completions" | "completions" | "responses" => Some(Endpoint::new(B::OpenAi, F::OpenAi, W::Generate)),
@@ -131,7 +139,49 @@ pub fn endpoint(path: &str) -> Endpoint {
     if let Some(e) = google(path) {
         return e;
     }
-    Endpoint::new(B::OpenAi, F::OpenAi, W::Generate)
+    // Under a prefix that only those APIs use, a path not in the table is one tollgate cannot
+    // read: refused, never read as OpenAI's (its ceiling and model may be elsewhere).
+    let family = if path.starts_with("/api/") {
+        Some(F::Ollama)
+    } else if path.starts_with("/model/") {
+        Some(F::Bedrock)
+    } else if path.starts_with("/openai/deployments/") {
+        Some(F::OpenAi)
+    } else if path.starts_with("/v1beta") || path.starts_with("/v1alpha/") || path.contains("/projects/") {
+        Some(F::Gemini)
+    } else {
+        None
+    };
+    match family {
+        Some(family) => Endpoint::new(B::OpenAi, family, W::Unknown),
+        None => Endpoint::new(B::OpenAi, F::OpenAi, W::Generate),
+    }
+}
+
+/// `path` with its `%XX` escapes decoded, but for `%2F` (and a malformed escape), kept as sent.
+fn path_decoded(path: &str) -> String {
+    if !path.contains('%') {
+        return path.to_string();
+    }
+    let mut out = String::with_capacity(path.len());
+    let mut rest = path;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let escape = &rest[at..];
+        let byte = escape.get(1..3).and_then(|h| u8::from_str_radix(h, 16).ok());
+        match byte {
+            Some(b) if b.is_ascii() && b != b'/' && b != 0 => {
+                out.push(char::from(b));
+                rest = &escape[3..];
+            }
+            _ => {
+                out.push('%');
+                rest = &escape[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Gemini's API and Vertex AI's publishers: `…/models/{model}:{method}`.
@@ -252,9 +302,36 @@ mod tests {
             // Anything else is read as OpenAI's.
             ("/custom/generate", (B::OpenAi, F::OpenAi, W::Generate, None, None)),
             ("/v1/models/a/b:generateContent", (B::OpenAi, F::OpenAi, W::Generate, None, None)),
+            // Escapes are decoded as the backend's router decodes them.
+            ("/api/c%68at", (B::Ollama, F::Ollama, W::Generate, None, None)),
+            (
+                "/model/anthropic.claude-opus-4/convers%65",
+                (B::Converse, F::Bedrock, W::Generate, Some("anthropic.claude-opus-4"), Some(false)),
+            ),
+            (
+                "/v1beta/models/gemini-2.5-pro%3AgenerateContent",
+                (B::Gemini, F::Gemini, W::Generate, Some("gemini-2.5-pro"), Some(false)),
+            ),
+            (
+                "/model/arn%3Aaws%3Abedrock%3Aus-east-1%3A1%3Ainference-profile%2Fus.nova/converse",
+                (
+                    B::Converse,
+                    F::Bedrock,
+                    W::Generate,
+                    Some("arn:aws:bedrock:us-east-1:1:inference-profile/us.nova"),
+                    Some(false),
+                ),
+            ),
+            // Under those APIs' prefixes, a path tollgate does not read is refused, never read as
+            // OpenAI's.
+            ("/api/pull", (B::OpenAi, F::Ollama, W::Unknown, None, None)),
+            ("/model/m/somethingElse", (B::OpenAi, F::Bedrock, W::Unknown, None, None)),
+            ("/openai/deployments/d/extensions/chat/completions", (B::OpenAi, F::OpenAi, W::Unknown, None, None)),
+            ("/v1beta/tunedModels/t:generateContent", (B::OpenAi, F::Gemini, W::Unknown, None, None)),
+            ("/v1/projects/p/locations/l/endpoints/e:generateContent", (B::OpenAi, F::Gemini, W::Unknown, None, None)),
             (
                 "/v1/projects/p/publishers/google/models/g:generateContent",
-                (B::OpenAi, F::OpenAi, W::Generate, None, None),
+                (B::OpenAi, F::Gemini, W::Unknown, None, None),
             ),
         ];
         for (path, want) in rows {

@@ -36,7 +36,7 @@ pub struct BodyFields {
 pub struct BodyError(pub String);
 
 /// Where a body puts its output ceiling: the field, inside an object or at the top (`""`), with
-/// every spelling its API accepts. The first one present is the ceiling.
+/// every spelling its API accepts. Of several present, the largest is the ceiling.
 struct Ceiling {
     within: &'static [&'static str],
     names: &'static [&'static str],
@@ -50,7 +50,7 @@ const fn at(within: &'static [&'static str], names: &'static [&'static str]) -> 
 
 const TOP: &[&str] = &[""];
 
-/// Each API's ceilings, in precedence order.
+/// Each API's ceilings.
 fn ceilings(body: Body) -> &'static [Ceiling] {
     const OPENAI: &[Ceiling] =
         &[at(TOP, &["max_completion_tokens"]), at(TOP, &["max_output_tokens"]), at(TOP, &["max_tokens"])];
@@ -96,7 +96,10 @@ pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, Body
     }
     Ok(BodyFields {
         model: found.model,
-        max_tokens: found.ceilings.iter().flatten().next().copied().filter(|_| !partial),
+        // The largest spelling present: a backend may read only one of them (vLLM's chat reads
+        // max_completion_tokens or max_tokens, its Responses max_output_tokens), and holding the
+        // smaller would hold less than it may generate.
+        max_tokens: found.ceilings.iter().flatten().max().copied().filter(|_| !partial),
         stream: found.stream,
     })
 }
@@ -365,5 +368,14 @@ mod tests {
         assert!(err.0.contains("maxTokens must be at least 1"), "{err}");
         let cut = br#"{"generationConfig":{"maxOutputTokens":12},"contents":[{"parts":[{"text":"lo"#;
         assert_eq!(parse(Body::Gemini, cut, true).unwrap().max_tokens, None, "a cut body's ceiling is not read");
+    }
+
+    /// A body naming two ceilings holds the larger: the backend may read either.
+    #[test]
+    fn of_two_ceilings_the_larger_is_held() {
+        let openai = br#"{"model":"m","max_output_tokens":1,"max_tokens":8000}"#;
+        assert_eq!(parse(Body::OpenAi, openai, false).unwrap().max_tokens, Some(8000));
+        let invoke = br#"{"prompt":"x","max_gen_len":2048,"max_tokens":1}"#;
+        assert_eq!(parse(Body::Invoke, invoke, false).unwrap().max_tokens, Some(2048));
     }
 }

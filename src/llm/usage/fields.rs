@@ -170,7 +170,9 @@ pub fn is_final(v: &Value) -> bool {
     }
     match v["type"].as_str() {
         Some("message_delta") => v["usage"]["output_tokens"].is_u64(),
-        Some("response.completed") => v["response"]["usage"].is_object(),
+        // An incomplete or failed response (max_output_tokens reached, a content filter) ends
+        // with its usage too.
+        Some("response.completed" | "response.incomplete" | "response.failed") => v["response"]["usage"].is_object(),
         Some(_) => false,
         None => v["usage"].is_object() && v["choices"].as_array().is_none_or(Vec::is_empty),
     }
@@ -193,6 +195,16 @@ pub fn generated_bytes(v: &Value) -> u64 {
             add(call["function"]["arguments"].as_str());
         }
         add(c["text"].as_str());
+        // Whole messages in a stream (Mistral Large's own chunks on Bedrock).
+        add(c["message"]["content"].as_str());
+    }
+    // Mistral's own chunks on Bedrock; Cohere's (a bare `text`: the Responses API's events, which
+    // have a type, repeat their deltas' text in `text` when done, and are not counted twice).
+    for o in v["outputs"].as_array().into_iter().flatten() {
+        add(o["text"].as_str());
+    }
+    if v["type"].is_null() {
+        add(v["text"].as_str());
     }
     // Anthropic's text, thinking and input_json deltas; Bedrock's text, tool input and reasoning;
     // the Responses API's delta strings; Nova's deltas inside an InvokeModel stream.

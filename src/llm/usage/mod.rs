@@ -67,6 +67,8 @@ pub struct Meter {
     output: Option<u64>,
     /// A stream's final usage has arrived: its counts are the response's last word.
     final_usage: bool,
+    /// The request generates nothing (embeddings): without its counts, no output is charged.
+    input_only: bool,
     /// Cache reads and writes and reasoning, as far as the response said.
     detail: fields::Detail,
     /// Bytes of generated text seen (events), or of the whole body (opaque, JSON).
@@ -94,6 +96,7 @@ impl Meter {
             prompt: None,
             output: None,
             final_usage: false,
+            input_only: false,
             detail: fields::Detail::default(),
             text_bytes: 0,
         }
@@ -103,6 +106,12 @@ impl Meter {
     /// (after [`Meter::measured`]; none where it said nothing).
     pub fn detail(&self) -> fields::Detail {
         self.detail
+    }
+
+    /// The request generates nothing (an embedding): a response whose counts cannot be read
+    /// charges the prompt held and no output, however large its body (a batch of vectors).
+    pub fn input_only(&mut self) {
+        self.input_only = true;
     }
 
     /// Counts the response reported in its headers (Bedrock's InvokeModel): its last word, whatever
@@ -128,7 +137,8 @@ impl Meter {
             }
             Format::Events | Format::Lines => {
                 for &b in chunk {
-                    if b == b'\n' {
+                    // A line ends at LF, CR or CRLF (the CRLF's LF then ends an empty line).
+                    if b == b'\n' || b == b'\r' {
                         let line = std::mem::take(&mut self.pending);
                         self.line(&line);
                     } else if self.pending.len() < MAX_EVENT {
@@ -176,6 +186,7 @@ impl Meter {
         let complete = !self.streams() || self.final_usage;
         match (self.prompt, self.output) {
             (Some(prompt), Some(output)) if complete => Measured::Exact { prompt, output },
+            _ if self.input_only => Measured::Metered { output: 0 },
             _ if self.format == Format::Opaque => Measured::AsHeld,
             (_, partial) => {
                 let metered = tokens_of(self.text_bytes, self.bytes_per_token);
@@ -193,12 +204,9 @@ impl Meter {
             },
             _ => line.trim_ascii(),
         };
-        if data == b"[DONE]" {
-            // OpenAI's end of stream: whatever usage came before it was the last.
-            self.final_usage |= self.output.is_some();
-            return;
-        }
-        if data.is_empty() {
+        // OpenAI's end of stream says nothing of its own: a usage chunk before it closed the usage,
+        // or none did, and a running count beside choices is not the last word.
+        if data.is_empty() || data == b"[DONE]" {
             return;
         }
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(data) {
@@ -508,5 +516,44 @@ mod tests {
             r#"{"usage":{"inputTokens":11,"outputTokens":4,"cacheReadInputTokens":5,"cacheWriteInputTokens":7}}"#;
         assert_eq!(detail("application/json", bedrock), d(Some(5), Some(7), None));
         assert_eq!(detail("application/json", r#"{"prompt_eval_count":1,"eval_count":2}"#), Detail::default());
+    }
+
+    /// An embedding's response too large to read charges no output (not its size in tokens).
+    #[test]
+    fn an_embedding_whose_counts_cannot_be_read_charges_no_output() {
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        m.input_only();
+        for _ in 0..9 {
+            m.feed(&vec![b' '; 1 << 20]);
+        }
+        assert_eq!(m.measured(), Measured::Metered { output: 0 });
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        m.input_only();
+        m.feed(br#"{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#);
+        assert_eq!(m.measured(), Measured::Exact { prompt: 8, output: 0 });
+    }
+
+    /// Output in the shapes other models stream on Bedrock, lines ended by a bare CR, and the
+    /// Responses API's incomplete response; `[DONE]` makes no running count exact.
+    #[test]
+    fn more_shapes_of_output_and_endings() {
+        let mistral = "data: {\"outputs\":[{\"text\":\"abcd\",\"stop_reason\":null}]}\n\ndata: {\"choices\":[{\"message\":{\"content\":\"efgh\"}}]}\n\ndata: {\"text\":\"ijkl\",\"is_finished\":false}\n\n";
+        assert_eq!(run("text/event-stream", &[mistral]), Measured::Metered { output: 3 });
+        let responses_done = "data: {\"type\":\"response.output_text.delta\",\"delta\":\"abcd\"}\n\ndata: {\"type\":\"response.output_text.done\",\"text\":\"abcd\"}\n\n";
+        assert_eq!(
+            run("text/event-stream", &[responses_done]),
+            Measured::Metered { output: 1 },
+            "the done text is not counted again"
+        );
+        let cr = "data: {\"choices\":[{\"delta\":{\"content\":\"abcd\"}}]}\rdata: {\"choices\":[{\"delta\":{\"content\":\"efgh\"}}]}\r";
+        assert_eq!(run("text/event-stream", &[cr]), Measured::Metered { output: 2 });
+        let incomplete = "data: {\"type\":\"response.output_text.delta\",\"delta\":\"ab\"}\n\ndata: {\"type\":\"response.incomplete\",\"response\":{\"usage\":{\"input_tokens\":120000,\"output_tokens\":16}}}\n\n";
+        assert_eq!(run("text/event-stream", &[incomplete]), Measured::Exact { prompt: 120_000, output: 16 });
+        let running = "data: {\"choices\":[{\"delta\":{\"content\":\"tok tok tok tok \"}}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":0}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            run("text/event-stream", &[running]),
+            Measured::Metered { output: 4 },
+            "a running count is not made exact by [DONE]"
+        );
     }
 }
