@@ -28,6 +28,7 @@ fn request(tenant: Option<&str>) -> Attributes {
         max_tokens: None,
         stream: false,
         input_only: false,
+        outputs: 1,
     }
 }
 

@@ -90,6 +90,11 @@ async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
     let r = client.check(at("/v1/models/m:generateContent", "acme", gemini)).await.unwrap().into_inner();
     assert_eq!(reservation(&r).map(|(_, n)| n), Some(gemini.len().div_ceil(4) as u64 + 30), "{r:?}");
 
+    // Several outputs a request (OpenAI's n): each held at the ceiling.
+    let several = br#"{"model":"m","max_tokens":10,"n":3}"#;
+    let r = client.check(at("/v1/chat/completions", "acme", several)).await.unwrap().into_inner();
+    assert_eq!(reservation(&r).map(|(_, n)| n), Some(several.len().div_ceil(4) as u64 + 30), "{r:?}");
+
     // Under Ollama's prefix, a path tollgate does not read is refused in Ollama's shape, whatever
     // the body says; an escape is decoded as Ollama's router decodes it.
     let ollama_like = br#"{"model":"m","max_tokens":1,"options":{"num_predict":-1}}"#;

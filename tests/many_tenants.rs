@@ -58,6 +58,7 @@ async fn a_hundred_thousand_tenants_leave_no_key_without_a_ttl() {
         max_tokens: Some(10),
         stream: false,
         input_only: false,
+        outputs: 1,
     };
     // Reserve and commit, 32 tenants at a time.
     let settled = futures_util::stream::iter(0..TENANTS)

@@ -288,6 +288,7 @@ impl<S: Store + Clone> World<S> {
             max_tokens: Some(*max_tokens),
             stream: false,
             input_only: false,
+            outputs: 1,
         };
         let ask = Ask {
             tenant,

@@ -74,6 +74,9 @@ pub struct Attributes {
     pub stream: bool,
     /// Nothing is generated (embeddings): the input alone is held, and `max_tokens` is not read.
     pub input_only: bool,
+    /// How many outputs the request generates, each up to `max_tokens` (OpenAI's `n`, Gemini's
+    /// `candidateCount`): the output held is the ceiling this many times. 0 is taken as 1.
+    pub outputs: u64,
 }
 
 /// A request's idempotency key, and what a repeat of it means on the interface it came by.

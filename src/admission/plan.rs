@@ -62,7 +62,11 @@ impl<S> Admission<S> {
         }
 
         let prompt = bounded_prompt(a.prompt, model)?;
-        let ceiling = if a.input_only { 0 } else { estimate::output_reservation(a.max_tokens, model) };
+        let ceiling = if a.input_only {
+            0
+        } else {
+            estimate::output_reservation(a.max_tokens, model).saturating_mul(a.outputs.max(1)).min(MAX_TOKEN_COUNT)
+        };
         let hold = prompt.saturating_add(ceiling);
         // With a learned output the hold may be smaller than the ceiling; the script checks the
         // actual hold against every capacity. Here, only what can never fit.

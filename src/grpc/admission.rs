@@ -62,6 +62,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             max_tokens: (r.max_tokens > 0).then_some(r.max_tokens),
             stream: false,
             input_only: false,
+            outputs: 1,
         };
         let reply = match self.admission.reserve(&attributes).await {
             Decision::Admitted(a) => {

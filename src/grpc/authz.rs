@@ -184,5 +184,6 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
         // Ollama streams unless told not to; the others only when told to (or by their path).
         stream: endpoint.stream.or(fields.stream).unwrap_or(endpoint.body == body::Body::Ollama),
         input_only: endpoint.work == Work::Embed,
+        outputs: fields.outputs,
     })
 }

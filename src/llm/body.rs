@@ -28,6 +28,9 @@ pub struct BodyFields {
     pub max_tokens: Option<u64>,
     /// `None`: the body does not say (its API streams by its path, or by default).
     pub stream: Option<bool>,
+    /// How many outputs one request generates, each up to the ceiling: OpenAI's `n` (or vLLM's
+    /// `best_of`, if larger), Gemini's `candidateCount`; 1 when the body names none.
+    pub outputs: u64,
 }
 
 /// Why a body was refused.
@@ -76,6 +79,18 @@ fn ceilings(body: Body) -> &'static [Ceiling] {
     }
 }
 
+/// Where each API puts how many outputs a request generates (each up to the ceiling).
+fn multipliers(body: Body) -> &'static [Ceiling] {
+    const OPENAI: &[Ceiling] = &[at(TOP, &["n"]), at(TOP, &["best_of"])];
+    const GEMINI: &[Ceiling] =
+        &[at(&["generationConfig", "generation_config"], &["candidateCount", "candidate_count"])];
+    match body {
+        Body::OpenAi => OPENAI,
+        Body::Gemini => GEMINI,
+        Body::Anthropic | Body::Converse | Body::Invoke | Body::Ollama => &[],
+    }
+}
+
 /// Whether the API reads `model` and `stream` from the body (Gemini and Bedrock take both from
 /// the path, and ignore them in a body).
 fn names_model_and_stream(body: Body) -> bool {
@@ -101,6 +116,7 @@ pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, Body
         // smaller would hold less than it may generate.
         max_tokens: found.ceilings.iter().flatten().max().copied().filter(|_| !partial),
         stream: found.stream,
+        outputs: found.outputs.iter().flatten().max().copied().unwrap_or(1),
     })
 }
 
@@ -111,13 +127,22 @@ struct Found {
     stream: Option<bool>,
     /// By position in [`ceilings`].
     ceilings: [Option<u64>; 4],
+    /// By position in [`multipliers`].
+    outputs: [Option<u64>; 2],
     /// The fields read so far (by their first spelling), to refuse one named twice.
     seen: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Found {
     fn default() -> Self {
-        Found { body: Body::OpenAi, model: None, stream: None, ceilings: [None; 4], seen: Vec::new() }
+        Found {
+            body: Body::OpenAi,
+            model: None,
+            stream: None,
+            ceilings: [None; 4],
+            outputs: [None; 2],
+            seen: Vec::new(),
+        }
     }
 }
 
@@ -168,8 +193,14 @@ impl<'de> Visitor<'de> for Collector<'_> {
                 }
                 continue;
             }
-            let ceiling =
-                shape.iter().enumerate().find(|(_, c)| c.within.contains(&self.within) && c.names.contains(&key));
+            let place = |c: &&Ceiling| c.within.contains(&self.within) && c.names.contains(&key);
+            if let Some((i, c)) = multipliers(self.found.body).iter().enumerate().find(|(_, c)| place(c)) {
+                self.found.first((c.within[0], c.names[0]))?;
+                let count = map.next_value_seed(CountSeed { name: c.names[0], unlimited_below_one: false })?;
+                self.found.outputs[i] = count;
+                continue;
+            }
+            let ceiling = shape.iter().enumerate().find(|(_, c)| place(c));
             if let Some((i, c)) = ceiling {
                 self.found.first((c.within[0], c.names[0]))?;
                 let count =
@@ -281,7 +312,7 @@ mod tests {
         let chat = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":64,"stream":true}"#;
         assert_eq!(
             parse(Body::OpenAi, chat, false),
-            Ok(BodyFields { model: Some("gpt-4o".into()), max_tokens: Some(64), stream: Some(true) })
+            Ok(BodyFields { model: Some("gpt-4o".into()), max_tokens: Some(64), stream: Some(true), outputs: 1 })
         );
         let messages = br#"{"model":"claude","max_tokens":1024,"messages":[]}"#;
         assert_eq!(parse(Body::Anthropic, messages, false).unwrap().max_tokens, Some(1024));
@@ -328,7 +359,7 @@ mod tests {
         assert_eq!(parse(Body::Gemini, snake, false).unwrap().max_tokens, Some(12));
         assert_eq!(
             parse(Body::Gemini, br#"{"max_tokens":5,"model":"x","stream":true}"#, false).unwrap(),
-            BodyFields::default()
+            BodyFields { outputs: 1, ..BodyFields::default() }
         );
         let converse = br#"{"messages":[],"inferenceConfig":{"maxTokens":512,"temperature":0.5}}"#;
         assert_eq!(parse(Body::Converse, converse, false).unwrap().max_tokens, Some(512));
@@ -343,7 +374,7 @@ mod tests {
         let ollama = br#"{"model":"llama3.2","messages":[],"options":{"num_predict":128}}"#;
         assert_eq!(
             parse(Body::Ollama, ollama, false).unwrap(),
-            BodyFields { model: Some("llama3.2".into()), max_tokens: Some(128), stream: None }
+            BodyFields { model: Some("llama3.2".into()), max_tokens: Some(128), stream: None, outputs: 1 }
         );
         for unlimited in
             [&br#"{"model":"m","options":{"num_predict":-1}}"#[..], br#"{"model":"m","options":{"num_predict":-2}}"#]
@@ -377,5 +408,18 @@ mod tests {
         assert_eq!(parse(Body::OpenAi, openai, false).unwrap().max_tokens, Some(8000));
         let invoke = br#"{"prompt":"x","max_gen_len":2048,"max_tokens":1}"#;
         assert_eq!(parse(Body::Invoke, invoke, false).unwrap().max_tokens, Some(2048));
+    }
+
+    /// How many outputs a request generates: each up to the ceiling.
+    #[test]
+    fn several_outputs_are_counted() {
+        let read = |body, bytes: &[u8]| parse(body, bytes, false).unwrap().outputs;
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","max_tokens":100}"#), 1);
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","max_tokens":100,"n":128}"#), 128);
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":"x","n":2,"best_of":5}"#), 5);
+        assert_eq!(read(Body::Gemini, br#"{"generationConfig":{"maxOutputTokens":100,"candidateCount":8}}"#), 8);
+        assert_eq!(read(Body::Anthropic, br#"{"model":"m","max_tokens":9,"n":4}"#), 1, "not Anthropic's field");
+        assert!(parse(Body::OpenAi, br#"{"model":"m","n":0}"#, false).is_err());
+        assert!(parse(Body::OpenAi, br#"{"model":"m","n":2,"n":3}"#, false).is_err());
     }
 }

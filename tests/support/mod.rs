@@ -347,6 +347,7 @@ impl<S: Store> Harness<S> {
             max_tokens: Some(max_tokens),
             stream: false,
             input_only: false,
+            outputs: 1,
         }
     }
 
