@@ -100,7 +100,7 @@ fn names_model_and_stream(body: Body) -> bool {
 /// Reads the fields of a `body`-shaped request from `bytes`; `partial` says Envoy cut it short,
 /// so running out of input is expected rather than an error.
 pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, BodyError> {
-    let mut found = Found { body, ..Found::default() };
+    let mut found = Found::new(body);
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let result = Collector { found: &mut found, within: "" }.deserialize(&mut de).and_then(|()| de.end());
     match result {
@@ -126,27 +126,26 @@ struct Found {
     model: Option<String>,
     stream: Option<bool>,
     /// By position in [`ceilings`].
-    ceilings: [Option<u64>; 4],
+    ceilings: Vec<Option<u64>>,
     /// By position in [`multipliers`].
-    outputs: [Option<u64>; 2],
+    outputs: Vec<Option<u64>>,
     /// The fields read so far (by their first spelling), to refuse one named twice.
     seen: Vec<(&'static str, &'static str)>,
 }
 
-impl Default for Found {
-    fn default() -> Self {
+impl Found {
+    /// Nothing found yet in a `body`-shaped request: a slot for each of its tables' fields.
+    fn new(body: Body) -> Self {
         Found {
-            body: Body::OpenAi,
+            body,
             model: None,
             stream: None,
-            ceilings: [None; 4],
-            outputs: [None; 2],
+            ceilings: vec![None; ceilings(body).len()],
+            outputs: vec![None; multipliers(body).len()],
             seen: Vec::new(),
         }
     }
-}
 
-impl Found {
     fn first<E: de::Error>(&mut self, field: (&'static str, &'static str)) -> Result<(), E> {
         if self.seen.contains(&field) {
             let name = if field.0.is_empty() { field.1.to_string() } else { format!("{}.{}", field.0, field.1) };
