@@ -56,6 +56,27 @@ impl Stack {
     }
 }
 
+/// The hold's state once it is no longer `reserved`, polled every `every` (a renewal changes
+/// nothing of it); `None` if it still was after 5 s.
+async fn settled(
+    admission: &mut AdmissionClient<tonic::transport::Channel>,
+    id: &str,
+    every: Duration,
+) -> Option<String> {
+    let start = Instant::now();
+    loop {
+        let renew = RenewRequest { reservation_id: id.to_string(), lease_ms: 0 };
+        let state = admission.renew(renew).await.unwrap().into_inner().state;
+        if state != "reserved" {
+            return Some(state);
+        }
+        if start.elapsed() > Duration::from_secs(5) {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
 fn chat(stream: bool) -> String {
     format!(
         r#"{{"model":"sim","max_tokens":100,"stream":{stream},"stream_options":{{"include_usage":true}},"messages":[{{"role":"user","content":"{}"}}]}}"#,
@@ -80,18 +101,7 @@ async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
         let reserved: u64 = r.header("x-sim-reserved-tokens").unwrap().parse().unwrap();
         assert_eq!(reserved, (body.len() as u64).div_ceil(4) + ceiling, "{content} bytes");
         let id = r.header("x-sim-reservation").unwrap().to_string();
-        let start = Instant::now();
-        while admission
-            .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
-            .await
-            .unwrap()
-            .into_inner()
-            .state
-            == "reserved"
-        {
-            assert!(start.elapsed() < Duration::from_secs(5), "never settled");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        assert!(settled(&mut admission, &id, Duration::from_millis(10)).await.is_some(), "never settled");
         let repeat = CommitRequest { reservation_id: id, prompt_tokens: 1, completion_tokens: 1 };
         let c = admission.commit(repeat).await.unwrap().into_inner();
         assert_eq!((c.used_tokens, c.metered), ((content as u64).div_ceil(4) + 40, false), "{c:?}");
@@ -124,20 +134,8 @@ async fn a_client_that_leaves_gets_its_slot_back_within_250_ms() {
         drop(body);
         drop(client);
         let left = Instant::now();
-        loop {
-            let state = admission
-                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
-                .await
-                .unwrap()
-                .into_inner()
-                .state;
-            if state != "reserved" {
-                assert_eq!(state, "committed", "charged what passed");
-                break;
-            }
-            assert!(left.elapsed() < Duration::from_secs(5), "{id} never settled\n{}", stack.diagnostics());
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        let state = settled(&mut admission, &id, Duration::from_millis(5)).await;
+        assert_eq!(state.as_deref(), Some("committed"), "{id}: charged what passed\n{}", stack.diagnostics());
         took.push(left.elapsed());
         // The slot is free: the next stream is admitted, not refused for concurrency.
     }
@@ -165,30 +163,14 @@ async fn a_thousand_normal_streams_each_settle_exactly() {
     let mut admission = stack.client().await;
     let (mut exact, mut metered, mut open) = (0, 0, 0);
     for id in &ids {
-        let start = Instant::now();
-        loop {
-            let state = admission
-                .renew(RenewRequest { reservation_id: id.clone(), lease_ms: 0 })
-                .await
-                .unwrap()
-                .into_inner()
-                .state;
-            if state == "committed" {
+        match settled(&mut admission, id, Duration::from_millis(10)).await.as_deref() {
+            Some("committed") => {
                 let repeat = CommitRequest { reservation_id: id.clone(), prompt_tokens: 999, completion_tokens: 999 };
                 let c = admission.commit(repeat).await.unwrap().into_inner();
                 assert!(c.duplicate, "{c:?}");
-                if c.metered {
-                    metered += 1
-                } else {
-                    exact += 1
-                }
-                break;
+                if c.metered { metered += 1 } else { exact += 1 }
             }
-            if start.elapsed() > Duration::from_secs(5) {
-                open += 1;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            _ => open += 1,
         }
     }
     eprintln!("1000 streams: {exact} exact, {metered} metered, {open} never settled");

@@ -37,7 +37,7 @@ impl<S: Store> Authorization for AuthzService<S> {
         let header = &self.admission.policy().server.tenant_header;
         let own = own_headers(request.get_ref());
         let endpoint = api::endpoint(http(request.get_ref()).map_or("", |h| h.path.as_str()));
-        let decision = match attributes(request.get_ref(), header) {
+        let decision = match attributes_at(request.get_ref(), header, &endpoint) {
             Ok(a) => {
                 let d = match endpoint.work {
                     Work::CountTokens => self.admission.pass_free(&a),
@@ -127,9 +127,14 @@ fn own_headers(request: &CheckRequest) -> Vec<String> {
 /// Reads the attributes of a Check request, as the API its path names; a request that cannot be
 /// read is refused here.
 pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attributes, Denial> {
+    let endpoint = api::endpoint(http(request).map_or("", |h| h.path.as_str()));
+    attributes_at(request, tenant_header, &endpoint)
+}
+
+/// The same, for a request whose path was already read as `endpoint` (Check reads it once).
+fn attributes_at(request: &CheckRequest, tenant_header: &str, endpoint: &Endpoint) -> Result<Attributes, Denial> {
     let invalid = |m: String| Denial::now(Reason::InvalidRequest, m);
     let http = http(request).ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
-    let endpoint: Endpoint = api::endpoint(&http.path);
 
     let text = |name: &str| -> Result<Option<String>, Denial> {
         Ok(header(http, name)?.map(str::trim).filter(|v| !v.is_empty()).map(str::to_string))
@@ -157,7 +162,7 @@ pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attribu
     };
 
     // The path's model (Gemini, Bedrock, an Azure deployment), else the body's, else the header's.
-    let model = match (endpoint.model.or(fields.model), text(headers::MODEL)?) {
+    let model = match (endpoint.model.clone().or(fields.model), text(headers::MODEL)?) {
         (Some(model), _) | (None, Some(model)) => Some(model),
         (None, None) if partial => {
             return Err(invalid(format!(

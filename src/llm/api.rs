@@ -101,7 +101,7 @@ pub fn endpoint(path: &str) -> Endpoint {
     // Decoded as the backend's router decodes it (`/api/c%68at` is Ollama's `/api/chat`), but for
     // `%2F`, which stays inside its segment (a Bedrock ARN's slashes).
     let decoded = path_decoded(path.split(['?', '#']).next().unwrap_or(""));
-    let path = decoded.as_str();
+    let path = &*decoded;
     let openai = |rest: &str| match rest {
         "embeddings" => Some(Endpoint::new(B::OpenAi, F::OpenAi, W::Embed).stream(false)),
         "chat/completions" | "completions" | "responses" => Some(Endpoint::new(B::OpenAi, F::OpenAi, W::Generate)),
@@ -158,10 +158,11 @@ pub fn endpoint(path: &str) -> Endpoint {
     }
 }
 
-/// `path` with its `%XX` escapes decoded, but for `%2F` (and a malformed escape), kept as sent.
-fn path_decoded(path: &str) -> String {
+/// `path` with its `%XX` escapes decoded, but for `%2F` (and a malformed escape), kept as sent;
+/// borrowed, with no allocation, when it has none (nearly every request).
+fn path_decoded(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
-        return path.to_string();
+        return std::borrow::Cow::Borrowed(path);
     }
     let mut out = String::with_capacity(path.len());
     let mut rest = path;
@@ -181,7 +182,7 @@ fn path_decoded(path: &str) -> String {
         }
     }
     out.push_str(rest);
-    out
+    std::borrow::Cow::Owned(out)
 }
 
 /// Gemini's API and Vertex AI's publishers: `…/models/{model}:{method}`.
