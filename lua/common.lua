@@ -19,6 +19,8 @@
 --   md  the model the request named
 --   pi po  the model's price per input and output token (nanos of the policy's currency)
 --   hc  the cost held at admission           cc  the cost currently charged (as h and ch)
+--   cw  cached prompt tokens' terms, "<read weight> <write weight> <read price> <write price>"
+--       (weights in thousandths of an input token, prices in nanos); absent: input tokens
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
@@ -65,6 +67,9 @@
 --   usage     exact (the response's counts) | metered (counted by tollgate) | held (what the hold
 --             charged stands for what was not counted) | none (nothing charged)
 --   prompt_tokens output_tokens   what the commit charged for each ('' when not committed)
+--   cache_read_tokens cache_write_tokens   of the prompt, what the response said its provider
+--             read from its cache and wrote to it (charged at their weights); '' when it did not say
+--   reasoning_tokens   of the output, what the response said went to reasoning ('' when it did not)
 --   reserved_tokens charged_tokens   the hold, and what the hold charges in the end
 --   reserved_at_ms settled_at_ms  (store clock)
 -- A reservation id appears once, or twice when a commit came after its lease: then the
@@ -122,7 +127,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'us', 'rf',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -145,7 +150,25 @@ local function load(rk)
   r.po = tonumber(r.po) or 0
   r.hc = tonumber(r.hc) or 0
   r.cc = tonumber(r.cc) or 0
+  -- Cached prompt tokens: weights in thousandths of an input token, prices; without 'cw', a
+  -- cached token is an input token.
+  local cw = split(r.cw or '')
+  r.wr, r.ww = tonumber(cw[1]) or 1000, tonumber(cw[2]) or 1000
+  r.pr, r.pw = tonumber(cw[3]) or r.pi, tonumber(cw[4]) or r.pi
   return r
+end
+
+-- What `prompt` and `output` tokens charge hold `r`, `read` and `written` of the prompt read
+-- from the provider's cache or written to it: tokens (a cached token at its weight, rounded up)
+-- and their cost, at the terms the hold was made with. Reads first, then writes, each capped at
+-- what the prompt has left. src/hold/charge.rs's `charge` is the same arithmetic. Exact in doubles: counts
+-- are at most 1e9, weights 1e4, prices 1e6 nanos.
+local function charged_for(r, prompt, output, read, written)
+  read = math.min(read, prompt)
+  written = math.min(written, prompt - read)
+  local plain = prompt - read - written
+  local tokens = plain + math.floor((read * r.wr + 999) / 1000) + math.floor((written * r.ww + 999) / 1000) + output
+  return tokens, plain * r.pi + read * r.pr + written * r.pw + output * r.po
 end
 
 -- A bucket's level at `now`: its level at its last write plus the refill since, never above its
@@ -496,7 +519,8 @@ local function ledger_append(stream, terms, e, now)
   local max_len, retention = t[1], tonumber(t[2])
   redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', 'id', e.id, 'tenant', e.tenant or '', 'user', e.user or '',
     'model', e.model or '', 'tier', e.tier or '', 'outcome', e.outcome, 'usage', e.usage,
-    'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'reserved_tokens', e.reserved or '',
+    'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'cache_read_tokens', e.cache_read or '',
+    'cache_write_tokens', e.cache_write or '', 'reasoning_tokens', e.reasoning or '', 'reserved_tokens', e.reserved or '',
     'charged_tokens', e.charged, 'cost_nanos', e.cost or '', 'reserved_cost_nanos', e.reserved_cost or '',
     'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now)
   redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))

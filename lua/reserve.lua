@@ -33,6 +33,9 @@
 -- ARGV[23] the model's price per output token (nanos; 0: free)
 -- ARGV[24] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
 -- ARGV[25] retention of settled records (ms): the period of the settled buckets
+-- ARGV[26] the model's terms for cached prompt tokens, kept on the record for commit: "<read
+--          weight> <write weight> <read price> <write price>" (thousandths of an input token;
+--          nanos), or '' when a cached token is an input token
 -- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos)
@@ -91,7 +94,8 @@ local tenant, user, tier = ARGV[18], ARGV[19], ARGV[20]
 local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
 local price_in, price_out = tonumber(ARGV[22]), tonumber(ARGV[23])
 local settled = { prefix = ARGV[24], retention = tonumber(ARGV[25]) }
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 25, 9
+local cache_terms = ARGV[26]
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 26, 9
 
 local now = now_ms()
 local today = math.floor(now / DAY_MS)
@@ -260,6 +264,9 @@ if ledger.terms ~= '' then
 end
 if price_in > 0 or price_out > 0 then
   also('pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
+end
+if cache_terms ~= '' then
+  also('cw', cache_terms)
 end
 redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)

@@ -9,8 +9,8 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
-use tollgate::admission::{Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
-use tollgate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
+use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
+use tollgate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
 use tollgate::store::{Store, keys};
 
@@ -1013,6 +1013,61 @@ mod scenarios {
         }
     }
 
+    /// Cached prompt tokens a response reports count at the weights and prices of their model
+    /// (`cached`: reads 0.1 of an input token, writes 1.25; prices 3, 15, 0.3 and 3.75 per
+    /// million), in the tokens charged, the money charged and the ledger; a model without them
+    /// counts every prompt token whole.
+    pub async fn cached_prompt_tokens_count_at_their_weight_and_price<S: Store>(h: Harness<S>) {
+        let cached = Attributes { model: Some("cached".into()), ..h.attributes(1000, 100) };
+        let id = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
+        let detail = Detail { cache_read: Some(600), cache_write: Some(200), reasoning: Some(10) };
+        let counted = Counted::Exact { prompt: 1000, output: 50, detail };
+        let u = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
+        // 200 plain + 600 x 0.1 + 200 x 1.25 + 50 output; in nanos, each at its price.
+        assert_eq!((u.used, u.held, u.refunded), (200 + 60 + 250 + 50, 1100, 1100 - 560));
+        assert_eq!(u.cost_nanos, 200 * 3000 + 600 * 300 + 200 * 3750 + 50 * 15000);
+        let again = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
+        assert!(again.duplicate && again.used == 560, "{again:?}");
+        // Model m has no terms for cached tokens: they are input tokens.
+        let plain = admitted(&h.reserve(100, 10).await).reservation_id.clone();
+        let counted = Counted::Exact { prompt: 100, output: 10, detail };
+        assert_eq!(h.admission.commit_counted(&plain, counted).await.unwrap().usage().unwrap().used, 110);
+        // More cache than prompt charges no more than the prompt: reads first, then writes.
+        let over = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
+        let detail = Detail { cache_read: Some(80), cache_write: Some(80), reasoning: None };
+        let u = h.admission.commit_counted(&over, Counted::Exact { prompt: 100, output: 0, detail }).await.unwrap();
+        assert_eq!(u.usage().unwrap().used, 8 + 25);
+        // Counts past what any response could say are refused, and charge nothing.
+        let live = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
+        let detail = Detail { cache_read: Some(u64::MAX), ..Detail::default() };
+        let e = h.admission.commit_counted(&live, Counted::Exact { prompt: 1, output: 1, detail }).await;
+        assert!(matches!(e, Err(AdmissionError::TooLarge { what: "cache_read_tokens", .. })), "{e:?}");
+        assert_eq!(h.tenant_scope().await.num("du"), (560 + 110 + 33 + 1100) as f64, "the live hold still held");
+
+        let ledger = h.ledger().await;
+        let entry = ledger.iter().find(|e| e["id"] == id).expect("entered");
+        for (field, value) in [
+            ("prompt_tokens", "1000"),
+            ("output_tokens", "50"),
+            ("cache_read_tokens", "600"),
+            ("cache_write_tokens", "200"),
+            ("reasoning_tokens", "10"),
+            ("charged_tokens", "560"),
+            ("cost_nanos", "2280000"),
+        ] {
+            assert_eq!(entry[field], value, "{field} of {entry:?}");
+        }
+        let unsaid = ledger.iter().find(|e| e["id"] == over).expect("entered");
+        assert_eq!(unsaid["reasoning_tokens"], "", "unsaid is empty: {unsaid:?}");
+        if let Some(file) = &h.ledger_file {
+            let lines = std::fs::read_to_string(file).unwrap();
+            let written: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            let line = |of: &str| written.iter().find(|w| w["id"] == of).unwrap_or_else(|| panic!("{of} in {lines}"));
+            assert_eq!(line(&id)["cache_read_tokens"], 600, "a number: {}", line(&id));
+            assert_eq!(line(&over)["reasoning_tokens"], serde_json::Value::Null, "{}", line(&over));
+        }
+    }
+
     /// A policy without a ledger writes none.
     pub async fn no_ledger_no_entries<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
@@ -1098,6 +1153,7 @@ macro_rules! conformance {
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
+            scenario!(cached_prompt_tokens_count_at_their_weight_and_price, LEDGER);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);
             scenario!(

@@ -102,7 +102,7 @@ async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
         assert_eq!(reserved, (body.len() as u64).div_ceil(4) + ceiling, "{content} bytes");
         let id = r.header("x-sim-reservation").unwrap().to_string();
         assert!(settled(&mut admission, &id, Duration::from_millis(10)).await.is_some(), "never settled");
-        let repeat = CommitRequest { reservation_id: id, prompt_tokens: 1, completion_tokens: 1 };
+        let repeat = CommitRequest { reservation_id: id, prompt_tokens: 1, completion_tokens: 1, ..Default::default() };
         let c = admission.commit(repeat).await.unwrap().into_inner();
         assert_eq!((c.used_tokens, c.metered), ((content as u64).div_ceil(4) + 40, false), "{c:?}");
     }
@@ -165,7 +165,12 @@ async fn a_thousand_normal_streams_each_settle_exactly() {
     for id in &ids {
         match settled(&mut admission, id, Duration::from_millis(10)).await.as_deref() {
             Some("committed") => {
-                let repeat = CommitRequest { reservation_id: id.clone(), prompt_tokens: 999, completion_tokens: 999 };
+                let repeat = CommitRequest {
+                    reservation_id: id.clone(),
+                    prompt_tokens: 999,
+                    completion_tokens: 999,
+                    ..Default::default()
+                };
                 let c = admission.commit(repeat).await.unwrap().into_inner();
                 assert!(c.duplicate, "{c:?}");
                 if c.metered { metered += 1 } else { exact += 1 }

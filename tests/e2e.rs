@@ -108,7 +108,12 @@ async fn bucket_flow(backend: Backend) {
     // The backend reports a short generation: the unused hold comes back and admits again.
     let mut client = stack.client().await;
     let c = client
-        .commit(CommitRequest { reservation_id: held[0].clone(), prompt_tokens: 5, completion_tokens: 5 })
+        .commit(CommitRequest {
+            reservation_id: held[0].clone(),
+            prompt_tokens: 5,
+            completion_tokens: 5,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -158,7 +163,12 @@ async fn the_concurrency_limit_gives_429_until_a_release() {
     assert_eq!(third.status, 200, "{third:?}");
 
     // The Admission service's errors: a released hold cannot be committed; unknown and malformed ids.
-    let commit = |reservation_id: String| CommitRequest { reservation_id, prompt_tokens: 1, completion_tokens: 1 };
+    let commit = |reservation_id: String| CommitRequest {
+        reservation_id,
+        prompt_tokens: 1,
+        completion_tokens: 1,
+        ..Default::default()
+    };
     let code = |r: Result<tonic::Response<_>, tonic::Status>| {
         r.map(|_: tonic::Response<tollgate::proto::CommitResponse>| ()).unwrap_err().code()
     };
@@ -191,7 +201,12 @@ async fn an_abandoned_hold_expires_under_both_policies_and_a_late_commit_reconci
         }
         let id = first.header("x-test-reservation").unwrap().to_string();
         let late = client
-            .commit(CommitRequest { reservation_id: id, prompt_tokens: 10, completion_tokens: 10 })
+            .commit(CommitRequest {
+                reservation_id: id,
+                prompt_tokens: 10,
+                completion_tokens: 10,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();

@@ -17,6 +17,7 @@ use tonic::transport::Channel;
 const POLICY: &str = r#"
 models:
   m: { max_output_tokens: 64 }
+  cached: { max_output_tokens: 64, cache_read_weight: 0.5 }
   slow: { max_output_tokens: 100, pool: gpu }
 pools:
   gpu:
@@ -139,6 +140,28 @@ async fn a_lost_reserve_answer_is_given_back_without_a_second_charge() {
     assert_eq!((again.state.as_str(), again.refunded_tokens, again.duplicate), ("released", 15, true));
 }
 
+/// Commit over gRPC says how much of the prompt came from the provider's cache: those tokens count
+/// at the model's weight; a count past the stated maximum is refused and charges nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_s_cached_prompt_tokens_count_at_the_models_weight() {
+    let mut e = Edge::start().await;
+    let held = e.reserve(ReserveRequest { model: "cached".into(), prompt_tokens: 100, ..reserve("big", "", 10) }).await;
+    assert!(held.admitted, "{held:?}");
+    let commit = |cache_read_tokens| CommitRequest {
+        reservation_id: held.reservation_id.clone(),
+        prompt_tokens: 100,
+        completion_tokens: 10,
+        cache_read_tokens,
+        cache_write_tokens: None,
+        reasoning_tokens: Some(4),
+    };
+    let status = e.admission.commit(commit(Some(1u64 << 60))).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+    assert!(status.message().contains("cache_read_tokens"), "{status:?}");
+    let c = e.admission.commit(commit(Some(40))).await.unwrap().into_inner();
+    assert_eq!((c.state.as_str(), c.duplicate, c.used_tokens), ("committed", false, 60 + 20 + 10), "{c:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_counts_past_the_stated_maximum_are_refused_and_charge_nothing() {
     let mut e = Edge::start().await;
@@ -161,6 +184,7 @@ async fn token_counts_past_the_stated_maximum_are_refused_and_charge_nothing() {
                 reservation_id: held.reservation_id.clone(),
                 prompt_tokens: prompt,
                 completion_tokens: completion,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -168,7 +192,12 @@ async fn token_counts_past_the_stated_maximum_are_refused_and_charge_nothing() {
     }
     let c = e
         .admission
-        .commit(CommitRequest { reservation_id: held.reservation_id.clone(), prompt_tokens: 5, completion_tokens: 5 })
+        .commit(CommitRequest {
+            reservation_id: held.reservation_id.clone(),
+            prompt_tokens: 5,
+            completion_tokens: 5,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();

@@ -20,6 +20,7 @@ use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
 use tollgate::tools::sim::formats::Text;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n  m: { max_output_tokens: 4096, pool: provider }\n\
+                      \x20 cached: { max_output_tokens: 4096, cache_read_weight: 0.25 }\n\
                       pools:\n  provider: { max_sequences: 8, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, max_queue_delay_ms: 60000 }\n\
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n  queued:\n    lease_ttl_ms: 600\n    limits: { max_concurrency: 1 }\n  probe:\n    limits: { tokens_per_minute: 60, burst_tokens: 100000 }\n";
 const CHAT: &str = "/v1/chat/completions";
@@ -96,7 +97,12 @@ impl Stack {
         assert_eq!(self.settled(id).await, "committed", "{}", self.diagnostics());
         let mut client = self.client().await;
         let c = client
-            .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 })
+            .commit(CommitRequest {
+                reservation_id: id.into(),
+                prompt_tokens: 999,
+                completion_tokens: 999,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();
@@ -130,6 +136,23 @@ async fn a_json_response_is_committed_with_its_exact_usage() {
     let reported = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
     assert_eq!((c.used_tokens, c.metered), (reported, false), "charged what the response reported");
     assert_eq!(usage["completion_tokens"], 40);
+}
+
+/// A response that says how much of its prompt the provider read from its cache is charged those
+/// tokens at the model's weight (a quarter here), from the response alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prompt_tokens_a_response_reports_count_at_the_models_weight() {
+    let stack = Stack::with_test_upstream().await;
+    let body = format!(
+        r#"{{"model":"cached","max_tokens":100,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(4000)
+    );
+    let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-test-cached-tokens", "800")], body).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let usage = &r.json()["usage"];
+    let (prompt, output) = (usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap());
+    let c = stack.charged(r.header("x-test-reservation").unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered), (prompt - 800 + 200 + output, false), "{c:?}");
 }
 
 /// The usage chunk of an OpenAI stream, from the SSE body.
@@ -432,7 +455,12 @@ async fn a_backend_that_also_commits_is_charged_once() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
     let c = client
-        .commit(CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 })
+        .commit(CommitRequest {
+            reservation_id: id.into(),
+            prompt_tokens: 999,
+            completion_tokens: 999,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -522,7 +550,7 @@ async fn a_commit_that_could_not_reach_redis_lands_when_it_answers_again() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let c = client
-        .commit(CommitRequest { reservation_id: id, prompt_tokens: 999, completion_tokens: 999 })
+        .commit(CommitRequest { reservation_id: id, prompt_tokens: 999, completion_tokens: 999, ..Default::default() })
         .await
         .unwrap()
         .into_inner();

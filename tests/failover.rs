@@ -56,8 +56,12 @@ async fn load(endpoint: String, tenant: String, start: Instant, stop: Duration) 
         {
             // UNAVAILABLE while the slot has no primary: a caller retries (commit is idempotent),
             // and so does this one once the load is over, so every metered hold is settled.
-            let commit =
-                CommitRequest { reservation_id: r.reservation_id.clone(), prompt_tokens: 1, completion_tokens: 1 };
+            let commit = CommitRequest {
+                reservation_id: r.reservation_id.clone(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                ..Default::default()
+            };
             if let Err(status) = client.commit(commit.clone()).await {
                 assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
                 unsettled.push(commit);
@@ -162,7 +166,12 @@ async fn a_primary_killed_under_load_fails_over_to_its_replica() {
             break r;
         }
         admitted += 1;
-        let commit = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 1, completion_tokens: 1 };
+        let commit = CommitRequest {
+            reservation_id: r.reservation_id,
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            ..Default::default()
+        };
         client.commit(commit).await.unwrap();
         assert!(admitted <= 500, "acme admitted beyond its daily budget: {admitted}");
     };

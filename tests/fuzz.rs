@@ -289,7 +289,7 @@ proptest! {
                 ..Default::default()
             };
             let reserved = service.reserve(tonic::Request::new(request)).await.map(tonic::Response::into_inner);
-            let _ = service.commit(tonic::Request::new(CommitRequest { reservation_id: id.clone(), prompt_tokens: counts.0, completion_tokens: counts.1 })).await;
+            let _ = service.commit(tonic::Request::new(CommitRequest { reservation_id: id.clone(), prompt_tokens: counts.0, completion_tokens: counts.1, ..Default::default() })).await;
             let _ = service.renew(tonic::Request::new(RenewRequest { reservation_id: id.clone(), lease_ms: counts.0 })).await;
             let _ = service.release(tonic::Request::new(ReleaseRequest { reservation_id: id })).await;
             let admitted = reserved.as_ref().is_ok_and(|r| r.admitted);

@@ -1,4 +1,4 @@
-//! Names that end up in store keys, as a hostile or careless client sends them: `{`, `}`, `:`, NUL,
+//! Names that end up in store keys, as a hostile or careless client sends them: `{`, `}`, `:`, `@`, NUL,
 //! non-ASCII, 10 kB. Each is refused with `invalid_request` (charging nothing) or, where a key ends
 //! with it (users, idempotency keys), handled as a name of its own; two names never share a key: on every store, the Cluster included, where a
 //! name that moved a key's hash tag would also move it off its tenant's slot.
@@ -20,6 +20,8 @@ fn hostile() -> Vec<String> {
         "}".into(),
         "{x}".into(),
         "a:b".into(),
+        "@".into(),
+        "a@0123456789ab".into(),
         "nul\u{0}".into(),
         "é".into(),
         "tab\there".into(),

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use support::{Harness, TOP_SEPARATOR, admitted, denied};
-use tollgate::admission::Reason;
-use tollgate::hold::{CommitOutcome, Counted, ReleaseOutcome};
+use tollgate::admission::{Attributes, Reason};
+use tollgate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome};
 use tollgate::store::{Reply, Script, Store, StoreError, keys};
 
 /// Counts the calls of each script that reach the store.
@@ -203,7 +203,7 @@ mod scenarios {
             }
             // And one overrun: 300 used of a 100 hold, debt the next call charges.
             let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
-            r.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 290 }).await.unwrap();
+            r.admission.commit_counted(&id, Counted::exact(10, 290)).await.unwrap();
             used += 300.0;
             r.admission.lease_tick(round == 2).await.unwrap();
         }
@@ -221,7 +221,7 @@ mod scenarios {
         let faults = Queued::new(h.admission.protocol().store().clone(), "lease");
         let r = h.wrapped(|_| faults.clone()).await;
         let id = admitted(&r.reserve(10, 90).await).reservation_id.clone();
-        let c = r.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 4_990 }).await.unwrap();
+        let c = r.admission.commit_counted(&id, Counted::exact(10, 4_990)).await.unwrap();
         assert_eq!(c.usage().map(|u| u.overrun), Some(4_900));
         faults.next(Fault::Unreachable(1));
         assert!(r.admission.lease_tick(false).await.is_err(), "the window's call never reached the store");
@@ -388,7 +388,9 @@ mod scenarios {
             .iter()
             .map(|d| admitted(d).reservation_id.clone())
             .collect();
-        let c = r.admission.commit(&ids[0], 10, 20).await.unwrap();
+        // Model m has no terms for cached tokens: 4 read from the cache count whole, but are entered.
+        let detail = Detail { cache_read: Some(4), cache_write: None, reasoning: Some(2) };
+        let c = r.admission.commit_counted(&ids[0], Counted::Exact { prompt: 10, output: 20, detail }).await.unwrap();
         assert_eq!(c.usage().map(|u| u.cost_nanos), Some(70_000), "the commit reports the cost: {c:?}");
         r.admission.commit_counted(&ids[1], Counted::Metered { output: 50 }).await.unwrap();
         r.admission.release(&ids[2]).await.unwrap();
@@ -402,6 +404,9 @@ mod scenarios {
         assert_eq!(fields(&ids[1], &what), ["committed", "metered", "10", "50", "100", "60"]);
         assert_eq!(fields(&ids[2], &what), ["released", "none", "", "", "100", "0"]);
         assert_eq!(entry(&ids[0])["tenant"], h.tenant);
+        let said = ["cache_read_tokens", "cache_write_tokens", "reasoning_tokens"];
+        assert_eq!(fields(&ids[0], &said), ["4", "", "2"]);
+        assert_eq!(fields(&ids[1], &said), ["", "", ""]);
         // Model m costs 1 and 3 per million tokens: 10 × 1,000 + 20 × 3,000 nanos.
         assert_eq!(entry(&ids[0])["cost_nanos"], "70000");
         let charged: f64 = ledger.iter().map(|e| e["charged_tokens"].parse::<f64>().unwrap()).sum();
@@ -437,10 +442,32 @@ mod scenarios {
         assert_eq!(mine, [["expired", "held", "100"], ["late_committed", "exact", "15"]]);
     }
 
+    /// A leased hold charges cached prompt tokens as a store hold does (the conformance scenario
+    /// of the same name gives the arithmetic), and so does one committed at another replica.
+    pub async fn cached_prompt_tokens_of_a_leased_hold_count_as_in_the_store<S: Store + Clone>(h: Harness<S>) {
+        let cached = Attributes { model: Some("cached".into()), ..h.attributes(1000, 100) };
+        let id = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
+        assert!(id.contains('@'), "leased: {id}");
+        let detail = Detail { cache_read: Some(600), cache_write: Some(200), reasoning: Some(10) };
+        let counted = Counted::Exact { prompt: 1000, output: 50, detail };
+        let u = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
+        assert_eq!((u.used, u.cost_nanos), (560, 2_280_000), "{u:?}");
+        // Forwarded from another replica, the counts and what they say arrive whole.
+        let other = h.wrapped(|s| s).await;
+        let forwarded = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
+        assert_eq!(other.admission.commit_counted(&forwarded, counted).await.unwrap(), CommitOutcome::Forwarded);
+        h.admission.lease_tick(false).await.unwrap();
+        let repeat = h.admission.commit_counted(&forwarded, counted).await.unwrap();
+        assert!(repeat.usage().is_some_and(|u| u.duplicate && u.used == 560), "{repeat:?}");
+        h.admission.lease_tick(true).await.unwrap();
+        let charged = 10_000.0 - h.tenant_scope().await.num("t");
+        assert!((1119.0..=1120.0).contains(&charged), "560 twice, {charged} charged");
+    }
+
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.
     pub async fn an_overrun_of_a_leased_hold_is_debt_in_the_store<S: Store + Clone>(h: Harness<S>) {
         let id = admitted(&h.reserve(10, 90).await).reservation_id.clone();
-        let c = h.admission.commit_counted(&id, Counted::Exact { prompt: 10, output: 290 }).await.unwrap();
+        let c = h.admission.commit_counted(&id, Counted::exact(10, 290)).await.unwrap();
         assert_eq!(c.usage().map(|u| u.overrun), Some(200));
         h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
@@ -470,6 +497,7 @@ macro_rules! leasing {
             scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);
             scenario!(a_refusal_is_remembered_for_its_wait, SLOW);
             scenario!(an_overrun_of_a_leased_hold_is_debt_in_the_store, SLOW);
+            scenario!(cached_prompt_tokens_of_a_leased_hold_count_as_in_the_store, SLOW);
             scenario!(a_re_sent_lease_call_counts_once, SLOW);
             scenario!(a_failed_lease_call_loses_no_debt, SLOW);
             scenario!(a_lost_lease_answer_loses_no_forwarded_commit, SLOW);
@@ -576,7 +604,12 @@ async fn a_stopping_replica_gives_its_slices_back() {
     }
     let mut admission = AdmissionClient::connect(t.endpoint()).await.unwrap();
     for (id, _) in &ids[..2] {
-        let c = CommitRequest { reservation_id: id.clone(), prompt_tokens: 10, completion_tokens: 20 };
+        let c = CommitRequest {
+            reservation_id: id.clone(),
+            prompt_tokens: 10,
+            completion_tokens: 20,
+            ..Default::default()
+        };
         admission.commit(c).await.unwrap();
     }
     let scope = keys::tenant_scope(&tenant);

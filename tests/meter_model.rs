@@ -109,7 +109,7 @@ proptest! {
         let all_text: u64 = s.events.iter().map(|(_, t)| t).sum();
         let tokens = |bytes: u64| bytes as f64 / bytes_per_token;
         match measured {
-            Measured::Exact { prompt: p, output: o } => {
+            Measured::Exact { prompt: p, output: o, .. } => {
                 // Its closing event passed, or is the one cut (whole but for its line's end).
                 prop_assert!(s.closing.is_some_and(|c| c < whole || (c == whole && cut > end)), "exact before its usage: {measured:?}");
                 prop_assert_eq!((p, o), (prompt, output));
@@ -138,7 +138,7 @@ proptest! {
         let cut = cut.index(body.len() + 1);
         let measured = meter("application/json", &body[..cut], &pieces, 4.0);
         if cut == body.len() {
-            prop_assert_eq!(measured, Measured::Exact { prompt, output });
+            prop_assert_eq!(measured, Measured::exact(prompt, output));
         } else {
             prop_assert_eq!(measured, Measured::Metered { output: (cut as u64).div_ceil(4) });
         }
@@ -166,31 +166,11 @@ fn each_providers_response_fixture_is_read_as_it_reports() {
         })
         .collect();
     let cases = [
-        (
-            "gemini-stream.sse",
-            "text/event-stream",
-            fixture("gemini-stream.sse"),
-            Measured::Exact { prompt: 11, output: 9 + 25 },
-        ),
-        ("converse.json", "application/json", fixture("converse.json"), Measured::Exact { prompt: 17, output: 13 }),
-        (
-            "converse-stream.events",
-            "application/vnd.amazon.eventstream",
-            converse_stream,
-            Measured::Exact { prompt: 17, output: 7 },
-        ),
-        (
-            "ollama-chat.ndjson",
-            "application/x-ndjson",
-            fixture("ollama-chat.ndjson"),
-            Measured::Exact { prompt: 26, output: 4 },
-        ),
-        (
-            "anthropic-stream.sse",
-            "text/event-stream",
-            fixture("anthropic-stream.sse"),
-            Measured::Exact { prompt: 9, output: 4 },
-        ),
+        ("gemini-stream.sse", "text/event-stream", fixture("gemini-stream.sse"), Measured::exact(11, 9 + 25)),
+        ("converse.json", "application/json", fixture("converse.json"), Measured::exact(17, 13)),
+        ("converse-stream.events", "application/vnd.amazon.eventstream", converse_stream, Measured::exact(17, 7)),
+        ("ollama-chat.ndjson", "application/x-ndjson", fixture("ollama-chat.ndjson"), Measured::exact(26, 4)),
+        ("anthropic-stream.sse", "text/event-stream", fixture("anthropic-stream.sse"), Measured::exact(9, 4)),
     ];
     for (name, content_type, bytes, want) in cases {
         for piece in [1, 7, 64, bytes.len().max(1)] {

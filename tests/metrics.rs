@@ -63,8 +63,12 @@ async fn a_scrape_counts_what_happened() {
     assert!(committed.admitted && released.admitted && expiring.admitted);
     let refused = client.reserve(reserve("acme", 150, 100)).await.unwrap().into_inner();
     assert_eq!(refused.reason, "token_rate", "{refused:?}");
-    let c =
-        CommitRequest { reservation_id: committed.reservation_id.clone(), prompt_tokens: 20, completion_tokens: 30 };
+    let c = CommitRequest {
+        reservation_id: committed.reservation_id.clone(),
+        prompt_tokens: 20,
+        completion_tokens: 30,
+        ..Default::default()
+    };
     client.commit(c.clone()).await.unwrap();
     client.commit(c).await.unwrap(); // a repeat settles nothing new
     client.release(ReleaseRequest { reservation_id: released.reservation_id }).await.unwrap();
@@ -166,7 +170,12 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
         held.push(r.reservation_id);
     }
     client
-        .commit(CommitRequest { reservation_id: held[0].clone(), prompt_tokens: 1, completion_tokens: 1 })
+        .commit(CommitRequest {
+            reservation_id: held[0].clone(),
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            ..Default::default()
+        })
         .await
         .unwrap();
     client.release(ReleaseRequest { reservation_id: held[1].clone() }).await.unwrap();

@@ -99,8 +99,12 @@ async fn load(endpoint: String, start: Instant, stop: Duration) -> Vec<Seen> {
         if let Ok(r) = &answer
             && r.admitted
         {
-            let commit =
-                CommitRequest { reservation_id: r.reservation_id.clone(), prompt_tokens: 1, completion_tokens: 1 };
+            let commit = CommitRequest {
+                reservation_id: r.reservation_id.clone(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                ..Default::default()
+            };
             client.commit(commit).await.unwrap();
         }
         seen.push(Seen { at, answered, answer });
@@ -160,7 +164,12 @@ async fn a_configmap_swap_applies_under_load_without_an_inconsistent_decision() 
     let new = client.reserve(ask(10)).await.unwrap().into_inner();
     tokio::time::sleep(Duration::from_millis(400)).await;
     for (hold, state) in [(old, "late_committed"), (new, "committed")] {
-        let commit = CommitRequest { reservation_id: hold.reservation_id, prompt_tokens: 1, completion_tokens: 1 };
+        let commit = CommitRequest {
+            reservation_id: hold.reservation_id,
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            ..Default::default()
+        };
         assert_eq!(client.commit(commit).await.unwrap().into_inner().state, state);
     }
 
@@ -239,7 +248,12 @@ async fn a_leasing_replica_follows_a_tightened_limit() {
     for _ in 0..5 {
         let r = hold(&mut client).await;
         assert!(r.admitted, "{r:?}");
-        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 1, completion_tokens: 49 };
+        let c = CommitRequest {
+            reservation_id: r.reservation_id,
+            prompt_tokens: 1,
+            completion_tokens: 49,
+            ..Default::default()
+        };
         client.commit(c).await.unwrap();
     }
 

@@ -29,7 +29,7 @@ async fn commit_lands_after_the_store_comes_back<S: Store + Clone>(h: Harness<S>
     let a = admitted(&faulty.reserve(100, 50).await).clone();
     let stop = CancellationToken::new();
     let (retries, worker) = Retries::start(faulty.admission.clone(), stop.clone());
-    let measured = Measured::Exact { prompt: 90, output: 30 };
+    let measured = Measured::exact(90, 30);
     retries.push(Settlement::Commit { id: a.reservation_id.clone(), measured });
     let landed = faulty
         .eventually(Duration::from_secs(10), || async { state(&faulty, &a.reservation_id).await != "reserved" })

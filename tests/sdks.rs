@@ -86,7 +86,12 @@ impl Stack {
             assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let repeat = CommitRequest { reservation_id: id.into(), prompt_tokens: 999, completion_tokens: 999 };
+        let repeat = CommitRequest {
+            reservation_id: id.into(),
+            prompt_tokens: 999,
+            completion_tokens: 999,
+            ..Default::default()
+        };
         let c = client.commit(repeat).await.unwrap().into_inner();
         assert!(c.duplicate, "the response's commit came first: {c:?}");
         c
@@ -107,7 +112,12 @@ impl Stack {
             .unwrap()
             .into_inner();
         assert!(r.admitted, "{r:?}");
-        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 990, completion_tokens: 1 };
+        let c = CommitRequest {
+            reservation_id: r.reservation_id,
+            prompt_tokens: 990,
+            completion_tokens: 1,
+            ..Default::default()
+        };
         client.commit(c).await.unwrap();
     }
 

@@ -69,7 +69,8 @@ async fn reserve(t: &Tollgate) -> String {
 /// What tollgate recorded for a reservation: a repeated commit returns the first one's result.
 async fn recorded(t: &Tollgate, id: &str) -> CommitResponse {
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
-    let request = CommitRequest { reservation_id: id.into(), prompt_tokens: 0, completion_tokens: 0 };
+    let request =
+        CommitRequest { reservation_id: id.into(), prompt_tokens: 0, completion_tokens: 0, ..Default::default() };
     let reply = client.commit(request).await.unwrap().into_inner();
     assert!(reply.duplicate, "the backend should have committed already: {reply:?}");
     reply

@@ -215,8 +215,12 @@ async fn load(endpoint: String, tenant: &'static str, start: Instant, length: Du
             && !r.unmetered
         {
             // Committed at once; UNAVAILABLE when Redis is gone in between, which a caller retries.
-            let commit =
-                CommitRequest { reservation_id: r.reservation_id.clone(), prompt_tokens: 1, completion_tokens: 1 };
+            let commit = CommitRequest {
+                reservation_id: r.reservation_id.clone(),
+                prompt_tokens: 1,
+                completion_tokens: 1,
+                ..Default::default()
+            };
             if let Err(status) = client.commit(commit).await {
                 assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
             }
@@ -445,7 +449,12 @@ async fn with_redis_gone_a_budget_gets_a_share_of_what_remains() {
     for _ in 0..6 {
         let r = client.reserve(hold.clone()).await.unwrap().into_inner();
         assert!(r.admitted && !r.unmetered, "{r:?}");
-        let c = CommitRequest { reservation_id: r.reservation_id, prompt_tokens: 90, completion_tokens: 10 };
+        let c = CommitRequest {
+            reservation_id: r.reservation_id,
+            prompt_tokens: 90,
+            completion_tokens: 10,
+            ..Default::default()
+        };
         client.commit(c).await.unwrap();
     }
     drop(redis);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::lease::{Ask, AskScope};
 use super::{Admission, Attributes, Denial, IdempotencyKey, Priority, Reason, ids};
 use crate::config::names;
-use crate::config::{Limits, Money, Policy, PoolPolicy, Price, TenantPolicy};
+use crate::config::{CacheWeights, Limits, Money, Policy, PoolPolicy, Price, TenantPolicy};
 use crate::estimate::{self, PromptSize};
 use crate::hold::{MAX_TOKEN_COUNT, ScopeLimits};
 
@@ -155,6 +155,7 @@ impl<S> Admission<S> {
             user: a.user.clone(),
             tier,
             price,
+            cache_weights: model.cache_weights,
         })
     }
 }
@@ -212,6 +213,8 @@ pub(super) struct Plan {
     pub(super) tier: Priority,
     /// The model's price: the hold charges its cost.
     pub(super) price: Price,
+    /// What the model's cached prompt tokens count, for the commit.
+    pub(super) cache_weights: CacheWeights,
 }
 
 impl Plan {
@@ -225,6 +228,7 @@ impl Plan {
             user: self.user.as_deref(),
             tier: self.tier.as_str(),
             price: self.price,
+            cache_weights: self.cache_weights,
         }
     }
 }

@@ -7,7 +7,7 @@
 use super::lease::Leases;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
 use crate::config::Policy;
-use crate::hold::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome};
+use crate::hold::{CommitOutcome, Counted, Detail, Forwarded, ReleaseOutcome, RenewOutcome};
 use crate::metrics::Estimate;
 use crate::store::{Learning, Store};
 
@@ -20,7 +20,7 @@ impl<S: Store> Admission<S> {
         prompt: u64,
         output: u64,
     ) -> Result<CommitOutcome, AdmissionError> {
-        self.commit_counted(reservation_id, Counted::Exact { prompt, output }).await
+        self.commit_counted(reservation_id, Counted::exact(prompt, output)).await
     }
 
     /// The commit phase, with counts reported or metered.
@@ -29,12 +29,19 @@ impl<S: Store> Admission<S> {
         reservation_id: &str,
         counted: Counted,
     ) -> Result<CommitOutcome, AdmissionError> {
-        let (prompt, output) = match counted {
-            Counted::Exact { prompt, output } => (prompt, output),
-            Counted::Metered { output } => (0, output),
-            Counted::AsHeld => (0, 0),
+        let (prompt, output, detail) = match counted {
+            Counted::Exact { prompt, output, detail } => (prompt, output, detail),
+            Counted::Metered { output } => (0, output, Detail::default()),
+            Counted::AsHeld => (0, 0, Detail::default()),
         };
-        for (what, value) in [("prompt_tokens", prompt), ("completion_tokens", output)] {
+        let said = |n: Option<u64>| n.unwrap_or(0);
+        for (what, value) in [
+            ("prompt_tokens", prompt),
+            ("completion_tokens", output),
+            ("cache_read_tokens", said(detail.cache_read)),
+            ("cache_write_tokens", said(detail.cache_write)),
+            ("reasoning_tokens", said(detail.reasoning)),
+        ] {
             if value > MAX_TOKEN_COUNT {
                 return Err(AdmissionError::TooLarge { what, value });
             }
@@ -88,7 +95,7 @@ impl<S: Store> Admission<S> {
             return;
         }
         self.metrics.committed(tenant, u);
-        if let (Counted::Exact { prompt, output }, Some(model), Some(output_held), false) =
+        if let (Counted::Exact { prompt, output, .. }, Some(model), Some(output_held), false) =
             (counted, &u.model, u.output_held, u.late)
         {
             let model = if policy.models.contains_key(model) { model.as_str() } else { "other" };

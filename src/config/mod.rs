@@ -224,7 +224,29 @@ pub struct ModelPolicy {
     pub pool: Option<String>,
     /// What its tokens cost; none: nothing (cost budgets need every model priced).
     pub price: Option<Price>,
+    /// What its cached prompt tokens count in token limits and budgets.
+    pub cache_weights: CacheWeights,
 }
+
+/// What a prompt token the provider read from its cache, or wrote to it, counts in token limits
+/// and budgets, in thousandths of an input token: exact integers, at most
+/// [`MAX_CACHE_WEIGHT_MILLI`]. A commit that reports such tokens charges them at these weights
+/// (rounded up); the hold, made before anyone knew, counts every prompt token whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheWeights {
+    pub read_milli: u64,
+    pub write_milli: u64,
+}
+
+impl Default for CacheWeights {
+    /// Every cached token a whole input token.
+    fn default() -> Self {
+        CacheWeights { read_milli: 1000, write_milli: 1000 }
+    }
+}
+
+/// The heaviest a cached token may weigh: ten input tokens.
+pub const MAX_CACHE_WEIGHT_MILLI: u16 = 10_000;
 
 /// A model's price per token, in nanos of the policy's currency (a price per million tokens
 /// times 1,000): exact integers, at most [`MAX_PRICE_NANOS`].
@@ -232,6 +254,10 @@ pub struct ModelPolicy {
 pub struct Price {
     pub input_nanos: u64,
     pub output_nanos: u64,
+    /// Prompt tokens read from the provider's cache (the input price unless the policy says).
+    pub cache_read_nanos: u64,
+    /// Prompt tokens written to the provider's cache (the input price unless the policy says).
+    pub cache_write_nanos: u64,
 }
 
 /// The highest price per token, in nanos (1,000 per million tokens): a billion tokens at it cost

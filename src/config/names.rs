@@ -3,8 +3,9 @@
 //! here, and admission applies the same rules to what a request carries.
 //!
 //! A tenant id is part of every key's hash tag (see `store::keys`), so it may not contain `{` or
-//! `}` (they would move the tag) or `:` (the key separator, and the separator of a reservation
-//! id's parts). User ids, model names and idempotency keys end a key, so only visible ASCII and a
+//! `}` (they would move the tag), `:` (the key separator, and the separator of a reservation
+//! id's parts) or `@` (a leased hold's id ends `@<replica>`, and the lease index names replicas
+//! `@<replica>`: a tenant starting or holding `@` would read as one). User ids, model names and idempotency keys end a key, so only visible ASCII and a
 //! length bound are asked of them.
 
 /// Longest tenant, user, model or idempotency key accepted.
@@ -19,7 +20,7 @@ pub enum IdError {
     TooLong,
     #[error("may contain only visible ASCII characters")]
     NotVisibleAscii,
-    #[error("may not contain '{{', '}}' or ':'")]
+    #[error("may not contain '{{', '}}', ':' or '@'")]
     Reserved,
 }
 
@@ -38,7 +39,7 @@ fn visible(id: &str) -> Result<(), IdError> {
 
 pub fn check_tenant(id: &str) -> Result<(), IdError> {
     visible(id)?;
-    if id.contains(['{', '}', ':']) {
+    if id.contains(['{', '}', ':', '@']) {
         return Err(IdError::Reserved);
     }
     Ok(())
@@ -62,7 +63,7 @@ mod tests {
 
     #[test]
     fn tenant_ids_that_would_break_the_hash_tag_are_refused() {
-        for bad in ["a{b", "a}b", "a:b", "", "a b", "é"] {
+        for bad in ["a{b", "a}b", "a:b", "@", "a@b", "", "a b", "é"] {
             assert!(check_tenant(bad).is_err(), "{bad:?}");
         }
         assert!(check_tenant(&"x".repeat(129)).is_err());

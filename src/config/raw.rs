@@ -136,6 +136,13 @@ pub(super) struct RawModel {
     #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: u64,
     pub price: Option<RawPrice>,
+    /// What a prompt token read from the provider's cache counts in token limits and budgets, as a
+    /// share of an input token (Anthropic bills 0.1, OpenAI 0.5 or 0.25, Gemini 0.25).
+    #[serde(default = "one")]
+    pub cache_read_weight: f64,
+    /// What a prompt token written to the provider's cache counts (Anthropic bills 1.25 or 2).
+    #[serde(default = "one")]
+    pub cache_write_weight: f64,
     /// Other names requests use for this model: an Azure deployment, a Bedrock inference
     /// profile, a dated version.
     #[serde(default)]
@@ -148,6 +155,14 @@ pub(super) struct RawModel {
 pub(super) struct RawPrice {
     pub input_per_million: f64,
     pub output_per_million: f64,
+    /// Prompt tokens read from the provider's cache; unset: the input price.
+    pub cache_read_per_million: Option<f64>,
+    /// Prompt tokens written to the provider's cache; unset: the input price.
+    pub cache_write_per_million: Option<f64>,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// 128 Ki tokens: the context of most current models, so a prompt of unknown size is held in full.

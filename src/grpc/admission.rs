@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 
 use crate::admission::{Admission, AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use crate::estimate::PromptSize;
-use crate::hold::{CommitOutcome, ReleaseOutcome, RenewOutcome};
+use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome};
 use crate::proto::admission_server;
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
@@ -111,7 +111,13 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     #[tracing::instrument(name = "commit", skip_all)]
     async fn commit(&self, request: Request<CommitRequest>) -> Result<Response<CommitResponse>, Status> {
         let r = request.into_inner();
-        let o = self.admission.commit(&r.reservation_id, r.prompt_tokens, r.completion_tokens).await.map_err(status)?;
+        let detail = Detail {
+            cache_read: r.cache_read_tokens,
+            cache_write: r.cache_write_tokens,
+            reasoning: r.reasoning_tokens,
+        };
+        let counted = Counted::Exact { prompt: r.prompt_tokens, output: r.completion_tokens, detail };
+        let o = self.admission.commit_counted(&r.reservation_id, counted).await.map_err(status)?;
         match &o {
             CommitOutcome::NotFound => {
                 Err(Status::not_found(format!("reservation {} is unknown or long settled", r.reservation_id)))

@@ -3,9 +3,12 @@
 //! settle holds append the entries (`lua/common.lua` lists the fields).
 
 /// Fields whose values are whole numbers, written as JSON numbers.
-const NUMBERS: [&str; 8] = [
+const NUMBERS: [&str; 11] = [
     "prompt_tokens",
     "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "reasoning_tokens",
     "reserved_tokens",
     "charged_tokens",
     "cost_nanos",

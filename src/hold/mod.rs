@@ -7,7 +7,9 @@
 //! - [`refusal`]: why a script refused.
 //! - [`outcome`]: how each phase answered, what a commit was told and what it charged.
 //! - [`ledger`]: a settled hold's ledger entry as a JSON line.
+//! - [`charge`]: what reported counts charge, cached prompt tokens at their weight and price.
 
+pub mod charge;
 pub mod id;
 pub mod ledger;
 pub mod limits;
@@ -15,6 +17,7 @@ pub mod outcome;
 pub mod refusal;
 
 pub use crate::config::MAX_TOKEN_COUNT;
+pub use charge::{Charge, Detail, charge};
 pub use id::{ReservationRef, parse_reservation_id};
 pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Window};
 pub use outcome::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage};

@@ -52,13 +52,21 @@ impl Settled {
 /// What a commit is told was used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Counted {
-    /// Counts the response (or the caller) reported.
-    Exact { prompt: u64, output: u64 },
+    /// Counts the response (or the caller) reported, with what it said more of them (cached
+    /// prompt tokens are charged at their weight and price).
+    Exact { prompt: u64, output: u64, detail: super::Detail },
     /// Counted by tollgate from the text that passed; the prompt is the one held at admission.
     Metered { output: u64 },
     /// Not countable (a compressed body, a format tollgate does not read): the hold is charged as
     /// it was made, prompt and output.
     AsHeld,
+}
+
+impl Counted {
+    /// Reported counts, with nothing more said of them.
+    pub fn exact(prompt: u64, output: u64) -> Counted {
+        Counted::Exact { prompt, output, detail: super::Detail::default() }
+    }
 }
 
 /// What a commit charged.

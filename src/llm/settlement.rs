@@ -64,7 +64,7 @@ mod tests {
 
     #[test]
     fn each_row_of_the_table() {
-        let exact = Verdict::Commit(Measured::Exact { prompt: 12, output: 7 });
+        let exact = Verdict::Commit(Measured::exact(12, 7));
         assert_eq!(verdict(Some(200), Some(&mut meter("application/json", USAGE))), exact, "2xx, reported");
         assert!(
             matches!(verdict(Some(200), Some(&mut meter("text/event-stream", STREAMED))), Verdict::Commit(Measured::Metered { output }) if output > 0),

@@ -3,8 +3,8 @@
 //! The rule: every key of one tenant carries the hash tag `{<tenant>}`. Redis Cluster hashes only
 //! the part between the first `{` and the next `}`, so all of a tenant's scopes, holds and indexes
 //! land on one slot and one script can touch them atomically. That is why a tenant id may not
-//! contain `{`, `}` (it would move or break the tag) or `:` (the separator below); see
-//! [`crate::hold::id`].
+//! contain `{`, `}` (it would move or break the tag), `:` (the separator below) or `@` (it ends a
+//! leased hold's id and starts a replica's entry in the lease index); see [`crate::hold::id`].
 //!
 //! ```text
 //! tg:{acme}:s:t              tenant scope (token bucket, request bucket, in flight, day usage)

@@ -10,6 +10,8 @@
 //! bytes whose plain text would read as usage), commits nothing and leaves the hold to Envoy.
 //! `x-test-silent-commit: 1` commits as usual but does not say so, so Envoy commits too.
 //! `x-test-delay-ms: N` waits N ms before answering (a queue at the backend, a slow first token).
+//! `x-test-cached-tokens: N` reports N of the prompt as read from the provider's cache
+//! (`prompt_tokens_details.cached_tokens`), commits nothing and leaves the hold to Envoy.
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
@@ -74,8 +76,9 @@ async fn handle(
     let reservation = header("x-tollgate-reservation");
     let reserved = header("x-tollgate-reserved-tokens").unwrap_or_default();
     let output: Option<u64> = header("x-test-output-tokens").and_then(|v| v.parse().ok());
-    let skip = header("x-test-skip-commit").is_some();
-    let silent = header("x-test-silent-commit").is_some();
+    let cached: Option<u64> = header("x-test-cached-tokens").and_then(|v| v.parse().ok());
+    let skip = header("x-test-skip-commit").is_some() || cached.is_some();
+    let silent = header("x-test-silent-commit").is_some() || cached.is_some();
     if let Some(status) = header("x-test-status").and_then(|s| s.parse::<u16>().ok()) {
         let response = Response::builder()
             .status(status)
@@ -108,19 +111,26 @@ async fn handle(
 
     let mut commit_state = String::from("skipped");
     if let (Some(id), false) = (&reservation, skip) {
-        let request =
-            CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
+        let request = CommitRequest {
+            reservation_id: id.clone(),
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            ..Default::default()
+        };
         commit_state = match client.commit(request).await {
             Ok(r) => r.into_inner().state,
             Err(status) => format!("error: {}", status.message()),
         };
     }
-    let usage = serde_json::json!({
+    let mut usage = serde_json::json!({
         "id": "chatcmpl-test",
         "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
     });
+    if let Some(cached) = cached {
+        usage["usage"]["prompt_tokens_details"] = serde_json::json!({ "cached_tokens": cached });
+    }
     let response = Response::builder()
         .header("content-type", "application/json")
         .header("x-test-reservation", reservation.unwrap_or_default())

@@ -3,7 +3,7 @@
 
 use super::slice::{Spend, Taken};
 use super::{Leases, State};
-use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Settled, Usage};
+use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Settled, Usage};
 
 /// Settled holds remembered per tenant, to answer a repeated commit or release the way the store's
 /// retained records do; past this many, the oldest are forgotten (a repeat then finds nothing and
@@ -27,6 +27,8 @@ pub(super) struct LocalHold {
     pub(super) tier: &'static str,
     pub(super) reserved_at: u64,
     pub(super) price: crate::config::Price,
+    /// What its model's cached prompt tokens count, when a commit reports them.
+    pub(super) cache_weights: crate::config::CacheWeights,
 }
 
 impl LocalHold {
@@ -47,8 +49,9 @@ impl LocalHold {
     /// What `counted` charges this hold: tokens, and their cost.
     fn used(&self, counted: Counted) -> Spend {
         match counted {
-            Counted::Exact { prompt, output } => {
-                Spend { tokens: prompt.saturating_add(output), cost: self.cost(prompt, output) }
+            Counted::Exact { prompt, output, detail } => {
+                let c = crate::hold::charge(self.price, self.cache_weights, prompt, output, detail);
+                Spend { tokens: c.tokens, cost: c.cost }
             }
             Counted::Metered { output } => {
                 Spend { tokens: self.prompt.saturating_add(output), cost: self.cost(self.prompt, output) }
@@ -98,12 +101,16 @@ impl State {
             return;
         }
         let n = |v: u64| v.to_string();
+        let mut detail = Detail::default();
         let (outcome, usage, counts, charged, cost) = match how {
             Entered::Committed { spent, counted, late } => {
                 let outcome = if late { "late_committed" } else { "committed" };
                 let (used, cost) = (spent.tokens, spent.cost);
                 match counted {
-                    Counted::Exact { prompt, output } => (outcome, "exact", Some((prompt, output)), used, cost),
+                    Counted::Exact { prompt, output, detail: said } => {
+                        detail = said;
+                        (outcome, "exact", Some((prompt, output)), used, cost)
+                    }
                     Counted::Metered { output } => (outcome, "metered", Some((hold.prompt, output)), used, cost),
                     Counted::AsHeld => (outcome, "held", None, used, cost),
                 }
@@ -113,6 +120,7 @@ impl State {
             Entered::Expired { charged } => ("expired", "held", None, charged, hold.held_cost()),
         };
         let (prompt, output) = counts.map_or((String::new(), String::new()), |(p, o)| (n(p), n(o)));
+        let count = |c: Option<u64>| c.map_or_else(String::new, n);
         let fields = [
             id.to_string(),
             self.name.clone(),
@@ -129,6 +137,9 @@ impl State {
             n(hold.held_cost()),
             n(hold.reserved_at),
             n(now),
+            count(detail.cache_read),
+            count(detail.cache_write),
+            count(detail.reasoning),
         ];
         let escape = |v: &str| v.replace('%', "%25").replace('\t', "%09").replace('\n', "%0A");
         self.unentered.push(fields.iter().map(|f| escape(f)).collect::<Vec<_>>().join("\t"));

@@ -74,6 +74,7 @@ pub(super) struct Ask<'a> {
     pub user: Option<&'a str>,
     pub tier: &'static str,
     pub price: crate::config::Price,
+    pub cache_weights: crate::config::CacheWeights,
 }
 
 impl Ask<'_> {
@@ -330,6 +331,7 @@ impl Leases {
             tier: ask.tier,
             reserved_at: now,
             price: ask.price,
+            cache_weights: ask.cache_weights,
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.

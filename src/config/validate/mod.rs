@@ -12,11 +12,12 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_PRICE_NANOS, MetricsSettings, ModelPolicy, Money,
-    Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy, TlsSettings,
+    AdaptiveOutput, CacheWeights, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI,
+    MAX_PRICE_NANOS, MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice,
+    StoreSettings, TenantPolicy, TlsSettings,
 };
 
-use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price};
+use sections::{adaptive, breaker, cache_weight, leasing, ledger, metrics, pool_policy, price};
 pub(super) use sections::{tls, tls_flag};
 
 type Problem = (String, String);
@@ -208,6 +209,10 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             ));
         }
         let price = m.price.as_ref().map(|p| price(&format!("{field}.price"), p)).transpose()?;
+        let cache_weights = CacheWeights {
+            read_milli: cache_weight(&format!("{field}.cache_read_weight"), m.cache_read_weight)?,
+            write_milli: cache_weight(&format!("{field}.cache_write_weight"), m.cache_write_weight)?,
+        };
         models.insert(
             name,
             ModelPolicy {
@@ -216,6 +221,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
                 max_prompt_tokens: m.max_prompt_tokens,
                 pool: m.pool,
                 price,
+                cache_weights,
             },
         );
     }

@@ -20,6 +20,8 @@
 
 use serde_json::Value;
 
+pub use crate::hold::Detail;
+
 /// The prompt and output counts one body or event reports, each where it says so.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Reported {
@@ -30,31 +32,11 @@ pub struct Reported {
     pub detail: Detail,
 }
 
-/// The parts of a response's counts that a provider prices apart, each within its total: the
-/// prompt tokens read from its cache and written to it, and the output tokens spent reasoning.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Detail {
-    pub cache_read: Option<u64>,
-    pub cache_write: Option<u64>,
-    pub reasoning: Option<u64>,
-}
-
 /// The largest of two counts, where either says.
 fn max(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
-    }
-}
-
-impl Detail {
-    /// Each count the largest either says.
-    pub fn merge(self, other: Detail) -> Detail {
-        Detail {
-            cache_read: max(self.cache_read, other.cache_read),
-            cache_write: max(self.cache_write, other.cache_write),
-            reasoning: max(self.reasoning, other.reasoning),
-        }
     }
 }
 

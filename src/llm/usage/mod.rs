@@ -102,12 +102,6 @@ impl Meter {
         }
     }
 
-    /// The cache reads and writes and reasoning tokens the response reported, within its counts
-    /// (after [`Meter::measured`]; none where it said nothing).
-    pub fn detail(&self) -> fields::Detail {
-        self.detail
-    }
-
     /// The request generates nothing (an embedding): a response whose counts cannot be read
     /// charges the prompt held and no output, however large its body (a batch of vectors).
     pub fn input_only(&mut self) {
@@ -185,7 +179,7 @@ impl Meter {
         }
         let complete = !self.streams() || self.final_usage;
         match (self.prompt, self.output) {
-            (Some(prompt), Some(output)) if complete => Measured::Exact { prompt, output },
+            (Some(prompt), Some(output)) if complete => Measured::Exact { prompt, output, detail: self.detail },
             _ if self.input_only => Measured::Metered { output: 0 },
             _ if self.format == Format::Opaque => Measured::AsHeld,
             (_, partial) => {
@@ -275,6 +269,7 @@ fn tokens_of(bytes: u64, bytes_per_token: f64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hold::Detail;
 
     fn run(content_type: &str, chunks: &[&str]) -> Measured {
         let mut m = Meter::new(Some(content_type), None, 4.0);
@@ -288,22 +283,23 @@ mod tests {
     fn openai_json_usage_is_exact() {
         let body = r#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}"#;
         let (a, b) = body.split_at(20);
-        assert_eq!(run("application/json; charset=utf-8", &[a, b]), Measured::Exact { prompt: 12, output: 7 });
+        assert_eq!(run("application/json; charset=utf-8", &[a, b]), Measured::exact(12, 7));
     }
 
     #[test]
     fn embeddings_report_no_output() {
         let body = r#"{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#;
-        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 8, output: 0 });
+        assert_eq!(run("application/json", &[body]), Measured::exact(8, 0));
     }
 
     #[test]
     fn anthropic_and_responses_json_usage_is_exact() {
         let messages =
             r#"{"type":"message","usage":{"input_tokens":10,"cache_read_input_tokens":5,"output_tokens":3}}"#;
-        assert_eq!(run("application/json", &[messages]), Measured::Exact { prompt: 15, output: 3 });
+        let cached = Detail { cache_read: Some(5), ..Detail::default() };
+        assert_eq!(run("application/json", &[messages]), Measured::Exact { prompt: 15, output: 3, detail: cached });
         let responses = r#"{"object":"response","usage":{"input_tokens":4,"output_tokens":9,"total_tokens":13}}"#;
-        assert_eq!(run("application/json", &[responses]), Measured::Exact { prompt: 4, output: 9 });
+        assert_eq!(run("application/json", &[responses]), Measured::exact(4, 9));
     }
 
     #[test]
@@ -313,7 +309,7 @@ mod tests {
                       data: [DONE]\n\n";
         for cut in 1..stream.len() {
             let (a, b) = stream.split_at(cut);
-            assert_eq!(run("text/event-stream", &[a, b]), Measured::Exact { prompt: 5, output: 2 }, "cut at {cut}");
+            assert_eq!(run("text/event-stream", &[a, b]), Measured::exact(5, 2), "cut at {cut}");
         }
     }
 
@@ -329,14 +325,14 @@ mod tests {
         let stream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":25,\"output_tokens\":1}}}\n\n\
                       event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hello\"}}\n\n\
                       event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":15}}\n\n";
-        assert_eq!(run("text/event-stream", &[stream]), Measured::Exact { prompt: 25, output: 15 });
+        assert_eq!(run("text/event-stream", &[stream]), Measured::exact(25, 15));
     }
 
     #[test]
     fn the_responses_api_stream_takes_its_completed_usage() {
         let stream = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hi\"}\n\n\
                       event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":3,\"output_tokens\":2}}}\n\n";
-        assert_eq!(run("text/event-stream", &[stream]), Measured::Exact { prompt: 3, output: 2 });
+        assert_eq!(run("text/event-stream", &[stream]), Measured::exact(3, 2));
     }
 
     #[test]
@@ -406,23 +402,25 @@ mod tests {
     fn gemini_reports_prompt_candidates_and_thoughts() {
         let body = r#"{"candidates":[{"content":{"parts":[{"text":"Hi"}],"role":"model"},"finishReason":"STOP"}],
             "usageMetadata":{"promptTokenCount":9,"cachedContentTokenCount":4,"candidatesTokenCount":3,"thoughtsTokenCount":20,"totalTokenCount":32}}"#;
-        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 9, output: 23 });
+        let detail = Detail { cache_read: Some(4), cache_write: None, reasoning: Some(20) };
+        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 9, output: 23, detail });
         let sse = "data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\"Hello\"}]}}],\"usageMetadata\":{\"promptTokenCount\":9,\"candidatesTokenCount\":1}}\r\n\r\n\
                    data: {\"candidates\":[{\"content\":{\"parts\":[{\"text\":\" there\"}]},\"finishReason\":\"STOP\"}],\"usageMetadata\":{\"promptTokenCount\":9,\"candidatesTokenCount\":2}}\r\n\r\n";
-        assert_eq!(run("text/event-stream", &[sse]), Measured::Exact { prompt: 9, output: 2 });
+        assert_eq!(run("text/event-stream", &[sse]), Measured::exact(9, 2));
         let (cut, _) = sse.split_at(sse.find("\r\n\r\n").unwrap() + 4);
         assert_eq!(run("text/event-stream", &[cut]), Measured::Metered { output: 2 }, "cut before the finish");
         // Without alt=sse: one JSON array of the same chunks.
         let array = r#"[{"candidates":[{"content":{"parts":[{"text":"Hello"}]}}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":1}},
             {"candidates":[{"content":{"parts":[{"text":" there"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":2}}]"#;
-        assert_eq!(run("application/json", &[array]), Measured::Exact { prompt: 9, output: 2 });
+        assert_eq!(run("application/json", &[array]), Measured::exact(9, 2));
     }
 
     #[test]
     fn bedrock_converse_and_its_event_stream() {
         let body = r#"{"output":{"message":{"role":"assistant","content":[{"text":"Hi"}]}},"stopReason":"end_turn",
             "usage":{"inputTokens":11,"outputTokens":4,"totalTokens":20,"cacheReadInputTokens":5},"metrics":{"latencyMs":120}}"#;
-        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 16, output: 4 });
+        let cached = Detail { cache_read: Some(5), ..Detail::default() };
+        assert_eq!(run("application/json", &[body]), Measured::Exact { prompt: 16, output: 4, detail: cached });
         let mut stream = aws::encode("messageStart", br#"{"role":"assistant"}"#);
         for _ in 0..10 {
             stream.extend(aws::encode("contentBlockDelta", br#"{"contentBlockIndex":0,"delta":{"text":"word"}}"#));
@@ -437,7 +435,7 @@ mod tests {
         for piece in stream.chunks(7) {
             m.feed(piece);
         }
-        assert_eq!(m.measured(), Measured::Exact { prompt: 11, output: 12 });
+        assert_eq!(m.measured(), Measured::exact(11, 12));
         let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
         m.feed(&stream[..cut + 5]);
         assert!(m.saw_output());
@@ -452,7 +450,7 @@ mod tests {
         let mut m = Meter::new(Some("application/json"), None, 4.0);
         m.reported(30, 7);
         m.feed(br#"{"generation":"text","prompt_token_count":1,"generation_token_count":1}"#);
-        assert_eq!(m.measured(), Measured::Exact { prompt: 30, output: 7 });
+        assert_eq!(m.measured(), Measured::exact(30, 7));
         use base64::Engine;
         let chunk = |inner: &str| {
             let payload = serde_json::json!({"bytes": base64::engine::general_purpose::STANDARD.encode(inner)});
@@ -464,19 +462,19 @@ mod tests {
         ));
         let mut m = Meter::new(Some("application/vnd.amazon.eventstream"), None, 4.0);
         m.feed(&stream);
-        assert_eq!(m.measured(), Measured::Exact { prompt: 6, output: 3 });
+        assert_eq!(m.measured(), Measured::exact(6, 3));
     }
 
     #[test]
     fn ollama_counts_and_lines() {
         let chat = r#"{"model":"llama3.2","message":{"role":"assistant","content":"Hi"},"done":true,"prompt_eval_count":26,"eval_count":290}"#;
-        assert_eq!(run("application/json; charset=utf-8", &[chat]), Measured::Exact { prompt: 26, output: 290 });
+        assert_eq!(run("application/json; charset=utf-8", &[chat]), Measured::exact(26, 290));
         let embed = r#"{"model":"all-minilm","embeddings":[[0.1,0.2]],"prompt_eval_count":8}"#;
-        assert_eq!(run("application/json", &[embed]), Measured::Exact { prompt: 8, output: 0 });
+        assert_eq!(run("application/json", &[embed]), Measured::exact(8, 0));
         let lines = "{\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"word\"},\"done\":false}\n\
                      {\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"thinking\":\"hmmm\"},\"done\":false}\n\
                      {\"model\":\"m\",\"message\":{\"role\":\"assistant\",\"content\":\"\"},\"done\":true,\"prompt_eval_count\":5,\"eval_count\":3}\n";
-        assert_eq!(run("application/x-ndjson", &[lines]), Measured::Exact { prompt: 5, output: 3 });
+        assert_eq!(run("application/x-ndjson", &[lines]), Measured::exact(5, 3));
         let cut = lines.rsplit_once("{\"model").unwrap().0;
         assert_eq!(run("application/x-ndjson", &[cut]), Measured::Metered { output: 2 });
         let generate = "{\"model\":\"m\",\"response\":\"abcd\",\"done\":false}\n{\"model\":\"m\",\"response\":\"efgh\",\"done\":false}\n";
@@ -496,12 +494,13 @@ mod tests {
     /// Cache reads and writes and reasoning, as each provider reports them.
     #[test]
     fn cache_and_reasoning_counts_are_read() {
-        use fields::Detail;
         let detail = |content_type: &str, body: &str| {
             let mut m = Meter::new(Some(content_type), None, 4.0);
             m.feed(body.as_bytes());
-            m.measured();
-            m.detail()
+            match m.measured() {
+                Measured::Exact { detail, .. } => detail,
+                other => panic!("{body}: {other:?}"),
+            }
         };
         let d = |r, w, t| Detail { cache_read: r, cache_write: w, reasoning: t };
         let openai = r#"{"usage":{"prompt_tokens":2006,"completion_tokens":300,"prompt_tokens_details":{"cached_tokens":1920},"completion_tokens_details":{"reasoning_tokens":256}}}"#;
@@ -516,6 +515,9 @@ mod tests {
             r#"{"usage":{"inputTokens":11,"outputTokens":4,"cacheReadInputTokens":5,"cacheWriteInputTokens":7}}"#;
         assert_eq!(detail("application/json", bedrock), d(Some(5), Some(7), None));
         assert_eq!(detail("application/json", r#"{"prompt_eval_count":1,"eval_count":2}"#), Detail::default());
+        // A stream's last usage carries them too.
+        let stream = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":50,\"completion_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        assert_eq!(detail("text/event-stream", stream), d(Some(32), None, None));
     }
 
     /// An embedding's response too large to read charges no output (not its size in tokens).
@@ -530,7 +532,7 @@ mod tests {
         let mut m = Meter::new(Some("application/json"), None, 4.0);
         m.input_only();
         m.feed(br#"{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#);
-        assert_eq!(m.measured(), Measured::Exact { prompt: 8, output: 0 });
+        assert_eq!(m.measured(), Measured::exact(8, 0));
     }
 
     /// Output in the shapes other models stream on Bedrock, lines ended by a bare CR, and the
@@ -548,7 +550,7 @@ mod tests {
         let cr = "data: {\"choices\":[{\"delta\":{\"content\":\"abcd\"}}]}\rdata: {\"choices\":[{\"delta\":{\"content\":\"efgh\"}}]}\r";
         assert_eq!(run("text/event-stream", &[cr]), Measured::Metered { output: 2 });
         let incomplete = "data: {\"type\":\"response.output_text.delta\",\"delta\":\"ab\"}\n\ndata: {\"type\":\"response.incomplete\",\"response\":{\"usage\":{\"input_tokens\":120000,\"output_tokens\":16}}}\n\n";
-        assert_eq!(run("text/event-stream", &[incomplete]), Measured::Exact { prompt: 120_000, output: 16 });
+        assert_eq!(run("text/event-stream", &[incomplete]), Measured::exact(120_000, 16));
         let running = "data: {\"choices\":[{\"delta\":{\"content\":\"tok tok tok tok \"}}],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":0}}\n\ndata: [DONE]\n\n";
         assert_eq!(
             run("text/event-stream", &[running]),

@@ -5,7 +5,7 @@
 use super::reserve::push_limits;
 use super::{Argv, Fields};
 use crate::config::LedgerTerms;
-use crate::hold::{Amounts, Counted, Forwarded, Headroom, Refusal, ScopeLimits};
+use crate::hold::{Amounts, Counted, Detail, Forwarded, Headroom, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `lease.lua`'s fixed `ARGV`, in order.
@@ -286,11 +286,18 @@ impl<S: Store> Protocol<S> {
 }
 
 /// A forwarded operation as `lease_forward.lua` keeps it:
-/// `commit <prompt|-> <output|-> exact|metered`, `release` or `renew <ms>`.
+/// `commit <prompt|-> <output|-> exact|metered [<cache reads|-> <cache writes|-> <reasoning|->]`,
+/// `release` or `renew <ms>`. (A commit of reported counts without the last three was written by
+/// a replica from before they were kept, and still reads.)
 fn encode(op: Forwarded) -> String {
     let count = |n: Option<u64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
     match op {
-        Forwarded::Commit(Counted::Exact { prompt, output }) => format!("commit {prompt} {output} exact"),
+        Forwarded::Commit(Counted::Exact { prompt, output, detail }) => format!(
+            "commit {prompt} {output} exact {} {} {}",
+            count(detail.cache_read),
+            count(detail.cache_write),
+            count(detail.reasoning)
+        ),
         Forwarded::Commit(Counted::Metered { output }) => format!("commit - {} metered", count(Some(output))),
         Forwarded::Commit(Counted::AsHeld) => "commit - - metered".to_string(),
         Forwarded::Release => "release".to_string(),
@@ -301,15 +308,49 @@ fn encode(op: Forwarded) -> String {
 fn decode(op: &str) -> Option<Forwarded> {
     let words: Vec<&str> = op.split(' ').collect();
     let count = |w: &str| if w == "-" { Ok(None) } else { w.parse::<u64>().map(Some) };
+    let exact = |prompt: &str, output: &str, detail: [&str; 3]| {
+        let [cache_read, cache_write, reasoning] = detail.map(|w| count(w).ok());
+        let detail = Detail { cache_read: cache_read?, cache_write: cache_write?, reasoning: reasoning? };
+        Some(Forwarded::Commit(Counted::Exact { prompt: prompt.parse().ok()?, output: output.parse().ok()?, detail }))
+    };
     Some(match words.as_slice() {
         ["release"] => Forwarded::Release,
         ["renew", ms] => Forwarded::Renew { lease_ms: ms.parse().ok()? },
+        ["commit", prompt, output, "exact"] => exact(prompt, output, ["-", "-", "-"])?,
+        ["commit", prompt, output, "exact", read, written, reasoning] => {
+            exact(prompt, output, [read, written, reasoning])?
+        }
         ["commit", prompt, output, measure] => match (count(prompt).ok()?, count(output).ok()?, *measure) {
-            (Some(prompt), Some(output), "exact") => Forwarded::Commit(Counted::Exact { prompt, output }),
             (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
             (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
             _ => return None,
         },
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forwarded_operations_read_back_as_written() {
+        let said = Detail { cache_read: Some(600), cache_write: None, reasoning: Some(12) };
+        for op in [
+            Forwarded::Commit(Counted::Exact { prompt: 1000, output: 50, detail: said }),
+            Forwarded::Commit(Counted::exact(3, 4)),
+            Forwarded::Commit(Counted::Metered { output: 9 }),
+            Forwarded::Commit(Counted::AsHeld),
+            Forwarded::Release,
+            Forwarded::Renew { lease_ms: 250 },
+        ] {
+            assert_eq!(decode(&encode(op)), Some(op), "{}", encode(op));
+        }
+        // As a replica from before cached counts were kept wrote it.
+        assert_eq!(decode("commit 3 4 exact"), Some(Forwarded::Commit(Counted::exact(3, 4))));
+        for bad in ["commit 3 4 exact x - -", "commit - 4 exact", "commit 3 4 metered", "renew", "commit 3 4 exact 1 2"]
+        {
+            assert_eq!(decode(bad), None, "{bad}");
+        }
+    }
 }

@@ -1,14 +1,14 @@
 //! `reserve.lua`, the admission phase: the call, its `KEYS`/`ARGV`, its reply.
 
 use super::{Argv, Fields};
-use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority};
+use crate::config::{CacheWeights, ExpiredUsage, LedgerTerms, Price, Priority};
 use std::num::NonZeroU64;
 
 use crate::hold::{Bucket, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
-pub(crate) const ARGV: [&str; 25] = [
+pub(crate) const ARGV: [&str; 26] = [
     "reservation id",
     "record key prefix",
     "prompt tokens",
@@ -34,6 +34,7 @@ pub(crate) const ARGV: [&str; 25] = [
     "the model's price per output token",
     "the tenant's settled-bucket prefix",
     "retention of settled records",
+    "the model's terms for cached prompt tokens",
 ];
 
 /// Then these, per scope, in `KEYS` order (`0`: no such limit).
@@ -91,6 +92,8 @@ pub struct ReserveCall<'a> {
     pub ledger: Option<LedgerTerms>,
     /// The model's price (zero when it has none): the hold is charged its cost.
     pub price: Price,
+    /// What the model's cached prompt tokens count: commit charges them so.
+    pub cache_weights: CacheWeights,
 }
 
 /// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
@@ -161,6 +164,7 @@ impl<S: Store> Protocol<S> {
         a.push("the model's price per output token", call.price.output_nanos.to_string());
         a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
         a.push("retention of settled records", call.retention_ms.to_string());
+        a.push("the model's terms for cached prompt tokens", cache_terms(call.price, call.cache_weights));
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);
@@ -215,4 +219,14 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
 /// A limit as the scripts take it: `0` for none (the one place that sentinel is written).
 fn or_zero(limit: Option<NonZeroU64>) -> String {
     limit.map_or(0, NonZeroU64::get).to_string()
+}
+
+/// `reserve.lua`'s terms for cached prompt tokens: their weights and prices, or nothing when a
+/// cached token is an input token (the record then carries no field for them).
+fn cache_terms(price: Price, weights: CacheWeights) -> String {
+    let whole = weights == CacheWeights::default();
+    if whole && price.cache_read_nanos == price.input_nanos && price.cache_write_nanos == price.input_nanos {
+        return String::new();
+    }
+    format!("{} {} {} {}", weights.read_milli, weights.write_milli, price.cache_read_nanos, price.cache_write_nanos)
 }

@@ -1,11 +1,11 @@
 //! The scripts that settle a hold kept in the store: `commit.lua`, `renew.lua`, `release.lua`.
 
 use super::{Argv, Fields};
-use crate::hold::{CommitOutcome, Counted, ReleaseOutcome, RenewOutcome, Usage};
+use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Usage};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
-pub(crate) const COMMIT_ARGV: [&str; 8] = [
+pub(crate) const COMMIT_ARGV: [&str; 11] = [
     "reservation id",
     "prompt tokens used",
     "output tokens used",
@@ -14,6 +14,9 @@ pub(crate) const COMMIT_ARGV: [&str; 8] = [
     "exact | metered",
     "the tenant's settled-bucket prefix",
     "retention of settled records",
+    "cache reads",
+    "cache writes",
+    "reasoning tokens",
 ];
 
 /// `renew.lua`'s `ARGV`, in order.
@@ -46,11 +49,12 @@ impl<S: Store> Protocol<S> {
         retention_ms: u64,
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
-        let (prompt, output, measure) = match counted {
-            Counted::Exact { prompt, output } => (prompt.to_string(), output.to_string(), "exact"),
-            Counted::Metered { output } => (String::new(), output.to_string(), "metered"),
-            Counted::AsHeld => (String::new(), String::new(), "metered"),
+        let (prompt, output, measure, detail) = match counted {
+            Counted::Exact { prompt, output, detail } => (prompt.to_string(), output.to_string(), "exact", detail),
+            Counted::Metered { output } => (String::new(), output.to_string(), "metered", Detail::default()),
+            Counted::AsHeld => (String::new(), String::new(), "metered", Detail::default()),
         };
+        let count = |n: Option<u64>| n.map_or_else(String::new, |n| n.to_string());
         let mut a = Argv::new("commit", &COMMIT_ARGV, 0);
         a.push("reservation id", id.to_string());
         a.push("prompt tokens used", prompt);
@@ -59,6 +63,9 @@ impl<S: Store> Protocol<S> {
         a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
         a.push("exact | metered", measure.to_string());
         push_settled(&mut a, tenant, retention_ms);
+        a.push("cache reads", count(detail.cache_read));
+        a.push("cache writes", count(detail.cache_write));
+        a.push("reasoning tokens", count(detail.reasoning));
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {

@@ -114,6 +114,7 @@ async fn one_tenant(
                         reservation_id: r.reservation_id,
                         prompt_tokens: o.prompt_tokens,
                         completion_tokens: output,
+                        ..Default::default()
                     };
                     client.commit(commit).await.map_err(|e| BurstError::Call("commit", e))?;
                 }
@@ -145,6 +146,7 @@ async fn one_tenant(
                 reservation_id: reply.reservation_id,
                 prompt_tokens: o.prompt_tokens,
                 completion_tokens: output,
+                ..Default::default()
             };
             commits.push(async move { client.commit(commit).await.map(|r| r.into_inner()) });
         }

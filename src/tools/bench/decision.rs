@@ -66,7 +66,7 @@ pub async fn run<S: Store>(
         let took = started.elapsed();
         let id = response.ok().as_ref().and_then(reservation_of);
         if let Some(id) = &id {
-            let used = Counted::Exact { prompt: mixed.prompt_tokens, output: mixed.output_tokens };
+            let used = Counted::exact(mixed.prompt_tokens, mixed.output_tokens);
             let _ = admission.commit_counted(id, used).await;
         }
         if i >= warmup {

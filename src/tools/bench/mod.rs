@@ -400,6 +400,7 @@ async fn cycle(channel: Channel, tenant: String, mixed: &MixedRequest, scheduled
         reservation_id: id,
         prompt_tokens: mixed.prompt_tokens,
         completion_tokens: mixed.output_tokens,
+        ..Default::default()
     };
     match admission.commit(commit).await {
         Ok(_) => Sample {

@@ -345,7 +345,12 @@ impl Drop for Generation {
 
 async fn commit(sim: Arc<Sim>, reservation: Option<String>, prompt: u64, completion: u64) {
     let (Some(client), Some(id)) = (&sim.tollgate, reservation) else { return };
-    let request = CommitRequest { reservation_id: id.clone(), prompt_tokens: prompt, completion_tokens: completion };
+    let request = CommitRequest {
+        reservation_id: id.clone(),
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        ..Default::default()
+    };
     match client.clone().commit(request).await {
         Ok(_) => {
             sim.stats.commits.fetch_add(1, Ordering::Relaxed);
