@@ -16,9 +16,12 @@
 -- ARGV[9] cache reads: of the prompt, tokens the provider read from its cache ('' when unsaid)
 -- ARGV[10] cache writes: of the prompt, tokens written to the provider's cache ('' when unsaid)
 -- ARGV[11] reasoning tokens: of the output ('' when unsaid; entered in the ledger, charged as output)
+-- ARGV[12] how the request ended: completed | metered | as_held | client_left | upstream_refused |
+--          upstream_error (kept with the settled hold, entered in the ledger)
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held,
---         cost (nanos, at the prices the hold was made with)}
+--         cost (nanos, at the prices the hold was made with), ending}
+--   (ending: how the request ended, as the commit that settled it said; '' when unknown)
 --   (used: the tokens charged, cached prompt tokens at the weights the hold was made with)
 --   (model: the one the request named, '' for a hold made before records kept it; output held: the
 --    output part of the hold, -1 when unknown)
@@ -43,19 +46,20 @@ local estimate_ttl = tonumber(ARGV[4])
 local window = tonumber(ARGV[5])
 local metered = ARGV[6] == 'metered'
 local settled = { prefix = ARGV[7], retention = tonumber(ARGV[8]) }
+local ending = ARGV[12]
 
 local now = now_ms()
 local r = load_hold(rk, id, settled, now)
 if not r then
-  return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0 }
+  return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0, '' }
 end
 if r.st == 'committed' or r.st == 'late_committed' then
   local us = tonumber(r.us)
   return { r.st, 1, us, r.h, math.max(0, r.h - us), math.max(0, us - r.h), tonumber(r.mx) or 0, r.md or '',
-    tonumber(r.oh) or -1, r.cc }
+    tonumber(r.oh) or -1, r.cc, r.en or '' }
 end
 if r.st == 'released' then
-  return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1, 0 }
+  return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1, 0, r.en or '' }
 end
 local output_held = math.min(r.h, tonumber(r.oh) or 0)
 local prompt = tonumber(ARGV[2]) or (r.h - output_held)
@@ -90,7 +94,7 @@ if metered then
   mx = 1
 end
 close(id, r, leases, holds)
-file_settled(rk, id, r, settled, now, state, used, cost, mx)
+file_settled(rk, id, r, settled, now, state, used, cost, mx, ending)
 -- How the charge was counted: the output is what is metered, so a commit without it stands on
 -- the hold; a metered one charges the prompt held.
 local usage = 'exact'
@@ -101,7 +105,7 @@ elseif metered then
 elseif ARGV[2] == '' then
   usage = 'held'
 end
-local entry = ledger_entry(id, r, state, usage, used, cost)
+local entry = ledger_entry(id, r, state, usage, used, cost, ending)
 entry.prompt, entry.output = prompt, output
 entry.cache_read, entry.cache_write = read, written
 if not metered then
@@ -111,4 +115,4 @@ ledger_append(ledger, r.lg, entry, now)
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end
-return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1, cost }
+return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1, cost, ending }

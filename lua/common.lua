@@ -72,6 +72,8 @@
 --   reasoning_tokens   of the output, what the response said went to reasoning ('' when it did not)
 --   reserved_tokens charged_tokens   the hold, and what the hold charges in the end
 --   reserved_at_ms settled_at_ms  (store clock)
+--   ending    how the request ended: completed (its counts reported) | metered | as_held |
+--             client_left | upstream_refused | upstream_error | released | expired
 -- A reservation id appears once, or twice when a commit came after its lease: then the
 -- late_committed entry supersedes the expired one.
 
@@ -448,6 +450,13 @@ end
 
 local SETTLED_STATES = { c = 'committed', l = 'late_committed', r = 'released' }
 local SETTLED_CODES = { committed = 'c', late_committed = 'l', released = 'r' }
+-- How a hold's request ended (src/hold/outcome.rs, `Ending`), one letter in a settled entry.
+local ENDINGS = { c = 'completed', m = 'metered', h = 'as_held', l = 'client_left', r = 'upstream_refused',
+  e = 'upstream_error', g = 'released', x = 'expired' }
+local ENDING_CODES = {}
+for code, name in pairs(ENDINGS) do
+  ENDING_CODES[name] = code
+end
 
 -- A hold's field in its tenant's settled bucket: the last 80 of its id's 128 random bits, the 20
 -- hex digits before the replica's '@' or the end (the tenant is the bucket's; the random part
@@ -461,25 +470,27 @@ end
 
 -- Files a hold settled now (`state`: committed | late_committed | released) in the current
 -- period's bucket of `settled` ({prefix, retention}), as
---   "<state code><metered> <held> <attempts> <output held> <used or refunded> <cost>"
+--   "<state code><metered> <held> <attempts> <output held> <used or refunded> <cost> <ending>"
 -- (state code c | l | r; metered 0 | 1; output held -1 when unknown; the estimated flag rides on
--- the attempts as a sign), and drops its record. The model, the scopes, the prices and who it
+-- the attempts as a sign; ending: the letter of how the request ended, ENDINGS), and drops its
+-- record. (An entry filed before endings were kept has none, and reads as unknown.) The model, the scopes, the prices and who it
 -- was for went into the counters and the ledger: a repeat needs only the counts.
-local function file_settled(rk, id, r, settled, now, state, result, cost, metered)
+local function file_settled(rk, id, r, settled, now, state, result, cost, metered, ending)
   local period = math.floor(now / settled.retention)
   local bucket = settled.prefix .. period
   local attempts = r.at or 1
   if r.es == '1' then
     attempts = -attempts
   end
-  redis.call('HSET', bucket, settled_field(id), string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
-    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost))
+  redis.call('HSET', bucket, settled_field(id), string.format('%s%d %d %d %d %d %d %s', SETTLED_CODES[state],
+    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost, ENDING_CODES[ending] or '-'))
   redis.call('PEXPIRE', bucket, (period + 2) * settled.retention - now)
   redis.call('DEL', rk)
 end
 
 -- A settled hold as file_settled filed it, read as load reads a record (st h at oh es mx, and us
--- and cc, or rf; md empty), or nil when neither bucket a repeat looks in has it.
+-- and cc, or rf; md empty; en how its request ended, nil when unknown), or nil when neither
+-- bucket a repeat looks in has it.
 local function load_settled(id, settled, now)
   local period = math.floor(now / settled.retention)
   local field = settled_field(id)
@@ -488,10 +499,10 @@ local function load_settled(id, settled, now)
   if not v then
     return nil
   end
-  local code, metered, h, at, oh, result, cost =
-    string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
+  local code, metered, h, at, oh, result, cost, ending =
+    string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) ?(%S?)$')
   local r = { st = SETTLED_STATES[code], h = tonumber(h), at = math.abs(tonumber(at)), oh = oh, md = '',
-    mx = metered, cc = tonumber(cost), es = '0' }
+    mx = metered, cc = tonumber(cost), es = '0', en = ENDINGS[ending] }
   if tonumber(at) < 0 then
     r.es = '1'
   end
@@ -522,15 +533,15 @@ local function ledger_append(stream, terms, e, now)
     'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'cache_read_tokens', e.cache_read or '',
     'cache_write_tokens', e.cache_write or '', 'reasoning_tokens', e.reasoning or '', 'reserved_tokens', e.reserved or '',
     'charged_tokens', e.charged, 'cost_nanos', e.cost or '', 'reserved_cost_nanos', e.reserved_cost or '',
-    'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now)
+    'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now, 'ending', e.ending or '')
   redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
   redis.call('PEXPIRE', stream, retention)
 end
 
 -- The ledger entry of a hold settled from its record.
-local function ledger_entry(id, r, outcome, usage, charged, cost)
+local function ledger_entry(id, r, outcome, usage, charged, cost, ending)
   return { id = id, tenant = r.tn, user = r.ur, model = r.md, tier = r.tr, outcome = outcome, usage = usage,
-    reserved = r.h, charged = charged, cost = cost, reserved_cost = r.hc, reserved_at = r.ra }
+    reserved = r.h, charged = charged, cost = cost, reserved_cost = r.hc, reserved_at = r.ra, ending = ending }
 end
 
 -- Settles a hold whose lease ran out, from what the holds hash (or its record) says it charged:
@@ -562,7 +573,7 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   if r.ch == 0 then
     usage = 'none'
   end
-  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc), now)
+  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc, 'expired'), now)
 end
 
 -- Settles the lease of a replica that stopped renewing it (it died, or lost the store for a whole
@@ -610,7 +621,7 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
       usage = 'none'
     end
     ledger_append(ledger.key, ledger.terms, { id = due, tenant = ledger.tenant, outcome = 'expired', usage = usage,
-      reserved = e[1], charged = charged, cost = cost_left, reserved_cost = cost }, now)
+      reserved = e[1], charged = charged, cost = cost_left, reserved_cost = cost, ending = 'expired' }, now)
     settled = true
   end
   redis.call('ZREM', leases, due)

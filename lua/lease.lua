@@ -36,7 +36,8 @@
 --          fields tab-separated (%, tab and newline written %25, %09, %0A): id, tenant, user,
 --          model, tier, outcome, usage, prompt tokens, output tokens, reserved tokens, charged
 --          tokens, cost, reserved cost, reserved at, settled at (the replica's clock), then cache
---          reads, cache writes and reasoning tokens ('' or absent when unsaid); appended
+--          reads, cache writes and reasoning tokens ('' or absent when unsaid), how the request
+--          ended (absent from a replica from before endings were kept); appended
 --          once (a re-send appends nothing), as the scripts that settle store holds append theirs
 -- then twenty-seven numbers per scope, in KEYS order:
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
@@ -247,7 +248,7 @@ if ARGV[9] ~= '' then
     end
     local e = { id = f[1], tenant = f[2], user = f[3], model = f[4], tier = f[5], outcome = f[6], usage = f[7],
       prompt = f[8], output = f[9], reserved = f[10], charged = f[11], cost = f[12], reserved_cost = f[13],
-      reserved_at = f[14], cache_read = f[16], cache_write = f[17], reasoning = f[18] }
+      reserved_at = f[14], cache_read = f[16], cache_write = f[17], reasoning = f[18], ending = f[19] }
     ledger_append(KEYS[5], ARGV[9], e, tonumber(f[15]) or now)
   end
 end

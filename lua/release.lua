@@ -8,6 +8,8 @@
 -- ARGV[1] reservation id
 -- ARGV[2] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
 -- ARGV[3] retention of settled records (ms): the period of the settled buckets
+-- ARGV[4] how the request ended: released (its caller gave it back) | upstream_refused |
+--         upstream_error (the backend answered with no output)
 --
 -- Reply: {state, refunded tokens, repeated (0|1)}
 --   state: released when the hold is released (repeated = 1 when an earlier call released it:
@@ -20,6 +22,7 @@ local holds = KEYS[3]
 local ledger = KEYS[4]
 local id = ARGV[1]
 local settled = { prefix = ARGV[2], retention = tonumber(ARGV[3]) }
+local ending = ARGV[4]
 
 local now = now_ms()
 local r, reply, done = live_hold(rk, id, leases, holds, now, ledger, settled)
@@ -35,6 +38,6 @@ free_slots(keys)
 refund(keys, r.ch, r.cc, r.dy, now)
 keep_alive(keys, leases, holds, r.it)
 close(id, r, leases, holds)
-file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0)
-ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0), now)
+file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0, ending)
+ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0, ending), now)
 return { 'released', r.ch, 0 }

@@ -10,9 +10,9 @@ use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
-use tollgate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Usage};
+use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{Store, keys};
+use tollgate::store::{Script, Store, keys};
 
 /// Scenarios, each generic over the store.
 mod scenarios {
@@ -422,11 +422,33 @@ mod scenarios {
         let entries = h.settled().await;
         let field = |id: &str| id[id.len() - 20..].to_string();
         let values: Vec<&str> = [&committed, &released].map(|id| entries[&field(id)].0.as_str()).to_vec();
-        // (state and metered, held, attempts, output held, used or refunded, cost)
-        assert_eq!(values, ["c0 20 1 10 7 13000", "r0 20 1 10 20 0"], "{entries:?}");
+        // (state and metered, held, attempts, output held, used or refunded, cost, how it ended)
+        assert_eq!(values, ["c0 20 1 10 7 13000 c", "r0 20 1 10 20 0 g"], "{entries:?}");
         let CommitOutcome::Committed(u) = &first else { panic!("{first:?}") };
+        assert_eq!(u.ending, Some(Ending::Completed));
         let repeat = Usage { duplicate: true, model: None, ..u.clone() };
         assert_eq!(h.admission.commit(&committed, 9, 9).await.unwrap(), CommitOutcome::Committed(repeat.clone()));
+        // An entry filed before endings were kept answers the same, its ending unknown.
+        let older = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        h.admission.commit(&older, 4, 3).await.unwrap();
+        let (filed, _) = &h.settled().await[&field(&older)];
+        let unended = filed.strip_suffix(" c").expect("filed with its ending").to_string();
+        // The entry rewritten in whichever bucket holds it (the harness's settled buckets).
+        let rewrite = Script::new(
+            "file_old",
+            "local t = redis.call('TIME')\n\
+             local period = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / tonumber(ARGV[2]))\n\
+             for _, n in ipairs({ period - 1, period }) do\n\
+               if redis.call('HGET', ARGV[1] .. n, ARGV[3]) then redis.call('HSET', ARGV[1] .. n, ARGV[3], ARGV[4]) end\n\
+             end\n\
+             return 1"
+                .to_string(),
+        );
+        let retention = h.admission.policy().record_retention_ms.to_string();
+        let args = vec![keys::settled_prefix(&h.tenant), retention, field(&older), unended];
+        h.admission.protocol().store().eval(&rewrite, vec![keys::holds(&h.tenant)], args).await.unwrap();
+        let answer = h.admission.commit(&older, 9, 9).await.unwrap();
+        assert_eq!(answer, CommitOutcome::Committed(Usage { ending: None, ..repeat.clone() }), "{answer:?}");
         let again = h.admission.release(&released).await.unwrap();
         assert_eq!(again, ReleaseOutcome::Released { refunded: 20, repeated: true });
         assert_eq!(h.admission.renew(&committed, 0).await.unwrap().state(), "committed");
@@ -956,22 +978,30 @@ mod scenarios {
         h.admission.release(&b).await.unwrap();
         assert_eq!(denied(&h.reserve(1000, 1900).await).reason, Reason::Budget);
 
+        // How each request ended, as its settler says: a client that left, a backend that refused.
+        let i = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.commit_ended(&i, Counted::Metered { output: 7 }, Ending::ClientLeft).await.unwrap();
+        let j = admitted(&h.reserve(10, 90).await).reservation_id.clone();
+        h.admission.release_ended(&j, Ending::UpstreamRefused).await.unwrap();
+
         let ledger = h.ledger().await;
-        let seen: Vec<(&str, &str, &str, &str)> = ledger
+        let seen: Vec<[&str; 5]> = ledger
             .iter()
-            .map(|x| (x["id"].as_str(), x["outcome"].as_str(), x["usage"].as_str(), x["charged_tokens"].as_str()))
+            .map(|x| ["id", "outcome", "usage", "charged_tokens", "ending"].map(|f| x[f].as_str()))
             .collect();
         assert_eq!(
             seen,
             vec![
-                (a.as_str(), "committed", "exact", "30"),
-                (b.as_str(), "released", "none", "0"),
-                (c.as_str(), "committed", "metered", "50"),
-                (d.as_str(), "committed", "held", "100"),
-                (e.as_str(), "expired", "held", "100"),
-                (e.as_str(), "late_committed", "exact", "15"),
-                (f.as_str(), "released", "none", "0"),
-                (g.as_str(), "late_committed", "exact", "2"),
+                [a.as_str(), "committed", "exact", "30", "completed"],
+                [b.as_str(), "released", "none", "0", "released"],
+                [c.as_str(), "committed", "metered", "50", "metered"],
+                [d.as_str(), "committed", "held", "100", "as_held"],
+                [e.as_str(), "expired", "held", "100", "expired"],
+                [e.as_str(), "late_committed", "exact", "15", "completed"],
+                [f.as_str(), "released", "none", "0", "released"],
+                [g.as_str(), "late_committed", "exact", "2", "completed"],
+                [i.as_str(), "committed", "metered", "17", "client_left"],
+                [j.as_str(), "released", "none", "0", "upstream_refused"],
             ]
         );
         let first = &ledger[0];

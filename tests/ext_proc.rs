@@ -45,7 +45,11 @@ impl Drop for Stack {
 impl Stack {
     /// In front of the test upstream of `support::upstream`, whose headers steer each answer.
     async fn with_test_upstream() -> Stack {
-        let tollgate = Tollgate::start(POLICY);
+        Stack::with_test_upstream_policy(POLICY).await
+    }
+
+    async fn with_test_upstream_policy(policy: &str) -> Stack {
+        let tollgate = Tollgate::start(policy);
         let upstream = Upstream::start(tollgate.endpoint()).await;
         let envoy = Envoy::start(tollgate.addr, upstream.port);
         Stack { tollgate, envoy, shutdown: None, _upstream: Some(upstream) }
@@ -135,6 +139,7 @@ async fn a_json_response_is_committed_with_its_exact_usage() {
     let c = stack.charged(&id).await;
     let reported = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
     assert_eq!((c.used_tokens, c.metered), (reported, false), "charged what the response reported");
+    assert_eq!(c.ending, "completed", "{c:?}");
     assert_eq!(usage["completion_tokens"], 40);
 }
 
@@ -183,7 +188,7 @@ async fn a_stream_without_usage_is_committed_metered() {
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
     // The held prompt (body bytes / 4) and the metered output: 40 tokens of "tok " at 4 bytes each.
     let held_prompt = (body.len() as u64).div_ceil(4);
-    assert_eq!((c.used_tokens, c.metered), (held_prompt + 40, true), "{c:?}");
+    assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (held_prompt + 40, true, "metered"), "{c:?}");
 }
 
 /// A streamed request whose client reads `frames` frames of the response and leaves: what it
@@ -213,6 +218,7 @@ async fn left_after(path: &str, body: String, frames: usize) -> CommitResponse {
 async fn a_client_that_leaves_mid_stream_is_charged_what_was_generated() {
     let c = left_after(CHAT, chat(true, false), 1).await;
     assert!(c.metered, "{c:?}");
+    assert_eq!(c.ending, "client_left", "{c:?}");
     assert!(c.used_tokens < c.reserved_tokens, "charged what was generated, not the hold: {c:?}");
 }
 
@@ -227,15 +233,29 @@ async fn an_anthropic_stream_cut_short_is_metered_not_taken_at_its_placeholder()
     assert!(c.used_tokens < c.reserved_tokens, "charged what was generated, not the hold: {c:?}");
 }
 
+/// Released, and entered in the ledger as the backend's refusal or failure, not the caller's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_failure_before_any_output_releases_the_hold() {
-    let stack = Stack::with_test_upstream().await;
+    let ledger =
+        std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ext-proc-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&ledger);
+    let stack = Stack::with_test_upstream_policy(&format!("ledger:\n  file: {}\n{POLICY}", ledger.display())).await;
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
-    for status in ["500", "503", "429"] {
+    let mut ids = Vec::new();
+    for status in ["500", "503", "429", "400"] {
         let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-test-status", status)], body).await;
         assert_eq!(r.status.to_string(), status);
-        assert_eq!(stack.settled(r.header("x-test-reservation").unwrap()).await, "released", "{status}");
+        let id = r.header("x-test-reservation").unwrap().to_string();
+        assert_eq!(stack.settled(&id).await, "released", "{status}");
+        ids.push(id);
     }
+    let lines = std::fs::read_to_string(&ledger).unwrap();
+    let entries: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ending = |id: &str| entries.iter().find(|e| e["id"] == id).map(|e| e["ending"].clone());
+    let endings: Vec<_> = ids.iter().map(|id| ending(id)).collect();
+    let want = ["upstream_error", "upstream_error", "upstream_refused", "upstream_refused"].map(|e| Some(e.into()));
+    assert_eq!(endings, want, "{lines}");
+    let _ = std::fs::remove_file(&ledger);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

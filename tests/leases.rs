@@ -407,6 +407,11 @@ mod scenarios {
         let said = ["cache_read_tokens", "cache_write_tokens", "reasoning_tokens"];
         assert_eq!(fields(&ids[0], &said), ["4", "", "2"]);
         assert_eq!(fields(&ids[1], &said), ["", "", ""]);
+        let ending = ["ending"];
+        assert_eq!(
+            [&ids[0], &ids[1], &ids[2]].map(|id| fields(id, &ending)[0].clone()),
+            ["completed", "metered", "released"]
+        );
         // Model m costs 1 and 3 per million tokens: 10 × 1,000 + 20 × 3,000 nanos.
         assert_eq!(entry(&ids[0])["cost_nanos"], "70000");
         let charged: f64 = ledger.iter().map(|e| e["charged_tokens"].parse::<f64>().unwrap()).sum();
@@ -437,9 +442,9 @@ mod scenarios {
         let mine: Vec<Vec<String>> = ledger
             .iter()
             .filter(|e| e["id"] == id)
-            .map(|e| ["outcome", "usage", "charged_tokens"].iter().map(|f| e[*f].clone()).collect())
+            .map(|e| ["outcome", "usage", "charged_tokens", "ending"].iter().map(|f| e[*f].clone()).collect())
             .collect();
-        assert_eq!(mine, [["expired", "held", "100"], ["late_committed", "exact", "15"]]);
+        assert_eq!(mine, [["expired", "held", "100", "expired"], ["late_committed", "exact", "15", "completed"]]);
     }
 
     /// A leased hold charges cached prompt tokens as a store hold does (the conformance scenario

@@ -154,6 +154,7 @@ fn fixture(name: &str) -> Vec<u8> {
 /// reports.
 #[test]
 fn each_providers_response_fixture_is_read_as_it_reports() {
+    use tollgate::hold::Detail;
     use tollgate::llm::usage::aws;
     // Bedrock's event stream, written from its fixture's event lines (type, tab, payload), as
     // Bedrock frames it (the `p` padding included, as Bedrock sends it).
@@ -165,9 +166,12 @@ fn each_providers_response_fixture_is_read_as_it_reports() {
             aws::encode(kind, payload.as_bytes())
         })
         .collect();
+    let said = |cache_read, cache_write, reasoning| Detail { cache_read, cache_write, reasoning };
+    let gemini = Measured::Exact { prompt: 11, output: 9 + 25, detail: said(Some(0), None, Some(25)) };
+    let converse = Measured::Exact { prompt: 17, output: 13, detail: said(Some(0), Some(0), None) };
     let cases = [
-        ("gemini-stream.sse", "text/event-stream", fixture("gemini-stream.sse"), Measured::exact(11, 9 + 25)),
-        ("converse.json", "application/json", fixture("converse.json"), Measured::exact(17, 13)),
+        ("gemini-stream.sse", "text/event-stream", fixture("gemini-stream.sse"), gemini),
+        ("converse.json", "application/json", fixture("converse.json"), converse),
         ("converse-stream.events", "application/vnd.amazon.eventstream", converse_stream, Measured::exact(17, 7)),
         ("ollama-chat.ndjson", "application/x-ndjson", fixture("ollama-chat.ndjson"), Measured::exact(26, 4)),
         ("anthropic-stream.sse", "text/event-stream", fixture("anthropic-stream.sse"), Measured::exact(9, 4)),

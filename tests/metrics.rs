@@ -111,8 +111,10 @@ async fn a_scrape_counts_what_happened() {
         value(&s, "tollgate_tokens_total{event=\"refunded\",tenant=\"acme\"}"),
         (50 + released.reserved_tokens) as f64
     );
-    for (state, n) in [("committed", 1.0), ("released", 1.0), ("expired", 1.0)] {
-        assert_eq!(value(&s, &format!("tollgate_holds_total{{state=\"{state}\",tenant=\"acme\"}}")), n, "{state}");
+    // Each by how its request ended: its counts reported, given back by its caller, left to expire.
+    for (ending, state) in [("completed", "committed"), ("released", "released"), ("expired", "expired")] {
+        let series = format!("tollgate_holds_total{{ending=\"{ending}\",state=\"{state}\",tenant=\"acme\"}}");
+        assert_eq!(value(&s, &series), 1.0, "{series}");
     }
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_count{tenant=\"acme\"}"), 1.0);
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_sum{tenant=\"acme\"}"), 0.5);
@@ -198,7 +200,7 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
     }
     assert!(value(&s, "tollgate_store_errors_total{error=\"unavailable\",script=\"reserve\"}") >= 3.0);
     assert_eq!(value(&s, "tollgate_store_available"), 0.0);
-    assert_eq!(value(&s, "tollgate_holds_total{state=\"expired\",tenant=\"closed\"}"), 1.0);
+    assert_eq!(value(&s, "tollgate_holds_total{ending=\"expired\",state=\"expired\",tenant=\"closed\"}"), 1.0);
     queries_name_only_exported_series(&text);
 
     let _back = OwnRedis::start(port);

@@ -10,6 +10,7 @@ use support::faults::{Fault, Faulty};
 use support::{Harness, admitted};
 use tokio_util::sync::CancellationToken;
 use tollgate::admission::retry::{Retries, Settlement};
+use tollgate::hold::Ending;
 use tollgate::llm::usage::Measured;
 use tollgate::store::Store;
 
@@ -30,7 +31,7 @@ async fn commit_lands_after_the_store_comes_back<S: Store + Clone>(h: Harness<S>
     let stop = CancellationToken::new();
     let (retries, worker) = Retries::start(faulty.admission.clone(), stop.clone());
     let measured = Measured::exact(90, 30);
-    retries.push(Settlement::Commit { id: a.reservation_id.clone(), measured });
+    retries.push(Settlement::Commit { id: a.reservation_id.clone(), measured, ending: Ending::ClientLeft });
     let landed = faulty
         .eventually(Duration::from_secs(10), || async { state(&faulty, &a.reservation_id).await != "reserved" })
         .await;
@@ -40,6 +41,7 @@ async fn commit_lands_after_the_store_comes_back<S: Store + Clone>(h: Harness<S>
     let again = faulty.admission.commit(&a.reservation_id, 1, 1).await.unwrap();
     let usage = again.usage().expect("a committed hold's usage");
     assert_eq!((usage.duplicate, usage.used, usage.metered), (true, 120, false), "{again:?}");
+    assert_eq!(usage.ending, Some(Ending::ClientLeft), "and how it ended: {again:?}");
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(5), worker).await.expect("the worker stops").unwrap();
     assert_eq!(retries.dropped(), 0);
@@ -50,7 +52,7 @@ async fn a_release_lands_too<S: Store + Clone>(h: Harness<S>) {
     let a = admitted(&faulty.reserve(100, 50).await).clone();
     let stop = CancellationToken::new();
     let (retries, worker) = Retries::start(faulty.admission.clone(), stop.clone());
-    retries.push(Settlement::Release { id: a.reservation_id.clone() });
+    retries.push(Settlement::Release { id: a.reservation_id.clone(), ending: Ending::UpstreamError });
     let landed = faulty
         .eventually(Duration::from_secs(10), || async { state(&faulty, &a.reservation_id).await != "reserved" })
         .await;
@@ -67,7 +69,8 @@ async fn what_the_store_never_takes_is_left_to_the_lease<S: Store + Clone>(h: Ha
     let a = admitted(&faulty.reserve(100, 50).await).clone();
     let stop = CancellationToken::new();
     let (retries, worker) = Retries::start(faulty.admission.clone(), stop.clone());
-    retries.push(Settlement::Commit { id: a.reservation_id.clone(), measured: Measured::Metered { output: 3 } });
+    let measured = Measured::Metered { output: 3 };
+    retries.push(Settlement::Commit { id: a.reservation_id.clone(), measured, ending: Ending::Metered });
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(3), worker).await.expect("the worker stops").unwrap();

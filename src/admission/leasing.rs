@@ -100,8 +100,8 @@ impl<S: Store> Admission<S> {
     pub(super) async fn apply_forwarded(&self, forwarded: Vec<(String, Forwarded)>) {
         for (id, op) in forwarded {
             let result = match op {
-                Forwarded::Commit(counted) => self.commit_counted(&id, counted).await.map(|o| o.state()),
-                Forwarded::Release => self.release(&id).await.map(|o| o.state()),
+                Forwarded::Commit(counted, ending) => self.commit_ended(&id, counted, ending).await.map(|o| o.state()),
+                Forwarded::Release(ending) => self.release_ended(&id, ending).await.map(|o| o.state()),
                 Forwarded::Renew { lease_ms } => self.renew(&id, lease_ms).await.map(|o| o.state()),
             };
             match result {
@@ -109,8 +109,8 @@ impl<S: Store> Admission<S> {
                 Err(e) => {
                     tracing::warn!(reservation = %id, error = %e, "a forwarded operation failed; retried");
                     match op {
-                        Forwarded::Commit(measured) => self.retry(Settlement::Commit { id, measured }),
-                        Forwarded::Release => self.retry(Settlement::Release { id }),
+                        Forwarded::Commit(measured, ending) => self.retry(Settlement::Commit { id, measured, ending }),
+                        Forwarded::Release(ending) => self.retry(Settlement::Release { id, ending }),
                         // A renewal missed costs at most the hold's lease: nothing to keep.
                         Forwarded::Renew { .. } => {}
                     }

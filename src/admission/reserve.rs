@@ -43,7 +43,7 @@ use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, Unmetered, ids,
 };
 use crate::config::Policy;
-use crate::hold::{PoolRefusal, Refusal, ReserveOutcome};
+use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
 
@@ -193,7 +193,7 @@ impl<S: Store> Admission<S> {
     pub(super) async fn abandon(&self, id: &str, tenant_leg: bool, pool_leg: bool) -> Result<(), AdmissionError> {
         let r = super::parse_id(id)?;
         if tenant_leg {
-            self.protocol.release(r.tenant, id, self.policy().record_retention_ms).await?;
+            self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
             self.protocol.pool_release(pool, id).await?;
@@ -347,7 +347,7 @@ impl<S: Store> Admission<S> {
     pub(super) async fn give_back(&self, plan: &Plan, id: &str) {
         let in_store = match (&self.leases, plan.leased) {
             (Some(leases), true) => {
-                leases.release(&plan.tenant, id);
+                leases.release(&plan.tenant, id, Ending::Released);
                 false
             }
             _ => true,

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{Admission, AdmissionError};
+use crate::hold::Ending;
 use crate::llm::usage::Measured;
 use crate::store::Store;
 
@@ -38,9 +39,11 @@ pub enum Settlement {
     Commit {
         id: String,
         measured: Measured,
+        ending: Ending,
     },
     Release {
         id: String,
+        ending: Ending,
     },
     /// What a reserve made and nobody received (its reply was lost, or its caller left): the
     /// tenant leg in the store, the pool leg, or both, given back.
@@ -54,14 +57,16 @@ pub enum Settlement {
 impl Settlement {
     fn id(&self) -> &str {
         match self {
-            Settlement::Commit { id, .. } | Settlement::Release { id } | Settlement::Abandon { id, .. } => id,
+            Settlement::Commit { id, .. } | Settlement::Release { id, .. } | Settlement::Abandon { id, .. } => id,
         }
     }
 
     async fn settle<S: Store>(&self, admission: &Admission<S>) -> Result<(), AdmissionError> {
         match self {
-            Settlement::Commit { id, measured } => admission.commit_counted(id, *measured).await.map(|_| ()),
-            Settlement::Release { id } => admission.release(id).await.map(|_| ()),
+            Settlement::Commit { id, measured, ending } => {
+                admission.commit_ended(id, *measured, *ending).await.map(|_| ())
+            }
+            Settlement::Release { id, ending } => admission.release_ended(id, *ending).await.map(|_| ()),
             Settlement::Abandon { id, tenant_leg, pool_leg } => admission.abandon(id, *tenant_leg, *pool_leg).await,
         }
     }

@@ -7,7 +7,7 @@
 use super::lease::Leases;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
 use crate::config::Policy;
-use crate::hold::{CommitOutcome, Counted, Detail, Forwarded, ReleaseOutcome, RenewOutcome};
+use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome};
 use crate::metrics::Estimate;
 use crate::store::{Learning, Store};
 
@@ -23,11 +23,22 @@ impl<S: Store> Admission<S> {
         self.commit_counted(reservation_id, Counted::exact(prompt, output)).await
     }
 
-    /// The commit phase, with counts reported or metered.
+    /// The commit phase, with counts reported or metered (the request ended as its counts say:
+    /// completed, metered or as held).
     pub async fn commit_counted(
         &self,
         reservation_id: &str,
         counted: Counted,
+    ) -> Result<CommitOutcome, AdmissionError> {
+        self.commit_ended(reservation_id, counted, Ending::of(counted)).await
+    }
+
+    /// The commit phase, with counts reported or metered, and how the request ended.
+    pub async fn commit_ended(
+        &self,
+        reservation_id: &str,
+        counted: Counted,
+        ending: Ending,
     ) -> Result<CommitOutcome, AdmissionError> {
         let (prompt, output, detail) = match counted {
             Counted::Exact { prompt, output, detail } => (prompt, output, detail),
@@ -52,7 +63,7 @@ impl<S: Store> Admission<S> {
             let learning = policy.tenant(r.tenant).and_then(|tp| {
                 tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
             });
-            self.protocol.commit(r.tenant, reservation_id, counted, learning, policy.record_retention_ms).await
+            self.protocol.commit(r.tenant, reservation_id, counted, ending, learning, policy.record_retention_ms).await
         };
         let outcome = match self.home(&r) {
             Home::Store => {
@@ -61,7 +72,7 @@ impl<S: Store> Admission<S> {
                 outcome
             }
             Home::Slice(leases) => {
-                let outcome = match leases.commit(r.tenant, reservation_id, counted) {
+                let outcome = match leases.commit(r.tenant, reservation_id, counted, ending) {
                     // Not a hold of the slices: a store hold under a leased id (see `home`).
                     CommitOutcome::NotFound => at_store().await?,
                     outcome => outcome,
@@ -70,7 +81,7 @@ impl<S: Store> Admission<S> {
                 outcome
             }
             Home::Replica(replica) => {
-                match self.forward(&policy, &r, replica, reservation_id, Forwarded::Commit(counted)).await? {
+                match self.forward(&policy, &r, replica, reservation_id, Forwarded::Commit(counted, ending)).await? {
                     true => CommitOutcome::Forwarded,
                     false => CommitOutcome::NotFound,
                 }
@@ -146,25 +157,31 @@ impl<S: Store> Admission<S> {
         Ok(outcome)
     }
 
-    /// Gives a hold back without usage, and its pool work with it.
+    /// Gives a hold back without usage, and its pool work with it: its caller says it was not used.
     pub async fn release(&self, reservation_id: &str) -> Result<ReleaseOutcome, AdmissionError> {
+        self.release_ended(reservation_id, Ending::Released).await
+    }
+
+    /// Gives a hold back without usage, and its pool work with it; `ending` says why (its caller
+    /// gave it back, or the backend answered with no output).
+    pub async fn release_ended(&self, reservation_id: &str, ending: Ending) -> Result<ReleaseOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
         let retention = self.policy().record_retention_ms;
         let outcome = match self.home(&r) {
-            Home::Store => self.protocol.release(r.tenant, reservation_id, retention).await?,
-            Home::Slice(leases) => match leases.release(r.tenant, reservation_id) {
-                ReleaseOutcome::NotFound => self.protocol.release(r.tenant, reservation_id, retention).await?,
+            Home::Store => self.protocol.release(r.tenant, reservation_id, ending, retention).await?,
+            Home::Slice(leases) => match leases.release(r.tenant, reservation_id, ending) {
+                ReleaseOutcome::NotFound => self.protocol.release(r.tenant, reservation_id, ending, retention).await?,
                 outcome => outcome,
             },
             Home::Replica(replica) => {
-                match self.forward(&self.policy(), &r, replica, reservation_id, Forwarded::Release).await? {
+                match self.forward(&self.policy(), &r, replica, reservation_id, Forwarded::Release(ending)).await? {
                     true => ReleaseOutcome::Forwarded,
                     false => ReleaseOutcome::NotFound,
                 }
             }
         };
         if let ReleaseOutcome::Released { refunded, repeated: false } = outcome {
-            self.metrics.released(r.tenant, refunded);
+            self.metrics.released(r.tenant, refunded, ending);
         }
         if let Some(pool) = r.pool
             && outcome != ReleaseOutcome::NotFound

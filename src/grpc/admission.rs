@@ -7,7 +7,7 @@ use tonic::{Request, Response, Status};
 
 use crate::admission::{Admission, AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use crate::estimate::PromptSize;
-use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome};
+use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome};
 use crate::proto::admission_server;
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
@@ -140,6 +140,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     refunded_tokens: u.refunded,
                     overrun_tokens: u.overrun,
                     metered: u.metered,
+                    ending: u.ending.map_or("", Ending::as_str).to_string(),
                 }))
             }
         }

@@ -46,10 +46,10 @@ use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, MODEL_FIELD, RESERVATION, RE
 use crate::admission::retry::Settlement;
 use crate::admission::{Admission, AdmissionError};
 use crate::config::DEFAULT_BYTES_PER_TOKEN;
-use crate::hold::RenewOutcome;
 use crate::hold::id as ids;
+use crate::hold::{Ending, RenewOutcome};
 use crate::llm::api::{self, Work};
-use crate::llm::settlement::{self, Ending, Verdict};
+use crate::llm::settlement::{self, Stop, Verdict};
 use crate::llm::usage::{Measured, Meter};
 use crate::store::Store;
 
@@ -109,7 +109,7 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
                     break;
                 }
             }
-            exchange.settle(&admission, Ending::CutShort).await;
+            exchange.settle(&admission, Stop::CutShort).await;
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(out))))
     }
@@ -201,7 +201,7 @@ impl Exchange {
                 }
                 self.meter = Some(meter);
                 if h.end_of_stream {
-                    self.settle(admission, Ending::Complete).await;
+                    self.settle(admission, Stop::Complete).await;
                 }
                 Reply::ResponseHeaders(HeadersResponse::default())
             }
@@ -211,12 +211,12 @@ impl Exchange {
                 }
                 // (Its renewal is the timer's, in `process`: a chunk never waits on the store.)
                 if b.end_of_stream {
-                    self.settle(admission, Ending::Complete).await;
+                    self.settle(admission, Stop::Complete).await;
                 }
                 Reply::ResponseBody(BodyResponse::default())
             }
             Phase::ResponseTrailers(_) => {
-                self.settle(admission, Ending::Complete).await;
+                self.settle(admission, Stop::Complete).await;
                 Reply::ResponseTrailers(TrailersResponse::default())
             }
             Phase::RequestBody(_) => Reply::RequestBody(BodyResponse::default()),
@@ -272,7 +272,7 @@ impl Exchange {
     }
 
     /// Commits or releases the hold, once, by how the response ended (the rules: `crate::llm::settlement`).
-    async fn settle<S: Store>(&mut self, admission: &Admission<S>, ending: Ending) {
+    async fn settle<S: Store>(&mut self, admission: &Admission<S>, stop: Stop) {
         if std::mem::replace(&mut self.settled, true) {
             return;
         }
@@ -280,25 +280,25 @@ impl Exchange {
         if self.caller_commits {
             return;
         }
-        match settlement::verdict(self.status, self.meter.as_mut()) {
-            Verdict::Commit(measured) => commit(admission, id, measured, ending).await,
-            Verdict::Release => release(admission, id).await,
+        match settlement::verdict(self.status, self.meter.as_mut(), stop) {
+            Verdict::Commit(measured, ending) => commit(admission, id, measured, ending).await,
+            Verdict::Release(ending) => release(admission, id, ending).await,
         }
     }
 }
 
 async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured, ending: Ending) {
-    match admission.commit_counted(id, measured).await {
+    match admission.commit_ended(id, measured, ending).await {
         Ok(outcome) => tracing::debug!(
             reservation = id,
             state = outcome.state(),
             ?measured,
-            cut_short = ending == Ending::CutShort,
+            ending = ending.as_str(),
             "committed from the response"
         ),
         Err(AdmissionError::Store(e)) if e.is_transient() => {
             tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
-            admission.retry(Settlement::Commit { id: id.to_string(), measured });
+            admission.retry(Settlement::Commit { id: id.to_string(), measured, ending });
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
     }
@@ -312,14 +312,17 @@ fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
     }
 }
 
-async fn release<S: Store>(admission: &Admission<S>, id: &str) {
-    match admission.release(id).await {
-        Ok(outcome) => {
-            tracing::debug!(reservation = id, state = outcome.state(), "released: the response generated nothing")
-        }
+async fn release<S: Store>(admission: &Admission<S>, id: &str, ending: Ending) {
+    match admission.release_ended(id, ending).await {
+        Ok(outcome) => tracing::debug!(
+            reservation = id,
+            state = outcome.state(),
+            ending = ending.as_str(),
+            "released: the response generated nothing"
+        ),
         Err(AdmissionError::Store(e)) if e.is_transient() => {
             tracing::warn!(error = %e, reservation = id, "release from the response could not reach the store; retrying");
-            admission.retry(Settlement::Release { id: id.to_string() });
+            admission.retry(Settlement::Release { id: id.to_string(), ending });
         }
         Err(e) => tracing::warn!(error = %e, reservation = id, "release from the response failed"),
     }

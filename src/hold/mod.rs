@@ -20,7 +20,9 @@ pub use crate::config::MAX_TOKEN_COUNT;
 pub use charge::{Charge, Detail, charge};
 pub use id::{ReservationRef, parse_reservation_id};
 pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Window};
-pub use outcome::{CommitOutcome, Counted, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage};
+pub use outcome::{
+    CommitOutcome, Counted, Ending, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage,
+};
 pub use refusal::{Budget, KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
 
 /// One UTC day in milliseconds: budgets reset on the store's day number, `now / DAY_MS`.

@@ -69,6 +69,69 @@ impl Counted {
     }
 }
 
+/// How a hold's request ended, as whoever settled it saw it: kept with the settled hold, entered
+/// in the ledger, counted as a metric label, and given in the answer to a repeated commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ending {
+    /// The response completed and reported its counts (or the caller committed its own).
+    Completed,
+    /// The response completed without counts: its output was counted by tollgate.
+    Metered,
+    /// The response completed in a form tollgate cannot count: charged as held.
+    AsHeld,
+    /// The client went away (or Envoy reset the stream) before the response ended: charged what
+    /// passed.
+    ClientLeft,
+    /// The backend refused the request (a 4xx, a 429).
+    UpstreamRefused,
+    /// The backend failed (a 5xx).
+    UpstreamError,
+    /// Its caller gave it back.
+    Released,
+    /// Nobody came back before its lease ran out.
+    Expired,
+}
+
+impl Ending {
+    pub const ALL: [Ending; 8] = [
+        Ending::Completed,
+        Ending::Metered,
+        Ending::AsHeld,
+        Ending::ClientLeft,
+        Ending::UpstreamRefused,
+        Ending::UpstreamError,
+        Ending::Released,
+        Ending::Expired,
+    ];
+
+    /// The name the API, the ledger and the metrics use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ending::Completed => "completed",
+            Ending::Metered => "metered",
+            Ending::AsHeld => "as_held",
+            Ending::ClientLeft => "client_left",
+            Ending::UpstreamRefused => "upstream_refused",
+            Ending::UpstreamError => "upstream_error",
+            Ending::Released => "released",
+            Ending::Expired => "expired",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Ending> {
+        Ending::ALL.into_iter().find(|e| e.as_str() == name)
+    }
+
+    /// A commit's ending when nothing more is known: what its counts say.
+    pub fn of(counted: Counted) -> Ending {
+        match counted {
+            Counted::Exact { .. } => Ending::Completed,
+            Counted::Metered { .. } => Ending::Metered,
+            Counted::AsHeld => Ending::AsHeld,
+        }
+    }
+}
+
 /// What a commit charged.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Usage {
@@ -88,6 +151,9 @@ pub struct Usage {
     pub output_held: Option<u64>,
     /// What the usage cost at the model's price when the hold was made (nanos; 0 unpriced).
     pub cost_nanos: u64,
+    /// How the request ended, as the commit that settled it said (none for a hold settled before
+    /// endings were kept).
+    pub ending: Option<Ending>,
 }
 
 /// The store's answer to a commit.
@@ -178,7 +244,7 @@ impl ReleaseOutcome {
 /// An operation on a leased hold that reached another replica, handed to the one that holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Forwarded {
-    Commit(Counted),
-    Release,
+    Commit(Counted, Ending),
+    Release(Ending),
     Renew { lease_ms: u64 },
 }

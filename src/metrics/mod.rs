@@ -17,7 +17,7 @@ use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, ObservableGauge};
 
 use crate::config::Policy;
-use crate::hold::Usage;
+use crate::hold::{Ending, Usage};
 
 /// The label a tenant outside the bounded set is counted under.
 pub const OTHER_TENANT: &str = "other";
@@ -192,7 +192,7 @@ impl Metrics {
                 .build(),
             holds: meter
                 .u64_counter("tollgate.holds")
-                .with_description("Holds settled: committed, late_committed, released, expired")
+                .with_description("Holds settled (state: committed, late_committed, released, expired), by how their request ended (ending: completed, metered, as_held, client_left, upstream_refused, upstream_error, released, expired; unknown for a hold settled before endings were kept)")
                 .with_unit("{hold}")
                 .build(),
             usage_ratio: meter
@@ -311,7 +311,8 @@ impl Metrics {
             self.cost.add(cost_nanos, std::slice::from_ref(&tenant));
         }
         let state = if late { "late_committed" } else { "committed" };
-        self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state)]);
+        let ending = u.ending.map_or("unknown", Ending::as_str);
+        self.holds.add(1, &[tenant.clone(), KeyValue::new("state", state), KeyValue::new("ending", ending)]);
         for (event, n) in [("committed", used), ("refunded", refunded), ("overrun", overrun)] {
             if n > 0 {
                 self.tokens.add(n, &[tenant.clone(), KeyValue::new("event", event)]);
@@ -361,13 +362,14 @@ impl Metrics {
         }
     }
 
-    /// A hold given back unused.
-    pub fn released(&self, tenant: &str, refunded: u64) {
+    /// A hold given back unused; `ending` says why.
+    pub fn released(&self, tenant: &str, refunded: u64, ending: Ending) {
         if !self.enabled {
             return;
         }
         let tenant = self.tenant(tenant);
-        self.holds.add(1, &[tenant.clone(), KeyValue::new("state", "released")]);
+        let labels = [tenant.clone(), KeyValue::new("state", "released"), KeyValue::new("ending", ending.as_str())];
+        self.holds.add(1, &labels);
         if refunded > 0 {
             self.tokens.add(refunded, &[tenant, KeyValue::new("event", "refunded")]);
         }
@@ -378,6 +380,7 @@ impl Metrics {
         if !self.enabled {
             return;
         }
-        self.holds.add(1, &[self.tenant(tenant), KeyValue::new("state", "expired")]);
+        let labels = [self.tenant(tenant), KeyValue::new("state", "expired"), KeyValue::new("ending", "expired")];
+        self.holds.add(1, &labels);
     }
 }

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tollgate::admission::{Admitted, Decision, Denial, Reason};
 use tollgate::config::{ExpiredUsage, PoolPolicy, Priority};
-use tollgate::hold::{CommitOutcome, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
+use tollgate::hold::{CommitOutcome, Ending, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
 
 pub const DAY_MS: u64 = 86_400_000;
 
@@ -826,6 +826,8 @@ impl Model {
             model: Some(h.model.clone()),
             output_held: Some(h.output_held),
             cost_nanos: cost,
+            // The model commits reported counts, as `Admission::commit` does.
+            ending: Some(Ending::Completed),
         };
         let rec = self.holds.get_mut(id).unwrap();
         rec.state = State::Settled(if late { Settled::LateCommitted } else { Settled::Committed });

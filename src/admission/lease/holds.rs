@@ -3,7 +3,7 @@
 
 use super::slice::{Spend, Taken};
 use super::{Leases, State};
-use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Settled, Usage};
+use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Settled, Usage};
 
 /// Settled holds remembered per tenant, to answer a repeated commit or release the way the store's
 /// retained records do; past this many, the oldest are forgotten (a repeat then finds nothing and
@@ -63,8 +63,8 @@ impl LocalHold {
 
 /// How a leased hold settled, for its ledger entry.
 pub(super) enum Entered {
-    Committed { spent: Spend, counted: Counted, late: bool },
-    Released,
+    Committed { spent: Spend, counted: Counted, late: bool, ending: Ending },
+    Released(Ending),
     Expired { charged: u64 },
 }
 
@@ -102,8 +102,12 @@ impl State {
         }
         let n = |v: u64| v.to_string();
         let mut detail = Detail::default();
+        let ending = match how {
+            Entered::Committed { ending, .. } | Entered::Released(ending) => ending,
+            Entered::Expired { .. } => Ending::Expired,
+        };
         let (outcome, usage, counts, charged, cost) = match how {
-            Entered::Committed { spent, counted, late } => {
+            Entered::Committed { spent, counted, late, .. } => {
                 let outcome = if late { "late_committed" } else { "committed" };
                 let (used, cost) = (spent.tokens, spent.cost);
                 match counted {
@@ -115,7 +119,7 @@ impl State {
                     Counted::AsHeld => (outcome, "held", None, used, cost),
                 }
             }
-            Entered::Released => ("released", "none", None, 0, 0),
+            Entered::Released(_) => ("released", "none", None, 0, 0),
             Entered::Expired { charged: 0 } => ("expired", "none", None, 0, 0),
             Entered::Expired { charged } => ("expired", "held", None, charged, hold.held_cost()),
         };
@@ -140,6 +144,7 @@ impl State {
             count(detail.cache_read),
             count(detail.cache_write),
             count(detail.reasoning),
+            ending.as_str().to_string(),
         ];
         let escape = |v: &str| v.replace('%', "%25").replace('\t', "%09").replace('\n', "%0A");
         self.unentered.push(fields.iter().map(|f| escape(f)).collect::<Vec<_>>().join("\t"));
@@ -216,8 +221,8 @@ impl State {
 }
 
 impl Leases {
-    /// Commits a leased hold of this replica.
-    pub fn commit(&self, tenant: &str, id: &str, counted: Counted) -> CommitOutcome {
+    /// Commits a leased hold of this replica; `ending` says how its request ended.
+    pub fn commit(&self, tenant: &str, id: &str, counted: Counted, ending: Ending) -> CommitOutcome {
         let Some(t) = self.existing(tenant) else { return CommitOutcome::NotFound };
         let now = self.clock.now_ms();
         let retention = self.retention_ms;
@@ -233,8 +238,8 @@ impl Leases {
                 }
             }
             s.reconcile(&hold, hold.spend(), Spend::default(), spent, now);
-            let usage = usage(&hold, spent, false, metered);
-            s.enter(id, &hold, Entered::Committed { spent, counted, late: false }, now);
+            let usage = usage(&hold, spent, false, metered, ending);
+            s.enter(id, &hold, Entered::Committed { spent, counted, late: false, ending }, now);
             s.close(id, Closed::Committed(usage.clone()), now, retention);
             return CommitOutcome::Committed(usage);
         }
@@ -246,8 +251,8 @@ impl Leases {
                 // An expired hold charges all it held, or nothing (refunded).
                 let charged = if charged == 0 { Spend::default() } else { hold.spend() };
                 s.reconcile(&hold, charged, charged, spent, now);
-                let usage = usage(&hold, spent, true, metered);
-                s.enter(id, &hold, Entered::Committed { spent, counted, late: true }, now);
+                let usage = usage(&hold, spent, true, metered, ending);
+                s.enter(id, &hold, Entered::Committed { spent, counted, late: true, ending }, now);
                 s.closed.insert(id.to_string(), Closed::Committed(usage.clone()));
                 CommitOutcome::Committed(usage)
             }
@@ -255,8 +260,8 @@ impl Leases {
         }
     }
 
-    /// Releases a leased hold of this replica: every token back, the slot free.
-    pub fn release(&self, tenant: &str, id: &str) -> ReleaseOutcome {
+    /// Releases a leased hold of this replica: every token back, the slot free; `ending` says why.
+    pub fn release(&self, tenant: &str, id: &str, ending: Ending) -> ReleaseOutcome {
         let Some(t) = self.existing(tenant) else { return ReleaseOutcome::NotFound };
         let now = self.clock.now_ms();
         let retention = self.retention_ms;
@@ -271,7 +276,7 @@ impl Leases {
                     slice.settle(*took, hold.spend(), Spend::default(), Spend::default(), hold.day, today);
                 }
             }
-            s.enter(id, &hold, Entered::Released, now);
+            s.enter(id, &hold, Entered::Released(ending), now);
             s.close(id, Closed::Released { refunded: hold.held }, now, retention);
             return ReleaseOutcome::Released { refunded: hold.held, repeated: false };
         }
@@ -299,7 +304,7 @@ impl Leases {
     }
 }
 
-fn usage(hold: &LocalHold, spent: Spend, late: bool, metered: bool) -> Usage {
+fn usage(hold: &LocalHold, spent: Spend, late: bool, metered: bool, ending: Ending) -> Usage {
     let used = spent.tokens;
     Usage {
         late,
@@ -312,5 +317,6 @@ fn usage(hold: &LocalHold, spent: Spend, late: bool, metered: bool) -> Usage {
         model: Some(hold.model.clone()),
         output_held: Some(hold.held.saturating_sub(hold.prompt)),
         cost_nanos: spent.cost,
+        ending: Some(ending),
     }
 }

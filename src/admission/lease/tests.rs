@@ -189,7 +189,7 @@ fn a_hold_found_expired_by_a_commit_is_reported_by_the_next_upkeep() {
     stock(&t, &tp, 1_000, 5, START + 10_000);
     assert!(matches!(leases.try_admit(&t, &ask("h1", 100)), Local::Admitted { .. }));
     clock.advance_ms(4_000);
-    let late = leases.commit("acme", "h1", crate::hold::Counted::exact(1, 1));
+    let late = leases.commit("acme", "h1", crate::hold::Counted::exact(1, 1), crate::hold::Ending::Completed);
     assert!(matches!(late, crate::hold::CommitOutcome::Committed(ref u) if u.late), "{late:?}");
     assert_eq!(leases.upkeep(&t).0, vec!["h1".to_string()], "expired, for the expired-holds count");
     assert!(leases.upkeep(&t).0.is_empty(), "and counted once");

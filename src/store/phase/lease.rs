@@ -5,7 +5,7 @@
 use super::reserve::push_limits;
 use super::{Argv, Fields};
 use crate::config::LedgerTerms;
-use crate::hold::{Amounts, Counted, Detail, Forwarded, Headroom, Refusal, ScopeLimits};
+use crate::hold::{Amounts, Counted, Detail, Ending, Forwarded, Headroom, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `lease.lua`'s fixed `ARGV`, in order.
@@ -286,45 +286,58 @@ impl<S: Store> Protocol<S> {
 }
 
 /// A forwarded operation as `lease_forward.lua` keeps it:
-/// `commit <prompt|-> <output|-> exact|metered [<cache reads|-> <cache writes|-> <reasoning|->]`,
-/// `release` or `renew <ms>`. (A commit of reported counts without the last three was written by
-/// a replica from before they were kept, and still reads.)
+/// `commit <prompt|-> <output|-> exact|metered <cache reads|-> <cache writes|-> <reasoning|-> <ending>`,
+/// `release <ending>` or `renew <ms>`. (`commit <prompt|-> <output|-> exact|metered` and `release`
+/// alone were written by a replica from before the rest was kept, and still read: ending as their
+/// counts say, or released.)
 fn encode(op: Forwarded) -> String {
     let count = |n: Option<u64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
     match op {
-        Forwarded::Commit(Counted::Exact { prompt, output, detail }) => format!(
-            "commit {prompt} {output} exact {} {} {}",
-            count(detail.cache_read),
-            count(detail.cache_write),
-            count(detail.reasoning)
-        ),
-        Forwarded::Commit(Counted::Metered { output }) => format!("commit - {} metered", count(Some(output))),
-        Forwarded::Commit(Counted::AsHeld) => "commit - - metered".to_string(),
-        Forwarded::Release => "release".to_string(),
+        Forwarded::Commit(counted, ending) => {
+            let (prompt, output, measure, detail) = match counted {
+                Counted::Exact { prompt, output, detail } => (Some(prompt), Some(output), "exact", detail),
+                Counted::Metered { output } => (None, Some(output), "metered", Detail::default()),
+                Counted::AsHeld => (None, None, "metered", Detail::default()),
+            };
+            format!(
+                "commit {} {} {measure} {} {} {} {}",
+                count(prompt),
+                count(output),
+                count(detail.cache_read),
+                count(detail.cache_write),
+                count(detail.reasoning),
+                ending.as_str()
+            )
+        }
+        Forwarded::Release(ending) => format!("release {}", ending.as_str()),
         Forwarded::Renew { lease_ms } => format!("renew {lease_ms}"),
     }
 }
 
 fn decode(op: &str) -> Option<Forwarded> {
     let words: Vec<&str> = op.split(' ').collect();
-    let count = |w: &str| if w == "-" { Ok(None) } else { w.parse::<u64>().map(Some) };
-    let exact = |prompt: &str, output: &str, detail: [&str; 3]| {
-        let [cache_read, cache_write, reasoning] = detail.map(|w| count(w).ok());
-        let detail = Detail { cache_read: cache_read?, cache_write: cache_write?, reasoning: reasoning? };
-        Some(Forwarded::Commit(Counted::Exact { prompt: prompt.parse().ok()?, output: output.parse().ok()?, detail }))
+    let count = |w: &str| if w == "-" { Some(None) } else { w.parse::<u64>().ok().map(Some) };
+    let counted = |prompt: &str, output: &str, measure: &str, detail: Detail| {
+        Some(match (count(prompt)?, count(output)?, measure) {
+            (Some(prompt), Some(output), "exact") => Counted::Exact { prompt, output, detail },
+            (None, Some(output), "metered") if detail == Detail::default() => Counted::Metered { output },
+            (None, None, "metered") if detail == Detail::default() => Counted::AsHeld,
+            _ => return None,
+        })
     };
     Some(match words.as_slice() {
-        ["release"] => Forwarded::Release,
+        ["release"] => Forwarded::Release(Ending::Released),
+        ["release", ending] => Forwarded::Release(Ending::parse(ending)?),
         ["renew", ms] => Forwarded::Renew { lease_ms: ms.parse().ok()? },
-        ["commit", prompt, output, "exact"] => exact(prompt, output, ["-", "-", "-"])?,
-        ["commit", prompt, output, "exact", read, written, reasoning] => {
-            exact(prompt, output, [read, written, reasoning])?
+        ["commit", prompt, output, measure] => {
+            let counted = counted(prompt, output, measure, Detail::default())?;
+            Forwarded::Commit(counted, Ending::of(counted))
         }
-        ["commit", prompt, output, measure] => match (count(prompt).ok()?, count(output).ok()?, *measure) {
-            (None, Some(output), "metered") => Forwarded::Commit(Counted::Metered { output }),
-            (None, None, "metered") => Forwarded::Commit(Counted::AsHeld),
-            _ => return None,
-        },
+        ["commit", prompt, output, measure, read, written, reasoning, ending] => {
+            let detail =
+                Detail { cache_read: count(read)?, cache_write: count(written)?, reasoning: count(reasoning)? };
+            Forwarded::Commit(counted(prompt, output, measure, detail)?, Ending::parse(ending)?)
+        }
         _ => return None,
     })
 }
@@ -337,19 +350,31 @@ mod tests {
     fn forwarded_operations_read_back_as_written() {
         let said = Detail { cache_read: Some(600), cache_write: None, reasoning: Some(12) };
         for op in [
-            Forwarded::Commit(Counted::Exact { prompt: 1000, output: 50, detail: said }),
-            Forwarded::Commit(Counted::exact(3, 4)),
-            Forwarded::Commit(Counted::Metered { output: 9 }),
-            Forwarded::Commit(Counted::AsHeld),
-            Forwarded::Release,
+            Forwarded::Commit(Counted::Exact { prompt: 1000, output: 50, detail: said }, Ending::Completed),
+            Forwarded::Commit(Counted::exact(3, 4), Ending::UpstreamError),
+            Forwarded::Commit(Counted::Metered { output: 9 }, Ending::ClientLeft),
+            Forwarded::Commit(Counted::AsHeld, Ending::AsHeld),
+            Forwarded::Release(Ending::UpstreamRefused),
             Forwarded::Renew { lease_ms: 250 },
         ] {
             assert_eq!(decode(&encode(op)), Some(op), "{}", encode(op));
         }
-        // As a replica from before cached counts were kept wrote it.
-        assert_eq!(decode("commit 3 4 exact"), Some(Forwarded::Commit(Counted::exact(3, 4))));
-        for bad in ["commit 3 4 exact x - -", "commit - 4 exact", "commit 3 4 metered", "renew", "commit 3 4 exact 1 2"]
-        {
+        // As a replica from before cached counts and endings were kept wrote them.
+        assert_eq!(decode("commit 3 4 exact"), Some(Forwarded::Commit(Counted::exact(3, 4), Ending::Completed)));
+        assert_eq!(
+            decode("commit - 9 metered"),
+            Some(Forwarded::Commit(Counted::Metered { output: 9 }, Ending::Metered))
+        );
+        assert_eq!(decode("release"), Some(Forwarded::Release(Ending::Released)));
+        for bad in [
+            "commit 3 4 exact x - - completed",
+            "commit - 4 exact",
+            "commit 3 4 metered",
+            "commit - 4 metered 1 - - metered",
+            "commit 3 4 exact - - - finished",
+            "release later",
+            "renew",
+        ] {
             assert_eq!(decode(bad), None, "{bad}");
         }
     }

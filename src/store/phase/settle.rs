@@ -1,11 +1,11 @@
 //! The scripts that settle a hold kept in the store: `commit.lua`, `renew.lua`, `release.lua`.
 
 use super::{Argv, Fields};
-use crate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome, RenewOutcome, Usage};
+use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
-pub(crate) const COMMIT_ARGV: [&str; 11] = [
+pub(crate) const COMMIT_ARGV: [&str; 12] = [
     "reservation id",
     "prompt tokens used",
     "output tokens used",
@@ -17,6 +17,7 @@ pub(crate) const COMMIT_ARGV: [&str; 11] = [
     "cache reads",
     "cache writes",
     "reasoning tokens",
+    "how the request ended",
 ];
 
 /// `renew.lua`'s `ARGV`, in order.
@@ -24,8 +25,8 @@ pub(crate) const RENEW_ARGV: [&str; 5] =
     ["reservation id", "new lease", "idle TTL", "the tenant's settled-bucket prefix", "retention of settled records"];
 
 /// `release.lua`'s `ARGV`.
-pub(crate) const RELEASE_ARGV: [&str; 3] =
-    ["reservation id", "the tenant's settled-bucket prefix", "retention of settled records"];
+pub(crate) const RELEASE_ARGV: [&str; 4] =
+    ["reservation id", "the tenant's settled-bucket prefix", "retention of settled records", "how the request ended"];
 
 /// What a commit teaches the output estimate of a hold that learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,14 +38,16 @@ pub struct Learning {
 }
 
 impl<S: Store> Protocol<S> {
-    /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once.
-    /// `learning` is `None` when the hold's tenant no longer learns. A repeat within `retention_ms`
-    /// of the first is answered with the first's result (as are those of renew and release).
+    /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once,
+    /// and keeps how its request ended. `learning` is `None` when the hold's tenant no longer
+    /// learns. A repeat within `retention_ms` of the first is answered with the first's result (as
+    /// are those of renew and release).
     pub async fn commit(
         &self,
         tenant: &str,
         id: &str,
         counted: Counted,
+        ending: Ending,
         learning: Option<Learning>,
         retention_ms: u64,
     ) -> Result<CommitOutcome, StoreError> {
@@ -66,6 +69,7 @@ impl<S: Store> Protocol<S> {
         a.push("cache reads", count(detail.cache_read));
         a.push("cache writes", count(detail.cache_write));
         a.push("reasoning tokens", count(detail.reasoning));
+        a.push("how the request ended", ending.as_str().to_string());
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
@@ -82,6 +86,7 @@ impl<S: Store> Protocol<S> {
                 model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
                 output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
                 cost_nanos: r.uint(9).unwrap_or(0),
+                ending: r.text(10).ok().and_then(Ending::parse),
             }),
             _ => return Err(r.bad()),
         })
@@ -111,12 +116,20 @@ impl<S: Store> Protocol<S> {
         })
     }
 
-    /// Gives a hold back without usage: every token refunded, the slot freed, once.
-    pub async fn release(&self, tenant: &str, id: &str, retention_ms: u64) -> Result<ReleaseOutcome, StoreError> {
+    /// Gives a hold back without usage: every token refunded, the slot freed, once; `ending` says
+    /// why.
+    pub async fn release(
+        &self,
+        tenant: &str,
+        id: &str,
+        ending: Ending,
+        retention_ms: u64,
+    ) -> Result<ReleaseOutcome, StoreError> {
         let script = &self.scripts.release;
         let mut a = Argv::new("release", &RELEASE_ARGV, 0);
         a.push("reservation id", id.to_string());
         push_settled(&mut a, tenant, retention_ms);
+        a.push("how the request ended", ending.as_str().to_string());
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
