@@ -94,6 +94,10 @@ async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
     let several = br#"{"model":"m","max_tokens":10,"n":3}"#;
     let r = client.check(at("/v1/chat/completions", "acme", several)).await.unwrap().into_inner();
     assert_eq!(reservation(&r).map(|(_, n)| n), Some(several.len().div_ceil(4) as u64 + 30), "{r:?}");
+    // And the completions API's list of prompts: a completion for each.
+    let prompts = br#"{"model":"m","max_tokens":10,"prompt":["a","b","c"]}"#;
+    let r = client.check(at("/v1/completions", "acme", prompts)).await.unwrap().into_inner();
+    assert_eq!(reservation(&r).map(|(_, n)| n), Some(prompts.len().div_ceil(4) as u64 + 30), "{r:?}");
 
     // Under Ollama's prefix, a path tollgate does not read is refused in Ollama's shape, whatever
     // the body says; an escape is decoded as Ollama's router decodes it.

@@ -4,8 +4,8 @@
 //!
 //! | API | body | status, and what names the error |
 //! |---|---|---|
-//! | OpenAI, Azure, Anthropic | `{"error": {"message", "type", "code": <reason>}}` | the reason's |
-//! | Gemini, Vertex AI | `{"error": {"code": <status>, "message", "status"}}` | the reason's; `status` is Google's name for it |
+//! | OpenAI, Azure, Anthropic | `{"type": "error", "error": {"message", "type", "code": <reason>}}` | the reason's |
+//! | Gemini, Vertex AI | `{"error": {"code": <status>, "message", "status"}}` | the reason's, but `deadline`'s: Google's `DEADLINE_EXCEEDED` is 504; `status` is Google's name for it |
 //! | Bedrock | `{"message"}` | `x-amzn-errortype` and the status that error has on Bedrock |
 //! | Ollama | `{"error": "…"}` | the reason's |
 
@@ -28,14 +28,15 @@ pub fn refusal(family: Family, d: &Denial) -> Refusal {
     let status = d.reason.http_status();
     match family {
         Family::OpenAi => Refusal { status, body: openai_body(d), header: None },
-        Family::Gemini => Refusal {
-            status,
-            body: serde_json::json!({
-                "error": { "code": status, "message": d.message, "status": google_status(d.reason) }
-            })
-            .to_string(),
-            header: None,
-        },
+        Family::Gemini => {
+            let (status, name) = google_status(d.reason);
+            Refusal {
+                status,
+                body: serde_json::json!({ "error": { "code": status, "message": d.message, "status": name } })
+                    .to_string(),
+                header: None,
+            }
+        }
         Family::Bedrock => {
             let (status, error) = bedrock_error(d.reason);
             Refusal {
@@ -48,9 +49,11 @@ pub fn refusal(family: Family, d: &Denial) -> Refusal {
     }
 }
 
-/// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse.
+/// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse (the top-level `type` is
+/// Anthropic's, and OpenAI's SDK passes over it).
 pub fn openai_body(d: &Denial) -> String {
     serde_json::json!({
+        "type": "error",
         "error": {
             "message": d.message,
             "type": d.reason.error_type(),
@@ -60,16 +63,18 @@ pub fn openai_body(d: &Denial) -> String {
     .to_string()
 }
 
-/// Google's canonical code for a reason.
-fn google_status(reason: Reason) -> &'static str {
-    match reason {
+/// Google's canonical code for a reason, with the HTTP status Google pairs it with (the reason's
+/// own, but for `DEADLINE_EXCEEDED`, which Google answers 504).
+fn google_status(reason: Reason) -> (u16, &'static str) {
+    let name = match reason {
         Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => "RESOURCE_EXHAUSTED",
         Reason::QueueFull | Reason::StoreUnavailable => "UNAVAILABLE",
-        Reason::Deadline => "DEADLINE_EXCEEDED",
+        Reason::Deadline => return (504, "DEADLINE_EXCEEDED"),
         Reason::Unsatisfiable => "FAILED_PRECONDITION",
         Reason::InvalidRequest => "INVALID_ARGUMENT",
         Reason::Unauthenticated => "UNAUTHENTICATED",
-    }
+    };
+    (reason.http_status(), name)
 }
 
 /// Bedrock's error for a reason, with the status Bedrock gives it: botocore retries throttling
@@ -98,14 +103,15 @@ mod tests {
             let json = |r: &Refusal| serde_json::from_str::<serde_json::Value>(&r.body).unwrap();
             let openai = refusal(Family::OpenAi, &d);
             assert_eq!(
-                (openai.status, json(&openai)["error"]["code"].as_str()),
-                (reason.http_status(), Some(reason.code()))
+                (openai.status, json(&openai)["error"]["code"].as_str(), json(&openai)["type"].as_str()),
+                (reason.http_status(), Some(reason.code()), Some("error"))
             );
             let gemini = refusal(Family::Gemini, &d);
             let g = json(&gemini);
+            let google = if reason == Reason::Deadline { 504 } else { reason.http_status() };
             assert_eq!(
-                (g["error"]["code"].as_u64(), g["error"]["message"].as_str()),
-                (Some(u64::from(reason.http_status())), Some("why"))
+                (gemini.status, g["error"]["code"].as_u64(), g["error"]["message"].as_str()),
+                (google, Some(u64::from(google)), Some("why"))
             );
             assert!(
                 g["error"]["status"].as_str().is_some_and(|s| s.chars().all(|c| c.is_ascii_uppercase() || c == '_'))

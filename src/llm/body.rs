@@ -116,7 +116,7 @@ pub fn parse(body: Body, bytes: &[u8], partial: bool) -> Result<BodyFields, Body
         // smaller would hold less than it may generate.
         max_tokens: found.ceilings.iter().flatten().max().copied().filter(|_| !partial),
         stream: found.stream,
-        outputs: found.outputs.iter().flatten().max().copied().unwrap_or(1),
+        outputs: found.outputs.iter().flatten().max().copied().unwrap_or(1).saturating_mul(found.prompts),
     })
 }
 
@@ -129,6 +129,8 @@ struct Found {
     ceilings: Vec<Option<u64>>,
     /// By position in [`multipliers`].
     outputs: Vec<Option<u64>>,
+    /// How many prompts a completions request names (a list is a completion for each).
+    prompts: u64,
     /// The fields read so far (by their first spelling), to refuse one named twice.
     seen: Vec<(&'static str, &'static str)>,
 }
@@ -142,6 +144,7 @@ impl Found {
             stream: None,
             ceilings: vec![None; ceilings(body).len()],
             outputs: vec![None; multipliers(body).len()],
+            prompts: 1,
             seen: Vec::new(),
         }
     }
@@ -179,9 +182,18 @@ impl<'de> Visitor<'de> for Collector<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let shape = ceilings(self.found.body);
+        let top = self.within.is_empty();
         while let Some(key) = map.next_key::<String>()? {
+            // Ollama is written in Go, whose JSON decoder matches a struct's fields without regard
+            // to case ("Options" is its options); `options` itself is a map, read key for key.
+            let key = if top && self.found.body == Body::Ollama { go_fold(key) } else { key };
             let key = key.as_str();
-            let top = self.within.is_empty();
+            if top && self.found.body == Body::OpenAi && key == "prompt" {
+                // The completions API: a list of prompts is a completion (or n) for each.
+                self.found.first(("", "prompt"))?;
+                self.found.prompts = map.next_value_seed(PromptCount)?;
+                continue;
+            }
             if top && names_model_and_stream(self.found.body) && (key == "model" || key == "stream") {
                 if key == "model" {
                     self.found.first(("", "model"))?;
@@ -251,6 +263,62 @@ impl<'de> Visitor<'de> for Nested<'_> {
 
     fn visit_some<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         self.0.deserialize(d)
+    }
+}
+
+/// A key as Go's JSON decoder matches it to a struct field: ASCII case folded, and the two
+/// non-ASCII letters that fold to ASCII ones (`ſ` to `s`, the Kelvin sign to `k`).
+fn go_fold(key: String) -> String {
+    if key.bytes().all(|b| b.is_ascii_lowercase() || !b.is_ascii_alphabetic() && b.is_ascii()) {
+        return key;
+    }
+    key.chars()
+        .map(|c| match c {
+            '\u{17F}' => 's',
+            '\u{212A}' => 'k',
+            c => c.to_ascii_lowercase(),
+        })
+        .collect()
+}
+
+/// How many prompts a completions request's `prompt` names: a string or a list of token ids is
+/// one; a list of strings, or of token-id lists, one each (at least one).
+struct PromptCount;
+
+impl<'de> DeserializeSeed<'de> for PromptCount {
+    type Value = u64;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptCount {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("prompt to be a string or a list")
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<u64, E> {
+        Ok(1)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<u64, E> {
+        Ok(1)
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+        // A number is a token of one prompt; anything else is a prompt of its own.
+        let (mut prompts, mut tokens) = (0u64, false);
+        while let Some(item) = seq.next_element::<serde_json::Value>()? {
+            if item.is_number() {
+                tokens = true;
+            } else {
+                prompts = prompts.saturating_add(1);
+            }
+        }
+        Ok(prompts.max(u64::from(tokens)).max(1))
     }
 }
 
@@ -420,5 +488,35 @@ mod tests {
         assert_eq!(read(Body::Anthropic, br#"{"model":"m","max_tokens":9,"n":4}"#), 1, "not Anthropic's field");
         assert!(parse(Body::OpenAi, br#"{"model":"m","n":0}"#, false).is_err());
         assert!(parse(Body::OpenAi, br#"{"model":"m","n":2,"n":3}"#, false).is_err());
+        // The completions API: a completion (n of them) for each prompt of a list.
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":["a","b","c"],"n":2}"#), 6);
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":[[1,2],[3],[4]]}"#), 3);
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":[1,2,3]}"#), 1, "one prompt of token ids");
+        assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":[]}"#), 1);
+        assert!(parse(Body::OpenAi, br#"{"model":"m","prompt":"a","prompt":["b","c"]}"#, false).is_err());
+        assert!(parse(Body::OpenAi, br#"{"model":"m","prompt":7}"#, false).is_err());
+    }
+
+    /// Ollama (Go) reads `"Model"`, `"OPTIONS"` or `"ſtream"` as its own fields: so does the hold,
+    /// and a second spelling is a field named twice. Inside `options`, keys are exact.
+    #[test]
+    fn ollamas_fields_are_matched_as_go_matches_them() {
+        let read = |bytes: &[u8]| parse(Body::Ollama, bytes, false);
+        let shouted = br#"{"Model":"llama3.2","OPTIONS":{"num_predict":4000},"\u017ftream":false}"#;
+        assert_eq!(
+            read(shouted),
+            Ok(BodyFields { model: Some("llama3.2".into()), max_tokens: Some(4000), stream: Some(false), outputs: 1 })
+        );
+        for twice in [
+            &br#"{"model":"a","Model":"b"}"#[..],
+            br#"{"model":"m","options":{"num_predict":1},"Options":{"num_predict":9000}}"#,
+            br#"{"model":"m","stream":true,"STREAM":false}"#,
+        ] {
+            assert!(read(twice).is_err(), "{}", String::from_utf8_lossy(twice));
+        }
+        let exact_inside = br#"{"model":"m","options":{"Num_Predict":5}}"#;
+        assert_eq!(read(exact_inside).unwrap().max_tokens, None, "not Ollama's option: the model's ceiling");
+        assert_eq!(go_fold("\u{212A}eep".into()), "keep");
+        assert_eq!(parse(Body::OpenAi, br#"{"Model":"m"}"#, false).unwrap().model, None, "OpenAI keys are exact");
     }
 }
