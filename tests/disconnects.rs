@@ -16,65 +16,18 @@ use futures_util::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::procs::{Envoy, Tollgate};
+use support::stack::Stack;
 use support::upstream::post;
-use tokio_util::sync::CancellationToken;
-use tollgate::proto::admission_client::AdmissionClient;
-use tollgate::proto::{CommitRequest, RenewRequest};
+use tollgate::proto::CommitRequest;
 use tollgate::tools::sim::formats::Text;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       tenants:\n  acme:\n    limits: { max_concurrency: 1000 }\n  single:\n    limits: { max_concurrency: 1 }\n";
 const CHAT: &str = "/v1/chat/completions";
 
-struct Stack {
-    tollgate: Tollgate,
-    envoy: Envoy,
-    shutdown: CancellationToken,
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
-}
-
-impl Stack {
-    async fn start(decode_tokens_per_second: f64) -> Stack {
-        let tollgate = Tollgate::start(POLICY);
-        let (port, shutdown) = support::sim_backend(decode_tokens_per_second, Text::Tok).await;
-        let envoy = Envoy::start(tollgate.addr, port);
-        Stack { tollgate, envoy, shutdown }
-    }
-
-    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
-        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
-    }
-
-    fn diagnostics(&self) -> String {
-        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
-    }
-}
-
-/// The hold's state once it is no longer `reserved`, polled every `every` (a renewal changes
-/// nothing of it); `None` if it still was after 5 s.
-async fn settled(
-    admission: &mut AdmissionClient<tonic::transport::Channel>,
-    id: &str,
-    every: Duration,
-) -> Option<String> {
-    let start = Instant::now();
-    loop {
-        let renew = RenewRequest { reservation_id: id.to_string(), lease_ms: 0 };
-        let state = admission.renew(renew).await.unwrap().into_inner().state;
-        if state != "reserved" {
-            return Some(state);
-        }
-        if start.elapsed() > Duration::from_secs(5) {
-            return None;
-        }
-        tokio::time::sleep(every).await;
-    }
+/// tollgate and the shipped Envoy in front of the simulated backend, generating at this speed.
+async fn start(decode_tokens_per_second: f64) -> Stack {
+    Stack::sim(POLICY, decode_tokens_per_second, Text::Tok, |c| c).await
 }
 
 fn chat(stream: bool) -> String {
@@ -89,7 +42,7 @@ fn chat(stream: bool) -> String {
 /// and both charged what the backend reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
-    let stack = Stack::start(10_000.0).await;
+    let stack = start(10_000.0).await;
     let mut admission = stack.client().await;
     for (content, ceiling) in [(1_000_000, 100), (3_000_000, 4096)] {
         let body = format!(
@@ -101,7 +54,10 @@ async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
         let reserved: u64 = r.header("x-sim-reserved-tokens").unwrap().parse().unwrap();
         assert_eq!(reserved, (body.len() as u64).div_ceil(4) + ceiling, "{content} bytes");
         let id = r.header("x-sim-reservation").unwrap().to_string();
-        assert!(settled(&mut admission, &id, Duration::from_millis(10)).await.is_some(), "never settled");
+        assert!(
+            stack.settled_within(&id, Duration::from_millis(10), Duration::from_secs(5)).await.is_some(),
+            "never settled"
+        );
         let repeat = CommitRequest { reservation_id: id, prompt_tokens: 1, completion_tokens: 1, ..Default::default() };
         let c = admission.commit(repeat).await.unwrap().into_inner();
         assert_eq!((c.used_tokens, c.metered), ((content as u64).div_ceil(4) + 40, false), "{c:?}");
@@ -113,8 +69,7 @@ async fn a_body_past_what_envoy_sends_is_held_at_the_models_ceiling() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_gets_its_slot_back_within_250_ms() {
     // 40 tokens at 20 a second: two seconds of stream, of which the client reads the first chunks.
-    let stack = Stack::start(20.0).await;
-    let mut admission = stack.client().await;
+    let stack = start(20.0).await;
     let mut took = Vec::new();
     for _ in 0..3 {
         let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
@@ -134,7 +89,7 @@ async fn a_client_that_leaves_gets_its_slot_back_within_250_ms() {
         drop(body);
         drop(client);
         let left = Instant::now();
-        let state = settled(&mut admission, &id, Duration::from_millis(5)).await;
+        let state = stack.settled_within(&id, Duration::from_millis(5), Duration::from_secs(5)).await;
         assert_eq!(state.as_deref(), Some("committed"), "{id}: charged what passed\n{}", stack.diagnostics());
         took.push(left.elapsed());
         // The slot is free: the next stream is admitted, not refused for concurrency.
@@ -149,7 +104,7 @@ async fn a_client_that_leaves_gets_its_slot_back_within_250_ms() {
 /// reported: none lost, none metered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_normal_streams_each_settle_exactly() {
-    let stack = Stack::start(20_000.0).await;
+    let stack = start(20_000.0).await;
     let port = stack.envoy.port;
     let ids = futures_util::stream::iter(0..1000)
         .map(|_| async move {
@@ -163,7 +118,7 @@ async fn a_thousand_normal_streams_each_settle_exactly() {
     let mut admission = stack.client().await;
     let (mut exact, mut metered, mut open) = (0, 0, 0);
     for id in &ids {
-        match settled(&mut admission, id, Duration::from_millis(10)).await.as_deref() {
+        match stack.settled_within(id, Duration::from_millis(10), Duration::from_secs(5)).await.as_deref() {
             Some("committed") => {
                 let repeat = CommitRequest {
                     reservation_id: id.clone(),

@@ -12,7 +12,8 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use support::procs::{Envoy, OwnRedis, Tollgate, free_port};
-use support::upstream::{Upstream, post};
+use support::stack::Stack;
+use support::upstream::post;
 use tokio_util::sync::CancellationToken;
 use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, PoolStatusRequest, ReleaseRequest, RenewRequest, ReserveRequest};
@@ -25,98 +26,9 @@ const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n  brief:\n    lease_ttl_ms: 600\n  queued:\n    lease_ttl_ms: 600\n    limits: { max_concurrency: 1 }\n  probe:\n    limits: { tokens_per_minute: 60, burst_tokens: 100000 }\n";
 const CHAT: &str = "/v1/chat/completions";
 
-/// tollgate, the simulated backend (committing nothing itself) and Envoy in front.
-struct Stack {
-    tollgate: Tollgate,
-    envoy: Envoy,
-    /// Stops the simulated backend; `None` in front of the test upstream (which stops on drop).
-    shutdown: Option<CancellationToken>,
-    _upstream: Option<Upstream>,
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        if let Some(shutdown) = &self.shutdown {
-            shutdown.cancel();
-        }
-    }
-}
-
-impl Stack {
-    /// In front of the test upstream of `support::upstream`, whose headers steer each answer.
-    async fn with_test_upstream() -> Stack {
-        Stack::with_test_upstream_policy(POLICY).await
-    }
-
-    async fn with_test_upstream_policy(policy: &str) -> Stack {
-        let tollgate = Tollgate::start(policy);
-        let upstream = Upstream::start(tollgate.endpoint()).await;
-        let envoy = Envoy::start(tollgate.addr, upstream.port);
-        Stack { tollgate, envoy, shutdown: None, _upstream: Some(upstream) }
-    }
-
-    async fn start(decode_tokens_per_second: f64) -> Stack {
-        Stack::start_edited(decode_tokens_per_second, |c| c).await
-    }
-
-    async fn start_edited(decode_tokens_per_second: f64, edit: impl FnOnce(String) -> String) -> Stack {
-        Stack::start_with(decode_tokens_per_second, Text::Tok, edit).await
-    }
-
-    async fn start_with(decode_tokens_per_second: f64, text: Text, edit: impl FnOnce(String) -> String) -> Stack {
-        let tollgate = Tollgate::start(POLICY);
-        let (port, shutdown) = support::sim_backend(decode_tokens_per_second, text).await;
-        let envoy = Envoy::start_edited(tollgate.addr, port, edit);
-        Stack { tollgate, envoy, shutdown: Some(shutdown), _upstream: None }
-    }
-
-    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
-        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
-    }
-
-    /// Waits until the hold is settled by someone (renewing a live one meanwhile, harmlessly),
-    /// and returns its state.
-    async fn settled(&self, id: &str) -> String {
-        let mut client = self.client().await;
-        let start = Instant::now();
-        loop {
-            let state = client
-                .renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 })
-                .await
-                .unwrap_or_else(|e| panic!("renew {id}: {e}\n{}", self.diagnostics()))
-                .into_inner()
-                .state;
-            if state != "reserved" {
-                return state;
-            }
-            // Envoy tells tollgate of a client that left by closing the stream, deferred_close_timeout
-            // (0.1 s) after the request ended.
-            assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// What the commit from the response charged: a second commit answers with it.
-    async fn charged(&self, id: &str) -> CommitResponse {
-        assert_eq!(self.settled(id).await, "committed", "{}", self.diagnostics());
-        let mut client = self.client().await;
-        let c = client
-            .commit(CommitRequest {
-                reservation_id: id.into(),
-                prompt_tokens: 999,
-                completion_tokens: 999,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(c.duplicate, "the response's commit came first: {c:?}");
-        c
-    }
-
-    fn diagnostics(&self) -> String {
-        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
-    }
+/// tollgate and Envoy in front of the simulated backend, generating "tok " at this speed.
+async fn start(decode_tokens_per_second: f64) -> Stack {
+    Stack::sim(POLICY, decode_tokens_per_second, Text::Tok, |c| c).await
 }
 
 fn chat(stream: bool, include_usage: bool) -> String {
@@ -131,7 +43,7 @@ const TENANT: (&str, &str) = ("x-tenant-id", "acme");
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_json_response_is_committed_with_its_exact_usage() {
-    let stack = Stack::start(10_000.0).await;
+    let stack = start(10_000.0).await;
     let r = post(stack.envoy.port, CHAT, &[TENANT], chat(false, false)).await;
     assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
     let id = r.header("x-sim-reservation").unwrap().to_string();
@@ -147,7 +59,7 @@ async fn a_json_response_is_committed_with_its_exact_usage() {
 /// tokens at the model's weight (a quarter here), from the response alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_prompt_tokens_a_response_reports_count_at_the_models_weight() {
-    let stack = Stack::with_test_upstream().await;
+    let stack = Stack::test_upstream(POLICY).await;
     let body = format!(
         r#"{{"model":"cached","max_tokens":100,"messages":[{{"role":"user","content":"{}"}}]}}"#,
         "x".repeat(4000)
@@ -170,7 +82,7 @@ fn stream_usage(body: &str) -> Option<(u64, u64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_with_a_usage_chunk_is_committed_exactly() {
-    let stack = Stack::start(10_000.0).await;
+    let stack = start(10_000.0).await;
     let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;
     assert_eq!(r.status, 200, "{r:?}");
     let (prompt, output) = stream_usage(&r.body).expect("a usage chunk");
@@ -180,7 +92,7 @@ async fn a_stream_with_a_usage_chunk_is_committed_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_without_usage_is_committed_metered() {
-    let stack = Stack::start(10_000.0).await;
+    let stack = start(10_000.0).await;
     let body = chat(true, false);
     let r = post(stack.envoy.port, CHAT, &[TENANT], body.clone()).await;
     assert_eq!(r.status, 200, "{r:?}");
@@ -195,7 +107,7 @@ async fn a_stream_without_usage_is_committed_metered() {
 /// was charged.
 async fn left_after(path: &str, body: String, frames: usize) -> CommitResponse {
     // 40 tokens at 20 tokens/s: two seconds of stream; the client leaves after the first chunks.
-    let stack = Stack::start(20.0).await;
+    let stack = start(20.0).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let request = hyper::Request::post(format!("http://127.0.0.1:{}{path}", stack.envoy.port))
         .header("content-type", "application/json")
@@ -239,7 +151,7 @@ async fn an_upstream_failure_before_any_output_releases_the_hold() {
     let ledger =
         std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ext-proc-{}.jsonl", std::process::id()));
     let _ = std::fs::remove_file(&ledger);
-    let stack = Stack::with_test_upstream_policy(&format!("ledger:\n  file: {}\n{POLICY}", ledger.display())).await;
+    let stack = Stack::test_upstream(&format!("ledger:\n  file: {}\n{POLICY}", ledger.display())).await;
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     let mut ids = Vec::new();
     for status in ["500", "503", "429", "400"] {
@@ -260,7 +172,7 @@ async fn an_upstream_failure_before_any_output_releases_the_hold() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_providers_429_throttles_its_pool_until_its_retry_after() {
-    let stack = Stack::with_test_upstream().await;
+    let stack = Stack::test_upstream(POLICY).await;
     let (envoy, tollgate) = (&stack.envoy, &stack.tollgate);
     let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
@@ -292,7 +204,7 @@ async fn a_providers_429_throttles_its_pool_until_its_retry_after() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_longer_than_its_lease_is_renewed_while_it_flows() {
     // 40 tokens at 20 tokens/s: two seconds of stream against a 600 ms lease.
-    let stack = Stack::start(20.0).await;
+    let stack = start(20.0).await;
     let r = post(stack.envoy.port, CHAT, &[("x-tenant-id", "brief")], chat(true, true)).await;
     assert_eq!(r.status, 200, "{r:?}");
     let (prompt, output) = stream_usage(&r.body).expect("a usage chunk");
@@ -305,7 +217,7 @@ async fn a_stream_longer_than_its_lease_is_renewed_while_it_flows() {
 async fn a_response_pending_longer_than_its_lease_keeps_its_hold() {
     // The backend answers after 2 s, three leases of 600 ms, and sends nothing before: the hold
     // is renewed by time, so its slot stays taken and it is committed, not late.
-    let stack = Stack::with_test_upstream().await;
+    let stack = Stack::test_upstream(POLICY).await;
     let tenant = ("x-tenant-id", "queued");
     let pending = [tenant, ("x-test-delay-ms", "2000"), ("x-test-skip-commit", "1"), ("x-test-silent-commit", "1")];
     let body = chat(false, false);
@@ -332,7 +244,7 @@ async fn a_response_pending_longer_than_its_lease_keeps_its_hold() {
 /// An Anthropic Messages or OpenAI Responses request through Envoy: the sim reports 50 prompt
 /// tokens (200 bytes at 4 per token) and generates 40.
 async fn other_format(path: &str, body: String) {
-    let stack = Stack::start(10_000.0).await;
+    let stack = start(10_000.0).await;
     let r = post(stack.envoy.port, path, &[TENANT], body).await;
     assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
@@ -367,7 +279,7 @@ async fn responses_api_json_and_streams_are_committed_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filter_forwarded_the_metadata_instead_of_the_request_headers_commits_the_same() {
     const DEFERRED: &str = "                      deferred_close_timeout: 0.1s\n";
-    let stack = Stack::start_edited(10_000.0, |config| {
+    let stack = Stack::sim(POLICY, 10_000.0, Text::Tok, |config| {
         assert!(config.contains(DEFERRED) && config.contains("request_header_mode: SEND"), "envoy.yaml changed");
         let forwarding = "                      metadata_options:\n\
                           \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
@@ -387,7 +299,7 @@ async fn a_filter_forwarded_the_metadata_instead_of_the_request_headers_commits_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_can_turn_the_commit_from_the_response_off() {
     const ROUTES: &str = "                        - match: { prefix: \"/v1/\" }";
-    let stack = Stack::start_edited(10_000.0, |config| {
+    let stack = Stack::sim(POLICY, 10_000.0, Text::Tok, |config| {
         assert!(config.contains(ROUTES), "envoy.yaml's route changed");
         let off = "                        - match: { prefix: \"/v1/messages\" }\n\
                    \x20                         route: { cluster: inference, timeout: 300s }\n\
@@ -412,7 +324,7 @@ async fn a_route_can_turn_the_commit_from_the_response_off() {
 /// A compressed body is never parsed: its usage is unknown, so the hold is charged as made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compressed_response_is_charged_as_held_never_misread() {
-    let stack = Stack::with_test_upstream().await;
+    let stack = Stack::test_upstream(POLICY).await;
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     let r = post(stack.envoy.port, CHAT, &[TENANT, ("x-test-gzip", "1")], body).await;
     assert_eq!(r.status, 200);
@@ -427,7 +339,7 @@ async fn a_compressed_response_is_charged_as_held_never_misread() {
 /// the configured ratio, plus the noise of short outputs; docs/BENCHMARKS.md cites this run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_meter_error_on_english_like_text() {
-    let stack = Stack::start_with(100_000.0, Text::Words, |c| c).await;
+    let stack = Stack::sim(POLICY, 100_000.0, Text::Words, |c| c).await;
     let body = chat(true, false).replace(r#""max_tokens":100"#, r#""max_tokens":400"#);
     let held_prompt = (body.len() as u64).div_ceil(4);
     let mut errors = Vec::new();
@@ -463,7 +375,7 @@ async fn the_meter_error_on_english_like_text() {
 /// backend's counts (the first commit wins; the second is a duplicate).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_that_also_commits_is_charged_once() {
-    let stack = Stack::with_test_upstream().await;
+    let stack = Stack::test_upstream(POLICY).await;
     let (envoy, tollgate) = (&stack.envoy, &stack.tollgate);
     let body = r#"{"model":"m","max_tokens":10,"messages":[]}"#;
     let r = post(envoy.port, CHAT, &[TENANT, ("x-test-silent-commit", "1"), ("x-test-output-tokens", "7")], body).await;

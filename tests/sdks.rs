@@ -8,13 +8,10 @@
 mod support;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use support::procs::{Envoy, Tollgate};
-use tokio_util::sync::CancellationToken;
-use tollgate::proto::admission_client::AdmissionClient;
-use tollgate::proto::{CommitRequest, CommitResponse, RenewRequest, ReserveRequest};
+use support::stack::Stack;
+use tollgate::proto::{CommitRequest, ReserveRequest};
 use tollgate::tools::sim::formats::Text;
 
 /// Every model a client names, each by the name its API uses; Azure's deployment is an alias.
@@ -30,108 +27,59 @@ const POLICY: &str = "models:\n  gemini-2.0-flash: { max_output_tokens: 4096, by
 /// The output each request asks for (and the stand-in generates: its fixed 40).
 const MAX_TOKENS: i64 = 40;
 
-struct Stack {
-    tollgate: Tollgate,
-    envoy: Envoy,
-    shutdown: CancellationToken,
+/// The shipped Envoy and tollgate in front of the simulated backend.
+async fn start() -> Stack {
+    Stack::sim(POLICY, 10_000.0, Text::Tok, |c| c).await
 }
 
-impl Drop for Stack {
-    fn drop(&mut self) {
-        self.shutdown.cancel();
-    }
+/// Runs `family`'s SDK as `tenant` through `stack`: one JSON line per call.
+fn run(stack: &Stack, family: &str, tenant: &str) -> Vec<Value> {
+    let python = std::env::var("TOLLGATE_TEST_PYTHON")
+        .expect("TOLLGATE_TEST_PYTHON is not set: run the suite with `bash scripts/test`, which installs the SDKs");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdks/clients.py");
+    let base = format!("http://127.0.0.1:{}", stack.envoy.port);
+    let out =
+        Command::new("timeout").args(["60", &python, script, family, &base, tenant]).output().expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{family}: {}\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        stack.diagnostics()
+    );
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"))).collect()
 }
 
-impl Stack {
-    async fn start() -> Stack {
-        let tollgate = Tollgate::start(POLICY);
-        let (port, shutdown) = support::sim_backend(10_000.0, Text::Tok).await;
-        let envoy = Envoy::start(tollgate.addr, port);
-        Stack { tollgate, envoy, shutdown }
-    }
-
-    async fn client(&self) -> AdmissionClient<tonic::transport::Channel> {
-        AdmissionClient::connect(self.tollgate.endpoint()).await.unwrap()
-    }
-
-    /// Runs `family`'s SDK as `tenant`: one JSON line per call.
-    fn run(&self, family: &str, tenant: &str) -> Vec<Value> {
-        let python = std::env::var("TOLLGATE_TEST_PYTHON")
-            .expect("TOLLGATE_TEST_PYTHON is not set: run the suite with `bash scripts/test`, which installs the SDKs");
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sdks/clients.py");
-        let base = format!("http://127.0.0.1:{}", self.envoy.port);
-        let out =
-            Command::new("timeout").args(["60", &python, script, family, &base, tenant]).output().expect("run python");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{family}: {}\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            self.diagnostics()
-        );
-        stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"))).collect()
-    }
-
-    /// Waits until the hold is settled, then what its commit charged (a repeat answers with it).
-    async fn charged(&self, id: &str) -> CommitResponse {
-        let mut client = self.client().await;
-        let start = Instant::now();
-        loop {
-            let state =
-                client.renew(RenewRequest { reservation_id: id.into(), lease_ms: 0 }).await.unwrap().into_inner().state;
-            if state != "reserved" {
-                assert_eq!(state, "committed", "{id}\n{}", self.diagnostics());
-                break;
-            }
-            assert!(start.elapsed() < Duration::from_secs(10), "{id} never settled\n{}", self.diagnostics());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let repeat = CommitRequest {
-            reservation_id: id.into(),
-            prompt_tokens: 999,
-            completion_tokens: 999,
-            ..Default::default()
-        };
-        let c = client.commit(repeat).await.unwrap().into_inner();
-        assert!(c.duplicate, "the response's commit came first: {c:?}");
-        c
-    }
-
-    /// Spends all but 9 of tenant `broke`'s daily budget.
-    async fn spend(&self, model: &str) {
-        let mut client = self.client().await;
-        let r = client
-            .reserve(ReserveRequest {
-                tenant: "broke".into(),
-                model: model.into(),
-                prompt_tokens: 990,
-                max_tokens: 1,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(r.admitted, "{r:?}");
-        let c = CommitRequest {
-            reservation_id: r.reservation_id,
+/// Spends all but 9 of tenant `broke`'s daily budget.
+async fn spend(stack: &Stack, model: &str) {
+    let mut client = stack.client().await;
+    let r = client
+        .reserve(ReserveRequest {
+            tenant: "broke".into(),
+            model: model.into(),
             prompt_tokens: 990,
-            completion_tokens: 1,
+            max_tokens: 1,
             ..Default::default()
-        };
-        client.commit(c).await.unwrap();
-    }
-
-    fn diagnostics(&self) -> String {
-        format!("--- tollgate log ---\n{}\n--- envoy log ---\n{}", self.tollgate.log(), self.envoy.log())
-    }
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.admitted, "{r:?}");
+    let c = CommitRequest {
+        reservation_id: r.reservation_id,
+        prompt_tokens: 990,
+        completion_tokens: 1,
+        ..Default::default()
+    };
+    client.commit(c).await.unwrap();
 }
 
 /// Every call (`expected`, streamed and not) admitted with a hold of the prompt's estimate and the
 /// 40 asked (never the model's 4,096), and charged exactly what the backend reported: the prompt
 /// it counted and the 40 (Bedrock's InvokeModel: in its headers, or its stream's last chunk).
 async fn admitted_tightly_and_charged_exactly(family: &str, expected: &[&str]) {
-    let stack = Stack::start().await;
-    let calls = stack.run(family, "acme");
+    let stack = start().await;
+    let calls = run(&stack, family, "acme");
     assert_eq!(calls.iter().map(|c| c["call"].as_str().unwrap()).collect::<Vec<_>>(), expected, "{calls:?}");
     for call in &calls {
         let reserved = call["reserved_tokens"].as_i64().unwrap();
@@ -147,9 +95,9 @@ async fn admitted_tightly_and_charged_exactly(family: &str, expected: &[&str]) {
 
 /// Refused for a spent budget, as its SDK shows its provider's own refusal.
 async fn refused_for_budget(family: &str, model: &str) -> Value {
-    let stack = Stack::start().await;
-    stack.spend(model).await;
-    let calls = stack.run(family, "broke");
+    let stack = start().await;
+    spend(&stack, model).await;
+    let calls = run(&stack, family, "broke");
     assert_eq!(calls.len(), 1, "{calls:?}");
     let call = calls.into_iter().next().unwrap();
     assert!(call["shown"].as_str().unwrap().contains("is spent"), "{family}: the SDK shows the reason: {call}");
@@ -203,8 +151,8 @@ async fn azure_openai_through_the_openai_sdk() {
 /// An embedding holds its input alone: a 5-token input is not held at the output ceiling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn embeddings_hold_the_input_alone() {
-    let stack = Stack::start().await;
-    let calls = stack.run("embeddings", "acme");
+    let stack = start().await;
+    let calls = run(&stack, "embeddings", "acme");
     let reserved = calls[0]["reserved_tokens"].as_i64().unwrap();
     // {"input":"five tokens of input","model":"text-embedding-3-small","encoding_format":"base64"}
     assert!((10..40).contains(&reserved), "{calls:?}");

@@ -15,6 +15,7 @@ pub mod model;
 pub mod procs;
 pub mod proxy;
 pub mod rng;
+pub mod stack;
 pub mod upstream;
 
 use std::collections::BTreeMap;
