@@ -18,6 +18,7 @@ async fn admission(yaml: &str) -> Arc<Admission<EmbeddedStore>> {
 
 fn request(tenant: Option<&str>) -> Attributes {
     Attributes {
+        plan: None,
         tenant: tenant.map(str::to_string),
         user: None,
         model: Some("m".into()),

@@ -55,6 +55,14 @@ fn check_config_summarises_a_good_policy() {
     assert!(stdout.starts_with("policy OK"), "{stdout}");
     assert!(stdout.contains("tenant acme: 120000 tokens/min (burst 40000)"), "{stdout}");
     assert!(stdout.contains("store: embedded"), "{stdout}");
+    assert!(stdout.contains("plans: 2 (team, trial)"), "{stdout}");
+    // globex takes the team plan's rate and day budget, and its own concurrency.
+    assert!(
+        stdout.contains(
+            "tenant globex: 30000 tokens/min (burst 30000), 300 requests/min, 8 concurrent, 20000000 tokens/day"
+        ),
+        "{stdout}"
+    );
 }
 
 #[test]

@@ -18,7 +18,10 @@ use proptest::prelude::*;
 use tollgate::admission::{Admission, Decision};
 use tollgate::config::Policy;
 use tollgate::grpc::admission::AdmissionService;
-use tollgate::grpc::authz::attributes;
+use tollgate::grpc::authz::{IdentityHeaders, attributes};
+
+/// Check's identity headers, a plan header among them.
+const IDENTITY: IdentityHeaders<'static> = IdentityHeaders { tenant: "x-tenant-id", plan: Some("x-tollgate-plan") };
 use tollgate::llm::body::{self, Body};
 use tollgate::llm::usage::{Measured, Meter};
 use tollgate::proto::admission_server::Admission as _;
@@ -191,7 +194,7 @@ proptest! {
 
     #[test]
     fn check_attributes_are_read_or_refused(request in check_request()) {
-        let _ = attributes(&request, "x-tenant-id");
+        let _ = attributes(&request, IDENTITY);
     }
 
     /// Response bodies, split into chunks at arbitrary points, under every content type and
@@ -251,7 +254,7 @@ proptest! {
     fn checks_are_decided(request in check_request()) {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let admission = admission(&rt);
-        if let Ok(a) = attributes(&request, "x-tenant-id") {
+        if let Ok(a) = attributes(&request, IDENTITY) {
             let decision = rt.block_on(admission.reserve(&a));
             if let Decision::Admitted(ok) = decision {
                 rt.block_on(admission.release(&ok.reservation_id)).unwrap();

@@ -110,3 +110,45 @@ async fn only_a_verified_token_names_the_tenant() {
         assert!(r.header("x-test-reservation").is_none(), "{what} reached the backend");
     }
 }
+
+/// Onboarding a team is issuing it a token: a tenant the policy does not list is admitted under
+/// the plan its token names (its own counters, that plan's limits); without the claim it goes by
+/// `default_tenant`, whatever plan header the client sends itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlisted_tenant_is_admitted_under_the_plan_its_token_names() {
+    let policy = "server:\n  plan_header: x-tollgate-plan\n\
+                  models:\n  m: { max_output_tokens: 64 }\n\
+                  plans:\n  gold:\n    limits: { tokens_per_minute: 60, burst_tokens: 1000 }\n\
+                  \x20 free:\n    limits: { tokens_per_minute: 60, burst_tokens: 40 }\n\
+                  default_tenant:\n  plan: free\n";
+    let tollgate = Tollgate::start(policy);
+    let jwks = tollgate.dir.write(
+        "jwks.json",
+        &serde_json::json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": URL_SAFE_NO_PAD.encode(SECRET)}]})
+            .to_string(),
+    );
+    let upstream = Upstream::start(tollgate.endpoint()).await;
+    let envoy = Envoy::start_edited(tollgate.addr, upstream.port, |c| with_identity(c, &jwks));
+    // A hold of its prompt and 64: more than free's burst of 40, within gold's 1,000.
+    let big = r#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut gold = claims("newteam", "alice", 600);
+    gold["plan"] = "gold".into();
+    let gold = format!("Bearer {}", token(gold, SECRET));
+    let r = post(envoy.port, "/v1/chat/completions", &[("authorization", gold.as_str())], big).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", tollgate.log());
+    assert!(r.header("x-test-reservation").unwrap().starts_with("newteam:"), "{r:?}");
+
+    // No plan claim: the client's own x-tollgate-plan was removed before tollgate saw it, and
+    // free's burst cannot hold the request.
+    let plain = format!("Bearer {}", token(claims("otherteam", "bob", 600), SECRET));
+    let headers = [("authorization", plain.as_str()), ("x-tollgate-plan", "gold")];
+    let r = post(envoy.port, "/v1/chat/completions", &headers, big).await;
+    assert_eq!((r.status, r.header("x-tollgate-reason")), (400, Some("unsatisfiable")), "{r:?}");
+
+    // A plan the policy does not have: not admitted, under any other.
+    let mut unknown = claims("thirdteam", "carol", 600);
+    unknown["plan"] = "platinum".into();
+    let unknown = format!("Bearer {}", token(unknown, SECRET));
+    let r = post(envoy.port, "/v1/chat/completions", &[("authorization", unknown.as_str())], CHAT).await;
+    assert_eq!((r.status, r.header("x-tollgate-reason")), (401, Some("unauthenticated")), "{r:?}");
+}

@@ -48,6 +48,7 @@ async fn a_hundred_thousand_tenants_leave_no_key_without_a_ttl() {
     let store = RedisStore::connect(&RedisTarget::Single(support::redis_url()), RedisOptions::default()).await.unwrap();
     let admission = Arc::new(Admission::new(policy, Protocol::new(store).await.unwrap()));
     let attributes = |i: usize| Attributes {
+        plan: None,
         tenant: Some(format!("many{run}-{i}")),
         user: Some(format!("u{i}")),
         model: Some("m".into()),

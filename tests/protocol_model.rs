@@ -278,6 +278,7 @@ impl<S: Store + Clone> World<S> {
         let key =
             key.map(|(k, same)| (format!("k{k}"), if same { KeyRepeat::ReturnHold } else { KeyRepeat::NewAttempt }));
         let attributes = Attributes {
+            plan: None,
             tenant: Some(tenant.clone()),
             user: user.clone(),
             model: Some(model.clone()),

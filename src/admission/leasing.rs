@@ -132,7 +132,7 @@ impl<S: Store> Admission<S> {
         for tenant in leases.tenant_names() {
             // A tenant a reload removed keeps the terms it was leased under, and gives everything
             // back now.
-            let (tp, removed) = match policy.tenant(&tenant) {
+            let (tp, removed) = match self.tenant_policy(&policy, &tenant) {
                 Some(tp) => (Arc::clone(tp), false),
                 None => match leases.terms(&tenant) {
                     Some(tp) => (tp, true),

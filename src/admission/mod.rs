@@ -22,6 +22,7 @@
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+mod claims;
 mod decision;
 mod estimates;
 mod lease;
@@ -42,8 +43,8 @@ use tokio_util::task::TaskTracker;
 
 pub use decision::{Admitted, Decision, Denial, Reason, Unmetered};
 
-use crate::config::Policy;
 pub use crate::config::Priority;
+use crate::config::{Policy, TenantPolicy};
 use crate::estimate::PromptSize;
 use crate::hold::id as ids;
 pub use crate::hold::{KeyRepeat, MAX_TOKEN_COUNT};
@@ -61,6 +62,9 @@ pub use sweeper::SWEEP_MS;
 pub struct Attributes {
     /// Verified tenant identity; `None` when the request carried none.
     pub tenant: Option<String>,
+    /// The plan a trusted header names (`server.plan_header`): a tenant the policy does not list
+    /// is admitted under it (a listed tenant goes by its own policy whatever this says).
+    pub plan: Option<String>,
     pub user: Option<String>,
     pub model: Option<String>,
     /// The claimed tier; `None` takes the tenant's default.
@@ -133,6 +137,8 @@ pub struct Admission<S> {
     metrics: Metrics,
     /// The wall clock: the store's on the embedded store (its day, for local budgets).
     clock: Arc<dyn Clock>,
+    /// The plans unlisted tenants were last admitted under, by their plan header.
+    claims: claims::Claims,
 }
 
 /// Tenants whose last output estimate this replica remembers, at most.
@@ -159,6 +165,7 @@ impl<S: Store> Admission<S> {
             Leases::new(replica.clone(), settings, Arc::clone(&clock), policy.record_retention_ms, ledger)
         });
         let local = LocalLimits::new(policy.store.local_factor);
+        let claims = claims::Claims::new(policy.server.claimed_tenants);
         let (retries, retry_inbox) = retry::Retries::new();
         let sweep_turn = crate::store::keys::sweep_shard_of(&replica);
         Admission {
@@ -175,7 +182,18 @@ impl<S: Store> Admission<S> {
             tasks: TaskTracker::new(),
             metrics: Metrics::disabled(),
             clock,
+            claims,
         }
+    }
+
+    /// The policy `tenant`'s holds go by: its own, else the plan its plan header last admitted it
+    /// under (as this replica remembers), else `default_tenant`'s.
+    pub fn tenant_policy<'p>(&self, policy: &'p Policy, tenant: &str) -> Option<&'p Arc<TenantPolicy>> {
+        if let Some(tp) = policy.tenants.get(tenant) {
+            return Some(tp);
+        }
+        let claimed = self.claims.plan_of(tenant);
+        claimed.and_then(|plan| policy.plans.get(&plan)).or(policy.default_tenant.as_ref())
     }
 
     /// Records decisions and settlements into `metrics`.
@@ -216,7 +234,7 @@ impl<S: Store> Admission<S> {
         let new = Arc::new(new);
         *self.policy.write().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::clone(&new);
         if let Some(leases) = &self.leases {
-            leases.policy_changed(&new);
+            leases.policy_changed(|tenant| self.tenant_policy(&new, tenant));
         }
         self.metrics.policy_loaded(&new);
         kept

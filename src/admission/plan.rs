@@ -20,7 +20,8 @@ use crate::store::keys;
 pub const MAX_PROMPT_BYTES: u64 = 1 << 40;
 
 /// Who a request is charged to: its tenant (or the policy's anonymous tenant) and that tenant's
-/// policy, with its user id checked.
+/// policy (its own, else the plan its plan header names, else `default_tenant`'s), with its user
+/// id checked.
 pub(super) fn identify<'p>(policy: &'p Policy, a: &'p Attributes) -> Result<(&'p str, &'p Arc<TenantPolicy>), Denial> {
     use Reason::{InvalidRequest, Unauthenticated};
     let header = &policy.server.tenant_header;
@@ -30,9 +31,19 @@ pub(super) fn identify<'p>(policy: &'p Policy, a: &'p Attributes) -> Result<(&'p
         .or(policy.anonymous_tenant.as_deref())
         .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
     names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
-    let tp = policy
-        .tenant(tenant)
-        .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?;
+    let tp = match (policy.tenants.get(tenant), a.plan.as_deref()) {
+        (Some(tp), _) => tp,
+        (None, Some(plan)) => policy.plans.get(plan).ok_or_else(|| {
+            Denial::now(
+                Unauthenticated,
+                format!("plan {plan:?} (for tenant {tenant:?}) is not one of the policy's plans"),
+            )
+        })?,
+        (None, None) => policy
+            .default_tenant
+            .as_ref()
+            .ok_or_else(|| Denial::now(Unauthenticated, format!("tenant {tenant:?} has no policy")))?,
+    };
     if let Some(user) = &a.user {
         names::check_user(user).map_err(|e| Denial::now(InvalidRequest, format!("user id {e}")))?;
     }
@@ -44,6 +55,9 @@ impl<S> Admission<S> {
     pub(super) fn plan(&self, policy: &Arc<Policy>, a: &Attributes) -> Result<Plan, Denial> {
         use Reason::{InvalidRequest, Unsatisfiable};
         let (tenant, tp) = identify(policy, a)?;
+        if let (Some(plan), false) = (&a.plan, policy.tenants.contains_key(tenant)) {
+            self.claims.note(tenant, plan);
+        }
         if let Some(k) = &a.idempotency {
             names::check_idempotency_key(&k.key)
                 .map_err(|e| Denial::now(InvalidRequest, format!("idempotency-key {e}")))?;

@@ -78,7 +78,7 @@ impl<S: Store> Admission<S> {
             return;
         }
         let tenant = a.tenant.as_deref().or(policy.anonymous_tenant.as_deref()).unwrap_or("");
-        let tp = policy.tenant(tenant);
+        let tp = self.tenant_policy(policy, tenant);
         let tier = match tp {
             Some(tp) => a.priority.unwrap_or(tp.default_priority).min(tp.max_priority),
             None => a.priority.unwrap_or(Priority::Standard),

@@ -132,6 +132,12 @@ pub struct ServerSettings {
     pub policy_poll: Option<Duration>,
     /// The header that carries the verified tenant id (Envoy sets it from identity, e.g. a JWT).
     pub tenant_header: String,
+    /// The header that carries the plan a tenant the policy does not list is admitted under
+    /// (Envoy sets it from a verified claim, and strips what clients send); none: not read.
+    pub plan_header: Option<String>,
+    /// Most tenants admitted under a plan header this replica remembers the plan of (see
+    /// `admission::claims`).
+    pub claimed_tenants: usize,
     /// How long in-flight calls may take to finish after SIGTERM.
     pub drain_timeout: Duration,
     /// TLS on `listen` (not on `health_listen`, which probes reach in plaintext).
@@ -421,6 +427,9 @@ pub struct Policy {
     pub aliases: HashMap<String, String>,
     pub pools: HashMap<String, Arc<PoolPolicy>>,
     pub tenants: HashMap<String, Arc<TenantPolicy>>,
+    /// Named plans (`plans:`), each as the policy of a tenant that takes it whole: a tenant the
+    /// policy does not list is admitted under the plan its trusted plan header names.
+    pub plans: HashMap<String, Arc<TenantPolicy>>,
     /// Applied to a tenant the policy does not name (each such tenant gets its own buckets); none
     /// means unknown tenants are refused as `unauthenticated`.
     pub default_tenant: Option<Arc<TenantPolicy>>,
@@ -461,6 +470,9 @@ pub struct MetricsSettings {
     /// The tenants with series of their own; `None`: every tenant the policy names. Any other
     /// tenant is counted as `other`, so series stay bounded however many tenants arrive.
     pub tenants: Option<Vec<String>>,
+    /// Of the tenants not among them (unlisted tenants, admitted under a plan or
+    /// `default_tenant`), the first this many seen have series of their own; the rest are `other`.
+    pub unlisted_tenants: usize,
 }
 
 /// Leasing: each replica draws slices of a scope's tokens, request permits and concurrency slots

@@ -19,6 +19,9 @@ pub(super) struct RawPolicy {
     pub models: BTreeMap<String, RawModel>,
     #[serde(default)]
     pub pools: BTreeMap<String, RawPool>,
+    /// Named sets of tenant settings a tenant takes by naming one (`plan: NAME`).
+    #[serde(default)]
+    pub plans: BTreeMap<String, RawTenant>,
     #[serde(default)]
     pub tenants: BTreeMap<String, RawTenant>,
     pub default_tenant: Option<RawTenant>,
@@ -48,6 +51,7 @@ pub(super) struct RawLeasing {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawMetrics {
     pub tenants: Option<Vec<String>>,
+    pub unlisted_tenants: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -58,6 +62,8 @@ pub(super) struct RawServer {
     pub admin_listen: Option<String>,
     pub policy_poll_ms: Option<u64>,
     pub tenant_header: Option<String>,
+    pub plan_header: Option<String>,
+    pub claimed_tenants: Option<u64>,
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,
 }
@@ -224,9 +230,11 @@ pub(super) struct RawShares {
     pub sheddable: Option<f64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawTenant {
+    /// The plan whose settings this tenant takes, its own overriding them (see [`RawTenant::over`]).
+    pub plan: Option<String>,
     #[serde(default)]
     pub limits: Limits,
     pub lease_ttl_ms: Option<u64>,
@@ -237,13 +245,46 @@ pub(super) struct RawTenant {
     pub adaptive_output: Option<RawAdaptive>,
     pub on_store_error: Option<OnStoreError>,
     pub shadow: Option<bool>,
-    #[serde(default)]
-    pub strict: bool,
+    pub strict: Option<bool>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,
     #[serde(default)]
     pub models: BTreeMap<String, Limits>,
+}
+
+impl RawTenant {
+    /// This tenant's settings over its plan's: every setting it gives wins, limits one by one;
+    /// its users and models join the plan's, its own winning a name both give.
+    pub fn over(self, plan: &RawTenant) -> RawTenant {
+        let joined = |mine: BTreeMap<String, Limits>, theirs: &BTreeMap<String, Limits>| {
+            let mut all = theirs.clone();
+            for (name, limits) in mine {
+                let base = all.remove(&name).unwrap_or_default();
+                all.insert(name, limits.over(&base));
+            }
+            all
+        };
+        RawTenant {
+            plan: self.plan,
+            limits: self.limits.over(&plan.limits),
+            lease_ttl_ms: self.lease_ttl_ms.or(plan.lease_ttl_ms),
+            expired_usage: self.expired_usage.or(plan.expired_usage),
+            default_priority: self.default_priority.or(plan.default_priority),
+            max_priority: self.max_priority.or(plan.max_priority),
+            default_deadline_ms: self.default_deadline_ms.or(plan.default_deadline_ms),
+            adaptive_output: self.adaptive_output.or(plan.adaptive_output),
+            on_store_error: self.on_store_error.or(plan.on_store_error),
+            shadow: self.shadow.or(plan.shadow),
+            strict: self.strict.or(plan.strict),
+            default_user: match (self.default_user, &plan.default_user) {
+                (Some(mine), Some(theirs)) => Some(mine.over(theirs)),
+                (mine, theirs) => mine.or_else(|| theirs.clone()),
+            },
+            users: joined(self.users, &plan.users),
+            models: joined(self.models, &plan.models),
+        }
+    }
 }
 
 /// The limits of one scope (tenant, user or model). Every field is optional; an absent one does
@@ -265,6 +306,22 @@ pub struct Limits {
     pub cost_per_day: Option<Money>,
     /// Budget in money per UTC calendar month.
     pub cost_per_month: Option<Money>,
+}
+
+impl Limits {
+    /// These limits over `base`: each one given here wins, the rest are `base`'s.
+    pub fn over(self, base: &Limits) -> Limits {
+        Limits {
+            tokens_per_minute: self.tokens_per_minute.or(base.tokens_per_minute),
+            burst_tokens: self.burst_tokens.or(base.burst_tokens),
+            requests_per_minute: self.requests_per_minute.or(base.requests_per_minute),
+            max_concurrency: self.max_concurrency.or(base.max_concurrency),
+            tokens_per_day: self.tokens_per_day.or(base.tokens_per_day),
+            tokens_per_month: self.tokens_per_month.or(base.tokens_per_month),
+            cost_per_day: self.cost_per_day.or(base.cost_per_day),
+            cost_per_month: self.cost_per_month.or(base.cost_per_month),
+        }
+    }
 }
 
 /// An amount of money in the policy's currency, kept in billionths (nanos) so that every sum is

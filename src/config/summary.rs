@@ -35,6 +35,20 @@ impl Policy {
             names.join(", "),
             if self.default_tenant.is_some() { "yes" } else { "no (unknown tenants are refused)" },
         );
+        if !self.plans.is_empty() {
+            let mut plans: Vec<_> = self.plans.keys().cloned().collect();
+            plans.sort();
+            let chosen = match &self.server.plan_header {
+                Some(h) => format!("; an unlisted tenant takes the one {h} names"),
+                None => String::new(),
+            };
+            out.push_str(&format!(
+                "  plans: {} ({}){chosen}
+",
+                plans.len(),
+                plans.join(", ")
+            ));
+        }
         if let Some(admin) = self.server.admin_listen {
             let labelled = match &self.metrics.tenants {
                 Some(t) => format!("{} listed tenant(s)", t.len()),

@@ -48,6 +48,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
         let priority = non_empty(r.priority).map(|p| p.parse()).transpose().map_err(Status::invalid_argument)?;
         let attributes = Attributes {
             tenant: non_empty(r.tenant),
+            plan: non_empty(r.plan),
             user: non_empty(r.user),
             model: non_empty(r.model),
             priority,
@@ -193,7 +194,8 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     ) -> Result<Response<OutputEstimateResponse>, Status> {
         let r = request.into_inner();
         let view = self.admission.output_estimate(&r.tenant, &r.model).await.map_err(status)?;
-        let adaptive = self.admission.policy().tenant(&r.tenant).and_then(|t| t.adaptive_output);
+        let policy = self.admission.policy();
+        let adaptive = self.admission.tenant_policy(&policy, &r.tenant).and_then(|t| t.adaptive_output);
         Ok(Response::new(OutputEstimateResponse {
             samples: view.samples,
             quantile: adaptive.map_or(0.0, |a| a.quantile),

@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status};
 
 use super::response::check_response;
 use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason};
+use crate::config::ServerSettings;
 use crate::estimate::PromptSize;
 use crate::llm::api::{self, Endpoint, Work};
 use crate::llm::body;
@@ -34,10 +35,11 @@ impl<S> AuthzService<S> {
 impl<S: Store> Authorization for AuthzService<S> {
     #[tracing::instrument(name = "check", skip_all, fields(tenant, reason))]
     async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
-        let header = &self.admission.policy().server.tenant_header;
+        let policy = self.admission.policy();
+        let identity = IdentityHeaders::of(&policy.server);
         let own = own_headers(request.get_ref());
         let endpoint = api::endpoint(http(request.get_ref()).map_or("", |h| h.path.as_str()));
-        let decision = match attributes_at(request.get_ref(), header, &endpoint) {
+        let decision = match attributes_at(request.get_ref(), identity, &endpoint) {
             Ok(a) => {
                 let d = match endpoint.work {
                     Work::CountTokens => self.admission.pass_free(&a),
@@ -124,15 +126,33 @@ fn own_headers(request: &CheckRequest) -> Vec<String> {
     own
 }
 
+/// The headers that carry who a request is for, as Envoy sets them from verified identity.
+#[derive(Debug, Clone, Copy)]
+pub struct IdentityHeaders<'a> {
+    pub tenant: &'a str,
+    /// The plan an unlisted tenant is admitted under; none: not read.
+    pub plan: Option<&'a str>,
+}
+
+impl<'a> IdentityHeaders<'a> {
+    pub fn of(server: &'a ServerSettings) -> IdentityHeaders<'a> {
+        IdentityHeaders { tenant: &server.tenant_header, plan: server.plan_header.as_deref() }
+    }
+}
+
 /// Reads the attributes of a Check request, as the API its path names; a request that cannot be
 /// read is refused here.
-pub fn attributes(request: &CheckRequest, tenant_header: &str) -> Result<Attributes, Denial> {
+pub fn attributes(request: &CheckRequest, identity: IdentityHeaders<'_>) -> Result<Attributes, Denial> {
     let endpoint = api::endpoint(http(request).map_or("", |h| h.path.as_str()));
-    attributes_at(request, tenant_header, &endpoint)
+    attributes_at(request, identity, &endpoint)
 }
 
 /// The same, for a request whose path was already read as `endpoint` (Check reads it once).
-fn attributes_at(request: &CheckRequest, tenant_header: &str, endpoint: &Endpoint) -> Result<Attributes, Denial> {
+fn attributes_at(
+    request: &CheckRequest,
+    identity: IdentityHeaders<'_>,
+    endpoint: &Endpoint,
+) -> Result<Attributes, Denial> {
     let invalid = |m: String| Denial::now(Reason::InvalidRequest, m);
     let http = http(request).ok_or_else(|| invalid("check request carries no HTTP request".into()))?;
 
@@ -176,7 +196,8 @@ fn attributes_at(request: &CheckRequest, tenant_header: &str, endpoint: &Endpoin
     };
     let priority = text(headers::PRIORITY)?.map(|p| p.parse()).transpose().map_err(invalid)?;
     Ok(Attributes {
-        tenant: text(tenant_header)?,
+        tenant: text(identity.tenant)?,
+        plan: identity.plan.map(text).transpose()?.flatten(),
         user: text(headers::USER)?,
         model,
         priority,

@@ -129,10 +129,13 @@ impl std::fmt::Debug for Metrics {
     }
 }
 
-/// Which tenants have series of their own.
+/// Which tenants have series of their own: the policy's (or `metrics.tenants`), and the first
+/// `metrics.unlisted_tenants` others seen (kept across reloads, so a reload never lets more in).
 #[derive(Debug, Default)]
 pub struct TenantLabels {
     named: std::collections::HashSet<String>,
+    unlisted: RwLock<std::collections::HashSet<String>>,
+    most_unlisted: usize,
 }
 
 impl TenantLabels {
@@ -142,11 +145,25 @@ impl TenantLabels {
             Some(listed) => listed.iter().cloned().collect(),
             None => policy.tenants.keys().cloned().collect(),
         };
-        TenantLabels { named }
+        TenantLabels { named, unlisted: RwLock::default(), most_unlisted: policy.metrics.unlisted_tenants }
     }
 
     pub fn label<'a>(&self, tenant: &'a str) -> &'a str {
-        if self.named.contains(tenant) { tenant } else { OTHER_TENANT }
+        if self.named.contains(tenant) {
+            return tenant;
+        }
+        if self.most_unlisted == 0 {
+            return OTHER_TENANT;
+        }
+        if self.unlisted.read().unwrap_or_else(PoisonError::into_inner).contains(tenant) {
+            return tenant;
+        }
+        let mut unlisted = self.unlisted.write().unwrap_or_else(PoisonError::into_inner);
+        if unlisted.len() < self.most_unlisted {
+            unlisted.insert(tenant.to_string());
+            return tenant;
+        }
+        if unlisted.contains(tenant) { tenant } else { OTHER_TENANT }
     }
 }
 
@@ -256,7 +273,9 @@ impl Metrics {
 
     /// A policy is in force: its version, and its tenants' labels.
     pub fn policy_loaded(&self, policy: &Policy) {
-        *self.labels.write().unwrap_or_else(PoisonError::into_inner) = TenantLabels::of(policy);
+        let mut labels = self.labels.write().unwrap_or_else(PoisonError::into_inner);
+        let seen = std::mem::take(&mut *labels.unlisted.write().unwrap_or_else(PoisonError::into_inner));
+        *labels = TenantLabels { unlisted: RwLock::new(seen), ..TenantLabels::of(policy) };
         self.version.write().unwrap_or_else(PoisonError::into_inner).clone_from(&policy.version);
     }
 
@@ -382,5 +401,27 @@ impl Metrics {
         }
         let labels = [self.tenant(tenant), KeyValue::new("state", "expired"), KeyValue::new("ending", "expired")];
         self.holds.add(1, &labels);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_unlisted_tenants_have_series_of_their_own_and_no_more_after_a_reload() {
+        let yaml = "models:\n  m: { max_output_tokens: 10 }\ntenants:\n  acme: {}\ndefault_tenant: {}\n\
+                    metrics:\n  unlisted_tenants: 2\n";
+        let policy = Policy::parse("m.yaml", yaml).unwrap();
+        let labels = TenantLabels::of(&policy);
+        let seen: Vec<&str> = ["acme", "t1", "t2", "t3", "t1"].iter().map(|t| labels.label(t)).collect();
+        assert_eq!(seen, ["acme", "t1", "t2", OTHER_TENANT, "t1"]);
+        let metrics = Metrics::disabled();
+        *metrics.labels.write().unwrap() = labels;
+        metrics.policy_loaded(&policy);
+        let labels = metrics.labels.read().unwrap();
+        assert_eq!((labels.label("t2"), labels.label("t4")), ("t2", OTHER_TENANT), "the reload kept who was seen");
+        let none = TenantLabels::of(&Policy::parse("m.yaml", "models:\n  m: { max_output_tokens: 10 }\n").unwrap());
+        assert_eq!(none.label("t1"), OTHER_TENANT, "by default, every unlisted tenant is other");
     }
 }

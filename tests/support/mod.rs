@@ -340,6 +340,7 @@ impl<S: Store> Harness<S> {
 
     pub fn attributes(&self, prompt: u64, max_tokens: u64) -> Attributes {
         Attributes {
+            plan: None,
             tenant: Some(self.tenant.clone()),
             user: None,
             model: Some("m".into()),

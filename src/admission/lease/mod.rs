@@ -236,11 +236,12 @@ impl Leases {
     /// the policy no longer leases gives everything back. The tenant's next decision calls
     /// first, and its new lease terms apply to holds taken from now on (a hold keeps its own). A
     /// tenant the policy no longer names keeps its terms until its holds are settled.
-    pub fn policy_changed(&self, policy: &crate::config::Policy) {
+    /// `terms_of` gives a tenant's policy under the new policy.
+    pub fn policy_changed<'p>(&self, terms_of: impl Fn(&str) -> Option<&'p Arc<TenantPolicy>>) {
         let share = self.settings.max_share;
         for (name, t) in self.tenants.read().unwrap_or_else(|p| p.into_inner()).iter() {
             let mut s = t.lock();
-            if let Some(tp) = policy.tenant(name) {
+            if let Some(tp) = terms_of(name) {
                 s.tp = Arc::clone(tp);
                 let tp = Arc::clone(tp);
                 for slice in s.slices.values_mut() {

@@ -56,10 +56,24 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     let listen: SocketAddr = listen
         .parse()
         .map_err(|_| problem("server.listen", format!("{listen:?} is not an address like 127.0.0.1:50051")))?;
-    let tenant_header = raw.server.tenant_header.unwrap_or_else(|| "x-tenant-id".into()).to_ascii_lowercase();
-    if tenant_header.is_empty() || !tenant_header.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
-        return Err(problem("server.tenant_header", format!("{tenant_header:?} is not a header name")));
+    let header_name = |field: &str, name: String| {
+        let name = name.to_ascii_lowercase();
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(problem(field, format!("{name:?} is not a header name")));
+        }
+        Ok(name)
+    };
+    let tenant_header =
+        header_name("server.tenant_header", raw.server.tenant_header.unwrap_or_else(|| "x-tenant-id".into()))?;
+    let plan_header = raw.server.plan_header.map(|h| header_name("server.plan_header", h)).transpose()?;
+    if plan_header.as_ref().is_some_and(|h| *h == tenant_header) {
+        return Err(problem("server.plan_header", "must be another header than server.tenant_header"));
     }
+    let claimed_tenants = match raw.server.claimed_tenants {
+        None => 100_000,
+        Some(n @ 1..=10_000_000) => usize::try_from(n).unwrap_or(usize::MAX),
+        Some(n) => return Err(problem("server.claimed_tenants", format!("{n} is outside 1..=10000000"))),
+    };
     let health_listen = optional_address("server.health_listen", raw.server.health_listen.as_deref(), "0.0.0.0:50052")?;
     if health_listen.is_some_and(|h| h.port() == listen.port() && h.port() != 0) {
         return Err(problem("server.health_listen", "must be another port than server.listen"));
@@ -84,6 +98,8 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         admin_listen,
         policy_poll,
         tenant_header,
+        plan_header,
+        claimed_tenants,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
     };
@@ -237,14 +253,35 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         };
         tenant_policy(&field, t, &defaults, &models)
     };
+    // A plan is validated as a tenant of its own (a tenant admitted under it by a trusted header
+    // is one), then each tenant that names it takes its settings under its own.
+    let mut plans = HashMap::new();
+    for (name, p) in &raw.plans {
+        let field = format!("plans.{name}");
+        ids::check_tenant(name).map_err(|why| problem(field.clone(), why.to_string()))?;
+        if p.plan.is_some() {
+            return Err(problem(format!("{field}.plan"), "a plan cannot name another plan"));
+        }
+        plans.insert(name.clone(), Arc::new(tenant(field, p.clone())?));
+    }
+    let planned = |field: &str, t: RawTenant| match &t.plan {
+        None => Ok(t),
+        Some(name) => match raw.plans.get(name) {
+            Some(plan) => Ok(t.over(plan)),
+            None => {
+                Err(problem(format!("{field}.plan"), format!("{name:?} is not one of the plans this policy names")))
+            }
+        },
+    };
     let mut tenants = HashMap::new();
     for (name, t) in raw.tenants {
         let field = format!("tenants.{name}");
         ids::check_tenant(&name).map_err(|why| problem(field.clone(), why.to_string()))?;
+        let t = planned(&field, t)?;
         tenants.insert(name, Arc::new(tenant(field, t)?));
     }
     let default_tenant = match raw.default_tenant {
-        Some(t) => Some(Arc::new(tenant("default_tenant".into(), t)?)),
+        Some(t) => Some(Arc::new(tenant("default_tenant".into(), planned("default_tenant", t)?)?)),
         None => None,
     };
 
@@ -258,8 +295,13 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         }
     }
 
-    let longest_lease =
-        tenants.values().chain(default_tenant.iter()).map(|t| t.lease_ttl_ms).max().unwrap_or(lease_ttl_ms);
+    let longest_lease = tenants
+        .values()
+        .chain(default_tenant.iter())
+        .chain(plans.values())
+        .map(|t| t.lease_ttl_ms)
+        .max()
+        .unwrap_or(lease_ttl_ms);
     let pools = pools
         .into_iter()
         .map(|(name, mut p)| {
@@ -277,6 +319,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         aliases,
         pools,
         tenants,
+        plans,
         default_tenant,
         anonymous_tenant: raw.anonymous_tenant,
         record_retention_ms,
@@ -386,7 +429,7 @@ fn tenant_policy(
         adaptive_output,
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
         shadow: t.shadow.unwrap_or(defaults.shadow),
-        strict: t.strict,
+        strict: t.strict.unwrap_or(false),
         users,
         default_user: t.default_user,
         models: tenant_models,

@@ -100,7 +100,17 @@ pub(super) fn metrics(m: crate::config::raw::RawMetrics) -> Result<MetricsSettin
             ids::check_tenant(t).map_err(|e| problem(format!("metrics.tenants[{i}]"), format!("tenant id {e}")))?;
         }
     }
-    Ok(MetricsSettings { tenants: m.tenants })
+    let unlisted_tenants = match m.unlisted_tenants {
+        None => 0,
+        Some(n) if n <= MAX_LABELLED_TENANTS as u64 => usize::try_from(n).unwrap_or(MAX_LABELLED_TENANTS),
+        Some(n) => {
+            return Err(problem(
+                "metrics.unlisted_tenants",
+                format!("{n}; at most {MAX_LABELLED_TENANTS} tenants may have series of their own"),
+            ));
+        }
+    };
+    Ok(MetricsSettings { tenants: m.tenants, unlisted_tenants })
 }
 
 pub(super) fn leasing(l: crate::config::raw::RawLeasing) -> Result<Leasing, Problem> {
