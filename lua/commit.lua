@@ -15,14 +15,14 @@
 -- ARGV[8] retention of settled records (ms): the period of the settled buckets
 -- ARGV[9] cache reads: of the prompt, tokens the provider read from its cache ('' when unsaid)
 -- ARGV[10] cache writes: of the prompt, tokens written to the provider's cache ('' when unsaid)
--- ARGV[11] reasoning tokens: of the output ('' when unsaid; entered in the ledger, charged as output)
+-- ARGV[11] reasoning tokens: of the output ('' when unsaid; charged at their weight and price)
 -- ARGV[12] how the request ended: completed | metered | as_held | client_left | upstream_refused |
 --          upstream_error (kept with the settled hold, entered in the ledger)
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held,
 --         cost (nanos, at the prices the hold was made with), ending}
 --   (ending: how the request ended, as the commit that settled it said; '' when unknown)
---   (used: the tokens charged, cached prompt tokens at the weights the hold was made with)
+--   (used: the tokens charged, cached and reasoning tokens at the weights the hold was made with)
 --   (model: the one the request named, '' for a hold made before records kept it; output held: the
 --    output part of the hold, -1 when unknown)
 --   state: committed | late_committed, or not_found | released when nothing was charged
@@ -71,12 +71,12 @@ if r.st == 'reserved' and now >= r.le then
 end
 
 local keys = split(r.ks)
--- Cached prompt tokens count at their weight and price only beside reported counts.
-local read, written = tonumber(ARGV[9]), tonumber(ARGV[10])
+-- Cached and reasoning tokens count at their weight and price only beside reported counts.
+local read, written, reasoning = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 if metered or ARGV[2] == '' then
-  read, written = nil, nil
+  read, written, reasoning = nil, nil, nil
 end
-local used, cost = charged_for(r, prompt, output, read or 0, written or 0)
+local used, cost = charged_for(r, prompt, output, read or 0, written or 0, reasoning or 0)
 if r.sl == '1' then
   free_slots(keys)
 end
@@ -107,10 +107,7 @@ elseif ARGV[2] == '' then
 end
 local entry = ledger_entry(id, r, state, usage, used, cost, ending)
 entry.prompt, entry.output = prompt, output
-entry.cache_read, entry.cache_write = read, written
-if not metered then
-  entry.reasoning = tonumber(ARGV[11])
-end
+entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
 ledger_append(ledger, r.lg, entry, now)
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)

@@ -19,8 +19,9 @@
 --   md  the model the request named
 --   pi po  the model's price per input and output token (nanos of the policy's currency)
 --   hc  the cost held at admission           cc  the cost currently charged (as h and ch)
---   cw  cached prompt tokens' terms, "<read weight> <write weight> <read price> <write price>"
---       (weights in thousandths of an input token, prices in nanos); absent: input tokens
+--   cw  weighted tokens' terms, "<cache read weight> <cache write weight> <cache read price>
+--       <cache write price> <reasoning weight> <reasoning price>" (weights in thousandths of a
+--       whole token, prices in nanos); absent: every token whole, at its side's price
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
@@ -152,25 +153,32 @@ local function load(rk)
   r.po = tonumber(r.po) or 0
   r.hc = tonumber(r.hc) or 0
   r.cc = tonumber(r.cc) or 0
-  -- Cached prompt tokens: weights in thousandths of an input token, prices; without 'cw', a
-  -- cached token is an input token.
+  -- Weighted tokens: weights in thousandths of a whole token, prices; without 'cw', a cached
+  -- token is an input token and a reasoning token an output token.
   local cw = split(r.cw or '')
   r.wr, r.ww = tonumber(cw[1]) or 1000, tonumber(cw[2]) or 1000
   r.pr, r.pw = tonumber(cw[3]) or r.pi, tonumber(cw[4]) or r.pi
+  r.wt, r.pt = tonumber(cw[5]) or 1000, tonumber(cw[6]) or r.po
   return r
 end
 
 -- What `prompt` and `output` tokens charge hold `r`, `read` and `written` of the prompt read
--- from the provider's cache or written to it: tokens (a cached token at its weight, rounded up)
--- and their cost, at the terms the hold was made with. Reads first, then writes, each capped at
--- what the prompt has left. src/hold/charge.rs's `charge` is the same arithmetic. Exact in doubles: counts
+-- from the provider's cache or written to it and `reasoning` of the output spent reasoning:
+-- tokens (a weighted token at its weight, rounded up) and their cost, at the terms the hold was
+-- made with. Reads first, then writes, each capped at what the prompt has left; reasoning capped
+-- at the output. src/hold/charge.rs's `charge` is the same arithmetic. Exact in doubles: counts
 -- are at most 1e9, weights 1e4, prices 1e6 nanos.
-local function charged_for(r, prompt, output, read, written)
+local function charged_for(r, prompt, output, read, written, reasoning)
   read = math.min(read, prompt)
   written = math.min(written, prompt - read)
   local plain = prompt - read - written
-  local tokens = plain + math.floor((read * r.wr + 999) / 1000) + math.floor((written * r.ww + 999) / 1000) + output
-  return tokens, plain * r.pi + read * r.pr + written * r.pw + output * r.po
+  reasoning = math.min(reasoning, output)
+  local answer = output - reasoning
+  local function weighted(n, w)
+    return math.floor((n * w + 999) / 1000)
+  end
+  local tokens = plain + weighted(read, r.wr) + weighted(written, r.ww) + answer + weighted(reasoning, r.wt)
+  return tokens, plain * r.pi + read * r.pr + written * r.pw + answer * r.po + reasoning * r.pt
 end
 
 -- A bucket's level at `now`: its level at its last write plus the refill since, never above its

@@ -33,9 +33,10 @@
 -- ARGV[23] the model's price per output token (nanos; 0: free)
 -- ARGV[24] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
 -- ARGV[25] retention of settled records (ms): the period of the settled buckets
--- ARGV[26] the model's terms for cached prompt tokens, kept on the record for commit: "<read
---          weight> <write weight> <read price> <write price>" (thousandths of an input token;
---          nanos), or '' when a cached token is an input token
+-- ARGV[26] the model's terms for weighted tokens, kept on the record for commit: "<cache read
+--          weight> <cache write weight> <cache read price> <cache write price> <reasoning weight>
+--          <reasoning price>" (thousandths of a whole token; nanos), or '' when every token counts
+--          whole at its side's price
 -- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos)

@@ -1043,21 +1043,23 @@ mod scenarios {
         }
     }
 
-    /// Cached prompt tokens a response reports count at the weights and prices of their model
-    /// (`cached`: reads 0.1 of an input token, writes 1.25; prices 3, 15, 0.3 and 3.75 per
-    /// million), in the tokens charged, the money charged and the ledger; a model without them
-    /// counts every prompt token whole.
+    /// Cached prompt tokens and reasoning tokens a response reports count at the weights and
+    /// prices of their model (`cached`: reads 0.1 of an input token, writes 1.25, reasoning 0.5 of
+    /// an output token; prices 3, 15, 0.3 and 3.75 per million, reasoning at the output's), in the
+    /// tokens charged, the money charged and the ledger; a model without them counts every token
+    /// whole.
     pub async fn cached_prompt_tokens_count_at_their_weight_and_price<S: Store>(h: Harness<S>) {
         let cached = Attributes { model: Some("cached".into()), ..h.attributes(1000, 100) };
         let id = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
         let detail = Detail { cache_read: Some(600), cache_write: Some(200), reasoning: Some(10) };
         let counted = Counted::Exact { prompt: 1000, output: 50, detail };
         let u = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
-        // 200 plain + 600 x 0.1 + 200 x 1.25 + 50 output; in nanos, each at its price.
-        assert_eq!((u.used, u.held, u.refunded), (200 + 60 + 250 + 50, 1100, 1100 - 560));
+        // 200 plain + 600 x 0.1 + 200 x 1.25 + 40 output + 10 x 0.5 reasoning; in nanos, each at
+        // its price.
+        assert_eq!((u.used, u.held, u.refunded), (200 + 60 + 250 + 40 + 5, 1100, 1100 - 555));
         assert_eq!(u.cost_nanos, 200 * 3000 + 600 * 300 + 200 * 3750 + 50 * 15000);
         let again = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
-        assert!(again.duplicate && again.used == 560, "{again:?}");
+        assert!(again.duplicate && again.used == 555, "{again:?}");
         // Model m has no terms for cached tokens: they are input tokens.
         let plain = admitted(&h.reserve(100, 10).await).reservation_id.clone();
         let counted = Counted::Exact { prompt: 100, output: 10, detail };
@@ -1072,7 +1074,7 @@ mod scenarios {
         let detail = Detail { cache_read: Some(u64::MAX), ..Detail::default() };
         let e = h.admission.commit_counted(&live, Counted::Exact { prompt: 1, output: 1, detail }).await;
         assert!(matches!(e, Err(AdmissionError::TooLarge { what: "cache_read_tokens", .. })), "{e:?}");
-        assert_eq!(h.tenant_scope().await.num("du"), (560 + 110 + 33 + 1100) as f64, "the live hold still held");
+        assert_eq!(h.tenant_scope().await.num("du"), (555 + 110 + 33 + 1100) as f64, "the live hold still held");
 
         let ledger = h.ledger().await;
         let entry = ledger.iter().find(|e| e["id"] == id).expect("entered");
@@ -1082,7 +1084,7 @@ mod scenarios {
             ("cache_read_tokens", "600"),
             ("cache_write_tokens", "200"),
             ("reasoning_tokens", "10"),
-            ("charged_tokens", "560"),
+            ("charged_tokens", "555"),
             ("cost_nanos", "2280000"),
         ] {
             assert_eq!(entry[field], value, "{field} of {entry:?}");

@@ -456,17 +456,17 @@ mod scenarios {
         let detail = Detail { cache_read: Some(600), cache_write: Some(200), reasoning: Some(10) };
         let counted = Counted::Exact { prompt: 1000, output: 50, detail };
         let u = h.admission.commit_counted(&id, counted).await.unwrap().usage().cloned().unwrap();
-        assert_eq!((u.used, u.cost_nanos), (560, 2_280_000), "{u:?}");
+        assert_eq!((u.used, u.cost_nanos), (555, 2_280_000), "{u:?}");
         // Forwarded from another replica, the counts and what they say arrive whole.
         let other = h.wrapped(|s| s).await;
         let forwarded = admitted(&h.admission.reserve(&cached).await).reservation_id.clone();
         assert_eq!(other.admission.commit_counted(&forwarded, counted).await.unwrap(), CommitOutcome::Forwarded);
         h.admission.lease_tick(false).await.unwrap();
         let repeat = h.admission.commit_counted(&forwarded, counted).await.unwrap();
-        assert!(repeat.usage().is_some_and(|u| u.duplicate && u.used == 560), "{repeat:?}");
+        assert!(repeat.usage().is_some_and(|u| u.duplicate && u.used == 555), "{repeat:?}");
         h.admission.lease_tick(true).await.unwrap();
         let charged = 10_000.0 - h.tenant_scope().await.num("t");
-        assert!((1119.0..=1120.0).contains(&charged), "560 twice, {charged} charged");
+        assert!((1109.0..=1110.0).contains(&charged), "555 twice, {charged} charged");
     }
 
     /// Usage beyond a leased hold is debt the store carries, as for a store hold.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::lease::{Ask, AskScope};
 use super::{Admission, Attributes, Denial, IdempotencyKey, Priority, Reason, ids};
 use crate::config::names;
-use crate::config::{CacheWeights, Limits, Money, Policy, PoolPolicy, Price, TenantPolicy};
+use crate::config::{Limits, Money, Policy, PoolPolicy, Price, TenantPolicy, TokenWeights};
 use crate::estimate::{self, PromptSize};
 use crate::hold::{MAX_TOKEN_COUNT, ScopeLimits};
 
@@ -169,7 +169,7 @@ impl<S> Admission<S> {
             user: a.user.clone(),
             tier,
             price,
-            cache_weights: model.cache_weights,
+            token_weights: model.token_weights,
         })
     }
 }
@@ -228,7 +228,7 @@ pub(super) struct Plan {
     /// The model's price: the hold charges its cost.
     pub(super) price: Price,
     /// What the model's cached prompt tokens count, for the commit.
-    pub(super) cache_weights: CacheWeights,
+    pub(super) token_weights: TokenWeights,
 }
 
 impl Plan {
@@ -242,7 +242,7 @@ impl Plan {
             user: self.user.as_deref(),
             tier: self.tier.as_str(),
             price: self.price,
-            cache_weights: self.cache_weights,
+            token_weights: self.token_weights,
         }
     }
 }

@@ -283,7 +283,7 @@ impl<S: Store> Admission<S> {
             tier: plan.tier,
             ledger: policy.ledger.as_ref().map(|l| l.terms),
             price: plan.price,
-            cache_weights: plan.cache_weights,
+            token_weights: plan.token_weights,
         };
         let outcome = match self.protocol.reserve(&call).await {
             Ok(ReserveReply { outcome, swept, budget_left }) => {

@@ -230,28 +230,29 @@ pub struct ModelPolicy {
     pub pool: Option<String>,
     /// What its tokens cost; none: nothing (cost budgets need every model priced).
     pub price: Option<Price>,
-    /// What its cached prompt tokens count in token limits and budgets.
-    pub cache_weights: CacheWeights,
+    /// What its cached prompt tokens and reasoning tokens count in token limits and budgets.
+    pub token_weights: TokenWeights,
 }
 
-/// What a prompt token the provider read from its cache, or wrote to it, counts in token limits
-/// and budgets, in thousandths of an input token: exact integers, at most
-/// [`MAX_CACHE_WEIGHT_MILLI`]. A commit that reports such tokens charges them at these weights
-/// (rounded up); the hold, made before anyone knew, counts every prompt token whole.
+/// What a prompt token the provider read from its cache, or wrote to it, and an output token spent
+/// reasoning count in token limits and budgets, in thousandths of an input (or output) token:
+/// exact integers, at most [`MAX_CACHE_WEIGHT_MILLI`]. A commit that reports such tokens charges
+/// them at these weights (rounded up); the hold, made before anyone knew, counts every token whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CacheWeights {
+pub struct TokenWeights {
     pub read_milli: u64,
     pub write_milli: u64,
+    pub reasoning_milli: u64,
 }
 
-impl Default for CacheWeights {
-    /// Every cached token a whole input token.
+impl Default for TokenWeights {
+    /// Every token a whole one.
     fn default() -> Self {
-        CacheWeights { read_milli: 1000, write_milli: 1000 }
+        TokenWeights { read_milli: 1000, write_milli: 1000, reasoning_milli: 1000 }
     }
 }
 
-/// The heaviest a cached token may weigh: ten input tokens.
+/// The heaviest a weighted token may weigh: ten whole ones.
 pub const MAX_CACHE_WEIGHT_MILLI: u16 = 10_000;
 
 /// A model's price per token, in nanos of the policy's currency (a price per million tokens
@@ -264,6 +265,8 @@ pub struct Price {
     pub cache_read_nanos: u64,
     /// Prompt tokens written to the provider's cache (the input price unless the policy says).
     pub cache_write_nanos: u64,
+    /// Output tokens spent reasoning (the output price unless the policy says).
+    pub reasoning_nanos: u64,
 }
 
 /// The highest price per token, in nanos (1,000 per million tokens): a billion tokens at it cost

@@ -149,6 +149,9 @@ pub(super) struct RawModel {
     /// What a prompt token written to the provider's cache counts (Anthropic bills 1.25 or 2).
     #[serde(default = "one")]
     pub cache_write_weight: f64,
+    /// What an output token spent reasoning counts, as a share of an output token.
+    #[serde(default = "one")]
+    pub reasoning_weight: f64,
     /// Other names requests use for this model: an Azure deployment, a Bedrock inference
     /// profile, a dated version.
     #[serde(default)]
@@ -165,6 +168,8 @@ pub(super) struct RawPrice {
     pub cache_read_per_million: Option<f64>,
     /// Prompt tokens written to the provider's cache; unset: the input price.
     pub cache_write_per_million: Option<f64>,
+    /// Output tokens spent reasoning; unset: the output price.
+    pub reasoning_per_million: Option<f64>,
 }
 
 fn one() -> f64 {

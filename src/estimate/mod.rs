@@ -51,7 +51,7 @@ mod tests {
             max_prompt_tokens: 1000,
             pool: None,
             price: None,
-            cache_weights: Default::default(),
+            token_weights: Default::default(),
         };
         assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m), 3);
         assert_eq!(prompt_tokens(PromptSize::Tokens(7), &m), 7);

@@ -1,13 +1,14 @@
 //! What reported counts charge a hold: tokens against every limit and budget, nanos against money
-//! budgets. The prompt tokens a provider read from its cache, or wrote to it, count at the weight
-//! and cost the price the model's policy gave them when the hold was made; the rest count whole.
+//! budgets. The prompt tokens a provider read from its cache, or wrote to it, and the output tokens
+//! it spent reasoning count at the weight and cost the price the model's policy gave them when
+//! the hold was made; the rest count whole.
 //! `lua/common.lua`'s `charged_for` is the same arithmetic for the holds kept in the store (the
 //! conformance tests commit one set of counts to both and compare).
 
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
-use crate::config::{CacheWeights, Price};
+use crate::config::{Price, TokenWeights};
 
 /// What a provider says more of its counts: the prompt tokens read from its cache and written to
 /// it (each within the prompt), the output tokens spent reasoning (within the output). Each is
@@ -46,21 +47,25 @@ pub struct Charge {
 }
 
 /// What `prompt` and `output` tokens charge at `price` and `weights`, `detail` saying how many of
-/// the prompt came from the provider's cache: cache reads first, then writes, each capped at what
-/// the prompt has left, so no count charges more prompt than there was. A weighted count is
-/// rounded up: a cached token never counts as nothing unless its weight is zero.
-pub fn charge(price: Price, weights: CacheWeights, prompt: u64, output: u64, detail: Detail) -> Charge {
+/// the prompt came from the provider's cache and how many of the output went to reasoning: cache
+/// reads first, then writes, each capped at what the prompt has left, and reasoning capped at the
+/// output, so no count charges more than there was. A weighted count is rounded up: a weighted
+/// token never counts as nothing unless its weight is zero.
+pub fn charge(price: Price, weights: TokenWeights, prompt: u64, output: u64, detail: Detail) -> Charge {
     let read = detail.cache_read.unwrap_or(0).min(prompt);
     let written = detail.cache_write.unwrap_or(0).min(prompt.saturating_sub(read));
     let plain = prompt.saturating_sub(read).saturating_sub(written);
+    let reasoning = detail.reasoning.unwrap_or(0).min(output);
+    let answer = output.saturating_sub(reasoning);
     let weighted = |n: u64, milli: u64| n.saturating_mul(milli).div_ceil(1000);
     let tokens = plain
         .saturating_add(weighted(read, weights.read_milli))
         .saturating_add(weighted(written, weights.write_milli))
-        .saturating_add(output);
+        .saturating_add(answer)
+        .saturating_add(weighted(reasoning, weights.reasoning_milli));
     let cost = [(plain, price.input_nanos), (read, price.cache_read_nanos), (written, price.cache_write_nanos)]
         .into_iter()
-        .chain([(output, price.output_nanos)])
+        .chain([(answer, price.output_nanos), (reasoning, price.reasoning_nanos)])
         .fold(0u64, |sum, (n, nanos)| sum.saturating_add(n.saturating_mul(nanos)));
     Charge { tokens, cost }
 }
@@ -69,9 +74,14 @@ pub fn charge(price: Price, weights: CacheWeights, prompt: u64, output: u64, det
 mod tests {
     use super::*;
 
-    const PRICE: Price =
-        Price { input_nanos: 3000, output_nanos: 15000, cache_read_nanos: 300, cache_write_nanos: 3750 };
-    const WEIGHTS: CacheWeights = CacheWeights { read_milli: 100, write_milli: 1250 };
+    const PRICE: Price = Price {
+        input_nanos: 3000,
+        output_nanos: 15000,
+        cache_read_nanos: 300,
+        cache_write_nanos: 3750,
+        reasoning_nanos: 15000,
+    };
+    const WEIGHTS: TokenWeights = TokenWeights { read_milli: 100, write_milli: 1250, reasoning_milli: 1000 };
 
     fn cached(read: u64, write: u64) -> Detail {
         Detail { cache_read: Some(read), cache_write: Some(write), reasoning: None }
@@ -81,7 +91,7 @@ mod tests {
     fn without_cached_tokens_every_token_counts_whole_at_its_price() {
         let c = charge(PRICE, WEIGHTS, 1000, 200, Detail::default());
         assert_eq!(c, Charge { tokens: 1200, cost: 1000 * 3000 + 200 * 15000 });
-        let whole = CacheWeights::default();
+        let whole = TokenWeights::default();
         assert_eq!(charge(PRICE, whole, 1000, 200, cached(400, 100)).tokens, 1200, "weight 1: as if uncached");
     }
 
@@ -101,13 +111,26 @@ mod tests {
         let c = charge(PRICE, WEIGHTS, 100, 0, cached(80, 80));
         assert_eq!(c.tokens, 8 + 25);
         assert_eq!(c.cost, 80 * 300 + 20 * 3750);
-        let free = CacheWeights { read_milli: 0, write_milli: 0 };
+        let free = TokenWeights { read_milli: 0, write_milli: 0, reasoning_milli: 1000 };
         assert_eq!(charge(PRICE, free, 100, 5, cached(100, 0)).tokens, 5);
     }
 
     #[test]
+    fn reasoning_tokens_count_at_their_weight_and_price_within_the_output() {
+        let weights = TokenWeights { reasoning_milli: 500, ..TokenWeights::default() };
+        let price = Price { reasoning_nanos: 20000, ..PRICE };
+        let thought = Detail { reasoning: Some(300), ..Detail::default() };
+        // 400 output tokens, 300 of them reasoning at half weight: 100 + 150.
+        let c = charge(price, weights, 10, 400, thought);
+        assert_eq!(c, Charge { tokens: 10 + 100 + 150, cost: 10 * 3000 + 100 * 15000 + 300 * 20000 });
+        let past = Detail { reasoning: Some(900), ..Detail::default() };
+        assert_eq!(charge(price, weights, 0, 400, past).tokens, 200, "never more reasoning than output");
+        assert_eq!(charge(price, TokenWeights::default(), 0, 400, thought).tokens, 400, "weight 1: as output");
+    }
+
+    #[test]
     fn the_largest_counts_hold_without_overflow() {
-        let max = CacheWeights { read_milli: 10_000, write_milli: 10_000 };
+        let max = TokenWeights { read_milli: 10_000, write_milli: 10_000, reasoning_milli: 10_000 };
         let c = charge(PRICE, max, u64::MAX, u64::MAX, cached(u64::MAX, 0));
         assert_eq!(c.tokens, u64::MAX);
         assert_eq!(c.cost, u64::MAX);

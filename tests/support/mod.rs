@@ -102,7 +102,7 @@ pub fn policy_yaml(tenant: &str, pool: &str, body: &str, store: &str) -> String 
         "{store}\ndefaults:\n  lease_ttl_ms: 120000\n  concurrency_retry_ms: 1000\n{defaults}{pools}\
          models:\n  m:\n    max_output_tokens: 100000\n    bytes_per_token: 4\n    price: {{ input_per_million: 1, output_per_million: 3 }}\n\
          {served_by}  other:\n    max_output_tokens: 100000\n    price: {{ input_per_million: 2, output_per_million: 6 }}\n\
-         \x20 cached:\n    max_output_tokens: 100000\n    cache_read_weight: 0.1\n    cache_write_weight: 1.25\n\
+         \x20 cached:\n    max_output_tokens: 100000\n    cache_read_weight: 0.1\n    cache_write_weight: 1.25\n    reasoning_weight: 0.5\n\
          \x20   price: {{ input_per_million: 3, output_per_million: 15, cache_read_per_million: 0.3, cache_write_per_million: 3.75 }}\n\
          tenants:\n  {tenant}:\n{}",
         indent(tenant_body)

@@ -28,7 +28,7 @@ pub(super) struct LocalHold {
     pub(super) reserved_at: u64,
     pub(super) price: crate::config::Price,
     /// What its model's cached prompt tokens count, when a commit reports them.
-    pub(super) cache_weights: crate::config::CacheWeights,
+    pub(super) token_weights: crate::config::TokenWeights,
 }
 
 impl LocalHold {
@@ -50,7 +50,7 @@ impl LocalHold {
     fn used(&self, counted: Counted) -> Spend {
         match counted {
             Counted::Exact { prompt, output, detail } => {
-                let c = crate::hold::charge(self.price, self.cache_weights, prompt, output, detail);
+                let c = crate::hold::charge(self.price, self.token_weights, prompt, output, detail);
                 Spend { tokens: c.tokens, cost: c.cost }
             }
             Counted::Metered { output } => {

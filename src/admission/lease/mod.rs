@@ -74,7 +74,7 @@ pub(super) struct Ask<'a> {
     pub user: Option<&'a str>,
     pub tier: &'static str,
     pub price: crate::config::Price,
-    pub cache_weights: crate::config::CacheWeights,
+    pub token_weights: crate::config::TokenWeights,
 }
 
 impl Ask<'_> {
@@ -332,7 +332,7 @@ impl Leases {
             tier: ask.tier,
             reserved_at: now,
             price: ask.price,
-            cache_weights: ask.cache_weights,
+            token_weights: ask.token_weights,
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.

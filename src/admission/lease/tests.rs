@@ -48,7 +48,7 @@ fn ask(id: &str, hold: u64) -> Ask<'_> {
         user: None,
         tier: "standard",
         price,
-        cache_weights: Default::default(),
+        token_weights: Default::default(),
     }
 }
 

@@ -12,12 +12,12 @@ use std::time::Duration;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, CacheWeights, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI,
-    MAX_PRICE_NANOS, MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice,
-    StoreSettings, TenantPolicy, TlsSettings,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
+    MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings,
+    TenantPolicy, TlsSettings, TokenWeights,
 };
 
-use sections::{adaptive, breaker, cache_weight, leasing, ledger, metrics, pool_policy, price};
+use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
 pub(super) use sections::{tls, tls_flag};
 
 type Problem = (String, String);
@@ -225,9 +225,10 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             ));
         }
         let price = m.price.as_ref().map(|p| price(&format!("{field}.price"), p)).transpose()?;
-        let cache_weights = CacheWeights {
-            read_milli: cache_weight(&format!("{field}.cache_read_weight"), m.cache_read_weight)?,
-            write_milli: cache_weight(&format!("{field}.cache_write_weight"), m.cache_write_weight)?,
+        let token_weights = TokenWeights {
+            read_milli: token_weight(&format!("{field}.cache_read_weight"), m.cache_read_weight)?,
+            write_milli: token_weight(&format!("{field}.cache_write_weight"), m.cache_write_weight)?,
+            reasoning_milli: token_weight(&format!("{field}.reasoning_weight"), m.reasoning_weight)?,
         };
         models.insert(
             name,
@@ -237,7 +238,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
                 max_prompt_tokens: m.max_prompt_tokens,
                 pool: m.pool,
                 price,
-                cache_weights,
+                token_weights,
             },
         );
     }

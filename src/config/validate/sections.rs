@@ -238,22 +238,25 @@ pub(super) fn price(field: &str, p: &crate::config::raw::RawPrice) -> Result<Pri
         })
     };
     let input_nanos = per_token("input_per_million", p.input_per_million)?;
-    let cached = |name: &str, per_million: Option<f64>| per_million.map_or(Ok(input_nanos), |v| per_token(name, v));
+    let output_nanos = per_token("output_per_million", p.output_per_million)?;
+    let or = |name: &str, per_million: Option<f64>, base: u64| per_million.map_or(Ok(base), |v| per_token(name, v));
     Ok(Price {
         input_nanos,
-        output_nanos: per_token("output_per_million", p.output_per_million)?,
-        cache_read_nanos: cached("cache_read_per_million", p.cache_read_per_million)?,
-        cache_write_nanos: cached("cache_write_per_million", p.cache_write_per_million)?,
+        output_nanos,
+        cache_read_nanos: or("cache_read_per_million", p.cache_read_per_million, input_nanos)?,
+        cache_write_nanos: or("cache_write_per_million", p.cache_write_per_million, input_nanos)?,
+        reasoning_nanos: or("reasoning_per_million", p.reasoning_per_million, output_nanos)?,
     })
 }
 
-/// A cached prompt token's weight, as thousandths of an input token.
-pub(super) fn cache_weight(field: &str, weight: f64) -> Result<u64, Problem> {
+/// A weighted token's weight (a cached prompt token, a reasoning token), as thousandths of a
+/// whole one.
+pub(super) fn token_weight(field: &str, weight: f64) -> Result<u64, Problem> {
     let thousandths = weight * 1000.0;
     let milli = thousandths.round();
     let exact = weight.is_finite() && (0.0..=f64::from(MAX_CACHE_WEIGHT_MILLI)).contains(&milli);
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    (exact && (thousandths - milli).abs() < 1e-6).then_some(milli as u64).ok_or_else(|| {
-        problem(field, format!("{weight} is not a weight of an input token: 0 to 10, at most three decimals"))
-    })
+    (exact && (thousandths - milli).abs() < 1e-6)
+        .then_some(milli as u64)
+        .ok_or_else(|| problem(field, format!("{weight} is not a token's weight: 0 to 10, at most three decimals")))
 }

@@ -1,7 +1,7 @@
 //! `reserve.lua`, the admission phase: the call, its `KEYS`/`ARGV`, its reply.
 
 use super::{Argv, Fields};
-use crate::config::{CacheWeights, ExpiredUsage, LedgerTerms, Price, Priority};
+use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
 use crate::hold::{Bucket, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
@@ -34,7 +34,7 @@ pub(crate) const ARGV: [&str; 26] = [
     "the model's price per output token",
     "the tenant's settled-bucket prefix",
     "retention of settled records",
-    "the model's terms for cached prompt tokens",
+    "the model's terms for weighted tokens",
 ];
 
 /// Then these, per scope, in `KEYS` order (`0`: no such limit).
@@ -92,8 +92,8 @@ pub struct ReserveCall<'a> {
     pub ledger: Option<LedgerTerms>,
     /// The model's price (zero when it has none): the hold is charged its cost.
     pub price: Price,
-    /// What the model's cached prompt tokens count: commit charges them so.
-    pub cache_weights: CacheWeights,
+    /// What the model's cached prompt tokens and reasoning tokens count: commit charges them so.
+    pub token_weights: TokenWeights,
 }
 
 /// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
@@ -164,7 +164,7 @@ impl<S: Store> Protocol<S> {
         a.push("the model's price per output token", call.price.output_nanos.to_string());
         a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
         a.push("retention of settled records", call.retention_ms.to_string());
-        a.push("the model's terms for cached prompt tokens", cache_terms(call.price, call.cache_weights));
+        a.push("the model's terms for weighted tokens", weighted_terms(call.price, call.token_weights));
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);
@@ -221,12 +221,24 @@ fn or_zero(limit: Option<NonZeroU64>) -> String {
     limit.map_or(0, NonZeroU64::get).to_string()
 }
 
-/// `reserve.lua`'s terms for cached prompt tokens: their weights and prices, or nothing when a
-/// cached token is an input token (the record then carries no field for them).
-fn cache_terms(price: Price, weights: CacheWeights) -> String {
-    let whole = weights == CacheWeights::default();
-    if whole && price.cache_read_nanos == price.input_nanos && price.cache_write_nanos == price.input_nanos {
+/// `reserve.lua`'s terms for weighted tokens: the weights and prices of cached prompt tokens and
+/// of reasoning tokens, or nothing when every token counts whole at its side's price (the record
+/// then carries no field for them).
+fn weighted_terms(price: Price, weights: TokenWeights) -> String {
+    let whole = weights == TokenWeights::default();
+    let plain = price.cache_read_nanos == price.input_nanos
+        && price.cache_write_nanos == price.input_nanos
+        && price.reasoning_nanos == price.output_nanos;
+    if whole && plain {
         return String::new();
     }
-    format!("{} {} {} {}", weights.read_milli, weights.write_milli, price.cache_read_nanos, price.cache_write_nanos)
+    format!(
+        "{} {} {} {} {} {}",
+        weights.read_milli,
+        weights.write_milli,
+        price.cache_read_nanos,
+        price.cache_write_nanos,
+        weights.reasoning_milli,
+        price.reasoning_nanos
+    )
 }
