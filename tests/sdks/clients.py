@@ -26,12 +26,23 @@ def remember(response: httpx.Response) -> None:
     seen.append(dict(response.headers))
 
 
+# The rate-limit headers a call's answer carried, OpenAI's and Anthropic's, by name.
+RATE_HEADERS = ("x-ratelimit-remaining-tokens", "x-ratelimit-remaining-requests",
+                "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-requests-remaining",
+                "anthropic-ratelimit-requests-reset", "retry-after", "x-should-retry")
+
+
+def rate_headers(headers) -> dict:
+    return {name: headers.get(name) for name in RATE_HEADERS if headers.get(name) is not None}
+
+
 def report(call: str, headers: dict, text: str = "") -> None:
     print(json.dumps({
         "call": call,
         "reservation": headers.get("x-sim-reservation"),
         "reserved_tokens": int(headers.get("x-sim-reserved-tokens", "-1")),
         "text_bytes": len(text),
+        "rate": rate_headers(headers),
     }), flush=True)
 
 
@@ -129,6 +140,49 @@ def azure() -> None:
         refused("generate", e, status=e.status_code, message=e.message)
 
 
+def openai_client() -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=BASE + "/v1", api_key="test", default_headers=HEADERS, max_retries=0,
+                           http_client=httpx.Client(event_hooks={"response": [remember]}))
+    messages = [{"role": "user", "content": PROMPT}]
+    call = "generate"
+    try:
+        r = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=40)
+        report(call, seen[-1], r.choices[0].message.content or "")
+        call = "stream"
+        chunks = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=40, stream=True,
+                                                stream_options={"include_usage": True})
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        report(call, seen[-1], text)
+    except openai.APIStatusError as e:
+        error = e.body if isinstance(e.body, dict) else {}
+        refused(call, e, status=e.status_code, message=e.message, type=error.get("type"), code=error.get("code"),
+                rate=rate_headers(e.response.headers))
+
+
+def anthropic_client() -> None:
+    import anthropic
+
+    # (Its HTTP client is its own, not httpx's: the headers come from its raw responses.)
+    client = anthropic.Anthropic(base_url=BASE, api_key="test", default_headers=HEADERS, max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    call = "generate"
+    try:
+        raw = client.messages.with_raw_response.create(model="claude-sonnet-4", max_tokens=40, messages=messages)
+        report(call, dict(raw.headers), "".join(b.text for b in raw.parse().content if b.type == "text"))
+        call = "stream"
+        raw = client.messages.with_raw_response.create(model="claude-sonnet-4", max_tokens=40, messages=messages,
+                                                       stream=True)
+        text = "".join(e.delta.text for e in raw.parse()
+                       if e.type == "content_block_delta" and e.delta.type == "text_delta")
+        report(call, dict(raw.headers), text)
+    except anthropic.APIStatusError as e:
+        error = e.body.get("error", {}) if isinstance(e.body, dict) else {}
+        refused(call, e, status=e.status_code, message=e.message, type=error.get("type"),
+                rate=rate_headers(e.response.headers))
+
+
 def embeddings() -> None:
     import openai
 
@@ -146,5 +200,7 @@ def embeddings() -> None:
     "bedrock": bedrock,
     "ollama": ollama_client,
     "azure": azure,
+    "openai": openai_client,
+    "anthropic": anthropic_client,
     "embeddings": embeddings,
 }[FAMILY]()
