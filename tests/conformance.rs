@@ -1100,6 +1100,44 @@ mod scenarios {
         }
     }
 
+    /// The Budgets API reads what a reserve then does: every limit with what is used, held and
+    /// left, and a reserve of exactly what Get says is left is admitted, one token more refused.
+    pub async fn budgets_get_says_what_the_next_reserve_finds<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.reserve(100, 200).await).reservation_id.clone();
+        h.admission.commit(&a, 100, 50).await.unwrap();
+        admitted(&h.reserve(50, 50).await);
+        let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+        assert_eq!(scopes.len(), 1, "no user or model named: {scopes:?}");
+        let got = tollgate::grpc::budgets::limit_states(&scopes[0]);
+        let find = |name: &str| got.iter().find(|l| l.name == name).unwrap_or_else(|| panic!("{name} in {got:?}"));
+        let bucket = find("tokens_per_minute");
+        assert_eq!((bucket.limit, bucket.unit.as_str()), (1000, "tokens"));
+        // 250 taken at 1 token a second: a real Redis may have refilled a token or two since.
+        assert!((248..=250).contains(&bucket.used) && bucket.remaining == 1000 - bucket.used as i64, "{bucket:?}");
+        assert!(bucket.resets_in_ms > 0 && bucket.resets_in_ms <= 250_000, "{bucket:?}");
+        let requests = find("requests_per_minute");
+        assert_eq!((requests.limit, requests.used, requests.remaining), (10, 2, 8), "{requests:?}");
+        let slots = find("max_concurrency");
+        assert_eq!((slots.limit, slots.used, slots.remaining, slots.unit.as_str()), (3, 1, 2, "holds"));
+        let day = find("tokens_per_day");
+        assert_eq!((day.limit, day.used, day.held, day.remaining), (5000, 250, 100, 4750), "{day:?}");
+        assert!(day.resets_in_ms <= 86_400_000, "{day:?}");
+        let month = find("tokens_per_month");
+        assert_eq!((month.used, month.held, month.remaining), (250, 100, 49_750), "{month:?}");
+        assert!(month.resets_in_ms >= day.resets_in_ms, "{month:?}");
+        // In money: 100 x 1,000 + 50 x 3,000 nanos used, and the live hold's 50 x 1,000 + 50 x 3,000.
+        let cost = find("cost_per_day");
+        assert_eq!((cost.unit.as_str(), cost.used, cost.held), ("nanos", 250_000 + 200_000, 200_000), "{cost:?}");
+        if h.exact_time() {
+            let left = u64::try_from(bucket.remaining).unwrap();
+            admitted(&h.reserve(0, left).await);
+            assert_eq!(denied(&h.reserve(0, 1).await).reason, Reason::TokenRate, "Get said {left} were left");
+        }
+        // A name that is not the policy's is refused, as a reserve's would be.
+        assert!(h.admission.budgets(&h.tenant, None, Some("no-such-model")).await.is_err());
+        assert!(h.admission.budgets("a{b", None, None).await.is_err());
+    }
+
     /// A policy without a ledger writes none.
     pub async fn no_ledger_no_entries<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
@@ -1138,6 +1176,8 @@ mod scenarios {
     pub const DAILY_AND_BUCKET: &str =
         "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  tokens_per_day: 1000\n";
     pub const REQUESTS: &str = "limits:\n  requests_per_minute: 2\n";
+    pub const BUDGETS: &str = "limits: { tokens_per_minute: 60, burst_tokens: 1000, requests_per_minute: 10, \
+        max_concurrency: 3, tokens_per_day: 5000, tokens_per_month: 50000, cost_per_day: 0.01 }\n";
     pub const K7: &str = "limits:\n  tokens_per_minute: 1\n  burst_tokens: 700\n";
     pub const LEDGER: &str = "ledger:\n  max_len: 1000\n---top---\nlease_ttl_ms: 300\nexpired_usage: charge_reserved\n\
         limits:\n  tokens_per_minute: 60\n  burst_tokens: 5000\n  tokens_per_day: 3000\n";
@@ -1185,6 +1225,7 @@ macro_rules! conformance {
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
+            scenario!(budgets_get_says_what_the_next_reserve_finds, BUDGETS);
             scenario!(cached_prompt_tokens_count_at_their_weight_and_price, LEDGER);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);

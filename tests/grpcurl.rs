@@ -23,6 +23,7 @@ fn grpcurl_lists_every_service_by_reflection() {
         "envoy.service.auth.v3.Authorization",
         "envoy.service.ext_proc.v3.ExternalProcessor",
         "tollgate.v1.Admission",
+        "tollgate.v1.Budgets",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
         "grpc.reflection.v1.ServerReflection",
@@ -74,6 +75,18 @@ fn grpcurl_calls_check_then_commit() {
     assert_eq!(reply["state"], "committed", "{out}");
     assert_eq!(reply["usedTokens"], "19", "{out}");
     assert_eq!(reply["refundedTokens"], (held - 19).to_string(), "{out}");
+
+    // What the tenant's bucket has left after it: the 19 tokens used, less what refilled since
+    // (100 a second), and how long until it is full again (10 ms a token).
+    let out = run(&t, &["-d", r#"{"tenant":"acme"}"#, "tollgate.v1.Budgets/Get"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let tenant = &reply["scopes"][0];
+    assert_eq!(tenant["scope"], "tenant", "{out}");
+    let bucket = &tenant["limits"][0];
+    assert_eq!((&bucket["name"], &bucket["limit"]), (&"tokens_per_minute".into(), &"6000".into()), "{out}");
+    let number = |field: &str| bucket[field].as_str().unwrap().parse::<u64>().unwrap();
+    let (used, remaining, full_in) = (number("used"), number("remaining"), number("resetsInMs"));
+    assert!(used <= 19 && used + remaining == 6000 && full_in.abs_diff(used * 10) <= 10, "{out}");
 
     // A denial is an OK gRPC answer holding a Denied response.
     request["attributes"]["request"]["http"]["headers"].as_object_mut().unwrap().remove("x-tenant-id");

@@ -83,6 +83,15 @@ pub struct Attributes {
     pub outputs: u64,
 }
 
+/// One scope's limits and what the store has counted against them (see `Admission::budgets`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScopeBudget {
+    /// `tenant`, `user <id>`, `model <name>`.
+    pub scope: String,
+    pub limits: crate::hold::ScopeLimits,
+    pub used: crate::store::phase::budget::ScopeUse,
+}
+
 /// A request's idempotency key, and what a repeat of it means on the interface it came by.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdempotencyKey {
@@ -194,6 +203,40 @@ impl<S: Store> Admission<S> {
         }
         let claimed = self.claims.plan_of(tenant);
         claimed.and_then(|plan| policy.plans.get(&plan)).or(policy.default_tenant.as_ref())
+    }
+
+    /// What `tenant`'s scope (and its `user`'s and `model`'s, where the policy limits them) has
+    /// used, holds and has left, with the limits it was read against: for the Budgets API.
+    pub async fn budgets(
+        &self,
+        tenant: &str,
+        user: Option<&str>,
+        model: Option<&str>,
+    ) -> Result<Vec<ScopeBudget>, AdmissionError> {
+        let bad = |what: &str, why: crate::config::names::IdError| AdmissionError::BadName(format!("{what} {why}"));
+        crate::config::names::check_tenant(tenant).map_err(|e| bad("tenant id", e))?;
+        if let Some(user) = user {
+            crate::config::names::check_user(user).map_err(|e| bad("user id", e))?;
+        }
+        let policy = self.policy();
+        let tp = self
+            .tenant_policy(&policy, tenant)
+            .ok_or_else(|| AdmissionError::BadName(format!("tenant {tenant:?} has no policy")))?;
+        let model =
+            match model {
+                Some(m) => Some(policy.model(m).map(|(name, _)| name).ok_or_else(|| {
+                    AdmissionError::BadName(format!("model {m:?} is not one of the policy's models"))
+                })?),
+                None => None,
+            };
+        let scopes = plan::scopes(tenant, user, model.unwrap_or(""), tp);
+        let read: Vec<_> = scopes.iter().map(|s| (s.key.clone(), s.limits)).collect();
+        let used = self.protocol.budget(tenant, &read).await?;
+        Ok(scopes
+            .into_iter()
+            .zip(used)
+            .map(|(s, used)| ScopeBudget { scope: s.label, limits: s.limits, used })
+            .collect())
     }
 
     /// Records decisions and settlements into `metrics`.

@@ -26,7 +26,7 @@ impl<S> AdmissionService<S> {
     }
 }
 
-fn status(e: AdmissionError) -> Status {
+pub(super) fn status(e: AdmissionError) -> Status {
     match e {
         AdmissionError::BadReservationId(_) | AdmissionError::BadName(_) | AdmissionError::TooLarge { .. } => {
             Status::invalid_argument(e.to_string())

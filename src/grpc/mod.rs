@@ -11,6 +11,7 @@
 
 pub mod admission;
 pub mod authz;
+pub mod budgets;
 pub mod ext_proc;
 pub mod headers;
 pub mod refusal;

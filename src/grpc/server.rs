@@ -13,9 +13,10 @@ use tonic::transport::server::TcpIncoming;
 
 use super::admission::AdmissionService;
 use super::authz::AuthzService;
+use super::budgets::BudgetsService;
 use super::ext_proc::ExtProcService;
 use crate::admission::Admission;
-use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer};
+use crate::proto::{REFLECTION_DESCRIPTOR_SET, admission_server::AdmissionServer, budgets_server::BudgetsServer};
 use crate::store::Store;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 
@@ -88,7 +89,8 @@ pub async fn serve<S: Store>(
         .add_service(reflection_v1alpha)
         .add_service(AuthorizationServer::new(AuthzService::new(admission.clone())))
         .add_service(ExternalProcessorServer::new(ExtProcService::new(admission.clone())))
-        .add_service(AdmissionServer::new(AdmissionService::new(Arc::clone(&admission))));
+        .add_service(AdmissionServer::new(AdmissionService::new(Arc::clone(&admission))))
+        .add_service(BudgetsServer::new(BudgetsService::new(Arc::clone(&admission))));
     let stopped = shutdown.clone().cancelled_owned();
     let server: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match tls {
         None => Box::pin(router.serve_with_incoming_shutdown(incoming(listener), stopped)),

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 const COMMON: &str = include_str!("../../lua/common.lua");
 
-/// The four phase scripts, built once.
+/// The protocol's scripts, built once.
 #[derive(Debug, Clone)]
 pub struct Scripts {
     pub reserve: Script,
@@ -46,6 +46,7 @@ pub struct Scripts {
     pub sweep_note: Script,
     pub sweep_take: Script,
     pub sweep_done: Script,
+    pub budget_get: Script,
 }
 
 impl Scripts {
@@ -68,10 +69,11 @@ impl Scripts {
             sweep_note: Script::phase("sweep_note", include_str!("../../lua/sweep_note.lua")),
             sweep_take: Script::phase("sweep_take", include_str!("../../lua/sweep_take.lua")),
             sweep_done: Script::phase("sweep_done", include_str!("../../lua/sweep_done.lua")),
+            budget_get: Script::phase("budget_get", include_str!("../../lua/budget_get.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 17] {
+    pub fn all(&self) -> [&Script; 18] {
         [
             &self.reserve,
             &self.commit,
@@ -90,6 +92,7 @@ impl Scripts {
             &self.sweep_note,
             &self.sweep_take,
             &self.sweep_done,
+            &self.budget_get,
         ]
     }
 }

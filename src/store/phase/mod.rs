@@ -11,7 +11,9 @@
 //! - [`estimate`]: `estimate.lua`, a tenant's learned output length.
 //! - [`ledger`]: `ledger_read.lua` and `ledger_ack.lua`, the ledger read through a consumer group.
 //! - [`sweep`]: the background sweeper: `sweep.lua` on a tenant, the index of tenants in shards.
+//! - [`budget`]: `budget_get.lua`, what a tenant's scopes have used and have left.
 
+pub mod budget;
 pub mod estimate;
 pub mod lease;
 pub mod ledger;
@@ -247,7 +249,7 @@ mod tests {
     use super::*;
 
     /// Every codec's argument list, with the script whose header it follows.
-    const CODECS: [(&str, &str, &[&str], &[&str]); 19] = [
+    const CODECS: [(&str, &str, &[&str], &[&str]); 20] = [
         ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
         ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
@@ -267,6 +269,7 @@ mod tests {
         ("sweep_note.lua", include_str!("../../../lua/sweep_note.lua"), &sweep::NOTE_ARGV, &sweep::NOTE_GROUP),
         ("sweep_take.lua", include_str!("../../../lua/sweep_take.lua"), &sweep::TAKE_ARGV, &[]),
         ("sweep_done.lua", include_str!("../../../lua/sweep_done.lua"), &sweep::DONE_ARGV, &[]),
+        ("budget_get.lua", include_str!("../../../lua/budget_get.lua"), &budget::GET_ARGV, &reserve::SCOPE_ARGV),
     ];
 
     /// The header: the comment lines before the first line of code.

@@ -1,0 +1,102 @@
+//! The `tollgate.v1.Budgets` service: every limit and budget of a tenant's scopes, with what the
+//! store has counted against each, for a platform team (and grpcurl).
+
+use std::num::NonZeroU64;
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::admission::{Admission, ScopeBudget};
+use crate::proto::budgets_server;
+use crate::proto::{GetBudgetsRequest, GetBudgetsResponse, LimitState, ScopeBudgets};
+use crate::store::Store;
+use crate::store::phase::budget::{BucketLevel, PeriodUse};
+
+#[derive(Debug)]
+pub struct BudgetsService<S> {
+    admission: Arc<Admission<S>>,
+}
+
+impl<S> BudgetsService<S> {
+    pub fn new(admission: Arc<Admission<S>>) -> Self {
+        BudgetsService { admission }
+    }
+}
+
+fn non_empty(s: &str) -> Option<&str> {
+    (!s.is_empty()).then_some(s)
+}
+
+#[tonic::async_trait]
+impl<S: Store> budgets_server::Budgets for BudgetsService<S> {
+    #[tracing::instrument(name = "budgets_get", skip_all)]
+    async fn get(&self, request: Request<GetBudgetsRequest>) -> Result<Response<GetBudgetsResponse>, Status> {
+        let r = request.into_inner();
+        let scopes = self
+            .admission
+            .budgets(&r.tenant, non_empty(&r.user), non_empty(&r.model))
+            .await
+            .map_err(super::admission::status)?;
+        let scopes = scopes.iter().map(|s| ScopeBudgets { scope: s.scope.clone(), limits: limit_states(s) }).collect();
+        Ok(Response::new(GetBudgetsResponse { scopes }))
+    }
+}
+
+/// A scope's limits, each with what the store counted against it, in the policy's names.
+pub fn limit_states(s: &ScopeBudget) -> Vec<LimitState> {
+    let (l, u) = (&s.limits, &s.used);
+    let mut limits = Vec::new();
+    let bucket = |name: &str, unit: &str, capacity: u64, b: BucketLevel| LimitState {
+        name: name.into(),
+        unit: unit.into(),
+        limit: capacity,
+        used: u64::try_from(i128::from(capacity) - i128::from(b.level)).unwrap_or(0),
+        held: 0,
+        remaining: b.level,
+        resets_in_ms: b.full_in_ms,
+    };
+    if let Some(t) = l.tokens {
+        limits.push(bucket("tokens_per_minute", "tokens", t.capacity.get(), u.tokens));
+    }
+    if let Some(r) = l.requests {
+        limits.push(bucket("requests_per_minute", "requests", r.capacity.get(), u.requests));
+    }
+    if let Some(most) = l.max_concurrency {
+        limits.push(LimitState {
+            name: "max_concurrency".into(),
+            unit: "holds".into(),
+            limit: most.get(),
+            used: u.in_flight,
+            held: u.in_flight,
+            remaining: signed(most.get()) - signed(u.in_flight),
+            resets_in_ms: 0,
+        });
+    }
+    let budget = |name: &str, unit: &str, limit: Option<NonZeroU64>, used: u64, held: u64, resets_in_ms: u64| {
+        limit.map(|limit| LimitState {
+            name: name.into(),
+            unit: unit.into(),
+            limit: limit.get(),
+            used,
+            held,
+            remaining: signed(limit.get()) - signed(used),
+            resets_in_ms,
+        })
+    };
+    let (day, month): (PeriodUse, PeriodUse) = (u.day, u.month);
+    limits.extend(
+        [
+            budget("tokens_per_day", "tokens", l.daily_budget, day.tokens, day.held_tokens, u.day_ends_in_ms),
+            budget("tokens_per_month", "tokens", l.monthly_budget, month.tokens, month.held_tokens, u.month_ends_in_ms),
+            budget("cost_per_day", "nanos", l.daily_cost, day.cost, day.held_cost, u.day_ends_in_ms),
+            budget("cost_per_month", "nanos", l.monthly_cost, month.cost, month.held_cost, u.month_ends_in_ms),
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    limits
+}
+
+fn signed(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
