@@ -527,23 +527,28 @@ local function load_hold(rk, id, settled, now)
   return load(rk) or load_settled(id, settled, now)
 end
 
--- Appends one settled hold to the tenant's ledger `stream`, under the terms the hold was made with
--- ("<max entries> <retention ms>"; nothing when empty): trimmed to about that many entries and to
--- that age, the whole stream gone after that long without an entry.
-local function ledger_append(stream, terms, e, now)
+-- Appends one entry (`fields`, a flat list of names and values) to the tenant's ledger `stream`,
+-- under the terms it was made with ("<max entries> <retention ms>"; nothing when empty): trimmed to
+-- about that many entries and to that age, the whole stream gone after that long without an entry.
+local function ledger_write(stream, terms, fields, now)
   if not stream or not terms or terms == '' then
     return
   end
   local t = split(terms)
   local max_len, retention = t[1], tonumber(t[2])
-  redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', 'id', e.id, 'tenant', e.tenant or '', 'user', e.user or '',
+  redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', unpack(fields))
+  redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
+  redis.call('PEXPIRE', stream, retention)
+end
+
+-- Appends one settled hold to the tenant's ledger `stream` (see ledger_write).
+local function ledger_append(stream, terms, e, now)
+  ledger_write(stream, terms, { 'id', e.id, 'tenant', e.tenant or '', 'user', e.user or '',
     'model', e.model or '', 'tier', e.tier or '', 'outcome', e.outcome, 'usage', e.usage,
     'prompt_tokens', e.prompt or '', 'output_tokens', e.output or '', 'cache_read_tokens', e.cache_read or '',
     'cache_write_tokens', e.cache_write or '', 'reasoning_tokens', e.reasoning or '', 'reserved_tokens', e.reserved or '',
     'charged_tokens', e.charged, 'cost_nanos', e.cost or '', 'reserved_cost_nanos', e.reserved_cost or '',
-    'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now, 'ending', e.ending or '')
-  redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
-  redis.call('PEXPIRE', stream, retention)
+    'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now, 'ending', e.ending or '' }, now)
 end
 
 -- The ledger entry of a hold settled from its record.

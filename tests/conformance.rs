@@ -1138,6 +1138,66 @@ mod scenarios {
         assert!(h.admission.budgets("a{b", None, None).await.is_err());
     }
 
+    /// Adjust credits, debits or resets one period budget, once per request id, and enters it
+    /// in the ledger with who asked and why; Get and the next reserve see it.
+    pub async fn a_budget_adjustment_is_made_once_and_entered<S: Store>(h: Harness<S>) {
+        use tollgate::admission::{Adjusted, Adjustment, PeriodBudget};
+        let id = admitted(&h.reserve(0, 2000).await).reservation_id.clone();
+        h.admission.commit(&id, 0, 2000).await.unwrap();
+        // The day's 3,000 has 1,000 left: 1,500 is refused.
+        assert_eq!(denied(&h.reserve(0, 1500).await).reason, Reason::Budget);
+        let credit = |amount: i64, request_id: &'static str| Adjustment {
+            tenant: &h.tenant,
+            user: None,
+            model: None,
+            budget: PeriodBudget::TokensPerDay,
+            credit: amount,
+            reset: false,
+            request_id,
+            by: "ops@example",
+            why: "a refund for a failed batch",
+        };
+        let a = credit(1500, "r1");
+        assert_eq!(h.admission.adjust_budget(&a).await.unwrap(), Adjusted::Applied { before: 2000, after: 500 });
+        // Sent again: answered as the first time, nothing taken off again.
+        assert_eq!(h.admission.adjust_budget(&a).await.unwrap(), Adjusted::Repeated { before: 2000, after: 500 });
+        // The same request id for another adjustment: refused, nothing changed.
+        assert_eq!(h.admission.adjust_budget(&credit(5, "r1")).await.unwrap(), Adjusted::Conflict);
+        let day = |scopes: &[tollgate::admission::ScopeBudget]| scopes[0].used.day.tokens;
+        assert_eq!(day(&h.admission.budgets(&h.tenant, None, None).await.unwrap()), 500);
+        admitted(&h.reserve(0, 1500).await);
+        // A debit adds; a credit past zero leaves zero; a reset takes all off.
+        assert_eq!(
+            h.admission.adjust_budget(&credit(-100, "r2")).await.unwrap(),
+            Adjusted::Applied { before: 2000, after: 2100 }
+        );
+        assert_eq!(
+            h.admission.adjust_budget(&credit(9_999, "r3")).await.unwrap(),
+            Adjusted::Applied { before: 2100, after: 0 }
+        );
+        let reset = Adjustment { reset: true, credit: 0, request_id: "r4", ..credit(0, "r4") };
+        assert_eq!(h.admission.adjust_budget(&reset).await.unwrap(), Adjusted::Applied { before: 0, after: 0 });
+        // A budget the scope does not have, or a scope the tenant does not limit: refused.
+        let monthly = Adjustment { budget: PeriodBudget::TokensPerMonth, ..credit(1, "r5") };
+        assert!(h.admission.adjust_budget(&monthly).await.is_err());
+        let user = Adjustment { user: Some("nobody"), ..credit(1, "r6") };
+        assert!(h.admission.adjust_budget(&user).await.is_err());
+
+        let ledger = h.ledger().await;
+        let entry = ledger.iter().find(|e| e["id"] == "adjust:r1").expect("entered");
+        for (field, value) in [
+            ("outcome", "adjusted"),
+            ("budget", "tokens_per_day"),
+            ("counted_before", "2000"),
+            ("counted_after", "500"),
+            ("adjusted_by", "ops@example"),
+            ("reason", "a refund for a failed batch"),
+        ] {
+            assert_eq!(entry[field], value, "{field} of {entry:?}");
+        }
+        assert_eq!(ledger.iter().filter(|e| e["id"] == "adjust:r1").count(), 1, "entered once");
+    }
+
     /// A policy without a ledger writes none.
     pub async fn no_ledger_no_entries<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
@@ -1226,6 +1286,7 @@ macro_rules! conformance {
             scenario!(every_settled_hold_is_entered_in_the_ledger, LEDGER);
             scenario!(no_ledger_no_entries, BUCKET);
             scenario!(budgets_get_says_what_the_next_reserve_finds, BUDGETS);
+            scenario!(a_budget_adjustment_is_made_once_and_entered, LEDGER);
             scenario!(cached_prompt_tokens_count_at_their_weight_and_price, LEDGER);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);

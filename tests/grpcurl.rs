@@ -140,3 +140,30 @@ fn the_health_port_answers_probes_and_nothing_else() {
     let admitted = run(&t, &["-d", body, "tollgate.v1.Admission/Reserve"]);
     assert!(admitted.contains("\"admitted\": true"), "{admitted}");
 }
+
+/// Adjust with grpcurl: refused to a caller `server.budget_admins` does not name; for one it
+/// names (here `loopback`, an operator on the pod), made once however often it is sent.
+#[test]
+fn grpcurl_adjusts_a_budget_only_for_an_allowed_caller() {
+    let budgets = "models:\n  m: { max_output_tokens: 512 }\ntenants:\n  acme:\n    limits: { tokens_per_day: 1000 }\n";
+    let adjust = r#"{"tenant":"acme","budget":"tokens_per_day","amount":-300,"request_id":"ops-1","reason":"a test"}"#;
+    let closed = Tollgate::start(budgets);
+    let out = grpcurl(closed.addr, &["-d", adjust, "tollgate.v1.Budgets/Adjust"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("PermissionDenied"), "{stderr}");
+
+    let open = Tollgate::start(&format!("server:\n  budget_admins: [loopback]\n{budgets}"));
+    for state in ["adjusted", "repeated"] {
+        let reply: serde_json::Value =
+            serde_json::from_str(&run(&open, &["-d", adjust, "tollgate.v1.Budgets/Adjust"])).unwrap();
+        assert_eq!((&reply["state"], &reply["countedAfter"]), (&state.into(), &"300".into()), "{reply}");
+    }
+    let out = run(&open, &["-d", r#"{"tenant":"acme"}"#, "tollgate.v1.Budgets/Get"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let day = &reply["scopes"][0]["limits"][0];
+    assert_eq!(
+        (&day["name"], &day["used"], &day["remaining"]),
+        (&"tokens_per_day".into(), &"300".into(), &"700".into()),
+        "{out}"
+    );
+}

@@ -293,3 +293,28 @@ async fn a_rotated_certificate_is_used_without_a_restart() {
     }
     assert_eq!(presented(tollgate.addr, ca, &pki.envoy).await.unwrap(), der(&rotated));
 }
+
+/// Budgets/Adjust over mutual TLS: the client certificate naming an identity `budget_admins`
+/// lists may adjust (and is entered as who asked); Envoy's, allowed to connect, may not; loopback
+/// is not enough when the list does not name it.
+#[test]
+fn only_a_budget_admins_certificate_may_adjust() {
+    let pki = Pki::new();
+    const OPS_ID: &str = "spiffe://cluster.local/ns/ops/sa/finance";
+    let ops = pki.ca.client(&pki.dir, "ops", OPS_ID);
+    let policy = format!(
+        "server:\n  budget_admins: [\"{OPS_ID}\"]\n  tls:\n    cert: {}\n    key: {}\n    client_ca: {}\n    allowed_clients: [\"{ENVOY_ID}\", \"{OPS_ID}\"]\n\
+         models:\n  m: {{ max_output_tokens: 64 }}\ntenants:\n  acme:\n    limits: {{ tokens_per_day: 1000 }}\n",
+        pki.server.cert(),
+        pki.server.key(),
+        pki.ca.cert()
+    );
+    let tollgate = Tollgate::start(&policy);
+    let adjust = r#"{"tenant":"acme","budget":"tokens_per_day","amount":-10,"request_id":"fin-1","reason":"a test"}"#;
+    let envoy =
+        grpcurl_tls(tollgate.addr, &pki.ca.cert, Some(&pki.envoy), &["-d", adjust, "tollgate.v1.Budgets/Adjust"]);
+    assert!(!envoy.status.success() && text(&envoy).contains("PermissionDenied"), "{}", text(&envoy));
+    let by_ops = grpcurl_tls(tollgate.addr, &pki.ca.cert, Some(&ops), &["-d", adjust, "tollgate.v1.Budgets/Adjust"]);
+    assert!(by_ops.status.success() && text(&by_ops).contains("\"adjusted\""), "{}", text(&by_ops));
+    assert!(tollgate.log().contains(OPS_ID), "the log says who adjusted:\n{}", tollgate.log());
+}

@@ -138,6 +138,9 @@ pub struct ServerSettings {
     /// Most tenants admitted under a plan header this replica remembers the plan of (see
     /// `admission::claims`).
     pub claimed_tenants: usize,
+    /// Who may call `Budgets/Adjust`: client certificate identities (a DNS name or URI, as
+    /// `tls.allowed_clients`), or `loopback` for a caller on this host's loopback addresses.
+    pub budget_admins: Vec<String>,
     /// How long in-flight calls may take to finish after SIGTERM.
     pub drain_timeout: Duration,
     /// TLS on `listen` (not on `health_listen`, which probes reach in plaintext).

@@ -64,6 +64,8 @@ pub(super) struct RawServer {
     pub tenant_header: Option<String>,
     pub plan_header: Option<String>,
     pub claimed_tenants: Option<u64>,
+    #[serde(default)]
+    pub budget_admins: Vec<String>,
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,
 }

@@ -1,14 +1,17 @@
 //! The `tollgate.v1.Budgets` service: every limit and budget of a tenant's scopes, with what the
-//! store has counted against each, for a platform team (and grpcurl).
+//! store has counted against each, for a platform team (and grpcurl); and adjustments of a period
+//! budget, for the identities the policy allows.
 
 use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::admission::{Admission, ScopeBudget};
+use crate::admission::{Adjusted, Adjustment, Admission, PeriodBudget, ScopeBudget};
 use crate::proto::budgets_server;
-use crate::proto::{GetBudgetsRequest, GetBudgetsResponse, LimitState, ScopeBudgets};
+use crate::proto::{
+    AdjustBudgetRequest, AdjustBudgetResponse, GetBudgetsRequest, GetBudgetsResponse, LimitState, ScopeBudgets,
+};
 use crate::store::Store;
 use crate::store::phase::budget::{BucketLevel, PeriodUse};
 
@@ -40,6 +43,64 @@ impl<S: Store> budgets_server::Budgets for BudgetsService<S> {
         let scopes = scopes.iter().map(|s| ScopeBudgets { scope: s.scope.clone(), limits: limit_states(s) }).collect();
         Ok(Response::new(GetBudgetsResponse { scopes }))
     }
+
+    #[tracing::instrument(name = "budgets_adjust", skip_all)]
+    async fn adjust(&self, request: Request<AdjustBudgetRequest>) -> Result<Response<AdjustBudgetResponse>, Status> {
+        let admins = self.admission.policy().server.budget_admins.clone();
+        let by = caller(&request, &admins).ok_or_else(|| {
+            Status::permission_denied("only the identities server.budget_admins names may adjust budgets")
+        })?;
+        let r = request.into_inner();
+        let budget = PeriodBudget::parse(&r.budget).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "budget {:?} is not one of tokens_per_day, tokens_per_month, cost_per_day, cost_per_month",
+                r.budget
+            ))
+        })?;
+        if r.request_id.is_empty() {
+            return Err(Status::invalid_argument("an adjustment needs a request_id, so that it is made once"));
+        }
+        let adjustment = Adjustment {
+            tenant: &r.tenant,
+            user: non_empty(&r.user),
+            model: non_empty(&r.model),
+            budget,
+            credit: if r.reset { 0 } else { r.amount },
+            reset: r.reset,
+            request_id: &r.request_id,
+            by: &by,
+            why: &r.reason,
+        };
+        let (state, before, after) =
+            match self.admission.adjust_budget(&adjustment).await.map_err(super::admission::status)? {
+                Adjusted::Applied { before, after } => ("adjusted", before, after),
+                Adjusted::Repeated { before, after } => ("repeated", before, after),
+                Adjusted::Conflict => {
+                    return Err(Status::already_exists(format!(
+                        "request_id {:?} was first used for another adjustment",
+                        r.request_id
+                    )));
+                }
+            };
+        tracing::info!(tenant = %r.tenant, budget = budget.as_str(), amount = r.amount, reset = r.reset, by = %by, state, before, after, "budget adjusted");
+        Ok(Response::new(AdjustBudgetResponse { state: state.into(), counted_before: before, counted_after: after }))
+    }
+}
+
+/// Who is calling, if `admins` allows them: the first identity of their client certificate that
+/// `admins` names, or `loopback` for a caller on a loopback address when `admins` names it.
+fn caller<T>(request: &Request<T>, admins: &[String]) -> Option<String> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let tls = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+    if let Some(certs) = tls.and_then(TlsConnectInfo::peer_certs) {
+        let named = certs.iter().flat_map(|c| super::tls::identities(c)).find(|id| admins.contains(id));
+        if named.is_some() {
+            return named;
+        }
+    }
+    let addr = request.remote_addr().or_else(|| tls.and_then(|t| t.get_ref().remote_addr()));
+    let local = addr.is_some_and(|a| a.ip().is_loopback());
+    (local && admins.iter().any(|a| a == "loopback")).then(|| "loopback".to_string())
 }
 
 /// A scope's limits, each with what the store counted against it, in the policy's names.

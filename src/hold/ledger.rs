@@ -3,7 +3,7 @@
 //! settle holds append the entries (`lua/common.lua` lists the fields).
 
 /// Fields whose values are whole numbers, written as JSON numbers.
-const NUMBERS: [&str; 11] = [
+const NUMBERS: [&str; 13] = [
     "prompt_tokens",
     "output_tokens",
     "cache_read_tokens",
@@ -15,6 +15,8 @@ const NUMBERS: [&str; 11] = [
     "reserved_cost_nanos",
     "reserved_at_ms",
     "settled_at_ms",
+    "counted_before",
+    "counted_after",
 ];
 
 /// One entry as a JSON object: `entry` is its stream id, then its fields; empty values are `null`.

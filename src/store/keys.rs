@@ -15,6 +15,7 @@
 //! tg:{acme}:r:<id>           reservation record
 //! tg:{acme}:settled:<n>      hash: what a repeat of each hold settled in period n is answered with
 //! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
+//! tg:{acme}:adj:<request>    a budget adjustment: what its request id did, for a repeat
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
 //! tg:{acme}:ledger           stream: one entry per settled hold (the usage ledger)
 //! tg:{acme}:r:@<replica>     a replica's lease on the tenant (leasing): the slots it holds
@@ -133,6 +134,10 @@ pub fn record(tenant: &str, id: &str) -> String {
 /// An idempotency key's pointer to its reservation.
 pub fn idempotency(tenant: &str, key: &str) -> String {
     format!("tg:{{{tenant}}}:i:{key}")
+}
+
+pub fn adjustment(tenant: &str, request_id: &str) -> String {
+    format!("tg:{{{tenant}}}:adj:{request_id}")
 }
 
 /// The output-length estimate a tenant's commits teach, per model.

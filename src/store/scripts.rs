@@ -47,6 +47,7 @@ pub struct Scripts {
     pub sweep_take: Script,
     pub sweep_done: Script,
     pub budget_get: Script,
+    pub budget_adjust: Script,
 }
 
 impl Scripts {
@@ -70,10 +71,11 @@ impl Scripts {
             sweep_take: Script::phase("sweep_take", include_str!("../../lua/sweep_take.lua")),
             sweep_done: Script::phase("sweep_done", include_str!("../../lua/sweep_done.lua")),
             budget_get: Script::phase("budget_get", include_str!("../../lua/budget_get.lua")),
+            budget_adjust: Script::phase("budget_adjust", include_str!("../../lua/budget_adjust.lua")),
         }
     }
 
-    pub fn all(&self) -> [&Script; 18] {
+    pub fn all(&self) -> [&Script; 19] {
         [
             &self.reserve,
             &self.commit,
@@ -93,6 +95,7 @@ impl Scripts {
             &self.sweep_take,
             &self.sweep_done,
             &self.budget_get,
+            &self.budget_adjust,
         ]
     }
 }

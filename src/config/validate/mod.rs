@@ -69,6 +69,15 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     if plan_header.as_ref().is_some_and(|h| *h == tenant_header) {
         return Err(problem("server.plan_header", "must be another header than server.tenant_header"));
     }
+    let budget_admins = raw.server.budget_admins;
+    if let Some((i, _)) =
+        budget_admins.iter().enumerate().find(|(_, a)| a.trim().is_empty() || a.contains(char::is_whitespace))
+    {
+        return Err(problem(
+            format!("server.budget_admins[{i}]"),
+            "is not an identity (a DNS name, a URI, or loopback)",
+        ));
+    }
     let claimed_tenants = match raw.server.claimed_tenants {
         None => 100_000,
         Some(n @ 1..=10_000_000) => usize::try_from(n).unwrap_or(usize::MAX),
@@ -100,6 +109,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         tenant_header,
         plan_header,
         claimed_tenants,
+        budget_admins,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
     };

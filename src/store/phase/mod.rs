@@ -11,7 +11,7 @@
 //! - [`estimate`]: `estimate.lua`, a tenant's learned output length.
 //! - [`ledger`]: `ledger_read.lua` and `ledger_ack.lua`, the ledger read through a consumer group.
 //! - [`sweep`]: the background sweeper: `sweep.lua` on a tenant, the index of tenants in shards.
-//! - [`budget`]: `budget_get.lua`, what a tenant's scopes have used and have left.
+//! - [`budget`]: `budget_get.lua` and `budget_adjust.lua`, the Budgets API.
 
 pub mod budget;
 pub mod estimate;
@@ -249,7 +249,7 @@ mod tests {
     use super::*;
 
     /// Every codec's argument list, with the script whose header it follows.
-    const CODECS: [(&str, &str, &[&str], &[&str]); 20] = [
+    const CODECS: [(&str, &str, &[&str], &[&str]); 21] = [
         ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
         ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
@@ -270,6 +270,7 @@ mod tests {
         ("sweep_take.lua", include_str!("../../../lua/sweep_take.lua"), &sweep::TAKE_ARGV, &[]),
         ("sweep_done.lua", include_str!("../../../lua/sweep_done.lua"), &sweep::DONE_ARGV, &[]),
         ("budget_get.lua", include_str!("../../../lua/budget_get.lua"), &budget::GET_ARGV, &reserve::SCOPE_ARGV),
+        ("budget_adjust.lua", include_str!("../../../lua/budget_adjust.lua"), &budget::ADJUST_ARGV, &[]),
     ];
 
     /// The header: the comment lines before the first line of code.
