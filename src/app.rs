@@ -168,6 +168,12 @@ async fn serve_admission<S: Store>(
     let leasing = tasks.spawn(Arc::clone(&admission).run_leases(drained.clone()));
     // Every expired hold settled within a bound, even of tenants that never call again.
     tasks.spawn(Arc::clone(&admission).run_sweeper(drained.clone()));
+    // The remaining-budget gauges (nothing is read while nothing records them).
+    if let Some(every) = policy.metrics.budget_poll {
+        let admission = Arc::clone(&admission);
+        let done = drained.clone();
+        tasks.spawn(async move { admission.run_budget_gauges(every, done).await });
+    }
     // The replica count that on_store_error: local shares limits by.
     tasks.spawn({
         let admission = Arc::clone(&admission);

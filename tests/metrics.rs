@@ -49,8 +49,9 @@ fn reserve(tenant: &str, prompt: u64, max: u64) -> ReserveRequest {
 async fn a_scrape_counts_what_happened() {
     let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let policy = format!(
-        "server:\n  admin_listen: {admin}\nmodels:\n  m: {{ max_output_tokens: 100, price: {{ input_per_million: 1, output_per_million: 3 }} }}\n\
-         tenants:\n  acme:\n    lease_ttl_ms: 50\n    limits: {{ tokens_per_minute: 60, burst_tokens: 500 }}\n\
+        "server:\n  admin_listen: {admin}\nmetrics:\n  budget_poll_ms: 100\n\
+         models:\n  m: {{ max_output_tokens: 100, price: {{ input_per_million: 1, output_per_million: 3 }} }}\n\
+         tenants:\n  acme:\n    lease_ttl_ms: 50\n    limits: {{ tokens_per_minute: 60, burst_tokens: 500, tokens_per_day: 100000 }}\n\
          default_tenant:\n  limits: {{ tokens_per_minute: 60000 }}\n"
     );
     let t = Tollgate::start(&policy);
@@ -117,6 +118,22 @@ async fn a_scrape_counts_what_happened() {
         assert_eq!(value(&s, &series), 1.0, "{series}");
     }
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_count{tenant=\"acme\"}"), 1.0);
+    // The day's budget, read every 100 ms: what the holds charged (the committed 50, the expired
+    // hold's 100 and the new one's) is gone from the 100,000.
+    let start = Instant::now();
+    let remaining = loop {
+        let s = scrape(admin);
+        let series = "tollgate_budget_remaining{budget=\"tokens_per_day\",tenant=\"acme\"}";
+        if let Some(&left) = s.get(series).filter(|&&left| left < 100_000.0) {
+            assert_eq!(value(&s, "tollgate_budget_limit{budget=\"tokens_per_day\",tenant=\"acme\"}"), 100_000.0);
+            let reset = value(&s, "tollgate_budget_reset_seconds{budget=\"tokens_per_day\",tenant=\"acme\"}");
+            assert!(reset > 0.0 && reset <= 86_400.0, "{reset}");
+            break left;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no budget gauge:\n{}", dump(&s));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!((99_000.0..100_000.0).contains(&remaining), "{remaining}");
     assert_eq!(value(&s, "tollgate_hold_usage_ratio_sum{tenant=\"acme\"}"), 0.5);
     // The estimates behind that hold, per tenant and model: 30 of the 80 output tokens held, and
     // the 20 prompt tokens exactly.
@@ -160,7 +177,9 @@ async fn a_scrape_shows_the_store_down_and_the_mode_in_force() {
     let policy = format!(
         "server:\n  admin_listen: {admin}\nstore:\n  redis_url: redis://127.0.0.1:{port}\n  breaker: {{ failures: 100 }}\n\
          models:\n  m: {{ max_output_tokens: 10 }}\n\
-         tenants:\n  closed: {{ on_store_error: fail_closed, lease_ttl_ms: 50 }}\n  open: {{ on_store_error: fail_open }}\n  near: {{}}\n"
+         metrics:\n  budget_poll_ms: 100\n\
+         tenants:\n  closed: {{ on_store_error: fail_closed, lease_ttl_ms: 50 }}\n  open: {{ on_store_error: fail_open }}\n\
+         \x20 near: {{ limits: {{ tokens_per_day: 1000000 }} }}\n"
     );
     let t = Tollgate::start(&policy);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();

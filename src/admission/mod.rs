@@ -22,6 +22,7 @@
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+mod budgets;
 mod claims;
 mod decision;
 mod estimates;
@@ -52,6 +53,7 @@ use crate::metrics::Metrics;
 use crate::store::clock::{Clock, SystemClock};
 pub use crate::store::phase::budget::{Adjusted, PeriodBudget};
 use crate::store::{Protocol, Store, StoreError};
+pub use budgets::{Adjustment, ScopeBudget};
 use lease::Leases;
 use local::LocalLimits;
 pub use plan::MAX_PROMPT_BYTES;
@@ -83,38 +85,6 @@ pub struct Attributes {
     /// `candidateCount`): the output held is the ceiling this many times. 0 is taken as 1.
     pub outputs: u64,
 }
-
-/// One scope's limits and what the store has counted against them (see `Admission::budgets`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ScopeBudget {
-    /// `tenant`, `user <id>`, `model <name>`.
-    pub scope: String,
-    pub limits: crate::hold::ScopeLimits,
-    pub used: crate::store::phase::budget::ScopeUse,
-}
-
-/// A credit, debit or reset of one period budget (see `Admission::adjust_budget`).
-#[derive(Debug, Clone, Copy)]
-pub struct Adjustment<'a> {
-    pub tenant: &'a str,
-    /// The user's scope instead of the tenant's.
-    pub user: Option<&'a str>,
-    /// The model's scope instead of the tenant's.
-    pub model: Option<&'a str>,
-    pub budget: PeriodBudget,
-    /// Taken off what the period counted (tokens, or nanos for money); below zero, added to it.
-    pub credit: i64,
-    /// Everything the period counted taken off it.
-    pub reset: bool,
-    /// Makes the adjustment once, however often it is sent.
-    pub request_id: &'a str,
-    /// Who asked, and why: entered in the ledger.
-    pub by: &'a str,
-    pub why: &'a str,
-}
-
-/// How long an adjustment's request id is remembered: a week.
-const ADJUSTMENT_TTL_MS: u64 = 7 * 86_400_000;
 
 /// A request's idempotency key, and what a repeat of it means on the interface it came by.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,90 +197,6 @@ impl<S: Store> Admission<S> {
         }
         let claimed = self.claims.plan_of(tenant);
         claimed.and_then(|plan| policy.plans.get(&plan)).or(policy.default_tenant.as_ref())
-    }
-
-    /// What `tenant`'s scope (and its `user`'s and `model`'s, where the policy limits them) has
-    /// used, holds and has left, with the limits it was read against: for the Budgets API.
-    pub async fn budgets(
-        &self,
-        tenant: &str,
-        user: Option<&str>,
-        model: Option<&str>,
-    ) -> Result<Vec<ScopeBudget>, AdmissionError> {
-        let (_, _, scopes) = self.budgets_scopes(tenant, user, model)?;
-        let read: Vec<_> = scopes.iter().map(|s| (s.key.clone(), s.limits)).collect();
-        let used = self.protocol.budget(tenant, &read).await?;
-        Ok(scopes
-            .into_iter()
-            .zip(used)
-            .map(|(s, used)| ScopeBudget { scope: s.label, limits: s.limits, used })
-            .collect())
-    }
-
-    /// Credits, debits or resets one period budget of one of `tenant`'s scopes (its user's or
-    /// model's when the adjustment names one), once per request id, entered in the ledger with
-    /// who asked and why. The scope must have that budget.
-    pub async fn adjust_budget(&self, a: &Adjustment<'_>) -> Result<Adjusted, AdmissionError> {
-        let bad = AdmissionError::BadName;
-        crate::config::names::check_idempotency_key(a.request_id).map_err(|e| bad(format!("request_id {e}")))?;
-        let scopes = self.budgets_scopes(a.tenant, a.user, a.model)?;
-        let (policy, tp, scopes) = scopes;
-        let scope = match (a.user, a.model) {
-            (Some(user), _) => scopes.iter().find(|s| s.label == format!("user {user}")),
-            (None, Some(_)) => scopes.iter().find(|s| s.label.starts_with("model ")),
-            (None, None) => scopes.first(),
-        };
-        let Some(scope) = scope else {
-            let named = a.user.map(|u| format!("user {u}")).or(a.model.map(|m| format!("model {m}")));
-            return Err(bad(format!("tenant {} sets no limits for {}", a.tenant, named.unwrap_or_default())));
-        };
-        if a.budget.of(&scope.limits).is_none() {
-            return Err(bad(format!("{} of tenant {} has no {}", scope.label, a.tenant, a.budget.as_str())));
-        }
-        let fingerprint = format!("{} {} {} {}", scope.key, a.budget.as_str(), a.credit, a.reset);
-        let call = crate::store::phase::budget::AdjustCall {
-            tenant: a.tenant,
-            scope_key: &scope.key,
-            budget: a.budget,
-            credit: a.credit,
-            reset: a.reset,
-            request_id: a.request_id,
-            fingerprint: &fingerprint,
-            remember_ms: ADJUSTMENT_TTL_MS,
-            idle_ttl_ms: tp.idle_ttl_ms,
-            ledger: policy.ledger.as_ref().map(|l| l.terms),
-            entry: [a.user.unwrap_or(""), a.model.unwrap_or(""), a.by, a.why],
-        };
-        Ok(self.protocol.adjust_budget(&call).await?)
-    }
-
-    /// The policy, the tenant's, and the scopes a tenant's (user's, model's) budgets are kept in.
-    #[allow(clippy::type_complexity)]
-    fn budgets_scopes(
-        &self,
-        tenant: &str,
-        user: Option<&str>,
-        model: Option<&str>,
-    ) -> Result<(Arc<Policy>, Arc<TenantPolicy>, Vec<plan::Scope>), AdmissionError> {
-        let bad = |what: &str, why: crate::config::names::IdError| AdmissionError::BadName(format!("{what} {why}"));
-        crate::config::names::check_tenant(tenant).map_err(|e| bad("tenant id", e))?;
-        if let Some(user) = user {
-            crate::config::names::check_user(user).map_err(|e| bad("user id", e))?;
-        }
-        let policy = self.policy();
-        let tp = Arc::clone(
-            self.tenant_policy(&policy, tenant)
-                .ok_or_else(|| AdmissionError::BadName(format!("tenant {tenant:?} has no policy")))?,
-        );
-        let model =
-            match model {
-                Some(m) => Some(policy.model(m).map(|(name, _)| name.to_string()).ok_or_else(|| {
-                    AdmissionError::BadName(format!("model {m:?} is not one of the policy's models"))
-                })?),
-                None => None,
-            };
-        let scopes = plan::scopes(tenant, user, model.as_deref().unwrap_or(""), &tp);
-        Ok((policy, tp, scopes))
     }
 
     /// Records decisions and settlements into `metrics`.

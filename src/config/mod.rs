@@ -479,6 +479,9 @@ pub struct MetricsSettings {
     /// Of the tenants not among them (unlisted tenants, admitted under a plan or
     /// `default_tenant`), the first this many seen have series of their own; the rest are `other`.
     pub unlisted_tenants: usize,
+    /// How often the labelled tenants' period budgets are read into the remaining-budget gauges
+    /// (`metrics.budget_poll_ms`, 30 s by default); `None` (0): never.
+    pub budget_poll: Option<Duration>,
 }
 
 /// Leasing: each replica draws slices of a scope's tokens, request permits and concurrency slots

@@ -52,6 +52,7 @@ pub(super) struct RawLeasing {
 pub(super) struct RawMetrics {
     pub tenants: Option<Vec<String>>,
     pub unlisted_tenants: Option<u64>,
+    pub budget_poll_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -119,6 +119,9 @@ pub struct Metrics {
     labels: Arc<RwLock<TenantLabels>>,
     version: Arc<RwLock<String>>,
     _policy_info: ObservableGauge<u64>,
+    /// Each labelled tenant's period budgets as last read (`tollgate.budget.*`).
+    budgets: Arc<RwLock<BudgetLevels>>,
+    _budget_gauges: [ObservableGauge<f64>; 3],
     /// False for [`Metrics::disabled`]: nothing is recorded, and no labels are built.
     enabled: bool,
 }
@@ -128,6 +131,9 @@ impl std::fmt::Debug for Metrics {
         f.debug_struct("Metrics").finish_non_exhaustive()
     }
 }
+
+/// A tenant's period budgets as last read: (budget name, limit, remaining, seconds to its reset).
+type BudgetLevels = std::collections::HashMap<String, Vec<(&'static str, u64, i64, f64)>>;
 
 /// Which tenants have series of their own: the policy's (or `metrics.tenants`), and the first
 /// `metrics.unlisted_tenants` others seen (kept across reloads, so a reload never lets more in).
@@ -180,7 +186,43 @@ impl Metrics {
                 o.observe(1, &[KeyValue::new("version", version)]);
             })
             .build();
+        let budgets: Arc<RwLock<BudgetLevels>> = Arc::default();
+        let gauge =
+            |name: &'static str, description: &'static str, unit: &'static str, pick: fn(u64, i64, f64) -> f64| {
+                let seen = Arc::clone(&budgets);
+                let builder = meter.f64_observable_gauge(name).with_description(description);
+                let builder = if unit.is_empty() { builder } else { builder.with_unit(unit) };
+                builder
+                    .with_callback(move |o| {
+                        let levels = seen.read().unwrap_or_else(PoisonError::into_inner);
+                        for (tenant, budgets) in levels.iter() {
+                            for &(budget, limit, remaining, reset) in budgets {
+                                let labels = [KeyValue::new("tenant", tenant.clone()), KeyValue::new("budget", budget)];
+                                o.observe(pick(limit, remaining, reset), &labels);
+                            }
+                        }
+                    })
+                    .build()
+            };
+        #[allow(clippy::cast_precision_loss)]
+        let budget_gauges = [
+            gauge(
+                "tollgate.budget.limit",
+                "A period budget of a tenant's scope (tokens, or nanos for money)",
+                "",
+                |l, _, _| l as f64,
+            ),
+            gauge(
+                "tollgate.budget.remaining",
+                "What a period budget has left, live holds counted as used",
+                "",
+                |_, r, _| r as f64,
+            ),
+            gauge("tollgate.budget.reset", "Seconds until a period budget resets", "s", |_, _, s| s),
+        ];
         Metrics {
+            budgets,
+            _budget_gauges: budget_gauges,
             decisions: meter
                 .u64_counter("tollgate.decisions")
                 .with_description("Admission decisions, by tenant, model, tier, outcome and reason")
@@ -277,6 +319,25 @@ impl Metrics {
         let seen = std::mem::take(&mut *labels.unlisted.write().unwrap_or_else(PoisonError::into_inner));
         *labels = TenantLabels { unlisted: RwLock::new(seen), ..TenantLabels::of(policy) };
         self.version.write().unwrap_or_else(PoisonError::into_inner).clone_from(&policy.version);
+    }
+
+    /// What `tenant`'s period budgets have left, as just read; `None`: it has none (or no longer
+    /// a series of its own).
+    pub fn budgets_read(&self, tenant: &str, levels: Option<Vec<(&'static str, u64, i64, f64)>>) {
+        if !self.enabled {
+            return;
+        }
+        let mut seen = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
+        match levels {
+            Some(levels) => seen.insert(tenant.to_string(), levels),
+            None => seen.remove(tenant),
+        };
+    }
+
+    /// The tenants whose budgets have series of their own: the policy's labelled tenants.
+    pub fn budget_tenants(&self) -> Vec<String> {
+        let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
+        labels.named.iter().cloned().collect()
     }
 
     /// A reload was tried: `ok`, or `error` when the new file was refused.

@@ -110,7 +110,12 @@ pub(super) fn metrics(m: crate::config::raw::RawMetrics) -> Result<MetricsSettin
             ));
         }
     };
-    Ok(MetricsSettings { tenants: m.tenants, unlisted_tenants })
+    let budget_poll = match m.budget_poll_ms.unwrap_or(30_000) {
+        0 => None,
+        ms @ 100..=3_600_000 => Some(std::time::Duration::from_millis(ms)),
+        ms => return Err(problem("metrics.budget_poll_ms", format!("{ms} is outside 100..=3600000 (0: off)"))),
+    };
+    Ok(MetricsSettings { tenants: m.tenants, unlisted_tenants, budget_poll })
 }
 
 pub(super) fn leasing(l: crate::config::raw::RawLeasing) -> Result<Leasing, Problem> {
