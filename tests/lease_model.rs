@@ -506,6 +506,9 @@ impl World {
                 };
                 if replica == self.holds[i].owner {
                     let fresh = o.usage().is_some_and(|u| !u.duplicate);
+                    if !fresh {
+                        self.applied_by_owner(i);
+                    }
                     let expected = self.apply(i, Some(used));
                     // An attempt whose reply was lost may have been the one that applied it: the
                     // retry is then answered as a duplicate of it, with its counts.
@@ -538,6 +541,9 @@ impl World {
                 };
                 if replica == self.holds[i].owner {
                     let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
+                    if !fresh {
+                        self.applied_by_owner(i);
+                    }
                     let expected = self.apply(i, None);
                     let applied_by_lost_reply =
                         retried && expected && matches!(o, ReleaseOutcome::Released { repeated: true, .. });
@@ -568,7 +574,14 @@ impl World {
                         assert!(alive, "renewed a hold that is not alive: {:?}", self.holds[i]);
                         self.holds[i].lease_until = self.now + lease_remaining_ms;
                     }
-                    Ok(other) => assert!(!alive, "an alive hold did not renew: {other:?}"),
+                    Ok(other) => {
+                        // Settled already: by a forwarded operation the owner applied (see
+                        // `applied_by_owner`), if the reference still held one pending.
+                        if alive {
+                            self.applied_by_owner(i);
+                        }
+                        assert!(!self.alive(&self.holds[i]), "an alive hold did not renew: {other:?}");
+                    }
                     Err(e) => assert!(self.chaos.failed() > 0, "a renewal failed with no fault: {e}"),
                 }
             }
@@ -695,6 +708,22 @@ impl World {
 
     /// Operations forwarded to a replica are taken by its next lease call (a window, or a miss):
     /// those no longer waiting in the store were applied by this step, in the order they came.
+    /// The owner found hold `i` settled already: a forwarded operation on it that the reference
+    /// still holds as pending (handed over by a lease call it counts as unanswered) was applied by
+    /// the owner, once, as it is applied in the end either way. Applied here, in order.
+    fn applied_by_owner(&mut self, i: usize) {
+        let owner = self.holds[i].owner;
+        let Some(pending) = self.pending.get_mut(&owner) else { return };
+        let (mine, rest): (Vec<Pending>, Vec<Pending>) = pending.drain(..).partition(|p| p.hold() == i);
+        *pending = rest;
+        for p in mine {
+            match p {
+                Pending::Commit { hold, used } => self.apply(hold, Some(used)),
+                Pending::Release { hold } => self.apply(hold, None),
+            };
+        }
+    }
+
     async fn collect_forwarded(&mut self) {
         self.drain_retries().await;
         let tenant = self.tenant_name().to_string();
