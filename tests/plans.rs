@@ -119,3 +119,29 @@ async fn an_unlisted_tenant_is_admitted_under_the_plan_its_header_names() {
     assert_eq!(d.reason, Reason::Unauthenticated);
     assert!(d.message.contains("platinum"), "{}", d.message);
 }
+
+/// Another replica, which never saw the tenant admitted (or restarted since), still renews its
+/// hold, under the most generous of the plans (never `not_found`, which would leave it to expire).
+#[tokio::test]
+async fn a_replica_that_never_saw_the_plan_still_renews_the_hold() {
+    let policy = Arc::new(Policy::parse("plans.yaml", POLICY).unwrap());
+    let store = EmbeddedStore::new().unwrap();
+    let a = Arc::new(Admission::new(Arc::clone(&policy), Protocol::new(store.clone()).await.unwrap()));
+    let b = Arc::new(Admission::new(policy, Protocol::new(store).await.unwrap()));
+    let Decision::Admitted(held) = a.reserve(&request("newteam", Some("gold"), 400)).await else { panic!() };
+    let RenewOutcome::Renewed { lease_remaining_ms } = b.renew(&held.reservation_id, 0).await.unwrap() else {
+        panic!("replica b did not renew")
+    };
+    assert!(lease_remaining_ms > 120_000, "gold's lease, the longest: {lease_remaining_ms}");
+}
+
+/// A plan is read only where the policy reads it from verified identity (`server.plan_header`):
+/// without it, a caller naming a plan is admitted as any unlisted tenant is.
+#[tokio::test]
+async fn without_a_plan_header_a_named_plan_is_not_read() {
+    let text = POLICY.replace("server:\n  plan_header: x-tollgate-plan\n", "");
+    let policy = Policy::parse("plans.yaml", &text).unwrap();
+    let a = Arc::new(Admission::new(Arc::new(policy), Protocol::new(EmbeddedStore::new().unwrap()).await.unwrap()));
+    let Decision::Denied(d) = a.reserve(&request("newteam", Some("gold"), 400)).await else { panic!() };
+    assert_eq!(d.reason, Reason::Unsatisfiable, "free's burst, not gold's: {d:?}");
+}

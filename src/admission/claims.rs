@@ -29,10 +29,14 @@ impl Claims {
         Claims { most, inner: Mutex::new(Noted::default()) }
     }
 
-    /// `tenant` was admitted under `plan`. (Nothing is allocated when that is already noted.)
+    /// `tenant` was admitted under `plan`. Nothing is allocated when that is already noted and
+    /// was noted within the last half of the bound: a tenant that keeps reserving is moved to the
+    /// back of the line at least that often, so the tenant forgotten first is one gone quiet.
     pub fn note(&self, tenant: &str, plan: &str) {
         let mut n = self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if n.plans.get(tenant).is_some_and(|(p, _)| p == plan) {
+        let recent = u64::try_from(self.most / 2).unwrap_or(u64::MAX);
+        let next = n.next;
+        if n.plans.get(tenant).is_some_and(|(p, at)| p == plan && next.wrapping_sub(*at) <= recent) {
             return;
         }
         let at = n.next;
@@ -82,5 +86,16 @@ mod tests {
         assert_eq!(remembered(&claims), 2);
         let order = claims.inner.lock().unwrap().order.len();
         assert!(order <= 4, "stale entries are dropped: {order}");
+    }
+
+    #[test]
+    fn a_tenant_that_keeps_reserving_is_not_the_one_forgotten() {
+        let claims = Claims::new(100);
+        for i in 0..10_000 {
+            claims.note("busy", "gold");
+            claims.note(&format!("once{i}"), "free");
+        }
+        assert_eq!(claims.plan_of("busy").as_deref(), Some("gold"), "noted all along, never forgotten");
+        assert!(claims.inner.lock().unwrap().order.len() <= 200);
     }
 }

@@ -31,7 +31,9 @@ pub(super) fn identify<'p>(policy: &'p Policy, a: &'p Attributes) -> Result<(&'p
         .or(policy.anonymous_tenant.as_deref())
         .ok_or_else(|| Denial::now(Unauthenticated, format!("no tenant identity: {header} is missing")))?;
     names::check_tenant(tenant).map_err(|e| Denial::now(InvalidRequest, format!("tenant id {e}")))?;
-    let tp = match (policy.tenants.get(tenant), a.plan.as_deref()) {
+    // A plan names terms only where the policy reads one from verified identity.
+    let plan = a.plan.as_deref().filter(|_| policy.server.plan_header.is_some());
+    let tp = match (policy.tenants.get(tenant), plan) {
         (Some(tp), _) => tp,
         (None, Some(plan)) => policy.plans.get(plan).ok_or_else(|| {
             Denial::now(
@@ -55,7 +57,9 @@ impl<S> Admission<S> {
     pub(super) fn plan(&self, policy: &Arc<Policy>, a: &Attributes) -> Result<Plan, Denial> {
         use Reason::{InvalidRequest, Unsatisfiable};
         let (tenant, tp) = identify(policy, a)?;
-        if let (Some(plan), false) = (&a.plan, policy.tenants.contains_key(tenant)) {
+        if let (Some(plan), false, true) =
+            (&a.plan, policy.tenants.contains_key(tenant), policy.server.plan_header.is_some())
+        {
             self.claims.note(tenant, plan);
         }
         if let Some(k) = &a.idempotency {

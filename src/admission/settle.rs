@@ -121,7 +121,7 @@ impl<S: Store> Admission<S> {
     pub async fn renew(&self, reservation_id: &str, lease_ms: u64) -> Result<RenewOutcome, AdmissionError> {
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
-        let Some(tp) = self.tenant_policy(&policy, r.tenant) else { return Ok(RenewOutcome::NotFound) };
+        let Some(tp) = self.settling_policy(&policy, r.tenant) else { return Ok(RenewOutcome::NotFound) };
         let lease = if lease_ms == 0 { tp.lease_ttl_ms } else { lease_ms.min(tp.lease_ttl_ms) };
         let at_store = || async {
             self.note_tenant(r.tenant, lease);
@@ -213,7 +213,7 @@ impl<S: Store> Admission<S> {
         id: &str,
         op: Forwarded,
     ) -> Result<bool, AdmissionError> {
-        let Some(tp) = self.tenant_policy(policy, r.tenant) else { return Ok(false) };
+        let Some(tp) = self.settling_policy(policy, r.tenant) else { return Ok(false) };
         // Kept for the idle TTL, not the lease: an owner whose calls fail for a while takes it
         // when it is back, however long its lease record lapsed.
         Ok(self.protocol.forward(r.tenant, replica, id, op, tp.idle_ttl_ms).await?)

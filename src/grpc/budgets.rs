@@ -87,20 +87,25 @@ impl<S: Store> budgets_server::Budgets for BudgetsService<S> {
     }
 }
 
+/// The entry of `server.budget_admins` that admits a caller on a loopback address.
+const LOOPBACK: &str = "loopback";
+
 /// Who is calling, if `admins` allows them: the first identity of their client certificate that
 /// `admins` names, or `loopback` for a caller on a loopback address when `admins` names it.
 fn caller<T>(request: &Request<T>, admins: &[String]) -> Option<String> {
     use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
     let tls = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
     if let Some(certs) = tls.and_then(TlsConnectInfo::peer_certs) {
-        let named = certs.iter().flat_map(|c| super::tls::identities(c)).find(|id| admins.contains(id));
+        // (`loopback` is a place, never a certificate's name.)
+        let named =
+            certs.iter().flat_map(|c| super::tls::identities(c)).find(|id| id != LOOPBACK && admins.contains(id));
         if named.is_some() {
             return named;
         }
     }
     let addr = request.remote_addr().or_else(|| tls.and_then(|t| t.get_ref().remote_addr()));
     let local = addr.is_some_and(|a| a.ip().is_loopback());
-    (local && admins.iter().any(|a| a == "loopback")).then(|| "loopback".to_string())
+    (local && admins.iter().any(|a| a == LOOPBACK)).then(|| LOOPBACK.to_string())
 }
 
 /// A scope's limits, each with what the store counted against it, in the policy's names.

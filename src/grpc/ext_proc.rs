@@ -231,7 +231,7 @@ impl Exchange {
         let Some(id) = reservation else { return };
         let policy = admission.policy();
         self.renew_every = ids::parse_reservation_id(id)
-            .and_then(|r| admission.tenant_policy(&policy, r.tenant))
+            .and_then(|r| admission.settling_policy(&policy, r.tenant))
             .map(|t| Duration::from_millis(t.lease_ttl_ms) / 3);
         self.reservation = Some(id.to_string());
         self.model = model.map(str::to_string);

@@ -191,7 +191,7 @@ impl<'de> Visitor<'de> for Collector<'_> {
             if top && self.found.body == Body::OpenAi && key == "prompt" {
                 // The completions API: a list of prompts is a completion (or n) for each.
                 self.found.first(("", "prompt"))?;
-                self.found.prompts = map.next_value_seed(PromptCount)?;
+                map.next_value_seed(PromptCount(&mut self.found.prompts))?;
                 continue;
             }
             if top && names_model_and_stream(self.found.body) && (key == "model" || key == "stream") {
@@ -281,44 +281,50 @@ fn go_fold(key: String) -> String {
         .collect()
 }
 
-/// How many prompts a completions request's `prompt` names: a string or a list of token ids is
-/// one; a list of strings, or of token-id lists, one each (at least one).
-struct PromptCount;
+/// How many prompts a completions request's `prompt` names, counted into the `u64` as they are
+/// read (so a body cut inside a list still counts the prompts before the cut): a string or a list
+/// of token ids is one; a list of strings, or of token-id lists, one each (at least one). An
+/// object (the Responses API's stored-prompt reference) is one.
+struct PromptCount<'a>(&'a mut u64);
 
-impl<'de> DeserializeSeed<'de> for PromptCount {
-    type Value = u64;
+impl<'de> DeserializeSeed<'de> for PromptCount<'_> {
+    type Value = ();
 
-    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for PromptCount {
-    type Value = u64;
+impl<'de> Visitor<'de> for PromptCount<'_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("prompt to be a string or a list")
+        f.write_str("prompt to be a string, a list or an object")
     }
 
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<u64, E> {
-        Ok(1)
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_unit<E: de::Error>(self) -> Result<u64, E> {
-        Ok(1)
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         // A number is a token of one prompt; anything else is a prompt of its own.
-        let (mut prompts, mut tokens) = (0u64, false);
+        let mut prompts = 0u64;
         while let Some(item) = seq.next_element::<serde_json::Value>()? {
-            if item.is_number() {
-                tokens = true;
-            } else {
+            if !item.is_number() {
                 prompts = prompts.saturating_add(1);
+                *self.0 = prompts.max(1);
             }
         }
-        Ok(prompts.max(u64::from(tokens)).max(1))
+        Ok(())
     }
 }
 
@@ -495,6 +501,12 @@ mod tests {
         assert_eq!(read(Body::OpenAi, br#"{"model":"m","prompt":[]}"#), 1);
         assert!(parse(Body::OpenAi, br#"{"model":"m","prompt":"a","prompt":["b","c"]}"#, false).is_err());
         assert!(parse(Body::OpenAi, br#"{"model":"m","prompt":7}"#, false).is_err());
+        // The Responses API's stored prompt is an object: one request, one output.
+        let stored = br#"{"model":"m","prompt":{"id":"pmpt_1","variables":{"x":"y"}},"input":"hi"}"#;
+        assert_eq!(read(Body::OpenAi, stored), 1);
+        // A body cut inside a list still counts the prompts before the cut.
+        let cut = br#"{"model":"m","n":2,"prompt":["a","b","c","d"#;
+        assert_eq!(parse(Body::OpenAi, cut, true).unwrap().outputs, 2 * 3);
     }
 
     /// Ollama (Go) reads `"Model"`, `"OPTIONS"` or `"ſtream"` as its own fields: so does the hold,

@@ -9,7 +9,7 @@
 //! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) | `client_left` |
 //! | 429 or 5xx before any output | released: nothing was generated (a 429 also throttles the pool) | `upstream_refused` (429), `upstream_error` (5xx) |
 //! | 429 or 5xx after output | committed: what was generated | the same |
-//! | other 4xx | committed with the usage it reports, else released | `upstream_refused` |
+//! | other 4xx (or 3xx) | committed with the usage it reports, else released | `upstream_refused` |
 
 use super::usage::{Measured, Meter};
 use crate::hold::Ending;
@@ -45,9 +45,10 @@ pub fn verdict(status: Option<u16>, meter: Option<&mut Meter>, stop: Stop) -> Ve
     let status = status.unwrap_or(0);
     let ending = match status {
         500..=599 => Ending::UpstreamError,
-        400..=499 => Ending::UpstreamRefused,
-        _ if stop == Stop::CutShort => Ending::ClientLeft,
-        _ => Ending::of(measured),
+        200..=299 if stop == Stop::CutShort => Ending::ClientLeft,
+        200..=299 => Ending::of(measured),
+        // Any other answer (a 4xx, a redirect) is the backend's refusal.
+        _ => Ending::UpstreamRefused,
     };
     let charge = match (status, measured) {
         (200..=299, _) => true,
@@ -113,6 +114,7 @@ mod tests {
             Verdict::Release(Ending::UpstreamRefused),
             "4xx without"
         );
+        assert_eq!(verdict(Some(302), Some(&mut json("{}")), Complete), Verdict::Release(Ending::UpstreamRefused));
         assert_eq!(
             verdict(None, None, CutShort),
             Verdict::Commit(Measured::Metered { output: 0 }, Ending::ClientLeft),
