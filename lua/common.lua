@@ -35,6 +35,7 @@
 -- answered with, as one short value (see file_settled). A repeat looks in the current period's
 -- bucket and the one before, so a settled hold answers repeats for at least R and at most 2R.
 -- One bucket entry costs about a third of a record of its own (no key, no TTL, no field names).
+-- Beside each bucket, `<bucket>e` keeps the endings its entries do not imply (see file_settled).
 -- (A repeat after a bucket is gone is a new call: a commit, release or renew answers not_found
 -- and changes nothing; a re-sent reserve, which only the Redis client makes and within its
 -- command timeout, would make a new hold.)
@@ -476,13 +477,26 @@ local function settled_field(id)
   return string.sub(id, stop - 19, stop)
 end
 
+-- How a hold's request ended when its settled entry says nothing more: what its state and its
+-- metered flag imply.
+local function implied_ending(state, metered)
+  if state == 'released' then
+    return 'released'
+  end
+  if tostring(metered) == '1' then
+    return 'metered'
+  end
+  return 'completed'
+end
+
 -- Files a hold settled now (`state`: committed | late_committed | released) in the current
 -- period's bucket of `settled` ({prefix, retention}), as
---   "<state code><metered> <held> <attempts> <output held> <used or refunded> <cost> <ending>"
+--   "<state code><metered> <held> <attempts> <output held> <used or refunded> <cost>"
 -- (state code c | l | r; metered 0 | 1; output held -1 when unknown; the estimated flag rides on
--- the attempts as a sign; ending: the letter of how the request ended, ENDINGS), and drops its
--- record. (An entry filed before endings were kept has none, and reads as unknown.) The model, the scopes, the prices and who it
--- was for went into the counters and the ledger: a repeat needs only the counts.
+-- the attempts as a sign), and drops its record. How its request ended (`ending`) goes, under the
+-- same field, in the bucket's companion `<bucket>e` (one letter, ENDINGS) only when the entry
+-- does not imply it (implied_ending): most holds add nothing, and the entry keeps the form every
+-- tollgate reads.
 local function file_settled(rk, id, r, settled, now, state, result, cost, metered, ending)
   local period = math.floor(now / settled.retention)
   local bucket = settled.prefix .. period
@@ -490,27 +504,38 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
   if r.es == '1' then
     attempts = -attempts
   end
-  redis.call('HSET', bucket, settled_field(id), string.format('%s%d %d %d %d %d %d %s', SETTLED_CODES[state],
-    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost, ENDING_CODES[ending] or '-'))
-  redis.call('PEXPIRE', bucket, (period + 2) * settled.retention - now)
+  local field = settled_field(id)
+  local expires = (period + 2) * settled.retention - now
+  redis.call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
+    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost))
+  redis.call('PEXPIRE', bucket, expires)
+  if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
+    redis.call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
+    redis.call('PEXPIRE', bucket .. 'e', expires)
+  end
   redis.call('DEL', rk)
 end
 
 -- A settled hold as file_settled filed it, read as load reads a record (st h at oh es mx, and us
--- and cc, or rf; md empty; en how its request ended, nil when unknown), or nil when neither
--- bucket a repeat looks in has it.
+-- and cc, or rf; md empty; en how its request ended), or nil when neither bucket a repeat looks
+-- in has it.
 local function load_settled(id, settled, now)
   local period = math.floor(now / settled.retention)
   local field = settled_field(id)
-  local v = redis.call('HGET', settled.prefix .. period, field)
-    or redis.call('HGET', settled.prefix .. (period - 1), field)
+  local bucket = settled.prefix .. period
+  local v = redis.call('HGET', bucket, field)
+  if not v then
+    bucket = settled.prefix .. (period - 1)
+    v = redis.call('HGET', bucket, field)
+  end
   if not v then
     return nil
   end
-  local code, metered, h, at, oh, result, cost, ending =
-    string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) ?(%S?)$')
+  local code, metered, h, at, oh, result, cost =
+    string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
   local r = { st = SETTLED_STATES[code], h = tonumber(h), at = math.abs(tonumber(at)), oh = oh, md = '',
-    mx = metered, cc = tonumber(cost), es = '0', en = ENDINGS[ending] }
+    mx = metered, cc = tonumber(cost), es = '0' }
+  r.en = ENDINGS[redis.call('HGET', bucket .. 'e', field) or ''] or implied_ending(r.st, metered)
   if tonumber(at) < 0 then
     r.es = '1'
   end

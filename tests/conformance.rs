@@ -12,7 +12,7 @@ use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{Script, Store, keys};
+use tollgate::store::{Store, keys};
 
 /// Scenarios, each generic over the store.
 mod scenarios {
@@ -422,33 +422,19 @@ mod scenarios {
         let entries = h.settled().await;
         let field = |id: &str| id[id.len() - 20..].to_string();
         let values: Vec<&str> = [&committed, &released].map(|id| entries[&field(id)].0.as_str()).to_vec();
-        // (state and metered, held, attempts, output held, used or refunded, cost, how it ended)
-        assert_eq!(values, ["c0 20 1 10 7 13000 c", "r0 20 1 10 20 0 g"], "{entries:?}");
+        // (state and metered, held, attempts, output held, used or refunded, cost; how they ended
+        // is what the entries imply, so nothing more is kept)
+        assert_eq!(values, ["c0 20 1 10 7 13000", "r0 20 1 10 20 0"], "{entries:?}");
         let CommitOutcome::Committed(u) = &first else { panic!("{first:?}") };
         assert_eq!(u.ending, Some(Ending::Completed));
         let repeat = Usage { duplicate: true, model: None, ..u.clone() };
         assert_eq!(h.admission.commit(&committed, 9, 9).await.unwrap(), CommitOutcome::Committed(repeat.clone()));
-        // An entry filed before endings were kept answers the same, its ending unknown.
-        let older = admitted(&h.reserve(10, 10).await).reservation_id.clone();
-        h.admission.commit(&older, 4, 3).await.unwrap();
-        let (filed, _) = &h.settled().await[&field(&older)];
-        let unended = filed.strip_suffix(" c").expect("filed with its ending").to_string();
-        // The entry rewritten in whichever bucket holds it (the harness's settled buckets).
-        let rewrite = Script::new(
-            "file_old",
-            "local t = redis.call('TIME')\n\
-             local period = math.floor((tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)) / tonumber(ARGV[2]))\n\
-             for _, n in ipairs({ period - 1, period }) do\n\
-               if redis.call('HGET', ARGV[1] .. n, ARGV[3]) then redis.call('HSET', ARGV[1] .. n, ARGV[3], ARGV[4]) end\n\
-             end\n\
-             return 1"
-                .to_string(),
-        );
-        let retention = h.admission.policy().record_retention_ms.to_string();
-        let args = vec![keys::settled_prefix(&h.tenant), retention, field(&older), unended];
-        h.admission.protocol().store().eval(&rewrite, vec![keys::holds(&h.tenant)], args).await.unwrap();
-        let answer = h.admission.commit(&older, 9, 9).await.unwrap();
-        assert_eq!(answer, CommitOutcome::Committed(Usage { ending: None, ..repeat.clone() }), "{answer:?}");
+        // An ending the entry does not imply is kept beside it, and answers a repeat too.
+        let left = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        let metered = Counted::Metered { output: 3 };
+        h.admission.commit_ended(&left, metered, Ending::ClientLeft).await.unwrap();
+        let answer = h.admission.commit(&left, 9, 9).await.unwrap();
+        assert_eq!(answer.usage().and_then(|u| u.ending), Some(Ending::ClientLeft), "{answer:?}");
         let again = h.admission.release(&released).await.unwrap();
         assert_eq!(again, ReleaseOutcome::Released { refunded: 20, repeated: true });
         assert_eq!(h.admission.renew(&committed, 0).await.unwrap().state(), "committed");

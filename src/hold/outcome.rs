@@ -151,8 +151,8 @@ pub struct Usage {
     pub output_held: Option<u64>,
     /// What the usage cost at the model's price when the hold was made (nanos; 0 unpriced).
     pub cost_nanos: u64,
-    /// How the request ended, as the commit that settled it said (none for a hold settled before
-    /// endings were kept).
+    /// How the request ended, as the commit that settled it said (for a hold settled before
+    /// endings were kept, what its entry implies: completed, or metered).
     pub ending: Option<Ending>,
 }
 

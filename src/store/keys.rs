@@ -14,6 +14,7 @@
 //! tg:{acme}:holds            hash: reservation id → what settling it takes, while it is live
 //! tg:{acme}:r:<id>           reservation record
 //! tg:{acme}:settled:<n>      hash: what a repeat of each hold settled in period n is answered with
+//! tg:{acme}:settled:<n>e     hash: how those holds' requests ended, where their entry does not imply it
 //! tg:{acme}:i:<key>          idempotency key: its request's fingerprint, attempts, latest hold
 //! tg:{acme}:adj:<request>    a budget adjustment: what its request id did, for a repeat
 //! tg:{acme}:o:<model>        output-length estimate of the tenant's requests to the model
