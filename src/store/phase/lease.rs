@@ -287,12 +287,19 @@ impl<S: Store> Protocol<S> {
 
 /// A forwarded operation as `lease_forward.lua` keeps it:
 /// `commit <prompt|-> <output|-> exact|metered <cache reads|-> <cache writes|-> <reasoning|-> <ending>`,
-/// `release <ending>` or `renew <ms>`. (`commit <prompt|-> <output|-> exact|metered` and `release`
-/// alone were written by a replica from before the rest was kept, and still read: ending as their
-/// counts say, or released.)
+/// `release <ending>` or `renew <ms>`. An operation that says nothing its short form does not,
+/// `commit <prompt|-> <output|-> exact|metered` (ending as its counts say, no cache or reasoning
+/// counts) and `release` (released), is written short, as a replica from before the rest was kept
+/// reads it: during a rolling update the owner may be one.
 fn encode(op: Forwarded) -> String {
     let count = |n: Option<u64>| n.map_or_else(|| "-".to_string(), |n| n.to_string());
     match op {
+        Forwarded::Commit(counted, ending) if ending == Ending::of(counted) && plain(counted) => match counted {
+            Counted::Exact { prompt, output, .. } => format!("commit {prompt} {output} exact"),
+            Counted::Metered { output } => format!("commit - {output} metered"),
+            Counted::AsHeld => "commit - - metered".to_string(),
+        },
+        Forwarded::Release(Ending::Released) => "release".to_string(),
         Forwarded::Commit(counted, ending) => {
             let (prompt, output, measure, detail) = match counted {
                 Counted::Exact { prompt, output, detail } => (Some(prompt), Some(output), "exact", detail),
@@ -312,6 +319,11 @@ fn encode(op: Forwarded) -> String {
         Forwarded::Release(ending) => format!("release {}", ending.as_str()),
         Forwarded::Renew { lease_ms } => format!("renew {lease_ms}"),
     }
+}
+
+/// Counts with nothing more said of them.
+fn plain(counted: Counted) -> bool {
+    !matches!(counted, Counted::Exact { detail, .. } if detail != Detail::default())
 }
 
 fn decode(op: &str) -> Option<Forwarded> {
@@ -359,8 +371,13 @@ mod tests {
         ] {
             assert_eq!(decode(&encode(op)), Some(op), "{}", encode(op));
         }
-        // As a replica from before cached counts and endings were kept wrote them.
+        // As a replica from before cached counts and endings were kept wrote them, and as this one
+        // writes what says nothing more, for such a replica to read.
         assert_eq!(decode("commit 3 4 exact"), Some(Forwarded::Commit(Counted::exact(3, 4), Ending::Completed)));
+        assert_eq!(encode(Forwarded::Commit(Counted::exact(3, 4), Ending::Completed)), "commit 3 4 exact");
+        assert_eq!(encode(Forwarded::Commit(Counted::AsHeld, Ending::AsHeld)), "commit - - metered");
+        assert_eq!(encode(Forwarded::Release(Ending::Released)), "release");
+        assert_eq!(encode(Forwarded::Release(Ending::UpstreamError)), "release upstream_error");
         assert_eq!(
             decode("commit - 9 metered"),
             Some(Forwarded::Commit(Counted::Metered { output: 9 }, Ending::Metered))
