@@ -3,6 +3,8 @@
 --
 -- KEYS[1]   the tenant's holds hash (each live hold's charge, day and scopes: what is held)
 -- KEYS[2..] the scope hashes: tenant first, then user and model where they apply
+-- ARGV[1] count held: 1 to read what live holds hold (every live hold of the tenant is read),
+--         0 to leave it 0 (the remaining-budget gauges want only what is left)
 -- then nine numbers per scope, in KEYS order, 0 meaning "no such limit" (as reserve.lua's):
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
 --   monthly budget, daily cost budget, monthly cost budget (nanos)
@@ -21,7 +23,10 @@ local month = month_of(today)
 
 -- What live holds hold, by scope key: tokens and cost charged today and this month.
 local held = {}
-local flat = redis.call('HGETALL', KEYS[1])
+local flat = {}
+if ARGV[1] == '1' then
+  flat = redis.call('HGETALL', KEYS[1])
+end
 for i = 1, #flat, 2 do
   local e = split(flat[i + 1])
   local tokens, day, cost = tonumber(e[1]), tonumber(e[2]), tonumber(e[4])
@@ -50,7 +55,7 @@ local day_ends = (today + 1) * DAY_MS - now
 local month_ends = month_start(month + 1) * DAY_MS - now
 local out = {}
 for i = 2, #KEYS do
-  local b = (i - 2) * 9
+  local b = 1 + (i - 2) * 9
   local s = read_scope(KEYS[i], ARGV, b, now, today, month, b + 6)
   local h = held[KEYS[i]] or { dt = 0, dc = 0, mt = 0, mc = 0 }
   local tokens, tokens_full = bucket(s.t, s.tcap, s.trate)

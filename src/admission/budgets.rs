@@ -51,9 +51,20 @@ impl<S: Store> Admission<S> {
         user: Option<&str>,
         model: Option<&str>,
     ) -> Result<Vec<ScopeBudget>, AdmissionError> {
+        self.read_budgets(tenant, user, model, true).await
+    }
+
+    /// The same; `count_held` false leaves what live holds hold at 0 (the tenant's holds unread).
+    async fn read_budgets(
+        &self,
+        tenant: &str,
+        user: Option<&str>,
+        model: Option<&str>,
+        count_held: bool,
+    ) -> Result<Vec<ScopeBudget>, AdmissionError> {
         let (_, _, scopes) = self.budgets_scopes(tenant, user, model)?;
         let read: Vec<_> = scopes.iter().map(|s| (s.key.clone(), s.limits)).collect();
-        let used = self.protocol.budget(tenant, &read).await?;
+        let used = self.protocol.budget(tenant, &read, count_held).await?;
         Ok(scopes
             .into_iter()
             .zip(used)
@@ -145,7 +156,8 @@ impl<S: Store> Admission<S> {
 
     async fn read_budget_gauges(&self) {
         for tenant in self.metrics.budget_tenants() {
-            let scopes = match self.budgets(&tenant, None, None).await {
+            // What is left is all the gauges show: the tenant's live holds are not read.
+            let scopes = match self.read_budgets(&tenant, None, None, false).await {
                 Ok(scopes) => scopes,
                 Err(AdmissionError::Store(e)) => {
                     tracing::debug!(error = %e, tenant, "reading budgets for the gauges failed; keeping the last");

@@ -6,8 +6,8 @@ use super::{Argv, Fields};
 use crate::hold::ScopeLimits;
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
-/// `budget_get.lua`'s fixed `ARGV`: none; nine limits per scope follow ([`SCOPE_ARGV`]).
-pub(crate) const GET_ARGV: [&str; 0] = [];
+/// `budget_get.lua`'s fixed `ARGV`; nine limits per scope follow ([`SCOPE_ARGV`]).
+pub(crate) const GET_ARGV: [&str; 1] = ["count held"];
 
 /// `budget_adjust.lua`'s `ARGV`, in order.
 pub(crate) const ADJUST_ARGV: [&str; 8] = [
@@ -124,10 +124,16 @@ pub struct ScopeUse {
 
 impl<S: Store> Protocol<S> {
     /// What each of `tenant`'s `scopes` (key and limits, as a reserve sends them) has used, holds
-    /// and has left. Reads only.
-    pub async fn budget(&self, tenant: &str, scopes: &[(String, ScopeLimits)]) -> Result<Vec<ScopeUse>, StoreError> {
+    /// (when `count_held`: it reads every live hold of the tenant; else 0) and has left. Reads only.
+    pub async fn budget(
+        &self,
+        tenant: &str,
+        scopes: &[(String, ScopeLimits)],
+        count_held: bool,
+    ) -> Result<Vec<ScopeUse>, StoreError> {
         let script = &self.scripts.budget_get;
         let mut a = Argv::grouped("budget_get", &GET_ARGV, &SCOPE_ARGV, scopes.len());
+        a.push("count held", if count_held { "1" } else { "0" }.to_string());
         let mut keys = Vec::with_capacity(scopes.len().saturating_add(1));
         keys.push(keys::holds(tenant));
         for (key, limits) in scopes {
