@@ -46,7 +46,7 @@ use support::Harness;
 use support::faults::Chaos;
 use tollgate::admission::{Attributes, Decision};
 use tollgate::config::Policy;
-use tollgate::hold::{CommitOutcome, ReleaseOutcome, RenewOutcome};
+use tollgate::hold::{CommitOutcome, ReleaseOutcome, RenewOutcome, Settled};
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::keys;
@@ -255,6 +255,15 @@ struct Hold {
 enum Pending {
     Commit { hold: usize, used: u64 },
     Release { hold: usize },
+}
+
+/// How the owner's answer shows a hold was settled before: committed with these tokens charged,
+/// committed (counts unknown), or released.
+#[derive(Debug, Clone, Copy)]
+enum Shown {
+    Committed(u64),
+    AnyCommit,
+    Released,
 }
 
 impl Pending {
@@ -506,8 +515,17 @@ impl World {
                 };
                 if replica == self.holds[i].owner {
                     let fresh = o.usage().is_some_and(|u| !u.duplicate);
-                    if !fresh {
-                        self.applied_by_owner(i);
+                    // Settled before this commit, by what (not this very commit, re-sent after
+                    // its reply was lost: that one answers with its own counts).
+                    let shown = match &o {
+                        CommitOutcome::Committed(u) if u.duplicate && !(retried && u.used == used) => {
+                            Some(Shown::Committed(u.used))
+                        }
+                        CommitOutcome::Released => Some(Shown::Released),
+                        _ => None,
+                    };
+                    if let Some(shown) = shown {
+                        self.applied_by_owner(i, shown);
                     }
                     let expected = self.apply(i, Some(used));
                     // An attempt whose reply was lost may have been the one that applied it: the
@@ -541,8 +559,13 @@ impl World {
                 };
                 if replica == self.holds[i].owner {
                     let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
-                    if !fresh {
-                        self.applied_by_owner(i);
+                    let shown = match o {
+                        ReleaseOutcome::Released { repeated: true, .. } if !retried => Some(Shown::Released),
+                        ReleaseOutcome::Settled(Settled::Committed | Settled::LateCommitted) => Some(Shown::AnyCommit),
+                        _ => None,
+                    };
+                    if let Some(shown) = shown {
+                        self.applied_by_owner(i, shown);
                     }
                     let expected = self.apply(i, None);
                     let applied_by_lost_reply =
@@ -577,8 +600,15 @@ impl World {
                     Ok(other) => {
                         // Settled already: by a forwarded operation the owner applied (see
                         // `applied_by_owner`), if the reference still held one pending.
-                        if alive {
-                            self.applied_by_owner(i);
+                        let shown = match other {
+                            RenewOutcome::Settled(Settled::Committed | Settled::LateCommitted) => {
+                                Some(Shown::AnyCommit)
+                            }
+                            RenewOutcome::Settled(Settled::Released) => Some(Shown::Released),
+                            _ => None,
+                        };
+                        if let (true, Some(shown)) = (alive, shown) {
+                            self.applied_by_owner(i, shown);
                         }
                         assert!(!self.alive(&self.holds[i]), "an alive hold did not renew: {other:?}");
                     }
@@ -708,20 +738,24 @@ impl World {
 
     /// Operations forwarded to a replica are taken by its next lease call (a window, or a miss):
     /// those no longer waiting in the store were applied by this step, in the order they came.
-    /// The owner found hold `i` settled already: a forwarded operation on it that the reference
-    /// still holds as pending (handed over by a lease call it counts as unanswered) was applied by
-    /// the owner, once, as it is applied in the end either way. Applied here, in order.
-    fn applied_by_owner(&mut self, i: usize) {
+    /// The owner found hold `i` settled already, as `shown`: the forwarded operation on it that
+    /// the reference still holds as pending (handed over by a lease call it counts as
+    /// unanswered) and that settles it so was applied by the owner, once. Applied here.
+    fn applied_by_owner(&mut self, i: usize, shown: Shown) {
         let owner = self.holds[i].owner;
         let Some(pending) = self.pending.get_mut(&owner) else { return };
-        let (mine, rest): (Vec<Pending>, Vec<Pending>) = pending.drain(..).partition(|p| p.hold() == i);
-        *pending = rest;
-        for p in mine {
-            match p {
-                Pending::Commit { hold, used } => self.apply(hold, Some(used)),
-                Pending::Release { hold } => self.apply(hold, None),
-            };
-        }
+        let settles = |p: &Pending| match (p, shown) {
+            (Pending::Commit { hold, used }, Shown::Committed(charged)) => *hold == i && *used == charged,
+            (Pending::Commit { hold, .. }, Shown::AnyCommit) => *hold == i,
+            (Pending::Release { hold }, Shown::Released) => *hold == i,
+            _ => false,
+        };
+        let Some(k) = pending.iter().position(settles) else { return };
+        let p = pending.remove(k);
+        match p {
+            Pending::Commit { hold, used } => self.apply(hold, Some(used)),
+            Pending::Release { hold } => self.apply(hold, None),
+        };
     }
 
     async fn collect_forwarded(&mut self) {
