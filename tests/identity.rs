@@ -53,9 +53,10 @@ fn with_identity(config: String, jwks: &Path) -> String {
     config.replacen(anchor, &format!("{anchor}{filters}"), 1)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_a_verified_token_names_the_tenant() {
-    let tollgate = Tollgate::start(POLICY);
+/// tollgate with `policy`, the test upstream, and Envoy in front with the identity filters reading
+/// a JWKS of the test's key.
+async fn behind_identity(policy: &str) -> (Tollgate, Upstream, Envoy) {
+    let tollgate = Tollgate::start(policy);
     let jwks = tollgate.dir.write(
         "jwks.json",
         &serde_json::json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": URL_SAFE_NO_PAD.encode(SECRET)}]})
@@ -63,6 +64,12 @@ async fn only_a_verified_token_names_the_tenant() {
     );
     let upstream = Upstream::start(tollgate.endpoint()).await;
     let envoy = Envoy::start_edited(tollgate.addr, upstream.port, |c| with_identity(c, &jwks));
+    (tollgate, upstream, envoy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_verified_token_names_the_tenant() {
+    let (_tollgate, _upstream, envoy) = behind_identity(POLICY).await;
     let bearer = |t: &str| format!("Bearer {t}");
 
     // A verified token: its tenant, whatever the client claims in headers of its own.
@@ -121,14 +128,7 @@ async fn an_unlisted_tenant_is_admitted_under_the_plan_its_token_names() {
                   plans:\n  gold:\n    limits: { tokens_per_minute: 60, burst_tokens: 1000 }\n\
                   \x20 free:\n    limits: { tokens_per_minute: 60, burst_tokens: 40 }\n\
                   default_tenant:\n  plan: free\n";
-    let tollgate = Tollgate::start(policy);
-    let jwks = tollgate.dir.write(
-        "jwks.json",
-        &serde_json::json!({"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1", "k": URL_SAFE_NO_PAD.encode(SECRET)}]})
-            .to_string(),
-    );
-    let upstream = Upstream::start(tollgate.endpoint()).await;
-    let envoy = Envoy::start_edited(tollgate.addr, upstream.port, |c| with_identity(c, &jwks));
+    let (tollgate, _upstream, envoy) = behind_identity(policy).await;
     // A hold of its prompt and 64: more than free's burst of 40, within gold's 1,000.
     let big = r#"{"model":"m","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
     let mut gold = claims("newteam", "alice", 600);

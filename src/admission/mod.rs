@@ -195,7 +195,8 @@ impl<S: Store> Admission<S> {
         if let Some(tp) = policy.tenants.get(tenant) {
             return Some(tp);
         }
-        let claimed = self.claims.plan_of(tenant);
+        // (Plans are noted only where the policy reads them from identity: no lock otherwise.)
+        let claimed = policy.server.plan_header.as_ref().and_then(|_| self.claims.plan_of(tenant));
         claimed.and_then(|plan| policy.plans.get(&plan)).or(policy.default_tenant.as_ref())
     }
 

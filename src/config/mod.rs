@@ -2,6 +2,7 @@
 //! error, so a typo cannot silently drop a limit) and validation names the field and the reason,
 //! so a bad file stops the start with a message a person can act on.
 
+mod models;
 pub mod names;
 mod raw;
 mod summary;
@@ -13,6 +14,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use models::{
+    DEFAULT_BYTES_PER_TOKEN, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, ModelPolicy, PoolPolicy, Price, TokenWeights,
+    UpstreamThrottle,
+};
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use validate::MAX_TOKEN_COUNT;
 
@@ -213,134 +218,6 @@ impl TlsSettings {
                 self.allowed_clients.join(", ")
             ),
         }
-    }
-}
-
-/// Body bytes per token where a model does not say (and for a response whose model is unknown).
-pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
-
-/// What a model costs to admit.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ModelPolicy {
-    /// The output reserved when a request names no `max_tokens`; also the largest it may name.
-    pub max_output_tokens: u64,
-    /// Body bytes per prompt token, for the prompt estimate.
-    pub bytes_per_token: f64,
-    /// The longest prompt the model takes: held for a request whose size cannot be known (a
-    /// chunked body Envoy cut short, with no `content-length`).
-    pub max_prompt_tokens: u64,
-    /// The backend pool serving this model; none means no capacity admission for it.
-    pub pool: Option<String>,
-    /// What its tokens cost; none: nothing (cost budgets need every model priced).
-    pub price: Option<Price>,
-    /// What its cached prompt tokens and reasoning tokens count in token limits and budgets.
-    pub token_weights: TokenWeights,
-}
-
-/// What a prompt token the provider read from its cache, or wrote to it, and an output token spent
-/// reasoning count in token limits and budgets, in thousandths of an input (or output) token:
-/// exact integers, at most [`MAX_CACHE_WEIGHT_MILLI`]. A commit that reports such tokens charges
-/// them at these weights (rounded up); the hold, made before anyone knew, counts every token whole.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TokenWeights {
-    pub read_milli: u64,
-    pub write_milli: u64,
-    pub reasoning_milli: u64,
-}
-
-impl Default for TokenWeights {
-    /// Every token a whole one.
-    fn default() -> Self {
-        TokenWeights { read_milli: 1000, write_milli: 1000, reasoning_milli: 1000 }
-    }
-}
-
-/// The heaviest a weighted token may weigh: ten whole ones.
-pub const MAX_CACHE_WEIGHT_MILLI: u16 = 10_000;
-
-/// A model's price per token, in nanos of the policy's currency (a price per million tokens
-/// times 1,000): exact integers, at most [`MAX_PRICE_NANOS`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Price {
-    pub input_nanos: u64,
-    pub output_nanos: u64,
-    /// Prompt tokens read from the provider's cache (the input price unless the policy says).
-    pub cache_read_nanos: u64,
-    /// Prompt tokens written to the provider's cache (the input price unless the policy says).
-    pub cache_write_nanos: u64,
-    /// Output tokens spent reasoning (the output price unless the policy says).
-    pub reasoning_nanos: u64,
-}
-
-/// The highest price per token, in nanos (1,000 per million tokens): a billion tokens at it cost
-/// 10^15 nanos, still exact in the scripts' doubles.
-pub const MAX_PRICE_NANOS: u64 = 1_000_000;
-
-/// A group of backend replicas serving one or more models, as capacity admission models it:
-/// `max_sequences` slots, each prefilling and then decoding at the given speeds.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PoolPolicy {
-    pub max_sequences: u64,
-    pub prefill_tokens_per_ms: f64,
-    /// Decode speed of one sequence.
-    pub decode_tokens_per_ms: f64,
-    /// The longest predicted queue delay a request may be admitted into (for `critical`).
-    pub max_queue_delay_ms: u64,
-    pub kv_cache_tokens: Option<u64>,
-    /// Share of the pool `standard` and `sheddable` may use; the rest is headroom for the tiers
-    /// above them. `critical` has all of it.
-    pub standard_share: f64,
-    pub sheddable_share: f64,
-    /// How long the pool's keys outlive their last write: two of the longest lease, and a minute.
-    pub idle_ttl_ms: u64,
-    /// How the provider's 429s throttle the pool; `None` when they do not.
-    pub upstream_throttle: Option<UpstreamThrottle>,
-}
-
-/// Adaptive throttle from the provider's 429s (additive increase, multiplicative decrease): each
-/// refusal (one per cooldown) multiplies the share of the pool admitted by `decrease`, down to
-/// `min_share`; the share recovers by `recover_per_ms` every millisecond; and nothing new is
-/// admitted until the provider's Retry-After has passed.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct UpstreamThrottle {
-    pub decrease: f64,
-    pub min_share: f64,
-    pub recover_per_ms: f64,
-    pub cooldown_ms: u64,
-    /// The longest provider Retry-After honoured.
-    pub max_retry_after_ms: u64,
-}
-
-impl PoolPolicy {
-    pub fn share(&self, tier: Priority) -> f64 {
-        match tier {
-            Priority::Critical => 1.0,
-            Priority::Standard => self.standard_share,
-            Priority::Sheddable => self.sheddable_share,
-        }
-    }
-
-    /// The slots a tier may fill before it queues: its share of the pool, at least one.
-    // Float → integer `as` saturates; a share is in (0, 1], so the product is finite, non-negative
-    // and at most the pool's own size.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    pub fn slots_for(&self, tier: Priority) -> u64 {
-        ((self.max_sequences as f64 * self.share(tier)).floor() as u64).max(1)
-    }
-
-    /// The KV-cache tokens a tier may fill; `None` when the pool sets no KV capacity.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    pub fn kv_for(&self, tier: Priority) -> Option<u64> {
-        self.kv_cache_tokens.map(|kv| ((kv as f64 * self.share(tier)).floor() as u64).max(1))
-    }
-
-    /// Predicted slot time of one request: prefill the prompt, then decode the output. Token
-    /// counts are bounded (10^9) and speeds positive, so the result is finite and non-negative;
-    /// `as` saturates all the same.
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
-    pub fn service_ms(&self, prompt_tokens: u64, output_tokens: u64) -> u64 {
-        (prompt_tokens as f64 / self.prefill_tokens_per_ms + output_tokens as f64 / self.decode_tokens_per_ms).ceil()
-            as u64
     }
 }
 

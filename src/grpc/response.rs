@@ -149,19 +149,10 @@ fn rate_limit_headers(h: &Headroom, family: Family) -> Vec<HeaderValueOption> {
 }
 
 /// A time (ms since the Unix epoch, UTC) as RFC 3339, to the second: `2026-12-02T12:41:32Z`.
-/// (Days to the civil calendar after H. Hinnant, as `hold::month_of`.)
 fn rfc3339(ms: u64) -> String {
     let secs = ms / 1000;
     let (day, rest) = (secs / 86_400, secs % 86_400);
-    let z = day + 719_468;
-    let era = z / 146_097;
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + u64::from(m <= 2);
+    let (y, m, d) = crate::hold::civil_date(day);
     format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rest / 3600, rest % 3600 / 60, rest % 60)
 }
 

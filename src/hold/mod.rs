@@ -29,18 +29,25 @@ pub use refusal::{Budget, KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
 pub const DAY_MS: u64 = 86_400_000;
 
 /// The UTC calendar month of a day number (days since 1970-01-01), as year x 12 + month - 1: the
-/// month `lua/common.lua`'s `month_of` gives, the period of a monthly budget. (Days to the civil
-/// calendar after H. Hinnant; day numbers are far below where u64 arithmetic could overflow.)
+/// month `lua/common.lua`'s `month_of` gives, the period of a monthly budget.
 pub fn month_of(day: u64) -> u64 {
+    let (y, m, _) = civil_date(day);
+    y * 12 + m - 1
+}
+
+/// The UTC calendar date (year, month 1-12, day 1-31) of a day number (days since 1970-01-01).
+/// (Days to the civil calendar after H. Hinnant; day numbers are far below where u64 arithmetic
+/// could overflow.)
+pub fn civil_date(day: u64) -> (u64, u64, u64) {
     let z = day + 719_468;
     let era = z / 146_097;
     let doe = z - era * 146_097;
     let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
     let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
     let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + u64::from(m <= 2);
-    y * 12 + m - 1
+    (yoe + era * 400 + u64::from(m <= 2), m, d)
 }
 
 #[cfg(test)]
