@@ -5,23 +5,27 @@
 -- KEYS[2..] the scope hashes: tenant first, then user and model where they apply
 -- ARGV[1] count held: 1 to read what live holds hold (every live hold of the tenant is read),
 --         0 to leave it 0 (the remaining-budget gauges want only what is left)
--- then nine numbers per scope, in KEYS order, 0 meaning "no such limit" (as reserve.lua's):
---   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
---   monthly budget, daily cost budget, monthly cost budget (nanos)
+-- ARGV[2] record key prefix (prefix .. id = a live hold's record: its output part and hour)
+-- ARGV[3] the tenant's time zone: its offset from UTC now, in minutes east (as reserve.lua's)
+-- then ten per scope, in KEYS order, as reserve.lua takes them (see common.lua's scope_limits):
+--   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, input token
+--   capacity, input tokens per ms, output token capacity, output tokens per ms, period budgets
 --
 -- Reply: per scope, in KEYS order,
---   {tokens in the bucket, ms until it is full, requests in the bucket, ms until it is full (0 and 0
---    for a bucket the scope does not have), holds in flight, the day's tokens, of them held, the month's
---    tokens, of them held, the day's cost, of it held, the month's cost, of it held, ms until the
---    day ends, ms until the month ends}
---   (held: what live holds charged, not yet settled by a commit, release or expiry; the day's and
---    the month's counts include it. A bucket holds what replicas drew into their slices as used.)
+--   {tokens in the bucket, ms until it is full, requests in the bucket, ms until it is full,
+--    holds in flight, prompt tokens in their bucket, ms until it is full, output tokens in
+--    theirs, ms until it is full (0 and 0 for a bucket the scope does not have),
+--    {counter, counted, of it held, ms until its period ends, ...} for every budget the scope
+--    has (and the tokens and cost of the day and month, which every scope counts)}
+--   (held: what live holds charged, not yet settled by a commit, release or expiry; the counts
+--    include it. A bucket holds what replicas drew into their slices as used.)
 
 local now = now_ms()
-local today = math.floor(now / DAY_MS)
-local month = month_of(today)
+local offset = tonumber(ARGV[3])
+local at = periods_at(now, offset)
+local FIRST_ARG = 4
 
--- What live holds hold, by scope key: tokens and cost charged today and this month.
+-- What live holds hold, by scope key and counter, in the current periods.
 local held = {}
 local flat = {}
 if ARGV[1] == '1' then
@@ -29,14 +33,19 @@ if ARGV[1] == '1' then
 end
 for i = 1, #flat, 2 do
   local e = split(flat[i + 1])
-  local tokens, day, cost = tonumber(e[1]), tonumber(e[2]), tonumber(e[4])
+  local tokens, day, cost = tonumber(e[1]), tonumber(e[2]), tonumber(e[4]) or 0
+  local r = redis.call('HMGET', ARGV[2] .. flat[i], 'oh', 'hr')
+  -- (A hold whose record is gone is counted whole as prompt: its output part is unknown.)
+  local output = math.min(tokens, tonumber(r[1]) or 0)
+  local n = amounts(tokens, cost, tokens - output, output)
+  local hold_at = periods_of(day, tonumber(r[2]))
   for j = 5, #e do
-    local h = held[e[j]] or { dt = 0, dc = 0, mt = 0, mc = 0 }
-    if day == today then
-      h.dt, h.dc = h.dt + tokens, h.dc + cost
-    end
-    if month_of(day) == month then
-      h.mt, h.mc = h.mt + tokens, h.mc + cost
+    local h = held[e[j]] or {}
+    for _, c in ipairs(COUNTERS) do
+      local p = string.sub(c, 1, 1)
+      if hold_at[p] and hold_at[p] == at[p] then
+        h[c] = (h[c] or 0) + n[string.sub(c, 2, 2)]
+      end
     end
     held[e[j]] = h
   end
@@ -51,16 +60,24 @@ local function bucket(level, cap, rate)
   return math.floor(level), math.ceil(math.max(0, cap - level) / rate)
 end
 
-local day_ends = (today + 1) * DAY_MS - now
-local month_ends = month_start(month + 1) * DAY_MS - now
 local out = {}
 for i = 2, #KEYS do
-  local b = 1 + (i - 2) * 9
-  local s = read_scope(KEYS[i], ARGV, b, now, today, month, b + 6)
-  local h = held[KEYS[i]] or { dt = 0, dc = 0, mt = 0, mc = 0 }
+  local l = scope_limits(ARGV, FIRST_ARG + (i - 2) * 10 - 1)
+  local s = read_scope(KEYS[i], l, now, at)
+  local h = held[KEYS[i]] or {}
   local tokens, tokens_full = bucket(s.t, s.tcap, s.trate)
   local requests, requests_full = bucket(s.r, s.rcap, s.rrate)
-  out[#out + 1] = { tokens, tokens_full, requests, requests_full, s.c, s.du, h.dt, s.mu, h.mt, s.dc, h.dc, s.mc, h.mc,
-    day_ends, month_ends }
+  local input, input_full = bucket(s.pt, s.pcap, s.prate)
+  local output, output_full = bucket(s.gt, s.gcap, s.grate)
+  local budgets = {}
+  for _, c in ipairs(COUNTERS) do
+    if l.budgets[c] or c == 'du' or c == 'dc' or c == 'mu' or c == 'mc' then
+      budgets[#budgets + 1] = c
+      budgets[#budgets + 1] = s.used[c] or 0
+      budgets[#budgets + 1] = h[c] or 0
+      budgets[#budgets + 1] = period_ends(string.sub(c, 1, 1), at, now, offset)
+    end
+  end
+  out[#out + 1] = { tokens, tokens_full, requests, requests_full, s.c, input, input_full, output, output_full, budgets }
 end
 return out

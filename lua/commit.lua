@@ -76,11 +76,13 @@ local read, written, reasoning = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber
 if metered or ARGV[2] == '' then
   read, written, reasoning = nil, nil, nil
 end
-local used, cost = charged_for(r, prompt, output, read or 0, written or 0, reasoning or 0)
+local used, cost, used_in, used_out = charged_for(r, prompt, output, read or 0, written or 0, reasoning or 0)
 if r.sl == '1' then
   free_slots(keys)
 end
-settle(keys, used - r.ch, cost - r.cc, r.dy, now)
+local had = charged_of(r)
+local hold_at, now_at = hold_periods(r, now)
+settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), hold_at, now_at, now)
 keep_alive(keys, leases, holds, r.it)
 
 local state = 'committed'

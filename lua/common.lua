@@ -6,7 +6,9 @@
 --   h   tokens held at admission            ch  tokens currently charged to the buckets
 --   sl  1 while the hold occupies a concurrency slot in every scope
 --   le  lease expiry (ms, Redis clock)      at  attempts of its idempotency key when it was made
---   dy  day number (UTC) the hold was charged to (its month is the month of that day)
+--   dy  day number the hold was charged to, in its tenant's zone (its week and month are those
+--       of that day)         hr  its hour number, when a scope counts hours
+--   zo  the zone's offset from UTC when it was made (minutes east; absent: UTC)
 --   ks  the scope hashes it charged, space separated
 --   xp  expired-usage policy: charge | refund
 --   ik  its idempotency key, or empty       rt  how long it waits for a late commit once expired (ms)
@@ -57,8 +59,11 @@
 --   t tt tc tr  token bucket: tokens, last refill (ms), capacity, refill per ms
 --   r rt        request bucket: permits, last refill (ms)
 --   c           holds in flight
---   d du dc     day number, and tokens and cost (nanos) charged that day
---   mo mu mc    month number (UTC: year x 12 + month - 1), and tokens and cost charged that month
+--   pt ptt ptc ptr, gt gtt gtc gtr   buckets of prompt tokens and of output tokens, as t tt tc tr
+--   h d w mo    period markers, in the tenant's zone: hour, day, week (from Monday) and month
+--               (year x 12 + month - 1) numbers
+--   <period><measure>  what the period counted: period h d w m, measure u (tokens), c (cost,
+--               nanos), p (prompt tokens), g (output tokens); e.g. du, mc, wg (see PERIODS)
 --
 -- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
 -- appended by the very script that settles it, so what billing reads and what the counters
@@ -131,7 +136,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'us', 'rf',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw', 'hr', 'zo' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -148,6 +153,8 @@ local function load(rk)
   r.le = tonumber(r.le)
   r.at = tonumber(r.at)
   r.dy = tonumber(r.dy)
+  r.hr = tonumber(r.hr)
+  r.zo = tonumber(r.zo) or 0
   r.rt = tonumber(r.rt)
   r.it = tonumber(r.it)
   r.pi = tonumber(r.pi) or 0
@@ -165,8 +172,8 @@ end
 
 -- What `prompt` and `output` tokens charge hold `r`, `read` and `written` of the prompt read
 -- from the provider's cache or written to it and `reasoning` of the output spent reasoning:
--- tokens (a weighted token at its weight, rounded up) and their cost, at the terms the hold was
--- made with. Reads first, then writes, each capped at what the prompt has left; reasoning capped
+-- tokens (a weighted token at its weight, rounded up), their cost, at the terms the hold was
+-- made with, and the tokens of each side (input, output) apart. Reads first, then writes, each capped at what the prompt has left; reasoning capped
 -- at the output. src/hold/charge.rs's `charge` is the same arithmetic. Exact in doubles: counts
 -- are at most 1e9, weights 1e4, prices 1e6 nanos.
 local function charged_for(r, prompt, output, read, written, reasoning)
@@ -178,8 +185,10 @@ local function charged_for(r, prompt, output, read, written, reasoning)
   local function weighted(n, w)
     return math.floor((n * w + 999) / 1000)
   end
-  local tokens = plain + weighted(read, r.wr) + weighted(written, r.ww) + answer + weighted(reasoning, r.wt)
-  return tokens, plain * r.pi + read * r.pr + written * r.pw + answer * r.po + reasoning * r.pt
+  local input = plain + weighted(read, r.wr) + weighted(written, r.ww)
+  local output_tokens = answer + weighted(reasoning, r.wt)
+  local cost = plain * r.pi + read * r.pr + written * r.pw + answer * r.po + reasoning * r.pt
+  return input + output_tokens, cost, input, output_tokens
 end
 
 -- A bucket's level at `now`: its level at its last write plus the refill since, never above its
@@ -192,50 +201,150 @@ local function refilled(level, at, cap, rate, now)
   return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
 end
 
--- A scope as the admission scripts see it: its limits, from six ARGV numbers after `b` (token
--- capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget; 0
--- meaning no such limit) and, when `long` is given, three after `long` (tokens per month, cost
--- per day, cost per month); and its counters refilled to `now` (`month`: today's). Reads; writes
--- nothing.
-local function read_scope(key, args, b, now, today, month, long)
-  local s = {
-    key = key,
+-- Keeps `key` alive for at least `ms` more, never for less than it already has: a key that holds
+-- many holds (a scope, a lease index, a holds hash, a pool's) keeps the TTL its longest-lived hold
+-- needs, so a reload that shortens the lease or the idle TTL leaves the holds made before it their
+-- own terms. (A key without a TTL gets one; a missing key is left missing.)
+local function keep_for(key, ms)
+  if redis.call('PTTL', key) < ms then
+    redis.call('PEXPIRE', key, ms)
+  end
+end
+
+-- Period budgets. A scope counts usage per calendar period (h hour, d day, w week from Monday,
+-- m month) and measure (u tokens, c cost, p prompt tokens, g output tokens): its counter is named
+-- by the two letters (`du`, `wg`), and each period's counters share one marker field, the period's
+-- number (PERIOD_MARKERS), so a counter counts while its marker is the current period's and a
+-- new period starts all of them at zero. Periods are numbered in the tenant's time zone, given as
+-- its offset from UTC in minutes: local time = now + offset. A scope always counts tokens and
+-- cost per day and month (ALWAYS), whatever budgets it has, and goes on counting whatever it
+-- has counted while its hash lives.
+local HOUR_MS = 3600000
+local PERIODS = { 'h', 'd', 'w', 'm' }
+local PERIOD_MARKERS = { h = 'h', d = 'd', w = 'w', m = 'mo' }
+local MEASURES = { 'u', 'c', 'p', 'g' }
+local COUNTERS = {}
+for _, p in ipairs(PERIODS) do
+  for _, k in ipairs(MEASURES) do
+    COUNTERS[#COUNTERS + 1] = p .. k
+  end
+end
+local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
+
+-- The hour, day, week and month numbers of `day` (and `hour`, when known) in a zone: the periods
+-- a hold charged. (Week 0 began on Monday 1969-12-29.)
+local function periods_of(day, hour)
+  return { h = hour, d = day, w = math.floor((day + 3) / 7), m = month_of(day) }
+end
+
+-- The periods `now` falls in, in the zone `offset` minutes east of UTC.
+local function periods_at(now, offset)
+  local t = now + offset * 60000
+  return periods_of(math.floor(t / DAY_MS), math.floor(t / HOUR_MS))
+end
+
+-- Ms from `now` until period `p` of `at` (numbered in the zone `offset` minutes east) ends.
+local function period_ends(p, at, now, offset)
+  local ends
+  if p == 'h' then
+    ends = (at.h + 1) * HOUR_MS
+  elseif p == 'd' then
+    ends = (at.d + 1) * DAY_MS
+  elseif p == 'w' then
+    ends = ((at.w + 1) * 7 - 3) * DAY_MS
+  else
+    ends = month_start(at.m + 1) * DAY_MS
+  end
+  return ends - offset * 60000 - now
+end
+
+-- A hash as a table of its fields.
+local function fields_of(key)
+  local flat = redis.call('HGETALL', key)
+  local f = {}
+  for i = 1, #flat, 2 do
+    f[flat[i]] = flat[i + 1]
+  end
+  return f
+end
+
+-- A scope's limits, from ten ARGV after `b`: token capacity, tokens per ms, request capacity,
+-- requests per ms, max concurrency, input token capacity, input tokens per ms, output token
+-- capacity, output tokens per ms (0 meaning no such limit), and its period budgets as
+-- "<counter>:<limit> ..." (money in nanos; '' when none).
+local function scope_limits(args, b)
+  local l = {
     tcap = tonumber(args[b + 1]),
     trate = tonumber(args[b + 2]),
     rcap = tonumber(args[b + 3]),
     rrate = tonumber(args[b + 4]),
     cmax = tonumber(args[b + 5]),
-    budget = tonumber(args[b + 6]),
-    mbudget = 0,
-    dcost = 0,
-    mcost = 0,
+    pcap = tonumber(args[b + 6]),
+    prate = tonumber(args[b + 7]),
+    gcap = tonumber(args[b + 8]),
+    grate = tonumber(args[b + 9]),
+    budgets = {},
   }
-  if long then
-    s.mbudget, s.dcost, s.mcost = tonumber(args[long + 1]), tonumber(args[long + 2]), tonumber(args[long + 3])
+  for c, n in string.gmatch(args[b + 10], '(%a%a):(%d+)') do
+    l.budgets[c] = tonumber(n)
   end
-  local v = redis.call('HMGET', key, 't', 'tt', 'r', 'rt', 'c', 'd', 'du', 'dc', 'mo', 'mu', 'mc')
+  return l
+end
+
+-- A scope as the admission scripts see it: its limits `l` (scope_limits), its buckets refilled to
+-- `now`, and what each counter it counts has used in the current period of `at` (periods_at).
+-- Reads; writes nothing.
+local function read_scope(key, l, now, at)
+  local f = fields_of(key)
+  local s = { key = key, l = l, tcap = l.tcap, trate = l.trate, rcap = l.rcap, rrate = l.rrate, cmax = l.cmax,
+    pcap = l.pcap, prate = l.prate, gcap = l.gcap, grate = l.grate }
   if s.tcap > 0 then
-    s.t = refilled(v[1], v[2], s.tcap, s.trate, now)
+    s.t = refilled(f.t, f.tt, s.tcap, s.trate, now)
+  end
+  if s.pcap > 0 then
+    s.pt = refilled(f.pt, f.ptt, s.pcap, s.prate, now)
+  end
+  if s.gcap > 0 then
+    s.gt = refilled(f.gt, f.gtt, s.gcap, s.grate, now)
   end
   if s.rcap > 0 then
-    s.r = refilled(v[3], v[4], s.rcap, s.rrate, now)
+    s.r = refilled(f.r, f.rt, s.rcap, s.rrate, now)
   end
-  s.c = tonumber(v[5]) or 0
-  s.du, s.dc, s.mu, s.mc = 0, 0, 0, 0
-  if tonumber(v[6]) == today then
-    s.du, s.dc = tonumber(v[7]) or 0, tonumber(v[8]) or 0
+  s.c = tonumber(f.c) or 0
+  -- Every counter the scope counts: its budgets, ALWAYS, and what its hash has counted.
+  s.used = {}
+  local function count(c)
+    local p = string.sub(c, 1, 1)
+    if at[p] and tonumber(f[PERIOD_MARKERS[p]]) == at[p] then
+      s.used[c] = tonumber(f[c]) or 0
+    else
+      s.used[c] = 0
+    end
   end
-  if tonumber(v[9]) == month then
-    s.mu, s.mc = tonumber(v[10]) or 0, tonumber(v[11]) or 0
+  for _, c in ipairs(COUNTERS) do
+    if l.budgets[c] or f[c] then
+      count(c)
+    end
+  end
+  for _, c in ipairs(ALWAYS) do
+    count(c)
   end
   return s
 end
 
--- Calls `deny(reason, ms)` for every limit of scope `s` that taking `tokens` (costing `cost`),
--- `requests` and `slots` more would break, with how long until it would not.
-local function check_scope(s, tokens, cost, requests, slots, leases, wait_cap, now, today, deny)
-  if s.tcap > 0 and tokens > 0 and s.t < tokens then
-    deny('token_rate', (tokens - s.t) / s.trate)
+-- Calls `deny(reason, ms)` for every limit of scope `s` that taking `n` more ({u tokens, c cost,
+-- p prompt tokens, g output tokens}), `requests` and `slots` would break, with how long until it
+-- would not. `at`: the current periods, in the zone `offset` minutes east of UTC. Budgets are
+-- named `budget:<counter>`.
+local function check_scope(s, n, requests, slots, leases, wait_cap, now, at, offset, deny)
+  if s.tcap > 0 and n.u > 0 and s.t < n.u then
+    deny('token_rate', (n.u - s.t) / s.trate)
+  end
+  if s.pcap > 0 and n.p > 0 and s.pt < n.p then
+    deny('input_rate', (n.p - s.pt) / s.prate)
+  end
+  if s.gcap > 0 and n.g > 0 and s.gt < n.g then
+    deny('output_rate', (n.g - s.gt) / s.grate)
   end
   if s.rcap > 0 and requests > 0 and s.r < requests then
     deny('request_rate', (requests - s.r) / s.rrate)
@@ -249,58 +358,59 @@ local function check_scope(s, tokens, cost, requests, slots, leases, wait_cap, n
     end
     deny('concurrency', ms)
   end
-  if s.budget > 0 and tokens > 0 and s.du + tokens > s.budget then
-    deny('budget', (today + 1) * DAY_MS - now)
-  end
-  if s.dcost > 0 and cost > 0 and s.dc + cost > s.dcost then
-    deny('cost_budget', (today + 1) * DAY_MS - now)
-  end
-  if s.mbudget > 0 and tokens > 0 and s.mu + tokens > s.mbudget then
-    deny('monthly_budget', month_start(month_of(today) + 1) * DAY_MS - now)
-  end
-  if s.mcost > 0 and cost > 0 and s.mc + cost > s.mcost then
-    deny('monthly_cost_budget', month_start(month_of(today) + 1) * DAY_MS - now)
+  for _, c in ipairs(COUNTERS) do
+    local limit, amount = s.l.budgets[c] or 0, n[string.sub(c, 2, 2)]
+    if limit > 0 and amount > 0 and s.used[c] + amount > limit then
+      deny('budget:' .. c, period_ends(string.sub(c, 1, 1), at, now, offset))
+    end
   end
 end
 
--- True when `tokens` costing `cost` is more than one of scope `s`'s budgets could ever hold.
-local function beyond_budgets(s, tokens, cost)
-  return (s.budget > 0 and tokens > s.budget) or (s.mbudget > 0 and tokens > s.mbudget)
-    or (s.dcost > 0 and cost > s.dcost) or (s.mcost > 0 and cost > s.mcost)
-end
-
--- Keeps `key` alive for at least `ms` more, never for less than it already has: a key that holds
--- many holds (a scope, a lease index, a holds hash, a pool's) keeps the TTL its longest-lived hold
--- needs, so a reload that shortens the lease or the idle TTL leaves the holds made before it their
--- own terms. (A key without a TTL gets one; a missing key is left missing.)
-local function keep_for(key, ms)
-  if redis.call('PTTL', key) < ms then
-    redis.call('PEXPIRE', key, ms)
+-- True when `n` ({u, c, p, g}, as check_scope) is more than one of scope `s`'s budgets, or one of
+-- its buckets of one side, could ever hold.
+local function beyond_budgets(s, n)
+  if (s.pcap > 0 and n.p > s.pcap) or (s.gcap > 0 and n.g > s.gcap) then
+    return true
   end
+  for c, limit in pairs(s.l.budgets) do
+    if limit > 0 and n[string.sub(c, 2, 2)] > limit then
+      return true
+    end
+  end
+  return false
 end
 
--- Takes `tokens` (costing `cost`), `requests` and `slots` from scope `s` (as read_scope left it)
--- and keeps the scope alive for `idle` ms.
-local function take(s, tokens, cost, requests, slots, today, month, now, idle)
-  local f = { 'c', s.c + slots, 'd', today, 'du', s.du + tokens, 'dc', s.dc + cost, 'mo', month, 'mu', s.mu + tokens,
-    'mc', s.mc + cost }
+-- Takes `n` ({u, c, p, g}), `requests` and `slots` from scope `s` (as read_scope left it, in the
+-- periods of `at`) and keeps the scope alive for `idle` ms.
+local function take(s, n, requests, slots, at, now, idle)
+  local f = { 'c', s.c + slots }
+  local function put(...)
+    for _, v in ipairs({ ... }) do
+      f[#f + 1] = v
+    end
+  end
+  local marked = {}
+  for c, used in pairs(s.used) do
+    local p = string.sub(c, 1, 1)
+    put(c, used + n[string.sub(c, 2, 2)])
+    if not marked[p] then
+      marked[p] = true
+      put(PERIOD_MARKERS[p], at[p])
+    end
+  end
   -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
   -- debt, never below minus the capacity, as with adjust below.
   if s.tcap > 0 then
-    f[#f + 1] = 't'
-    f[#f + 1] = math.max(s.t - tokens, -s.tcap)
-    f[#f + 1] = 'tt'
-    f[#f + 1] = now
-    f[#f + 1] = 'tc'
-    f[#f + 1] = s.tcap
-    f[#f + 1] = 'tr'
-    f[#f + 1] = s.trate
+    put('t', math.max(s.t - n.u, -s.tcap), 'tt', now, 'tc', s.tcap, 'tr', s.trate)
+  end
+  if s.pcap > 0 then
+    put('pt', math.max(s.pt - n.p, -s.pcap), 'ptt', now, 'ptc', s.pcap, 'ptr', s.prate)
+  end
+  if s.gcap > 0 then
+    put('gt', math.max(s.gt - n.g, -s.gcap), 'gtt', now, 'gtc', s.gcap, 'gtr', s.grate)
   end
   if s.rcap > 0 then
-    f[#f + 1] = 'r'
-    f[#f + 1] = math.max(s.r - requests, -s.rcap)
-    f[#f + 1] = 'rt'
-    f[#f + 1] = now
+    put('r', math.max(s.r - requests, -s.rcap), 'rt', now)
   end
   redis.call('HSET', s.key, unpack(f))
   keep_for(s.key, idle)
@@ -327,66 +437,64 @@ local function headroom(scopes, take_tokens, take_requests)
   return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
 end
 
--- A scope's usage counters, per day (`d`: `du` tokens, `dc` cost) and per month (`mo`: `mu`,
--- `mc`), as adjust holds them in `u`. `which`: 1 tokens, 2 cost.
-local DAY_USAGE, MONTH_USAGE = { 'du', 'dc' }, { 'mu', 'mc' }
+-- The buckets adjust moves, by the measure they count: the level's field; `<field>t` is its last
+-- refill, `<field>c` its capacity and `<field>r` its refill per ms (as take writes them).
+local BUCKETS = { u = 't', p = 'pt', g = 'gt' }
 
--- One period's counter moved by `amount` when the period is `at`; a charge (`amount` > 0) in a
--- new period starts that period's counters. True when anything moved.
-local function count_period(u, period, fields, which, amount, at)
-  if u[period] == at then
-    u[fields[which]] = math.max(0, u[fields[which]] + amount)
-  elseif amount > 0 then
-    u[period], u[fields[1]], u[fields[2]] = at, 0, 0
-    u[fields[which]] = amount
-  else
-    return false
-  end
-  return true
-end
-
-local function count_usage(u, which, amount, day, month)
-  if amount == 0 then
-    return false
-  end
-  local by_day = count_period(u, 'd', DAY_USAGE, which, amount, day)
-  return count_period(u, 'mo', MONTH_USAGE, which, amount, month) or by_day
-end
-
--- Moves each scope by `tokens` and `cost` (debt when positive, a refund when negative), one read
--- and one write a scope. The bucket moves from its level now: refilled first, so a full bucket's
+-- Moves each scope by `n` ({u, c, p, g}: debt when positive, a refund when negative), one read
+-- and one write a scope. A bucket moves from its level now: refilled first, so a full bucket's
 -- refill (which it could not hold) never pays debt; never above its capacity, never below minus
--- it. The day's and the month's usage move when they are those of `tokens_day` (`cost_day`): a
--- refund gives back to the day (and month) the hold was charged to, only while it is current; a
--- charge on a new day (month) starts its count. A scope hash that has expired (idle longer than
--- its TTL) is not recreated: an idle bucket is full anyway.
-local function adjust(keys, tokens, cost, tokens_day, cost_day, now)
-  local tokens_month, cost_month = month_of(tokens_day), month_of(cost_day)
+-- it. A period's counters move when they count the period `hold_at` (a refund: what the hold was
+-- charged to, given back only while it is current) or `now_at` (debt: the current one) names;
+-- debt in a new period starts its count. Only counters the scope has move, and a scope hash that
+-- has expired (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
+local function adjust(keys, n, hold_at, now_at, now)
   for _, k in ipairs(keys) do
-    local v = redis.call('HMGET', k, 't', 'tt', 'tc', 'tr', 'd', 'du', 'dc', 'mo', 'mu', 'mc')
-    local f = {}
-    local cap = tonumber(v[3])
-    if tokens ~= 0 and v[1] and cap then
-      local level = refilled(v[1], v[2], cap, tonumber(v[4]) or 0, now) - tokens
-      f = { 't', math.max(-cap, math.min(cap, level)), 'tt', now }
+    local f = fields_of(k)
+    local w = {}
+    for m, b in pairs(BUCKETS) do
+      local cap = tonumber(f[b .. 'c'])
+      if n[m] ~= 0 and f[b] and cap then
+        local level = refilled(f[b], f[b .. 't'], cap, tonumber(f[b .. 'r']) or 0, now) - n[m]
+        w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = b, math.max(-cap, math.min(cap, level)), b .. 't', now
+      end
     end
-    local u = { d = tonumber(v[5]), du = tonumber(v[6]) or 0, dc = tonumber(v[7]) or 0, mo = tonumber(v[8]),
-      mu = tonumber(v[9]) or 0, mc = tonumber(v[10]) or 0 }
-    local moved = false
-    if u.d then
-      moved = count_usage(u, 1, tokens, tokens_day, tokens_month)
-      moved = count_usage(u, 2, cost, cost_day, cost_month) or moved
-    end
-    if moved then
-      for _, name in ipairs({ 'd', 'du', 'dc', 'mo', 'mu', 'mc' }) do
-        if u[name] then
-          f[#f + 1] = name
-          f[#f + 1] = u[name]
+    for _, p in ipairs(PERIODS) do
+      local marker = PERIOD_MARKERS[p]
+      local u = { at = tonumber(f[marker]) }
+      for _, m in ipairs(MEASURES) do
+        u[m] = tonumber(f[p .. m])
+      end
+      local moved = false
+      for _, m in ipairs(MEASURES) do
+        local amount, at = n[m], now_at[p]
+        if amount < 0 then
+          at = hold_at[p]
+        end
+        if u.at and u[m] and amount ~= 0 and at then
+          if u.at == at then
+            u[m], moved = math.max(0, u[m] + amount), true
+          elseif amount > 0 then
+            for _, other in ipairs(MEASURES) do
+              if u[other] then
+                u[other] = 0
+              end
+            end
+            u.at, u[m], moved = at, amount, true
+          end
+        end
+      end
+      if moved then
+        w[#w + 1], w[#w + 2] = marker, u.at
+        for _, m in ipairs(MEASURES) do
+          if u[m] then
+            w[#w + 1], w[#w + 2] = p .. m, u[m]
+          end
         end
       end
     end
-    if #f > 0 then
-      redis.call('HSET', k, unpack(f))
+    if #w > 0 then
+      redis.call('HSET', k, unpack(w))
     end
   end
 end
@@ -401,37 +509,49 @@ local function free_slots(keys)
   end
 end
 
--- Gives tokens and cost back: to each token bucket, and to the day's (month's) usage when the
--- hold was charged to the current day (month). Day -1: to the buckets only.
-local function refund(keys, tokens, cost, day, now)
-  if tokens > 0 or cost > 0 then
-    adjust(keys, -tokens, -cost, day, day, now)
+-- Amounts by measure: tokens, cost, prompt tokens, output tokens.
+local function amounts(u, c, p, g)
+  return { u = u, c = c, p = p, g = g }
+end
+
+-- Gives `n` ({u, c, p, g}) back: to each bucket, and to the periods of `hold_at` while they are
+-- the current ones.
+local function refund(keys, n, hold_at, now)
+  if n.u > 0 or n.c > 0 or n.p > 0 or n.g > 0 then
+    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now)
   end
 end
 
--- Charges tokens (and cost) beyond the hold as debt: a bucket may go negative, down to minus its
--- capacity, and the debt is repaid by refill (it shows in the next Retry-After).
-local function charge(keys, tokens, cost, now)
-  if tokens > 0 or cost > 0 then
-    local today = math.floor(now / DAY_MS)
-    adjust(keys, tokens, cost, today, today, now)
+-- Charges `n` beyond the hold as debt, to the periods of `now_at`: a bucket may go negative, down
+-- to minus its capacity, and the debt is repaid by refill (it shows in the next Retry-After).
+local function charge(keys, n, now_at, now)
+  if n.u > 0 or n.c > 0 or n.p > 0 or n.g > 0 then
+    adjust(keys, n, now_at, now_at, now)
   end
 end
 
--- Moves a settled hold from what it has charged to what it should: each difference a refund to
--- the hold's own day when negative, a charge to today when positive.
-local function settle(keys, tokens, cost, day, now)
-  local today = math.floor(now / DAY_MS)
-  local tokens_day, cost_day = today, today
-  if tokens < 0 then
-    tokens_day = day
+-- Moves a settled hold from what it has charged to what it should, `n` the differences: each a
+-- refund to the hold's own periods (`hold_at`) when negative, a charge to the current ones
+-- (`now_at`) when positive.
+local function settle(keys, n, hold_at, now_at, now)
+  if n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0 then
+    adjust(keys, n, hold_at, now_at, now)
   end
-  if cost < 0 then
-    cost_day = day
+end
+
+-- The periods a hold's record says it charged (its day and, when it counted hours, its hour, in
+-- its zone), and the current ones in that zone.
+local function hold_periods(r, now)
+  return periods_of(r.dy, r.hr), periods_at(now, r.zo)
+end
+
+-- What a hold's record has charged, by measure: all it held, or nothing once an expiry refunded it.
+local function charged_of(r)
+  local output = 0
+  if r.ch > 0 then
+    output = math.min(r.ch, tonumber(r.oh) or 0)
   end
-  if tokens ~= 0 or cost ~= 0 then
-    adjust(keys, tokens, cost, tokens_day, cost_day, now)
-  end
+  return amounts(r.ch, r.cc, r.ch - output, output)
 end
 
 -- Keeps a live hold's keys alive for another idle TTL: every scope it counts in, the lease index
@@ -586,13 +706,13 @@ end
 -- the slot is freed; the tokens and their cost stay charged (charge) or come back (refund).
 -- Missing usage is not zero usage, so charge is the default policy. Returns the tokens and cost
 -- still charged.
-local function settle_expired(keys, charged, cost, day, policy, now)
+local function settle_expired(keys, charged, hold_at, policy, now)
   free_slots(keys)
   if policy == 'refund' then
-    refund(keys, charged, cost, day, now)
+    refund(keys, charged, hold_at, now)
     return 0, 0
   end
-  return charged, cost
+  return charged.u, charged.c
 end
 
 -- Settles a live hold whose lease ran out, and enters it in the `ledger` stream (nil: the caller
@@ -600,7 +720,7 @@ end
 local function expire(rk, id, r, leases, holds, now, ledger)
   local keys = split(r.ks)
   if r.sl == '1' then
-    r.ch, r.cc = settle_expired(keys, r.ch, r.cc, r.dy, r.xp, now)
+    r.ch, r.cc = settle_expired(keys, charged_of(r), periods_of(r.dy, r.hr), r.xp, now)
   end
   r.st = 'expired'
   r.sl = '0'
@@ -653,7 +773,10 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
     for i = first, #e do
       keys[#keys + 1] = e[i]
     end
-    local charged, cost_left = settle_expired(keys, tonumber(e[1]), cost, tonumber(e[2]), e[3], now)
+    -- (The entry does not say the hold's hour, nor its prompt and output apart: a refund leaves
+    -- those counters charged.)
+    local charged, cost_left =
+      settle_expired(keys, amounts(tonumber(e[1]), cost, 0, 0), periods_of(tonumber(e[2])), e[3], now)
     local usage = 'held'
     if charged == 0 then
       usage = 'none'

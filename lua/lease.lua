@@ -39,9 +39,11 @@
 --          reads, cache writes and reasoning tokens ('' or absent when unsaid), how the request
 --          ended (absent from a replica from before endings were kept); appended
 --          once (a re-send appends nothing), as the scripts that settle store holds append theirs
--- then twenty-seven numbers per scope, in KEYS order:
---   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
---   monthly budget, daily cost budget, monthly cost budget (nanos) (0 meaning no such limit);
+-- then twenty-eight per scope, in KEYS order:
+--   its limits, ten as reserve.lua takes them (see common.lua's scope_limits: token capacity,
+--   tokens per ms, request capacity, requests per ms, max concurrency, input token capacity, input
+--   tokens per ms, output token capacity, output tokens per ms, period budgets; leasing takes only
+--   tenants with no bucket of one side and no budget but tokens and money per UTC day and month);
 --   tokens returned (negative: debt charged), cost returned (nanos; negative: debt charged), the
 --   day they were drawn on, earlier tokens returned, earlier cost returned, the earlier day
 --   (refunds of holds drawn on an earlier day than the slice's: back to the bucket, and to that
@@ -73,18 +75,18 @@ local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
 local last_call = KEYS[6]
 local seq = ARGV[8]
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 27
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 11, 28
 
 local now = now_ms()
-local today = math.floor(now / DAY_MS)
-local month = month_of(today)
+local at = periods_at(now, 0)
+local today = at.d
 local n = #KEYS - FIRST_SCOPE + 1
 
-local function read_scopes(day)
+local function read_scopes()
   local scopes = {}
   for i = 1, n do
     local b = FIRST_ARG + (i - 1) * PER_SCOPE - 1
-    scopes[i] = read_scope(KEYS[FIRST_SCOPE + i - 1], ARGV, b, now, day, month_of(day), b + 6)
+    scopes[i] = read_scope(KEYS[FIRST_SCOPE + i - 1], scope_limits(ARGV, b), now, at)
   end
   return scopes
 end
@@ -126,7 +128,7 @@ if last[1] == seq then
   for line in string.gmatch(last[5] or '', '[^\n]+') do
     ops[#ops + 1] = line
   end
-  local rem, lim, reset, rrem, rlim, rreset = headroom(read_scopes(today), 0, 0)
+  local rem, lim, reset, rrem, rlim, rreset = headroom(read_scopes(), 0, 0)
   return { ok, reason, where, wait, day, rem, lim, reset, rrem, rlim, rreset, granted, ops,
     split(last[4] or ''), now }
 end
@@ -149,14 +151,14 @@ for i = 1, n do
     a[j] = tonumber(ARGV[b + j])
   end
   args[i] = a
-  local back_tokens, back_cost, back_day = a[9], a[10], a[11]
-  local earlier_tokens, earlier_cost, earlier_day = a[12], a[13], a[14]
-  local charge_tokens, charge_cost, back_requests, held = a[15], a[16], a[17], a[18]
+  local back_tokens, back_cost, back_day = a[10], a[11], a[12]
+  local earlier_tokens, earlier_cost, earlier_day = a[13], a[14], a[15]
+  local charge_tokens, charge_cost, back_requests, held = a[16], a[17], a[18], a[19]
   -- What comes back goes to the day it was drawn on, debt to today; tokens and cost may go
   -- different ways (a refund of tokens, debt in money at another price).
-  settle({ key }, -back_tokens, -back_cost, back_day, now)
-  refund({ key }, earlier_tokens, earlier_cost, earlier_day, now)
-  charge({ key }, charge_tokens, charge_cost, now)
+  settle({ key }, amounts(-back_tokens, -back_cost, 0, 0), periods_of(back_day), at, now)
+  refund({ key }, amounts(earlier_tokens, earlier_cost, 0, 0), periods_of(earlier_day), now)
+  charge({ key }, amounts(charge_tokens, charge_cost, 0, 0), at, now)
   if back_requests > 0 and a[2] > 0 then
     local v = redis.call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
@@ -170,12 +172,12 @@ for i = 1, n do
 end
 
 -- 2. Read every scope as the returns left it, and check what the asking request needs.
-local scopes = read_scopes(today)
+local scopes = read_scopes()
 local reason, where, wait = '', 0, -1
 for i = 1, n do
   local s = scopes[i]
   local a = args[i]
-  check_scope(s, a[19], a[20], a[21], a[22], leases, wait_cap, now, today, function(why, ms)
+  check_scope(s, amounts(a[20], a[21], 0, 0), a[22], a[23], leases, wait_cap, now, at, 0, function(why, ms)
     ms = math.max(1, math.ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms
@@ -190,14 +192,20 @@ for i, s in ipairs(scopes) do
   local a = args[i]
   local tokens, cost, requests, taken = 0, 0, 0, 0
   if reason == '' then
-    local need_tokens, need_cost, need_requests, need_slots = a[19], a[20], a[21], a[22]
-    local want_tokens, want_cost, want_requests, want_slots = a[23], a[24], a[25], a[26]
-    local have = least_left({ { s.tcap, math.floor(s.t or 0) }, { s.budget, s.budget - s.du },
-      { s.mbudget, s.mbudget - s.mu } })
+    local need_tokens, need_cost, need_requests, need_slots = a[20], a[21], a[22], a[23]
+    local want_tokens, want_cost, want_requests, want_slots = a[24], a[25], a[26], a[27]
+    local left = { u = { { s.tcap, math.floor(s.t or 0) } }, c = {} }
+    for c, limit in pairs(s.l.budgets) do
+      local by = left[string.sub(c, 2, 2)]
+      if by then
+        by[#by + 1] = { limit, limit - s.used[c] }
+      end
+    end
+    local have = least_left(left.u)
     if have then
       tokens = math.max(need_tokens, math.min(want_tokens, have))
     end
-    have = least_left({ { s.dcost, s.dcost - s.dc }, { s.mcost, s.mcost - s.mc } })
+    have = least_left(left.c)
     if have then
       cost = math.max(need_cost, math.min(want_cost, have))
     end
@@ -207,10 +215,10 @@ for i, s in ipairs(scopes) do
     if s.cmax > 0 then
       taken = math.max(need_slots, math.min(want_slots, s.cmax - s.c))
     end
-    take(s, tokens, cost, requests, taken, today, month, now, idle)
+    take(s, amounts(tokens, cost, 0, 0), requests, taken, at, now, idle)
   end
   granted[#granted + 1] = { tokens, cost, requests, taken }
-  slots[i] = a[18] + taken
+  slots[i] = a[19] + taken
 end
 
 -- 4. The record: the slots this replica holds, renewed for another lease.

@@ -37,9 +37,12 @@
 --          weight> <cache write weight> <cache read price> <cache write price> <reasoning weight>
 --          <reasoning price>" (thousandths of a whole token; nanos), or '' when every token counts
 --          whole at its side's price
--- then nine numbers per scope, in KEYS order, 0 meaning "no such limit":
---   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, daily budget,
---   monthly budget, daily cost budget, monthly cost budget (nanos)
+-- ARGV[27] the tenant's time zone: its offset from UTC now, in minutes east (its budgets' hours,
+--          days, weeks and months are numbered in it; kept on the record)
+-- then ten per scope, in KEYS order (see common.lua's scope_limits): token capacity, tokens per
+--   ms, request capacity, requests per ms, max concurrency, input token capacity, input tokens per
+--   ms, output token capacity, output tokens per ms (0 meaning "no such limit"), and the period
+--   budgets, "<counter>:<limit> ..." (du:100000 wg:5000; money in nanos)
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
@@ -58,11 +61,11 @@
 --    become unreachable is a share of what remains)
 --   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
 --    caller takes off their pools)
---   reason: token_rate | request_rate | concurrency | budget | cost_budget | monthly_budget |
---           monthly_cost_budget | attempts | conflict | unsatisfiable
---   (unsatisfiable: the hold, or its cost, is larger than a scope's whole capacity or budget, so
---    no wait can help; the budgets: the day's tokens, the day's money, the month's tokens, the
---    month's money;
+--   reason: token_rate | input_rate | output_rate | request_rate | concurrency | budget:<counter>
+--           | attempts | conflict | unsatisfiable
+--   (unsatisfiable: the hold, or its cost, or its prompt or output alone, is larger than a
+--    scope's whole capacity or budget, so no wait can help; budget:<counter>: the period budget
+--    that counter counts, its retry to the period's end;
 --    attempts: the idempotency key has made its most reserves; conflict: the key was first used for
 --    a different request)
 --
@@ -96,11 +99,11 @@ local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
 local price_in, price_out = tonumber(ARGV[22]), tonumber(ARGV[23])
 local settled = { prefix = ARGV[24], retention = tonumber(ARGV[25]) }
 local cache_terms = ARGV[26]
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 26, 9
+local offset = tonumber(ARGV[27])
+local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 27, 10
 
 local now = now_ms()
-local today = math.floor(now / DAY_MS)
-local month = month_of(today)
+local at = periods_at(now, offset)
 
 -- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
 -- nothing, not even the sweep: it answers as the first run did, below, even when the hold has
@@ -123,7 +126,7 @@ end
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
   local b = FIRST_ARG + (i - FIRST_SCOPE) * PER_SCOPE
-  scopes[#scopes + 1] = read_scope(KEYS[i], ARGV, b, now, today, month, b + 6)
+  scopes[#scopes + 1] = read_scope(KEYS[i], scope_limits(ARGV, b), now, at)
 end
 
 -- What each scope's daily token budget has left once `taken` more is charged (-1: it has none).
@@ -131,8 +134,9 @@ local function budget_left(taken)
   local left = {}
   for i, s in ipairs(scopes) do
     left[i] = -1
-    if s.budget > 0 then
-      left[i] = math.max(0, s.budget - s.du - taken)
+    local budget = s.l.budgets.du or 0
+    if budget > 0 then
+      left[i] = math.max(0, budget - s.used.du - taken)
     end
   end
   return left
@@ -197,9 +201,10 @@ if min_samples > 0 then
 end
 local hold = prompt + output
 local cost = prompt * price_in + output * price_out
+local n = amounts(hold, cost, prompt, output)
 local would_refuse = {}
 for i, s in ipairs(scopes) do
-  if (s.tcap > 0 and hold > s.tcap) or beyond_budgets(s, hold, cost) then
+  if (s.tcap > 0 and hold > s.tcap) or beyond_budgets(s, n) then
     if not shadow then
       return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept, budget_left(0) }
     end
@@ -218,7 +223,7 @@ local function deny(why, i, ms)
 end
 if #would_refuse == 0 then
   for i, s in ipairs(scopes) do
-    check_scope(s, hold, cost, 1, 1, leases, concurrency_wait_cap, now, today, function(why, ms)
+    check_scope(s, n, 1, 1, leases, concurrency_wait_cap, now, at, offset, function(why, ms)
       deny(why, i, ms)
     end)
   end
@@ -233,9 +238,11 @@ end
 
 -- 7. Hold: charge every scope, write the record, index its lease.
 local names = {}
+local hourly = false
 for _, s in ipairs(scopes) do
-  take(s, hold, cost, 1, 1, today, month, now, idle)
+  take(s, n, 1, 1, at, now, idle)
   names[#names + 1] = s.key
+  hourly = hourly or s.used.hu ~= nil or s.used.hc ~= nil or s.used.hp ~= nil or s.used.hg ~= nil
 end
 
 local expiry = now + lease
@@ -250,7 +257,7 @@ if min_samples > 0 then
   learn_into = KEYS[4]
 end
 local ks = table.concat(names, ' ')
-local record = { 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts, 'dy', today, 'ks', ks,
+local record = { 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts, 'dy', at.d, 'ks', ks,
   'xp', policy, 'ik', ik, 'rt', late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output, 'es', estimated,
   'md', model }
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
@@ -269,11 +276,17 @@ end
 if cache_terms ~= '' then
   also('cw', cache_terms)
 end
+if hourly then
+  also('hr', at.h)
+end
+if offset ~= 0 then
+  also('zo', offset)
+end
 redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 keep_for(leases, idle)
-redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, today, policy, cost, ks))
+redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
 keep_for(holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)

@@ -1127,7 +1127,8 @@ mod scenarios {
     /// Adjust credits, debits or resets one period budget, once per request id, and enters it
     /// in the ledger with who asked and why; Get and the next reserve see it.
     pub async fn a_budget_adjustment_is_made_once_and_entered<S: Store>(h: Harness<S>) {
-        use tollgate::admission::{Adjusted, Adjustment, PeriodBudget};
+        use tollgate::admission::{Adjusted, Adjustment};
+        use tollgate::hold::{BudgetKey, Measure, Period};
         let id = admitted(&h.reserve(0, 2000).await).reservation_id.clone();
         h.admission.commit(&id, 0, 2000).await.unwrap();
         // The day's 3,000 has 1,000 left: 1,500 is refused.
@@ -1136,7 +1137,7 @@ mod scenarios {
             tenant: &h.tenant,
             user: None,
             model: None,
-            budget: PeriodBudget::TokensPerDay,
+            budget: BudgetKey::new(Measure::Tokens, Period::Day),
             credit: amount,
             reset: false,
             request_id,
@@ -1149,7 +1150,9 @@ mod scenarios {
         assert_eq!(h.admission.adjust_budget(&a).await.unwrap(), Adjusted::Repeated { before: 2000, after: 500 });
         // The same request id for another adjustment: refused, nothing changed.
         assert_eq!(h.admission.adjust_budget(&credit(5, "r1")).await.unwrap(), Adjusted::Conflict);
-        let day = |scopes: &[tollgate::admission::ScopeBudget]| scopes[0].used.day.tokens;
+        let day = |scopes: &[tollgate::admission::ScopeBudget]| {
+            scopes[0].used.period(BudgetKey::new(Measure::Tokens, Period::Day)).counted
+        };
         assert_eq!(day(&h.admission.budgets(&h.tenant, None, None).await.unwrap()), 500);
         admitted(&h.reserve(0, 1500).await);
         // A debit adds; a credit past zero leaves zero; a reset takes all off.
@@ -1164,7 +1167,7 @@ mod scenarios {
         let reset = Adjustment { reset: true, credit: 0, request_id: "r4", ..credit(0, "r4") };
         assert_eq!(h.admission.adjust_budget(&reset).await.unwrap(), Adjusted::Applied { before: 0, after: 0 });
         // A budget the scope does not have, or a scope the tenant does not limit: refused.
-        let monthly = Adjustment { budget: PeriodBudget::TokensPerMonth, ..credit(1, "r5") };
+        let monthly = Adjustment { budget: BudgetKey::new(Measure::Tokens, Period::Month), ..credit(1, "r5") };
         assert!(h.admission.adjust_budget(&monthly).await.is_err());
         let user = Adjustment { user: Some("nobody"), ..credit(1, "r6") };
         assert!(h.admission.adjust_budget(&user).await.is_err());

@@ -8,7 +8,8 @@ use std::time::Duration;
 use super::{Admission, AdmissionError, plan};
 use crate::config::{Policy, TenantPolicy};
 use crate::store::Store;
-use crate::store::phase::budget::{Adjusted, PeriodBudget};
+use crate::hold::BudgetKey;
+use crate::store::phase::budget::Adjusted;
 
 /// One scope's limits and what the store has counted against them (see `Admission::budgets`).
 #[derive(Debug, Clone, PartialEq)]
@@ -27,7 +28,7 @@ pub struct Adjustment<'a> {
     pub user: Option<&'a str>,
     /// The model's scope instead of the tenant's.
     pub model: Option<&'a str>,
-    pub budget: PeriodBudget,
+    pub budget: BudgetKey,
     /// Taken off what the period counted (tokens, or nanos for money); below zero, added to it.
     pub credit: i64,
     /// Everything the period counted taken off it.
@@ -62,9 +63,10 @@ impl<S: Store> Admission<S> {
         model: Option<&str>,
         count_held: bool,
     ) -> Result<Vec<ScopeBudget>, AdmissionError> {
-        let (_, _, scopes) = self.budgets_scopes(tenant, user, model)?;
+        let (_, tp, scopes) = self.budgets_scopes(tenant, user, model)?;
         let read: Vec<_> = scopes.iter().map(|s| (s.key.clone(), s.limits)).collect();
-        let used = self.protocol.budget(tenant, &read, count_held).await?;
+        let offset = tp.zone.offset_minutes_at(self.clock.now_ms());
+        let used = self.protocol.budget(tenant, &read, count_held, offset).await?;
         Ok(scopes
             .into_iter()
             .zip(used)
@@ -89,10 +91,10 @@ impl<S: Store> Admission<S> {
             let named = a.user.map(|u| format!("user {u}")).or(a.model.map(|m| format!("model {m}")));
             return Err(bad(format!("tenant {} sets no limits for {}", a.tenant, named.unwrap_or_default())));
         };
-        if a.budget.of(&scope.limits).is_none() {
-            return Err(bad(format!("{} of tenant {} has no {}", scope.label, a.tenant, a.budget.as_str())));
+        if scope.limits.budget(a.budget).is_none() {
+            return Err(bad(format!("{} of tenant {} has no {}", scope.label, a.tenant, a.budget.name())));
         }
-        let fingerprint = format!("{} {} {} {}", scope.key, a.budget.as_str(), a.credit, a.reset);
+        let fingerprint = format!("{} {} {} {}", scope.key, a.budget.name(), a.credit, a.reset);
         let call = crate::store::phase::budget::AdjustCall {
             tenant: a.tenant,
             scope_key: &scope.key,
@@ -105,6 +107,7 @@ impl<S: Store> Admission<S> {
             idle_ttl_ms: tp.idle_ttl_ms,
             ledger: policy.ledger.as_ref().map(|l| l.terms),
             entry: [a.user.unwrap_or(""), a.model.unwrap_or(""), a.by, a.why],
+            zone_offset_min: tp.zone.offset_minutes_at(self.clock.now_ms()),
         };
         Ok(self.protocol.adjust_budget(&call).await?)
     }
@@ -169,21 +172,15 @@ impl<S: Store> Admission<S> {
                 }
             };
             let Some(scope) = scopes.first() else { continue };
-            let (u, seconds) = (&scope.used, |ms: u64| Duration::from_millis(ms).as_secs_f64());
-            let levels: Vec<_> = PeriodBudget::ALL
-                .into_iter()
+            let seconds = |ms: u64| Duration::from_millis(ms).as_secs_f64();
+            let levels: Vec<_> = BudgetKey::all()
                 .filter_map(|b| {
-                    let limit = b.of(&scope.limits)?.get();
-                    let (used, reset_ms) = match b {
-                        PeriodBudget::TokensPerDay => (u.day.tokens, u.day_ends_in_ms),
-                        PeriodBudget::TokensPerMonth => (u.month.tokens, u.month_ends_in_ms),
-                        PeriodBudget::CostPerDay => (u.day.cost, u.day_ends_in_ms),
-                        PeriodBudget::CostPerMonth => (u.month.cost, u.month_ends_in_ms),
-                    };
+                    let limit = scope.limits.budget(b)?.get();
+                    let used = scope.used.period(b);
                     let remaining = i64::try_from(limit)
                         .unwrap_or(i64::MAX)
-                        .saturating_sub(i64::try_from(used).unwrap_or(i64::MAX));
-                    Some((b.as_str(), limit, remaining, seconds(reset_ms)))
+                        .saturating_sub(i64::try_from(used.counted).unwrap_or(i64::MAX));
+                    Some((b.name(), limit, remaining, seconds(used.ends_in_ms)))
                 })
                 .collect();
             self.metrics.budgets_read(&tenant, (!levels.is_empty()).then_some(levels));

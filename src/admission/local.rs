@@ -26,7 +26,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::hold::{Bucket, Budget, DAY_MS, Refusal, ScopeLimits};
+use crate::hold::budget::TOKENS_PER_DAY;
+use crate::hold::{Bucket, DAY_MS, Refusal, ScopeLimits};
 
 /// Scopes whose local state is kept at most (buckets, and budgets apart).
 pub const MAX_BUCKETS: usize = 100_000;
@@ -216,7 +217,7 @@ impl LocalLimits {
                 let retry_after_ms = wait(1.0 - b.requests, s.requests_per_ms);
                 return Err(LocalRefusal { scope, reason: Refusal::RequestRate, retry_after_ms });
             }
-            let budget = limits.daily_budget.map(|whole| {
+            let budget = limits.budget(TOKENS_PER_DAY).map(|whole| {
                 let known = state.budgets.get(key).copied().filter(|d| d.day == today);
                 let d = known.unwrap_or(DayBudget { day: today, ..DayBudget::default() });
                 // A day the store has not spoken of: the whole budget, unless scopes were forgotten.
@@ -227,7 +228,7 @@ impl LocalLimits {
                 && allowance < tokens as f64
             {
                 let retry_after_ms = DAY_MS.saturating_sub(now_ms % DAY_MS);
-                return Err(LocalRefusal { scope, reason: Refusal::Budget(Budget::DayTokens), retry_after_ms });
+                return Err(LocalRefusal { scope, reason: Refusal::Budget(TOKENS_PER_DAY), retry_after_ms });
             }
             passed.push((key, limits, b, budget.map(|(d, _)| d)));
         }
@@ -330,7 +331,9 @@ mod tests {
     }
 
     fn budget(tokens_per_day: u64) -> ScopeLimits {
-        ScopeLimits { daily_budget: NonZeroU64::new(tokens_per_day), ..ScopeLimits::default() }
+        let mut budgets = crate::hold::BudgetLimits::default();
+        budgets[TOKENS_PER_DAY.index()] = tokens_per_day;
+        ScopeLimits { budgets, ..ScopeLimits::default() }
     }
 
     #[test]
@@ -347,7 +350,7 @@ mod tests {
         let refused = local.admit([("tenant", &l)].into_iter(), 100, t0, NOON).unwrap_err();
         assert_eq!(
             (refused.reason, refused.retry_after_ms),
-            (Refusal::Budget(Budget::DayTokens), 12 * 3_600_000),
+            (Refusal::Budget(TOKENS_PER_DAY), 12 * 3_600_000),
             "until midnight"
         );
         // The store, which never sees local admissions, says the same again: still spent.

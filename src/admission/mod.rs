@@ -51,7 +51,7 @@ use crate::hold::id as ids;
 pub use crate::hold::{KeyRepeat, MAX_TOKEN_COUNT};
 use crate::metrics::Metrics;
 use crate::store::clock::{Clock, SystemClock};
-pub use crate::store::phase::budget::{Adjusted, PeriodBudget};
+pub use crate::store::phase::budget::Adjusted;
 use crate::store::{Protocol, Store, StoreError};
 pub use budgets::{Adjustment, ScopeBudget};
 use lease::Leases;

@@ -138,11 +138,15 @@ impl<S> Admission<S> {
             }
             None => None,
         };
+        // (Leasing decides tokens and money per UTC day and month from slices; a budget of another
+        // period or zone, or a limit on one side, is decided at the store.)
         let leased = self.leases.is_some()
             && !tp.strict
             && !tp.shadow
             && a.idempotency.is_none()
-            && tp.adaptive_output.is_none();
+            && tp.adaptive_output.is_none()
+            && tp.zone.is_utc()
+            && scopes.iter().all(|s| s.limits.leasable());
         let pool_name = pool.as_ref().map(|leg| leg.name.as_str());
         let id = match (&self.leases, leased) {
             (Some(leases), true) => ids::new_leased_reservation_id(tenant, pool_name, &leases.replica),

@@ -42,7 +42,7 @@ use super::retry::Settlement;
 use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, Unmetered, ids,
 };
-use crate::config::Policy;
+use crate::config::{Policy, Zone};
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
@@ -255,6 +255,8 @@ impl<S: Store> Admission<S> {
     /// Quota: every scope of the tenant must pass.
     pub(super) async fn tenant_leg(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
         let policy = &plan.policy;
+        let now_ms = self.clock.now_ms();
+        let zone_offset_min = plan.tp.zone.offset_minutes_at(now_ms);
         let call = ReserveCall {
             tenant: &plan.tenant,
             model: &plan.model,
@@ -284,6 +286,7 @@ impl<S: Store> Admission<S> {
             ledger: policy.ledger.as_ref().map(|l| l.terms),
             price: plan.price,
             token_weights: plan.token_weights,
+            zone_offset_min,
         };
         let outcome = match self.protocol.reserve(&call).await {
             Ok(ReserveReply { outcome, swept, budget_left }) => {
@@ -317,6 +320,10 @@ impl<S: Store> Admission<S> {
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
+                let retry_after_ms = match reason {
+                    Refusal::Budget(_) => to_local_turn(&plan.tp.zone, zone_offset_min, now_ms, retry_after_ms),
+                    _ => retry_after_ms,
+                };
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
                 let (reason, message) = refusal_reason(reason, scope, policy.max_attempts);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
@@ -367,6 +374,8 @@ impl<S: Store> Admission<S> {
 pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, String) {
     match refusal {
         Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
+        Refusal::InputRate => (Reason::TokenRate, format!("input token rate limit of scope {scope} reached")),
+        Refusal::OutputRate => (Reason::TokenRate, format!("output token rate limit of scope {scope} reached")),
         Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
         Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
         Refusal::Budget(b) => (Reason::Budget, format!("{} of scope {scope} is spent", b.describe())),
@@ -381,6 +390,15 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
             (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
         }
     }
+}
+
+/// A budget's wait to its period's turn, as the script counted it with the zone's offset now,
+/// moved by the daylight-saving change between now and then (a local midnight after the clocks
+/// went forward comes an hour sooner).
+fn to_local_turn(zone: &Zone, offset_now: i32, now_ms: u64, wait_ms: u64) -> u64 {
+    let offset_then = zone.offset_minutes_at(now_ms.saturating_add(wait_ms));
+    let moved = i64::from(offset_now).saturating_sub(i64::from(offset_then)).saturating_mul(60_000);
+    u64::try_from(i64::try_from(wait_ms).unwrap_or(i64::MAX).saturating_add(moved)).unwrap_or(0).max(1)
 }
 
 pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {

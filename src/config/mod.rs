@@ -7,6 +7,7 @@ pub mod names;
 mod raw;
 mod summary;
 mod validate;
+mod zone;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -20,6 +21,7 @@ pub use models::{
 };
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use validate::MAX_TOKEN_COUNT;
+pub use zone::Zone;
 
 /// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
 /// refused first, then `standard`; `critical` only when the pool truly cannot serve it. Ordered
@@ -284,6 +286,8 @@ pub struct TenantPolicy {
     pub shadow: bool,
     /// Every decision goes to the store, even when the policy leases (`leasing`).
     pub strict: bool,
+    /// The time zone its budgets' hours, days, weeks and months turn in.
+    pub zone: Zone,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.
@@ -453,14 +457,15 @@ impl Limits {
 
     /// The largest request these limits can ever admit, in tokens; `None` when unbounded.
     pub fn largest_admissible(&self) -> Option<u64> {
-        [self.token_capacity(), self.tokens_per_day, self.tokens_per_month].into_iter().flatten().min()
+        let budgets = [self.tokens_per_hour, self.tokens_per_day, self.tokens_per_week, self.tokens_per_month];
+        std::iter::once(self.token_capacity()).chain(budgets).flatten().min()
     }
 }
 
 /// A per-minute rate per millisecond. Limits are at most 10^12 (validated), well inside f64's
 /// exact integers.
 #[allow(clippy::cast_precision_loss)]
-fn per_ms(per_minute: Option<u64>) -> f64 {
+pub fn per_ms(per_minute: Option<u64>) -> f64 {
     per_minute.unwrap_or(0) as f64 / 60_000.0
 }
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use serde::Deserialize;
 
 use super::{ExpiredUsage, OnStoreError, Priority};
+use crate::hold::budget::{BudgetKey, Measure, Period};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -254,6 +255,9 @@ pub(super) struct RawTenant {
     pub on_store_error: Option<OnStoreError>,
     pub shadow: Option<bool>,
     pub strict: Option<bool>,
+    /// The time zone its budgets' days, weeks and months turn in: an IANA name
+    /// (`America/New_York`) or a fixed offset (`+09:00`); UTC unless it says.
+    pub time_zone: Option<String>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,
@@ -285,6 +289,7 @@ impl RawTenant {
             on_store_error: self.on_store_error.or(plan.on_store_error),
             shadow: self.shadow.or(plan.shadow),
             strict: self.strict.or(plan.strict),
+            time_zone: self.time_zone.or_else(|| plan.time_zone.clone()),
             default_user: match (self.default_user, &plan.default_user) {
                 (Some(mine), Some(theirs)) => Some(mine.over(theirs)),
                 (mine, theirs) => mine.or_else(|| theirs.clone()),
@@ -296,7 +301,8 @@ impl RawTenant {
 }
 
 /// The limits of one scope (tenant, user or model). Every field is optional; an absent one does
-/// not limit.
+/// not limit. Budgets count over calendar periods in the tenant's time zone (`time_zone`, UTC
+/// unless it says).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Limits {
@@ -304,15 +310,29 @@ pub struct Limits {
     pub tokens_per_minute: Option<u64>,
     /// Capacity of the token bucket; defaults to one minute of refill.
     pub burst_tokens: Option<u64>,
+    /// Refill rate of a bucket of prompt tokens alone (its capacity one minute's).
+    pub input_tokens_per_minute: Option<u64>,
+    /// Refill rate of a bucket of output tokens alone (its capacity one minute's).
+    pub output_tokens_per_minute: Option<u64>,
     pub requests_per_minute: Option<u64>,
     pub max_concurrency: Option<u64>,
-    /// Token budget per UTC day.
+    pub tokens_per_hour: Option<u64>,
     pub tokens_per_day: Option<u64>,
-    /// Token budget per UTC calendar month.
+    /// Monday to Sunday.
+    pub tokens_per_week: Option<u64>,
     pub tokens_per_month: Option<u64>,
-    /// Budget in money per UTC day, at the models' prices.
+    pub input_tokens_per_hour: Option<u64>,
+    pub input_tokens_per_day: Option<u64>,
+    pub input_tokens_per_week: Option<u64>,
+    pub input_tokens_per_month: Option<u64>,
+    pub output_tokens_per_hour: Option<u64>,
+    pub output_tokens_per_day: Option<u64>,
+    pub output_tokens_per_week: Option<u64>,
+    pub output_tokens_per_month: Option<u64>,
+    /// Budgets in money, at the models' prices.
+    pub cost_per_hour: Option<Money>,
     pub cost_per_day: Option<Money>,
-    /// Budget in money per UTC calendar month.
+    pub cost_per_week: Option<Money>,
     pub cost_per_month: Option<Money>,
 }
 
@@ -322,13 +342,57 @@ impl Limits {
         Limits {
             tokens_per_minute: self.tokens_per_minute.or(base.tokens_per_minute),
             burst_tokens: self.burst_tokens.or(base.burst_tokens),
+            input_tokens_per_minute: self.input_tokens_per_minute.or(base.input_tokens_per_minute),
+            output_tokens_per_minute: self.output_tokens_per_minute.or(base.output_tokens_per_minute),
             requests_per_minute: self.requests_per_minute.or(base.requests_per_minute),
             max_concurrency: self.max_concurrency.or(base.max_concurrency),
+            tokens_per_hour: self.tokens_per_hour.or(base.tokens_per_hour),
             tokens_per_day: self.tokens_per_day.or(base.tokens_per_day),
+            tokens_per_week: self.tokens_per_week.or(base.tokens_per_week),
             tokens_per_month: self.tokens_per_month.or(base.tokens_per_month),
+            input_tokens_per_hour: self.input_tokens_per_hour.or(base.input_tokens_per_hour),
+            input_tokens_per_day: self.input_tokens_per_day.or(base.input_tokens_per_day),
+            input_tokens_per_week: self.input_tokens_per_week.or(base.input_tokens_per_week),
+            input_tokens_per_month: self.input_tokens_per_month.or(base.input_tokens_per_month),
+            output_tokens_per_hour: self.output_tokens_per_hour.or(base.output_tokens_per_hour),
+            output_tokens_per_day: self.output_tokens_per_day.or(base.output_tokens_per_day),
+            output_tokens_per_week: self.output_tokens_per_week.or(base.output_tokens_per_week),
+            output_tokens_per_month: self.output_tokens_per_month.or(base.output_tokens_per_month),
+            cost_per_hour: self.cost_per_hour.or(base.cost_per_hour),
             cost_per_day: self.cost_per_day.or(base.cost_per_day),
+            cost_per_week: self.cost_per_week.or(base.cost_per_week),
             cost_per_month: self.cost_per_month.or(base.cost_per_month),
         }
+    }
+
+    /// A period budget's limit (money in nanos), if these limits set it.
+    pub fn budget(&self, key: BudgetKey) -> Option<u64> {
+        use Measure::{Cost, Input, Output, Tokens};
+        use Period::{Day, Hour, Month, Week};
+        let money = |m: Option<Money>| m.map(|m| m.0);
+        match (key.measure, key.period) {
+            (Tokens, Hour) => self.tokens_per_hour,
+            (Tokens, Day) => self.tokens_per_day,
+            (Tokens, Week) => self.tokens_per_week,
+            (Tokens, Month) => self.tokens_per_month,
+            (Input, Hour) => self.input_tokens_per_hour,
+            (Input, Day) => self.input_tokens_per_day,
+            (Input, Week) => self.input_tokens_per_week,
+            (Input, Month) => self.input_tokens_per_month,
+            (Output, Hour) => self.output_tokens_per_hour,
+            (Output, Day) => self.output_tokens_per_day,
+            (Output, Week) => self.output_tokens_per_week,
+            (Output, Month) => self.output_tokens_per_month,
+            (Cost, Hour) => money(self.cost_per_hour),
+            (Cost, Day) => money(self.cost_per_day),
+            (Cost, Week) => money(self.cost_per_week),
+            (Cost, Month) => money(self.cost_per_month),
+        }
+    }
+
+    /// Every period budget these limits set, in [`BudgetKey::all`]'s order.
+    pub fn budgets(&self) -> impl Iterator<Item = (BudgetKey, u64)> + '_ {
+        BudgetKey::all().filter_map(|k| self.budget(k).map(|limit| (k, limit)))
     }
 }
 

@@ -2,18 +2,18 @@
 //! store has counted against each, for a platform team (and grpcurl); and adjustments of a period
 //! budget, for the identities the policy allows.
 
-use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use crate::admission::{Adjusted, Adjustment, Admission, PeriodBudget, ScopeBudget};
+use crate::admission::{Adjusted, Adjustment, Admission, ScopeBudget};
+use crate::hold::{BudgetKey, Measure};
 use crate::proto::budgets_server;
 use crate::proto::{
     AdjustBudgetRequest, AdjustBudgetResponse, GetBudgetsRequest, GetBudgetsResponse, LimitState, ScopeBudgets,
 };
 use crate::store::Store;
-use crate::store::phase::budget::{BucketLevel, PeriodUse};
+use crate::store::phase::budget::BucketLevel;
 
 #[derive(Debug)]
 pub struct BudgetsService<S> {
@@ -51,9 +51,9 @@ impl<S: Store> budgets_server::Budgets for BudgetsService<S> {
             Status::permission_denied("only the identities server.budget_admins names may adjust budgets")
         })?;
         let r = request.into_inner();
-        let budget = PeriodBudget::parse(&r.budget).ok_or_else(|| {
+        let budget = BudgetKey::from_name(&r.budget).ok_or_else(|| {
             Status::invalid_argument(format!(
-                "budget {:?} is not one of tokens_per_day, tokens_per_month, cost_per_day, cost_per_month",
+                "budget {:?} is not a period budget: tokens_, input_tokens_, output_tokens_ or cost_, then per_hour, per_day, per_week or per_month",
                 r.budget
             ))
         })?;
@@ -82,7 +82,7 @@ impl<S: Store> budgets_server::Budgets for BudgetsService<S> {
                     )));
                 }
             };
-        tracing::info!(tenant = %r.tenant, budget = budget.as_str(), amount = r.amount, reset = r.reset, by = %by, state, before, after, "budget adjusted");
+        tracing::info!(tenant = %r.tenant, budget = %budget.name(), amount = r.amount, reset = r.reset, by = %by, state, before, after, "budget adjusted");
         Ok(Response::new(AdjustBudgetResponse { state: state.into(), counted_before: before, counted_after: after }))
     }
 }
@@ -124,6 +124,12 @@ pub fn limit_states(s: &ScopeBudget) -> Vec<LimitState> {
     if let Some(t) = l.tokens {
         limits.push(bucket("tokens_per_minute", "tokens", t.capacity.get(), u.tokens));
     }
+    if let Some(b) = l.input {
+        limits.push(bucket("input_tokens_per_minute", "tokens", b.capacity.get(), u.input));
+    }
+    if let Some(b) = l.output {
+        limits.push(bucket("output_tokens_per_minute", "tokens", b.capacity.get(), u.output));
+    }
     if let Some(r) = l.requests {
         limits.push(bucket("requests_per_minute", "requests", r.capacity.get(), u.requests));
     }
@@ -138,28 +144,19 @@ pub fn limit_states(s: &ScopeBudget) -> Vec<LimitState> {
             resets_in_ms: 0,
         });
     }
-    let budget = |name: &str, unit: &str, limit: Option<NonZeroU64>, used: u64, held: u64, resets_in_ms: u64| {
-        limit.map(|limit| LimitState {
-            name: name.into(),
-            unit: unit.into(),
+    for key in BudgetKey::all() {
+        let Some(limit) = l.budget(key) else { continue };
+        let period = u.period(key);
+        limits.push(LimitState {
+            name: key.name(),
+            unit: if key.measure == Measure::Cost { "nanos" } else { "tokens" }.into(),
             limit: limit.get(),
-            used,
-            held,
-            remaining: signed(limit.get()) - signed(used),
-            resets_in_ms,
-        })
-    };
-    let (day, month): (PeriodUse, PeriodUse) = (u.day, u.month);
-    limits.extend(
-        [
-            budget("tokens_per_day", "tokens", l.daily_budget, day.tokens, day.held_tokens, u.day_ends_in_ms),
-            budget("tokens_per_month", "tokens", l.monthly_budget, month.tokens, month.held_tokens, u.month_ends_in_ms),
-            budget("cost_per_day", "nanos", l.daily_cost, day.cost, day.held_cost, u.day_ends_in_ms),
-            budget("cost_per_month", "nanos", l.monthly_cost, month.cost, month.held_cost, u.month_ends_in_ms),
-        ]
-        .into_iter()
-        .flatten(),
-    );
+            used: period.counted,
+            held: period.held,
+            remaining: signed(limit.get()) - signed(period.counted),
+            resets_in_ms: period.ends_in_ms,
+        });
+    }
     limits
 }
 

@@ -3,7 +3,8 @@
 
 use std::num::NonZeroU64;
 
-use crate::config::Limits;
+use super::{BudgetKey, BudgetLimits, Measure, Period};
+use crate::config::{Limits, per_ms};
 
 /// A token or request bucket: how much it holds, and how fast it refills.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,20 +19,33 @@ pub struct Bucket {
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ScopeLimits {
     pub tokens: Option<Bucket>,
+    /// Prompt tokens alone, and output tokens alone: buckets of one minute's refill.
+    pub input: Option<Bucket>,
+    pub output: Option<Bucket>,
     /// Requests: a bucket of one minute's requests, refilled over the minute.
     pub requests: Option<Bucket>,
     pub max_concurrency: Option<NonZeroU64>,
-    pub daily_budget: Option<NonZeroU64>,
-    pub monthly_budget: Option<NonZeroU64>,
-    /// Budgets in money, in nanos.
-    pub daily_cost: Option<NonZeroU64>,
-    pub monthly_cost: Option<NonZeroU64>,
+    /// Period budgets by [`BudgetKey::index`]; money in nanos; `0`: none.
+    pub budgets: BudgetLimits,
 }
 
 impl ScopeLimits {
+    /// A period budget's limit, if the scope has it.
+    pub fn budget(&self, key: BudgetKey) -> Option<NonZeroU64> {
+        self.budgets.get(key.index()).copied().and_then(NonZeroU64::new)
+    }
+
     /// The cheapest budget in money, if any (nanos).
     pub fn tightest_cost(&self) -> Option<u64> {
-        [self.daily_cost, self.monthly_cost].into_iter().flatten().map(NonZeroU64::get).min()
+        Period::ALL.into_iter().filter_map(|p| self.budget(BudgetKey::new(Measure::Cost, p))).map(NonZeroU64::get).min()
+    }
+
+    /// Whether every limit the scope has is one leasing decides from slices: no bucket of one
+    /// side, no budget but tokens and money per day and month.
+    pub fn leasable(&self) -> bool {
+        self.input.is_none()
+            && self.output.is_none()
+            && BudgetKey::all().all(|k| k.leasable() || self.budget(k).is_none())
     }
 }
 
@@ -39,14 +53,19 @@ impl From<&Limits> for ScopeLimits {
     fn from(l: &Limits) -> Self {
         let nonzero = |n: Option<u64>| n.and_then(NonZeroU64::new);
         let bucket = |capacity: Option<u64>, per_ms: f64| nonzero(capacity).map(|capacity| Bucket { capacity, per_ms });
+        let mut budgets = BudgetLimits::default();
+        for (key, limit) in l.budgets() {
+            if let Some(b) = budgets.get_mut(key.index()) {
+                *b = limit;
+            }
+        }
         ScopeLimits {
             tokens: bucket(l.token_capacity(), l.tokens_per_ms()),
+            input: bucket(l.input_tokens_per_minute, per_ms(l.input_tokens_per_minute)),
+            output: bucket(l.output_tokens_per_minute, per_ms(l.output_tokens_per_minute)),
             requests: bucket(l.requests_per_minute, l.requests_per_ms()),
             max_concurrency: nonzero(l.max_concurrency),
-            daily_budget: nonzero(l.tokens_per_day),
-            monthly_budget: nonzero(l.tokens_per_month),
-            daily_cost: nonzero(l.cost_per_day.map(|m| m.0)),
-            monthly_cost: nonzero(l.cost_per_month.map(|m| m.0)),
+            budgets,
         }
     }
 }

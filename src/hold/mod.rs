@@ -9,6 +9,7 @@
 //! - [`ledger`]: a settled hold's ledger entry as a JSON line.
 //! - [`charge`]: what reported counts charge, cached prompt tokens at their weight and price.
 
+pub mod budget;
 pub mod charge;
 pub mod id;
 pub mod ledger;
@@ -17,13 +18,14 @@ pub mod outcome;
 pub mod refusal;
 
 pub use crate::config::MAX_TOKEN_COUNT;
+pub use budget::{BudgetKey, BudgetLimits, Measure, Period};
 pub use charge::{Charge, Detail, charge};
 pub use id::{ReservationRef, parse_reservation_id};
 pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Window};
 pub use outcome::{
     CommitOutcome, Counted, Ending, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage,
 };
-pub use refusal::{Budget, KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
+pub use refusal::{KeyRepeat, PoolRefusal, Refusal, WouldRefuse};
 
 /// One UTC day in milliseconds: budgets reset on the store's day number, `now / DAY_MS`.
 pub const DAY_MS: u64 = 86_400_000;

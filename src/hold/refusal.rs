@@ -1,5 +1,7 @@
 //! Why a script refused: the tenant's limits, an idempotency key, or a backend pool.
 
+use super::BudgetKey;
+
 /// What a second reserve under the same idempotency key means.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyRepeat {
@@ -20,34 +22,17 @@ pub struct WouldRefuse {
     pub retry_after_ms: u64,
 }
 
-/// Which budget is spent: tokens or money, for the UTC day or the calendar month.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Budget {
-    DayTokens,
-    DayCost,
-    MonthTokens,
-    MonthCost,
-}
-
-impl Budget {
-    /// The budget, in words, for a refusal's message.
-    pub fn describe(self) -> &'static str {
-        match self {
-            Budget::DayTokens => "daily token budget",
-            Budget::DayCost => "daily cost budget",
-            Budget::MonthTokens => "monthly token budget",
-            Budget::MonthCost => "monthly cost budget",
-        }
-    }
-}
-
 /// Which limit a reserve script refused on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
     TokenRate,
+    /// The bucket of prompt tokens alone (`input_tokens_per_minute`).
+    InputRate,
+    /// The bucket of output tokens alone (`output_tokens_per_minute`).
+    OutputRate,
     RequestRate,
     Concurrency,
-    Budget(Budget),
+    Budget(BudgetKey),
     /// The idempotency key has made its most reserves.
     Attempts,
     /// The idempotency key was first used for a different request.

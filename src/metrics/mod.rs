@@ -133,7 +133,7 @@ impl std::fmt::Debug for Metrics {
 }
 
 /// A tenant's period budgets as last read: (budget name, limit, remaining, seconds to its reset).
-type BudgetLevels = std::collections::HashMap<String, Vec<(&'static str, u64, i64, f64)>>;
+type BudgetLevels = std::collections::HashMap<String, Vec<(String, u64, i64, f64)>>;
 
 /// Which tenants have series of their own: the policy's (or `metrics.tenants`), and the first
 /// `metrics.unlisted_tenants` others seen (kept across reloads, so a reload never lets more in).
@@ -196,9 +196,9 @@ impl Metrics {
                     .with_callback(move |o| {
                         let levels = seen.read().unwrap_or_else(PoisonError::into_inner);
                         for (tenant, budgets) in levels.iter() {
-                            for &(budget, limit, remaining, reset) in budgets {
-                                let labels = [KeyValue::new("tenant", tenant.clone()), KeyValue::new("budget", budget)];
-                                o.observe(pick(limit, remaining, reset), &labels);
+                            for (budget, limit, remaining, reset) in budgets {
+                                let labels = [KeyValue::new("tenant", tenant.clone()), KeyValue::new("budget", budget.clone())];
+                                o.observe(pick(*limit, *remaining, *reset), &labels);
                             }
                         }
                     })
@@ -323,7 +323,7 @@ impl Metrics {
 
     /// What `tenant`'s period budgets have left, as just read; `None`: it has none (or no longer
     /// a series of its own).
-    pub fn budgets_read(&self, tenant: &str, levels: Option<Vec<(&'static str, u64, i64, f64)>>) {
+    pub fn budgets_read(&self, tenant: &str, levels: Option<Vec<(String, u64, i64, f64)>>) {
         if !self.enabled {
             return;
         }

@@ -5,6 +5,7 @@ use std::num::NonZeroU64;
 
 use super::super::plan::ScopeOf;
 use crate::config::Limits;
+use crate::hold::budget::{TOKENS_PER_DAY, TOKENS_PER_MONTH};
 use crate::hold::{Amounts, Refusal, ScopeLimits};
 use crate::store::{Earlier, LeaseScope};
 
@@ -155,7 +156,7 @@ impl Slice {
 
     pub(super) fn limits_tokens(&self) -> bool {
         let l = &self.limits;
-        l.tokens.is_some() || l.daily_budget.is_some() || l.monthly_budget.is_some()
+        l.tokens.is_some() || l.budget(TOKENS_PER_DAY).is_some() || l.budget(TOKENS_PER_MONTH).is_some()
     }
 
     pub(super) fn limits_cost(&self) -> bool {
@@ -371,7 +372,7 @@ impl Slice {
     pub(super) fn share_cap(&self, share: f64) -> Amounts {
         let l = &self.limits;
         // Tokens are bounded by the bucket and the budgets, whichever is smallest.
-        let tokens = [l.tokens.map(|b| b.capacity), l.daily_budget, l.monthly_budget].into_iter().flatten().min();
+        let tokens = [l.tokens.map(|b| b.capacity), l.budget(TOKENS_PER_DAY), l.budget(TOKENS_PER_MONTH)].into_iter().flatten().min();
         let of = |n: Option<u64>| n.map_or(0, |n| share_of(n, share));
         Amounts {
             tokens: of(tokens.map(NonZeroU64::get)),

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
+use crate::hold::{BudgetKey, Measure, Period};
 use super::{
     AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
     MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings,
-    TenantPolicy, TlsSettings, TokenWeights,
+    TenantPolicy, TlsSettings, TokenWeights, Zone,
 };
 
 use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
@@ -385,14 +386,14 @@ fn tenant_policy(
         .chain(users.iter().map(|(n, l)| (format!("{field}.users.{n}"), l)))
         .chain(tenant_models.iter().map(|(n, l)| (format!("{field}.models.{n}"), l)));
     for (f, l) in scoped {
-        let which = if l.cost_per_day.is_some() { "cost_per_day" } else { "cost_per_month" };
-        if l.cost_per_day.is_some() || l.cost_per_month.is_some() {
+        let money = l.budgets().find(|(k, _)| k.measure == Measure::Cost);
+        if let Some((key, _)) = money {
             let mut unpriced: Vec<&str> =
                 models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).collect();
             unpriced.sort_unstable();
             if let Some(first) = unpriced.first() {
                 return Err(problem(
-                    format!("{f}.{which}"),
+                    format!("{f}.{}", key.name()),
                     format!("model {first} has no price: a budget in money needs every model priced"),
                 ));
             }
@@ -411,12 +412,19 @@ fn tenant_policy(
         if limits.requests_per_minute.is_some() {
             idle = idle.max(60_000);
         }
-        if limits.tokens_per_day.is_some() || limits.cost_per_day.is_some() {
-            idle = idle.max(2 * DAY_MS);
+        if limits.input_tokens_per_minute.is_some() || limits.output_tokens_per_minute.is_some() {
+            idle = idle.max(60_000);
         }
-        // A month's counters outlive the longest month, and a day besides.
-        if limits.tokens_per_month.is_some() || limits.cost_per_month.is_some() {
-            idle = idle.max(32 * DAY_MS);
+        // A period's counters outlive the longest such period, and a day besides (a time zone
+        // moves the turn by at most 14 hours).
+        for (key, _) in limits.budgets() {
+            let longest = match key.period {
+                Period::Hour => DAY_MS,
+                Period::Day => 2 * DAY_MS,
+                Period::Week => 8 * DAY_MS,
+                Period::Month => 32 * DAY_MS,
+            };
+            idle = idle.max(longest);
         }
     }
 
@@ -441,6 +449,10 @@ fn tenant_policy(
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
         shadow: t.shadow.unwrap_or(defaults.shadow),
         strict: t.strict.unwrap_or(false),
+        zone: match &t.time_zone {
+            Some(text) => Zone::parse(text).map_err(|why| problem(format!("{field}.time_zone"), why))?,
+            None => Zone::utc(),
+        },
         users,
         default_user: t.default_user,
         models: tenant_models,
@@ -470,26 +482,25 @@ fn children(
 }
 
 fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
-    let named = [
+    let rates = [
         ("tokens_per_minute", l.tokens_per_minute),
         ("burst_tokens", l.burst_tokens),
+        ("input_tokens_per_minute", l.input_tokens_per_minute),
+        ("output_tokens_per_minute", l.output_tokens_per_minute),
         ("requests_per_minute", l.requests_per_minute),
         ("max_concurrency", l.max_concurrency),
-        ("tokens_per_day", l.tokens_per_day),
-        ("tokens_per_month", l.tokens_per_month),
     ];
-    for (name, money) in [("cost_per_day", l.cost_per_day), ("cost_per_month", l.cost_per_month)] {
-        if money == Some(Money(0)) {
-            return Err(problem(format!("{field}.{name}"), "must be above 0 (leave it out for no limit)"));
-        }
-    }
-    for (name, value) in named {
+    let counts = l.budgets().filter(|(k, _)| k.measure != Measure::Cost).map(|(k, n)| (k.name(), Some(n)));
+    for (name, value) in rates.into_iter().map(|(n, v)| (n.to_string(), v)).chain(counts) {
         if value == Some(0) {
             return Err(problem(format!("{field}.{name}"), "must be at least 1 (leave it out for no limit)"));
         }
         if value.is_some_and(|v| v > 1_000_000_000_000) {
             return Err(problem(format!("{field}.{name}"), "is above 10^12"));
         }
+    }
+    if let Some((key, _)) = l.budgets().find(|&(k, n)| k.measure == Measure::Cost && n == 0) {
+        return Err(problem(format!("{field}.{}", key.name()), "must be above 0 (leave it out for no limit)"));
     }
     if l.burst_tokens.is_some() && l.tokens_per_minute.is_none() {
         return Err(problem(format!("{field}.burst_tokens"), "needs tokens_per_minute (the bucket's refill rate)"));
@@ -503,27 +514,19 @@ fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Prob
     let pairs = [
         ("tokens_per_minute", child.tokens_per_minute, parent.tokens_per_minute),
         ("burst_tokens", child.token_capacity(), parent.token_capacity()),
+        ("input_tokens_per_minute", child.input_tokens_per_minute, parent.input_tokens_per_minute),
+        ("output_tokens_per_minute", child.output_tokens_per_minute, parent.output_tokens_per_minute),
         ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
         ("max_concurrency", child.max_concurrency, parent.max_concurrency),
-        ("tokens_per_day", child.tokens_per_day, parent.tokens_per_day),
-        ("tokens_per_month", child.tokens_per_month, parent.tokens_per_month),
     ];
-    for (name, mine, theirs) in pairs {
+    let budgets = BudgetKey::all().map(|k| (k, child.budget(k), parent.budget(k)));
+    let pairs = pairs.into_iter().map(|(n, c, p)| (n.to_string(), c, p, None));
+    for (name, mine, theirs, money) in pairs.chain(budgets.map(|(k, c, p)| (k.name(), c, p, Some(k.measure)))) {
         if let (Some(mine), Some(theirs)) = (mine, theirs)
             && mine > theirs
         {
-            return Err(problem(format!("{field}.{name}"), format!("{mine} is above the tenant's {theirs}")));
-        }
-    }
-    let money = [
-        ("cost_per_day", child.cost_per_day, parent.cost_per_day),
-        ("cost_per_month", child.cost_per_month, parent.cost_per_month),
-    ];
-    for (name, mine, theirs) in money {
-        if let (Some(mine), Some(theirs)) = (mine, theirs)
-            && mine > theirs
-        {
-            return Err(problem(format!("{field}.{name}"), format!("{mine} is above the tenant's {theirs}")));
+            let shown = |n: u64| if money == Some(Measure::Cost) { Money(n).to_string() } else { n.to_string() };
+            return Err(problem(format!("{field}.{name}"), format!("{} is above the tenant's {}", shown(mine), shown(theirs))));
         }
     }
     Ok(())

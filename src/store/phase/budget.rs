@@ -3,15 +3,15 @@
 
 use super::reserve::{SCOPE_ARGV, push_limits};
 use super::{Argv, Fields};
-use crate::hold::ScopeLimits;
+use crate::hold::{BudgetKey, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
-/// `budget_get.lua`'s fixed `ARGV`; nine limits per scope follow ([`SCOPE_ARGV`]).
-pub(crate) const GET_ARGV: [&str; 1] = ["count held"];
+/// `budget_get.lua`'s fixed `ARGV`; ten limits per scope follow ([`SCOPE_ARGV`]).
+pub(crate) const GET_ARGV: [&str; 3] = ["count held", "record key prefix", "the tenant's time zone"];
 
 /// `budget_adjust.lua`'s `ARGV`, in order.
-pub(crate) const ADJUST_ARGV: [&str; 8] = [
-    "the budget",
+pub(crate) const ADJUST_ARGV: [&str; 9] = [
+    "the budget's counter",
     "the credit",
     "reset",
     "the request's fingerprint",
@@ -19,56 +19,15 @@ pub(crate) const ADJUST_ARGV: [&str; 8] = [
     "idle TTL of the scope hash",
     "the usage ledger's terms",
     "the ledger entry",
+    "the tenant's time zone",
 ];
-
-/// A period budget a scope may have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PeriodBudget {
-    TokensPerDay,
-    TokensPerMonth,
-    CostPerDay,
-    CostPerMonth,
-}
-
-impl PeriodBudget {
-    pub const ALL: [PeriodBudget; 4] = [
-        PeriodBudget::TokensPerDay,
-        PeriodBudget::TokensPerMonth,
-        PeriodBudget::CostPerDay,
-        PeriodBudget::CostPerMonth,
-    ];
-
-    /// The policy's name for it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PeriodBudget::TokensPerDay => "tokens_per_day",
-            PeriodBudget::TokensPerMonth => "tokens_per_month",
-            PeriodBudget::CostPerDay => "cost_per_day",
-            PeriodBudget::CostPerMonth => "cost_per_month",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<PeriodBudget> {
-        PeriodBudget::ALL.into_iter().find(|b| b.as_str() == name)
-    }
-
-    /// The budget in `limits`, if the scope has it.
-    pub fn of(self, limits: &ScopeLimits) -> Option<std::num::NonZeroU64> {
-        match self {
-            PeriodBudget::TokensPerDay => limits.daily_budget,
-            PeriodBudget::TokensPerMonth => limits.monthly_budget,
-            PeriodBudget::CostPerDay => limits.daily_cost,
-            PeriodBudget::CostPerMonth => limits.monthly_cost,
-        }
-    }
-}
 
 /// One adjustment, as `budget_adjust.lua` takes it.
 #[derive(Debug, Clone, Copy)]
 pub struct AdjustCall<'a> {
     pub tenant: &'a str,
     pub scope_key: &'a str,
-    pub budget: PeriodBudget,
+    pub budget: BudgetKey,
     /// Taken off what the period counted; below zero, added to it.
     pub credit: i64,
     pub reset: bool,
@@ -80,6 +39,8 @@ pub struct AdjustCall<'a> {
     pub ledger: Option<crate::config::LedgerTerms>,
     /// The ledger entry's user, model, who asked and why.
     pub entry: [&'a str; 4],
+    /// The tenant's time zone's offset from UTC now, in minutes east.
+    pub zone_offset_min: i32,
 }
 
 /// What an adjustment did.
@@ -100,26 +61,33 @@ pub struct BucketLevel {
     pub full_in_ms: u64,
 }
 
-/// What a period's budget has counted: tokens and cost (nanos), and how much of each live holds
-/// hold (not yet settled; counted in the totals).
+/// What one period budget has counted this period (tokens, or nanos of money), how much of it
+/// live holds hold (not yet settled; counted in it), and when the period ends.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeriodUse {
-    pub tokens: u64,
-    pub held_tokens: u64,
-    pub cost: u64,
-    pub held_cost: u64,
+    pub counted: u64,
+    pub held: u64,
+    pub ends_in_ms: u64,
 }
 
 /// One scope as the store has it now (a bucket the scope does not have reads as 0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScopeUse {
     pub tokens: BucketLevel,
     pub requests: BucketLevel,
+    pub input: BucketLevel,
+    pub output: BucketLevel,
     pub in_flight: u64,
-    pub day: PeriodUse,
-    pub month: PeriodUse,
-    pub day_ends_in_ms: u64,
-    pub month_ends_in_ms: u64,
+    /// Every budget the scope has, and the tokens and money of the day and month, which every
+    /// scope counts.
+    pub periods: Vec<(BudgetKey, PeriodUse)>,
+}
+
+impl ScopeUse {
+    /// What one budget's period has counted (zeros when the store did not say).
+    pub fn period(&self, key: BudgetKey) -> PeriodUse {
+        self.periods.iter().find(|(k, _)| *k == key).map(|(_, u)| *u).unwrap_or_default()
+    }
 }
 
 impl<S: Store> Protocol<S> {
@@ -130,10 +98,13 @@ impl<S: Store> Protocol<S> {
         tenant: &str,
         scopes: &[(String, ScopeLimits)],
         count_held: bool,
+        zone_offset_min: i32,
     ) -> Result<Vec<ScopeUse>, StoreError> {
         let script = &self.scripts.budget_get;
         let mut a = Argv::grouped("budget_get", &GET_ARGV, &SCOPE_ARGV, scopes.len());
         a.push("count held", if count_held { "1" } else { "0" }.to_string());
+        a.push("record key prefix", keys::record_prefix(tenant));
+        a.push("the tenant's time zone", zone_offset_min.to_string());
         let mut keys = Vec::with_capacity(scopes.len().saturating_add(1));
         keys.push(keys::holds(tenant));
         for (key, limits) in scopes {
@@ -158,7 +129,7 @@ impl<S: Store> Protocol<S> {
         let script = &self.scripts.budget_adjust;
         let clean = |v: &str| v.replace(['\t', '\n', '\r'], " ");
         let mut a = Argv::new("budget_adjust", &ADJUST_ARGV, 0);
-        a.push("the budget", call.budget.as_str().to_string());
+        a.push("the budget's counter", call.budget.counter());
         a.push("the credit", call.credit.to_string());
         a.push("reset", if call.reset { "1" } else { "0" }.to_string());
         a.push("the request's fingerprint", call.fingerprint.to_string());
@@ -169,7 +140,9 @@ impl<S: Store> Protocol<S> {
             call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
         );
         let [user, model, by, why] = call.entry.map(clean);
-        a.push("the ledger entry", [clean(call.request_id), call.tenant.to_string(), user, model, by, why].join("\t"));
+        let name = call.budget.name();
+        a.push("the ledger entry", [clean(call.request_id), call.tenant.to_string(), user, model, by, why, name].join("\t"));
+        a.push("the tenant's time zone", call.zone_offset_min.to_string());
         let keys =
             vec![call.scope_key.to_string(), keys::adjustment(call.tenant, call.request_id), keys::ledger(call.tenant)];
         let reply = self.store.eval(script, keys, a.finish()).await?;
@@ -185,14 +158,23 @@ impl<S: Store> Protocol<S> {
 
 fn scope_use(script: &crate::store::Script, reply: &Reply) -> Result<ScopeUse, StoreError> {
     let r = Fields::of(script, reply)?;
-    let bucket = |level: i64, full_in_ms: u64| BucketLevel { level, full_in_ms };
+    let bucket = |level: usize| -> Result<BucketLevel, StoreError> {
+        Ok(BucketLevel { level: r.int(level)?, full_in_ms: r.uint(level.saturating_add(1))? })
+    };
+    let list = r.get(9).ok_or_else(|| r.bad())?;
+    let p = Fields::of(script, list)?;
+    let mut periods = Vec::new();
+    for i in (0..p.len()).step_by(4) {
+        let at = |n: usize| i.saturating_add(n);
+        let key = BudgetKey::from_counter(p.text(i)?).ok_or_else(|| p.bad())?;
+        periods.push((key, PeriodUse { counted: p.uint(at(1))?, held: p.uint(at(2))?, ends_in_ms: p.uint(at(3))? }));
+    }
     Ok(ScopeUse {
-        tokens: bucket(r.int(0)?, r.uint(1)?),
-        requests: bucket(r.int(2)?, r.uint(3)?),
+        tokens: bucket(0)?,
+        requests: bucket(2)?,
         in_flight: r.uint(4)?,
-        day: PeriodUse { tokens: r.uint(5)?, held_tokens: r.uint(6)?, cost: r.uint(9)?, held_cost: r.uint(10)? },
-        month: PeriodUse { tokens: r.uint(7)?, held_tokens: r.uint(8)?, cost: r.uint(11)?, held_cost: r.uint(12)? },
-        day_ends_in_ms: r.uint(13)?,
-        month_ends_in_ms: r.uint(14)?,
+        input: bucket(5)?,
+        output: bucket(7)?,
+        periods,
     })
 }

@@ -23,16 +23,17 @@ pub(crate) const ARGV: [&str; 10] = [
 ];
 
 /// Then these, per scope, in `KEYS` order.
-pub(crate) const SCOPE_ARGV: [&str; 27] = [
+pub(crate) const SCOPE_ARGV: [&str; 28] = [
     "token capacity",
     "tokens per ms",
     "request capacity",
     "requests per ms",
     "max concurrency",
-    "daily budget",
-    "monthly budget",
-    "daily cost budget",
-    "monthly cost budget",
+    "input token capacity",
+    "input tokens per ms",
+    "output token capacity",
+    "output tokens per ms",
+    "period budgets",
     "tokens returned",
     "cost returned",
     "the day they were drawn on",

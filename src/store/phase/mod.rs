@@ -23,7 +23,7 @@ pub mod settle;
 pub mod sweep;
 
 use super::{Reply, Script, StoreError};
-use crate::hold::{Budget, Refusal, Settled, Window, WouldRefuse};
+use crate::hold::{BudgetKey, Measure, Period, Refusal, Settled, Window, WouldRefuse};
 
 /// A script's `ARGV` as a codec builds it: each value pushed under the name the script's header
 /// gives its position. `names` is the fixed part; `group` repeats after it (per scope, per entry).
@@ -220,14 +220,18 @@ fn refusal(s: &str) -> Option<Refusal> {
         "token_rate" => Refusal::TokenRate,
         "request_rate" => Refusal::RequestRate,
         "concurrency" => Refusal::Concurrency,
-        "budget" => Refusal::Budget(Budget::DayTokens),
-        "cost_budget" => Refusal::Budget(Budget::DayCost),
-        "monthly_budget" => Refusal::Budget(Budget::MonthTokens),
-        "monthly_cost_budget" => Refusal::Budget(Budget::MonthCost),
+        "input_rate" => Refusal::InputRate,
+        "output_rate" => Refusal::OutputRate,
+        // (The names of the four budgets before hours and weeks, as a lease call's kept answer
+        // from an earlier version may give them.)
+        "budget" => Refusal::Budget(BudgetKey::new(Measure::Tokens, Period::Day)),
+        "cost_budget" => Refusal::Budget(BudgetKey::new(Measure::Cost, Period::Day)),
+        "monthly_budget" => Refusal::Budget(BudgetKey::new(Measure::Tokens, Period::Month)),
+        "monthly_cost_budget" => Refusal::Budget(BudgetKey::new(Measure::Cost, Period::Month)),
         "attempts" => Refusal::Attempts,
         "conflict" => Refusal::Conflict,
         "unsatisfiable" => Refusal::Unsatisfiable,
-        _ => return None,
+        other => Refusal::Budget(BudgetKey::from_counter(other.strip_prefix("budget:")?)?),
     })
 }
 

@@ -4,11 +4,11 @@ use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
-use crate::hold::{Bucket, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
+use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
-pub(crate) const ARGV: [&str; 26] = [
+pub(crate) const ARGV: [&str; 27] = [
     "reservation id",
     "record key prefix",
     "prompt tokens",
@@ -35,19 +35,21 @@ pub(crate) const ARGV: [&str; 26] = [
     "the tenant's settled-bucket prefix",
     "retention of settled records",
     "the model's terms for weighted tokens",
+    "the tenant's time zone",
 ];
 
 /// Then these, per scope, in `KEYS` order (`0`: no such limit).
-pub(crate) const SCOPE_ARGV: [&str; 9] = [
+pub(crate) const SCOPE_ARGV: [&str; 10] = [
     "token capacity",
     "tokens per ms",
     "request capacity",
     "requests per ms",
     "max concurrency",
-    "daily budget",
-    "monthly budget",
-    "daily cost budget",
-    "monthly cost budget",
+    "input token capacity",
+    "input tokens per ms",
+    "output token capacity",
+    "output tokens per ms",
+    "period budgets",
 ];
 
 /// An idempotency key as the reserve script takes it.
@@ -94,6 +96,9 @@ pub struct ReserveCall<'a> {
     pub price: Price,
     /// What the model's cached prompt tokens and reasoning tokens count: commit charges them so.
     pub token_weights: TokenWeights,
+    /// The tenant's time zone's offset from UTC now, in minutes east: its budgets' periods are
+    /// numbered in it.
+    pub zone_offset_min: i32,
 }
 
 /// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
@@ -165,6 +170,7 @@ impl<S: Store> Protocol<S> {
         a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
         a.push("retention of settled records", call.retention_ms.to_string());
         a.push("the model's terms for weighted tokens", weighted_terms(call.price, call.token_weights));
+        a.push("the tenant's time zone", call.zone_offset_min.to_string());
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);
@@ -201,7 +207,7 @@ impl<S: Store> Protocol<S> {
     }
 }
 
-/// The nine limits reserve and lease both send first for a scope, in their order.
+/// The ten limits reserve, lease and budget_get send first for a scope, in their order.
 pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
     let capacity = |b: Option<Bucket>| or_zero(b.map(|b| b.capacity));
     let per_ms = |b: Option<Bucket>| b.map_or(0.0, |b| b.per_ms).to_string();
@@ -210,10 +216,13 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
     a.push("request capacity", capacity(l.requests));
     a.push("requests per ms", per_ms(l.requests));
     a.push("max concurrency", or_zero(l.max_concurrency));
-    a.push("daily budget", or_zero(l.daily_budget));
-    a.push("monthly budget", or_zero(l.monthly_budget));
-    a.push("daily cost budget", or_zero(l.daily_cost));
-    a.push("monthly cost budget", or_zero(l.monthly_cost));
+    a.push("input token capacity", capacity(l.input));
+    a.push("input tokens per ms", per_ms(l.input));
+    a.push("output token capacity", capacity(l.output));
+    a.push("output tokens per ms", per_ms(l.output));
+    let budgets: Vec<String> =
+        BudgetKey::all().filter_map(|k| l.budget(k).map(|limit| format!("{}:{limit}", k.counter()))).collect();
+    a.push("period budgets", budgets.join(" "));
 }
 
 /// A limit as the scripts take it: `0` for none (the one place that sentinel is written).
