@@ -80,10 +80,26 @@ fn check_config_says_the_budgets_over_months_and_in_money() {
                 tenants:\n  acme:\n    limits: { tokens_per_month: 90000000, cost_per_day: 12.5, cost_per_month: 250 }\n";
     let policy = Policy::parse("money.yaml", text).unwrap();
     let summary = policy.summary();
-    assert!(summary.contains("90000000 tokens/month, 12.5 a day, 250 a month"), "{summary}");
+    assert!(summary.contains("12.5 a day, 90000000 tokens/month, 250 a month"), "{summary}");
     let price = policy.models["m"].price.unwrap();
     assert_eq!((price.input_nanos, price.output_nanos), (2_500, 10_000), "nanos per token");
     assert_eq!(policy.tenants["acme"].limits.cost_per_day.unwrap().0, 12_500_000_000);
+}
+
+#[test]
+fn check_config_says_the_budgets_of_each_side_and_period_and_the_zone() {
+    let text = "models:\n  m: { max_output_tokens: 100 }\nplans:\n  team:\n    time_zone: Europe/Berlin\n    \
+                limits: { input_tokens_per_minute: 400000, output_tokens_per_minute: 80000, tokens_per_hour: 5000000, \
+                output_tokens_per_week: 20000000 }\ntenants:\n  acme: { plan: team }\n";
+    let policy = Policy::parse("sides.yaml", text).unwrap();
+    let summary = policy.summary();
+    assert!(
+        summary.contains(
+            "tenant acme: 400000 input tokens/min, 80000 output tokens/min, 5000000 tokens/hour, \
+             20000000 output tokens/week (periods in Europe/Berlin)"
+        ),
+        "{summary}"
+    );
 }
 
 #[test]

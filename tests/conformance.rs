@@ -14,9 +14,14 @@ use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, Ren
 use tollgate::store::clock::Clock;
 use tollgate::store::{Store, keys};
 
+#[path = "conformance/periods.rs"]
+mod periods;
+
 /// Scenarios, each generic over the store.
 mod scenarios {
     use super::*;
+
+    pub use super::periods::*;
 
     /// 1 token per second of refill: slow enough that the few milliseconds a real Redis test
     /// takes cannot refill a meaningful amount.
@@ -1265,6 +1270,10 @@ macro_rules! conformance {
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
             scenario!(the_daily_budget_resets_at_midnight_utc, DAILY);
             scenario!(the_monthly_budget_resets_at_the_start_of_the_month, MONTHLY);
+            scenario!(input_and_output_limits_hold_and_correct_each_side, SIDES);
+            scenario!(hourly_and_weekly_budgets_turn_on_their_boundaries, HOURLY_WEEKLY);
+            scenario!(a_zone_ahead_of_utc_turns_the_day_at_its_midnight, TOKYO);
+            scenario!(a_zone_behind_utc_turns_the_week_at_its_midnight, NEW_YORK);
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);

@@ -42,7 +42,7 @@ use super::retry::Settlement;
 use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, Unmetered, ids,
 };
-use crate::config::{Policy, Zone};
+use crate::config::Policy;
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
@@ -321,7 +321,7 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let retry_after_ms = match reason {
-                    Refusal::Budget(_) => to_local_turn(&plan.tp.zone, zone_offset_min, now_ms, retry_after_ms),
+                    Refusal::Budget(_) => plan.tp.zone.wait_to_turn(zone_offset_min, now_ms, retry_after_ms),
                     _ => retry_after_ms,
                 };
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
@@ -390,15 +390,6 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
             (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
         }
     }
-}
-
-/// A budget's wait to its period's turn, as the script counted it with the zone's offset now,
-/// moved by the daylight-saving change between now and then (a local midnight after the clocks
-/// went forward comes an hour sooner).
-fn to_local_turn(zone: &Zone, offset_now: i32, now_ms: u64, wait_ms: u64) -> u64 {
-    let offset_then = zone.offset_minutes_at(now_ms.saturating_add(wait_ms));
-    let moved = i64::from(offset_now).saturating_sub(i64::from(offset_then)).saturating_mul(60_000);
-    u64::try_from(i64::try_from(wait_ms).unwrap_or(i64::MAX).saturating_add(moved)).unwrap_or(0).max(1)
 }
 
 pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {

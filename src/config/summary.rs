@@ -1,6 +1,7 @@
 //! What a policy enforces, in a few lines: `tollgate check-config`'s answer.
 
-use super::{Limits, Policy, StoreChoice};
+use super::{Limits, Money, Policy, StoreChoice};
+use crate::hold::Measure;
 
 impl Policy {
     /// A few lines saying what the policy enforces, for `check-config`.
@@ -78,8 +79,9 @@ impl Policy {
         for name in &names {
             let t = &self.tenants[name];
             out.push_str(&format!(
-                "  tenant {name}: {}{}; lease {} ms; expired usage {:?}; store down: {}; {} user(s), {} model override(s)\n",
+                "  tenant {name}: {}{}{}; lease {} ms; expired usage {:?}; store down: {}; {} user(s), {} model override(s)\n",
                 t.limits.describe(),
+                if t.zone.is_utc() { String::new() } else { format!(" (periods in {})", t.zone.name()) },
                 if t.shadow { " (shadow: measured, not enforced)" } else { "" },
                 t.lease_ttl_ms,
                 t.expired_usage,
@@ -104,17 +106,20 @@ impl Limits {
         if let Some(n) = self.max_concurrency {
             parts.push(format!("{n} concurrent"));
         }
-        if let Some(n) = self.tokens_per_day {
-            parts.push(format!("{n} tokens/day"));
+        if let Some(n) = self.input_tokens_per_minute {
+            parts.push(format!("{n} input tokens/min"));
         }
-        if let Some(n) = self.tokens_per_month {
-            parts.push(format!("{n} tokens/month"));
+        if let Some(n) = self.output_tokens_per_minute {
+            parts.push(format!("{n} output tokens/min"));
         }
-        if let Some(m) = self.cost_per_day {
-            parts.push(format!("{m} a day"));
-        }
-        if let Some(m) = self.cost_per_month {
-            parts.push(format!("{m} a month"));
+        for (key, limit) in self.budgets() {
+            let period = key.period.as_str();
+            parts.push(match key.measure {
+                Measure::Cost => format!("{} a {period}", Money(limit)),
+                Measure::Tokens => format!("{limit} tokens/{period}"),
+                Measure::Input => format!("{limit} input tokens/{period}"),
+                Measure::Output => format!("{limit} output tokens/{period}"),
+            });
         }
         if parts.is_empty() { "no limits".into() } else { parts.join(", ") }
     }

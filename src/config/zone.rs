@@ -59,6 +59,15 @@ impl Zone {
         let at = i64::try_from(unix_ms).ok().and_then(|ms| Timestamp::from_millisecond(ms).ok());
         at.map_or(0, |t| self.tz.to_offset(t).seconds() / 60)
     }
+
+    /// A budget's wait to its period's turn, as a script counted it with the zone's offset at
+    /// `now_ms` (`offset_now`), moved by the daylight-saving change between now and then: a local
+    /// midnight after the clocks went forward comes an hour sooner.
+    pub fn wait_to_turn(&self, offset_now: i32, now_ms: u64, wait_ms: u64) -> u64 {
+        let offset_then = self.offset_minutes_at(now_ms.saturating_add(wait_ms));
+        let moved = i64::from(offset_now).saturating_sub(i64::from(offset_then)).saturating_mul(60_000);
+        u64::try_from(i64::try_from(wait_ms).unwrap_or(i64::MAX).saturating_add(moved)).unwrap_or(0).max(1)
+    }
 }
 
 impl PartialEq for Zone {
@@ -89,6 +98,20 @@ mod tests {
         assert_eq!(Zone::parse("-05:30").unwrap().offset_minutes_at(july), -330);
         assert!(Zone::parse("UTC").unwrap().is_utc() && Zone::parse("+00:00").unwrap().is_utc());
         assert!(!berlin.is_utc());
+    }
+
+    #[test]
+    fn a_turn_after_the_clocks_change_moves_with_them() {
+        const HOUR: u64 = 3_600_000;
+        let new_york = Zone::parse("America/New_York").unwrap();
+        // 2026-03-08 01:00 EST (06:00 UTC); the clocks go forward at 02:00. Counted at -05:00,
+        // local midnight is 23 hours away; it comes at 04:00 UTC, 22 hours on.
+        let now = 1_772_949_600_000;
+        assert_eq!(new_york.offset_minutes_at(now), -300);
+        assert_eq!(new_york.wait_to_turn(-300, now, 23 * HOUR), 22 * HOUR);
+        // With no change between (an hour later, on EDT), the wait stands.
+        assert_eq!(new_york.wait_to_turn(-240, now + 2 * HOUR, 20 * HOUR), 20 * HOUR);
+        assert_eq!(Zone::utc().wait_to_turn(0, now, 5), 5);
         for bad in ["Mars/Olympus", "+9", "+15:00", "+09:60", "09:00", ""] {
             assert!(Zone::parse(bad).is_err(), "{bad}");
         }

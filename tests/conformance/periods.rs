@@ -1,0 +1,181 @@
+//! Budgets of every measure and period, on every store: input and output tokens apart, hours and
+//! weeks beside days and months, and periods that turn at local midnight in a tenant's zone.
+//! The manual clock starts on Sunday 2026-11-29 at 12:00 UTC; on Redis, time is real and the
+//! waits are checked against the real clock.
+
+use super::*;
+use tollgate::hold::{BudgetKey, Measure, Period};
+
+const HOUR: u64 = 3_600_000;
+const DAY: u64 = 24 * HOUR;
+
+/// Input and output buckets and budgets beside the totals.
+pub const SIDES: &str = "limits:\n  input_tokens_per_minute: 600\n  output_tokens_per_day: 1000\n  \
+    input_tokens_per_week: 5000\n";
+/// An hour's and a week's tokens (holds that outlive the turns they cross).
+pub const HOURLY_WEEKLY: &str = "lease_ttl_ms: 86400000\nlimits:\n  tokens_per_hour: 1000\n  tokens_per_week: 1500\n";
+/// A day's tokens nine hours ahead of UTC, and a month's.
+pub const TOKYO: &str = "time_zone: '+09:00'\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
+/// A week's tokens in New York (five hours behind UTC in November), by the zone's name.
+pub const NEW_YORK: &str = "time_zone: America/New_York\nlimits:\n  tokens_per_week: 1000\n";
+
+/// Ms from now until period `p` turns in a zone `offset` minutes east of UTC, by the clock the
+/// store reads.
+fn to_turn<S: Store>(h: &Harness<S>, offset: i64, p: Period) -> u64 {
+    let now = match &h.clock {
+        Some(c) => c.now_ms(),
+        None => tollgate::store::clock::SystemClock.now_ms(),
+    };
+    let local = i64::try_from(now).unwrap() + offset * 60_000;
+    let day = local.div_euclid(DAY as i64);
+    let ends = match p {
+        Period::Hour => (local.div_euclid(HOUR as i64) + 1) * HOUR as i64,
+        Period::Day => (day + 1) * DAY as i64,
+        // Week 0 began on Monday 1969-12-29, day -3.
+        Period::Week => (((day + 3).div_euclid(7) + 1) * 7 - 3) * DAY as i64,
+        Period::Month => {
+            let month = support::model::month_of(u64::try_from(day).unwrap());
+            i64::try_from(support::model::month_start(month + 1)).unwrap() * DAY as i64
+        }
+    };
+    u64::try_from(ends - offset * 60_000 - i64::try_from(now).unwrap()).unwrap()
+}
+
+/// The wait a budget refusal gave: exactly the turn on the manual clock, within seconds of it on
+/// a real one.
+fn waits_for_turn<S: Store>(h: &Harness<S>, wait: u64, offset: i64, p: Period) {
+    let expected = to_turn(h, offset, p);
+    if h.exact_time() {
+        assert_eq!(wait, expected, "{p:?} at {offset} min");
+    } else {
+        assert!(wait.abs_diff(expected) < 5_000, "{p:?} at {offset} min: {wait} vs {expected}");
+    }
+}
+
+/// What the tenant scope's budget of `m` over `p` counted, and of it held.
+fn period_use(scopes: &[tollgate::admission::ScopeBudget], m: Measure, p: Period) -> (u64, u64) {
+    let u = scopes[0].used.period(BudgetKey::new(m, p));
+    (u.counted, u.held)
+}
+
+/// The prompt and the output are held and corrected each on its own side: a bucket of input
+/// tokens refuses a long prompt while output is plentiful, a day's output budget refuses a large
+/// max_tokens while input is, and a commit gives back (or charges) each side what it did not use
+/// (or overran).
+pub async fn input_and_output_limits_hold_and_correct_each_side<S: Store>(h: Harness<S>) {
+    let first = admitted(&h.reserve(400, 300).await).reservation_id.clone();
+    let no = denied(&h.reserve(300, 10).await).clone();
+    assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
+    assert!(no.message.contains("input token rate limit of scope tenant"), "{no:?}");
+    // 100 short at 10 a second.
+    let wait = no.retry_after_ms.unwrap();
+    assert!((9_000..=10_000).contains(&wait), "{wait}");
+    let no = denied(&h.reserve(100, 800).await).clone();
+    assert_eq!(no.reason, Reason::Budget);
+    assert!(no.message.contains("daily output token budget of scope tenant"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Day);
+    // Larger than the input bucket could ever hold: no wait helps.
+    assert_eq!(denied(&h.reserve(601, 1).await).reason, Reason::Unsatisfiable);
+
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (300, 300), "held, all of it");
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (400, 400));
+
+    // 400 in and 50 out: 250 of the output comes back, the input stands.
+    h.admission.commit(&first, 400, 50).await.unwrap();
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (50, 0));
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (400, 0));
+    assert_eq!(period_use(&scopes, Measure::Tokens, Period::Day), (450, 0), "the total moves with both");
+    let second = admitted(&h.reserve(100, 800).await).reservation_id.clone();
+    // An output past its hold is debt on the output side: 50 + 1,000 is past the day's 1,000.
+    h.admission.commit(&second, 100, 1000).await.unwrap();
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (1050, 0));
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (500, 0));
+    assert_eq!(denied(&h.reserve(0, 1).await).reason, Reason::Budget);
+    // The limits as Get reports them, by the policy's names.
+    let states = tollgate::grpc::budgets::limit_states(&scopes[0]);
+    let names: Vec<&str> = states.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["input_tokens_per_minute", "output_tokens_per_day", "input_tokens_per_week"]);
+    if h.exact_time() {
+        h.advance(to_turn(&h, 0, Period::Day)).await;
+        admitted(&h.reserve(0, 900).await);
+    }
+}
+
+/// An hour's budget turns on the hour, a week's on Monday at midnight; a hold released after its
+/// hour turned gives its tokens back to the week, not to the new hour.
+pub async fn hourly_and_weekly_budgets_turn_on_their_boundaries<S: Store>(h: Harness<S>) {
+    let first = admitted(&h.reserve(0, 800).await).reservation_id.clone();
+    let no = denied(&h.reserve(0, 300).await).clone();
+    assert!(no.message.contains("hourly token budget of scope tenant"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+    if !h.exact_time() {
+        let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+        assert_eq!(period_use(&scopes, Measure::Tokens, Period::Week), (800, 800));
+        return;
+    }
+    // Sunday 13:00: a new hour, the same week.
+    h.advance(HOUR).await;
+    let second = admitted(&h.reserve(0, 300).await).reservation_id.clone();
+    let no = denied(&h.reserve(0, 500).await).clone();
+    assert!(no.message.contains("weekly token budget of scope tenant"), "{no:?}");
+    assert_eq!(no.retry_after_ms, Some(11 * HOUR), "to Monday 00:00 UTC");
+    // The first hold's hour has passed: the week gets its 800 back, this hour keeps its 300.
+    h.admission.release(&first).await.unwrap();
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("hu"), scope.num("wu")), (300.0, 300.0));
+    admitted(&h.reserve(0, 500).await);
+    h.admission.commit(&second, 0, 100).await.unwrap();
+    // Monday: a new week and a new hour.
+    h.advance(11 * HOUR).await;
+    admitted(&h.reserve(0, 1000).await);
+    assert_eq!(denied(&h.reserve(0, 1).await).reason, Reason::Budget);
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("hu"), scope.num("wu")), (1000.0, 1000.0));
+}
+
+/// Nine hours ahead of UTC, the day turns at 15:00 UTC and so does the month; a hold of the old
+/// local day released after the turn does not refund the new one.
+pub async fn a_zone_ahead_of_utc_turns_the_day_at_its_midnight<S: Store>(h: Harness<S>) {
+    let yesterday = admitted(&h.reserve(0, 900).await).reservation_id.clone();
+    let no = denied(&h.reserve(0, 200).await).clone();
+    assert!(no.message.contains("daily token budget"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 9 * 60, Period::Day);
+    if !h.exact_time() {
+        return;
+    }
+    // 21:00 in Tokyo on 29 November: three hours to midnight.
+    assert_eq!(no.retry_after_ms, Some(3 * HOUR));
+    h.advance(3 * HOUR).await;
+    admitted(&h.reserve(0, 800).await);
+    // 30 November there: the day has 200 left, the month 100.
+    let no = denied(&h.reserve(0, 150).await).clone();
+    assert!(no.message.contains("monthly token budget"), "{no:?}");
+    assert_eq!(no.retry_after_ms, Some(DAY), "1 December, 00:00 in Tokyo");
+    // Yesterday's hold released: back to the month, not to the new day.
+    h.admission.release(&yesterday).await.unwrap();
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("du"), scope.num("mu")), (800.0, 800.0));
+    admitted(&h.reserve(0, 150).await);
+    h.advance(DAY).await;
+    admitted(&h.reserve(0, 1000).await);
+}
+
+/// Behind UTC, by the zone's name: New York's week turns on Monday at 05:00 UTC in November.
+pub async fn a_zone_behind_utc_turns_the_week_at_its_midnight<S: Store>(h: Harness<S>) {
+    admitted(&h.reserve(0, 900).await);
+    let no = denied(&h.reserve(0, 200).await).clone();
+    assert!(no.message.contains("weekly token budget"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), -5 * 60, Period::Week);
+    if !h.exact_time() {
+        return;
+    }
+    // Sunday 07:00 in New York: 17 hours to Monday.
+    assert_eq!(no.retry_after_ms, Some(17 * HOUR));
+    h.advance(17 * HOUR - 1).await;
+    assert_eq!(denied(&h.reserve(0, 200).await).reason, Reason::Budget, "still Sunday there");
+    h.advance(1).await;
+    admitted(&h.reserve(0, 1000).await);
+}
