@@ -4,12 +4,14 @@
 //! releases, renews, repeated and late commits; scripts run twice (a client re-sending after a
 //! lost reply); calls whose reply is lost or that never arrive, through a replica behind a circuit
 //! breaker that opens (a reserve nobody received is given back, at once or through the retry
-//! queue; a settlement sent again counts once); clock jumps past leases and refills, across a
-//! day's and a month's turn; tenants gone quiet past every key's TTL (their holds swept, every key
+//! queue; a settlement sent again counts once); budgets of input and output tokens apart, of
+//! hours and weeks, buckets of one side, one tenant's periods twelve hours ahead of UTC; clock
+//! jumps past leases and refills, across an hour's, a day's, a week's and a month's turn, in UTC
+//! and in that zone; tenants gone quiet past every key's TTL (their holds swept, every key
 //! expired, the next reserve afresh); reloads that tighten and loosen a tenant's limits and
 //! shorten its lease mid-sequence (holds made before keep their terms). After every step the store's reply must equal
-//! the model's, and the store's counters the model's: every scope's holds in flight, token and
-//! request levels and day usage, the pool's holds and work. At the end every live hold is released,
+//! the model's, and the store's counters the model's: every scope's holds in flight, token,
+//! request and side levels and every period's counters, the pool's holds and work. At the end every live hold is released,
 //! or (half the cases) left abandoned, its tenant quiet, until the background sweeper settles it
 //! after its lease; then every slot and every unit of pool work must be back; and the usage
 //! ledger must hold every
@@ -37,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use tollgate::admission::{Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
-use tollgate::hold::Headroom;
+use tollgate::hold::{Headroom, Period};
 use tollgate::store::breaker::{Breaker, BreakerSettings};
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
@@ -165,25 +167,25 @@ fn policy(
         (
             "lease_ttl_ms: 1000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  record_retention_ms: 5000\n  on_store_error: fail_closed",
             if tight {
-                "{ tokens_per_minute: 60000, burst_tokens: 1200, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }"
+                "{ tokens_per_minute: 60000, burst_tokens: 1200, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 3000 }"
             } else {
-                "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006 }"
+                "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
-            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
-            "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500 }",
+            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, input_tokens_per_minute: 600, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000 }",
+            "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500, output_tokens_per_minute: 900, input_tokens_per_month: 1200 }",
         )
     } else {
         (
             "lease_ttl_ms: 600000\n  concurrency_retry_ms: 800\n  sweep_batch: 2\n  max_attempts: 3\n  on_store_error: fail_closed",
             if tight {
-                "{ tokens_per_minute: 2, burst_tokens: 1200, max_concurrency: 4, cost_per_day: 0.006 }"
+                "{ tokens_per_minute: 2, burst_tokens: 1200, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 3000 }"
             } else {
-                "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006 }"
+                "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003 }",
-            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000 }",
-            "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500 }",
+            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000 }",
+            "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500, input_tokens_per_month: 1200 }",
         )
     };
     let file = ledger_file.map_or_else(String::new, |f| format!("  file: {}\n", f.display()));
@@ -191,7 +193,7 @@ fn policy(
         "{store}\nledger:\n  max_len: 100000\n  retention_ms: 31622400000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
          n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
-         tenants:\n  {a}:\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
+         tenants:\n  {a}:\n    time_zone: '+12:00'\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
 }
 
@@ -205,6 +207,7 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
                 TenantRules {
                     lease_ms: tp.lease_ttl_ms,
                     expired_usage: tp.expired_usage,
+                    zone_offset_min: i64::from(tp.zone.offset_minutes_at(0)),
                     tenant: model::Limits::from(&tp.limits),
                     user: tp.default_user.as_ref().map(model::Limits::from),
                     model_n: tp.models.get("n").map(model::Limits::from),
@@ -593,10 +596,20 @@ impl<S: Store + Clone> World<S> {
                 let got = num("r").unwrap();
                 assert!(close(got, r), "{at}: requests in {key}: store {got}, model {r}");
             }
-            assert_eq!(num("du"), Some(s.du as f64), "{at}: day usage of {key}");
-            assert_eq!(num("dc").unwrap_or(0.0), s.dc as f64, "{at}: day cost of {key}");
-            assert_eq!(num("mu").unwrap_or(0.0), s.mu as f64, "{at}: month usage of {key}");
-            assert_eq!(num("mc").unwrap_or(0.0), s.mc as f64, "{at}: month cost of {key}");
+            for (budget, counted) in &s.counts {
+                let counter = budget.counter();
+                assert_eq!(num(&counter), Some(*counted as f64), "{at}: {counter} of {key}: {v:?}");
+            }
+            for (period, marker) in &s.markers {
+                let field = if *period == Period::Month { "mo" } else { &period.as_str()[..1] };
+                assert_eq!(num(field), Some(*marker as f64), "{at}: the {period:?} marker of {key}: {v:?}");
+            }
+            for (side, level) in [("pt", s.input), ("gt", s.output)] {
+                if let Some(b) = level {
+                    let got = num(side).unwrap();
+                    assert!(close(got, b.level), "{at}: {side} in {key}: store {got}, model {}", b.level);
+                }
+            }
         }
         let pool = &self.model.pool_name;
         let pool_keys = vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)];
@@ -626,7 +639,10 @@ impl<S: Store + Clone> World<S> {
             for (id, o) in &outcomes {
                 assert!(o.len() == 1 || *o == ["expired", "late_committed"], "{id} entered as {o:?}");
             }
-            let (du, dc) = self.model.scopes.get(&keys::tenant_scope(tenant)).map_or((0, 0), |s| (s.du, s.dc));
+            let counted = |k: &model::BudgetKey| {
+                self.model.scopes.get(&keys::tenant_scope(tenant)).and_then(|s| s.counts.get(k).copied()).unwrap_or(0)
+            };
+            let (du, dc) = (counted(&model::ALWAYS[0]), counted(&model::ALWAYS[1]));
             // What was charged before the last idle spell is no longer in any counter.
             let (before_tokens, before_cost) = self.ledger_before_idle.get(tenant).copied().unwrap_or_default();
             let since =
@@ -854,12 +870,14 @@ impl Drop for StopOnDrop {
     }
 }
 
-/// Where a case's clock starts: mid-day, 20 s before a day's turn, 20 s before a month's (the
-/// turn of 2026-11-30 into 2026-12-01, UTC).
-const STARTS: [u64; 3] = [
+/// Where a case's clock starts: mid-day, 20 s before a day's turn (and a week's: Sunday into
+/// Monday), 20 s before a month's (the turn of 2026-11-30 into 2026-12-01, UTC); and 20 s before
+/// noon UTC on Sunday, which is midnight into Monday for tenant a, twelve hours ahead.
+const STARTS: [u64; 4] = [
     support::CLOCK_START_MS,
     support::CLOCK_START_MS + 12 * 3_600_000 - 20_000,
     support::CLOCK_START_MS + 36 * 3_600_000 - 20_000,
+    support::CLOCK_START_MS - 20_000,
 ];
 
 async fn run(backend: Backend, ops: Vec<Op>) {

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use super::{Admission, AdmissionError, plan};
 use crate::config::{Policy, TenantPolicy};
-use crate::store::Store;
 use crate::hold::BudgetKey;
+use crate::store::Store;
 use crate::store::phase::budget::Adjusted;
 
 /// One scope's limits and what the store has counted against them (see `Admission::budgets`).

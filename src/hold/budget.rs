@@ -109,7 +109,9 @@ impl BudgetKey {
     /// Every budget, periods in order, measures in order within each: the order of
     /// [`BudgetKey::index`].
     pub fn all() -> impl Iterator<Item = BudgetKey> {
-        Period::ALL.into_iter().flat_map(|period| Measure::ALL.into_iter().map(move |measure| BudgetKey { period, measure }))
+        Period::ALL
+            .into_iter()
+            .flat_map(|period| Measure::ALL.into_iter().map(move |measure| BudgetKey { period, measure }))
     }
 
     /// Its place in [`BudgetKey::all`], 0 to 15.

@@ -197,7 +197,8 @@ impl Metrics {
                         let levels = seen.read().unwrap_or_else(PoisonError::into_inner);
                         for (tenant, budgets) in levels.iter() {
                             for (budget, limit, remaining, reset) in budgets {
-                                let labels = [KeyValue::new("tenant", tenant.clone()), KeyValue::new("budget", budget.clone())];
+                                let labels =
+                                    [KeyValue::new("tenant", tenant.clone()), KeyValue::new("budget", budget.clone())];
                                 o.observe(pick(*limit, *remaining, *reset), &labels);
                             }
                         }

@@ -15,7 +15,8 @@ pub const SIDES: &str = "limits:\n  input_tokens_per_minute: 600\n  output_token
 /// An hour's and a week's tokens (holds that outlive the turns they cross).
 pub const HOURLY_WEEKLY: &str = "lease_ttl_ms: 86400000\nlimits:\n  tokens_per_hour: 1000\n  tokens_per_week: 1500\n";
 /// A day's tokens nine hours ahead of UTC, and a month's.
-pub const TOKYO: &str = "time_zone: '+09:00'\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
+pub const TOKYO: &str =
+    "time_zone: '+09:00'\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
 /// A week's tokens in New York (five hours behind UTC in November), by the zone's name.
 pub const NEW_YORK: &str = "time_zone: America/New_York\nlimits:\n  tokens_per_week: 1000\n";
 

@@ -12,9 +12,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tollgate::admission::{Admitted, Decision, Denial, Reason};
 use tollgate::config::{ExpiredUsage, PoolPolicy, Priority};
-use tollgate::hold::{CommitOutcome, Ending, KeyRepeat, ReleaseOutcome, RenewOutcome, Settled, Usage, Window};
+pub use tollgate::hold::BudgetKey;
+use tollgate::hold::{
+    CommitOutcome, Ending, KeyRepeat, Measure, Period, ReleaseOutcome, RenewOutcome, Settled, Usage, Window,
+};
 
 pub const DAY_MS: u64 = 86_400_000;
+pub const HOUR_MS: u64 = 3_600_000;
 
 /// One scope's limits, as the reserve script takes them (0: no such limit), read from the policy
 /// the way `config::Limits` defines them: the model keeps the scripts' own convention.
@@ -25,10 +29,19 @@ pub struct Limits {
     pub request_capacity: u64,
     pub requests_per_ms: f64,
     pub max_concurrency: u64,
-    pub daily_budget: u64,
-    pub monthly_budget: u64,
-    pub daily_cost: u64,
-    pub monthly_cost: u64,
+    /// The buckets of prompt tokens and of output tokens: capacity one minute's refill.
+    pub input_capacity: u64,
+    pub input_per_ms: f64,
+    pub output_capacity: u64,
+    pub output_per_ms: f64,
+    /// Period budgets by [`BudgetKey::index`] (money in nanos).
+    pub budgets: [u64; 16],
+}
+
+impl Limits {
+    pub fn budget(&self, key: BudgetKey) -> u64 {
+        self.budgets[key.index()]
+    }
 }
 
 impl From<&tollgate::config::Limits> for Limits {
@@ -39,10 +52,11 @@ impl From<&tollgate::config::Limits> for Limits {
             request_capacity: l.requests_per_minute.unwrap_or(0),
             requests_per_ms: l.requests_per_ms(),
             max_concurrency: l.max_concurrency.unwrap_or(0),
-            daily_budget: l.tokens_per_day.unwrap_or(0),
-            monthly_budget: l.tokens_per_month.unwrap_or(0),
-            daily_cost: l.cost_per_day.map_or(0, |m| m.0),
-            monthly_cost: l.cost_per_month.map_or(0, |m| m.0),
+            input_capacity: l.input_tokens_per_minute.unwrap_or(0),
+            input_per_ms: l.input_tokens_per_minute.unwrap_or(0) as f64 / 60_000.0,
+            output_capacity: l.output_tokens_per_minute.unwrap_or(0),
+            output_per_ms: l.output_tokens_per_minute.unwrap_or(0) as f64 / 60_000.0,
+            budgets: std::array::from_fn(|i| BudgetKey::all().nth(i).and_then(|k| l.budget(k)).unwrap_or(0)),
         }
     }
 }
@@ -52,6 +66,8 @@ impl From<&tollgate::config::Limits> for Limits {
 pub struct TenantRules {
     pub lease_ms: u64,
     pub expired_usage: ExpiredUsage,
+    /// The tenant's time zone, a fixed offset (minutes east of UTC).
+    pub zone_offset_min: i64,
     pub tenant: Limits,
     /// Limits of every user (the policy's `default_user`), if any.
     pub user: Option<Limits>,
@@ -68,12 +84,96 @@ pub struct Scope {
     pub tr: f64,
     pub r: Option<f64>,
     pub rt: u64,
-    pub d: Option<u64>,
-    pub du: u64,
-    pub dc: u64,
-    pub mo: Option<u64>,
-    pub mu: u64,
-    pub mc: u64,
+    pub input: Option<Level>,
+    pub output: Option<Level>,
+    /// Each period's marker: the number of the period its counters count.
+    pub markers: BTreeMap<Period, u64>,
+    /// What each period budget's counter has counted (in its marker's period).
+    pub counts: BTreeMap<BudgetKey, u64>,
+}
+
+/// A bucket of one side: its level, last refill, capacity and refill per ms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Level {
+    pub level: f64,
+    pub at: u64,
+    pub cap: u64,
+    pub rate: f64,
+}
+
+/// The counters every scope keeps, whatever budgets it has: tokens and money per day and month.
+pub const ALWAYS: [BudgetKey; 4] = [
+    BudgetKey::new(Measure::Tokens, Period::Day),
+    BudgetKey::new(Measure::Cost, Period::Day),
+    BudgetKey::new(Measure::Tokens, Period::Month),
+    BudgetKey::new(Measure::Cost, Period::Month),
+];
+
+/// The hour (when known), day, week and month numbers a moment falls in, in a zone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Periods {
+    pub hour: Option<u64>,
+    pub day: u64,
+}
+
+impl Periods {
+    pub fn of(day: u64, hour: Option<u64>) -> Periods {
+        Periods { hour, day }
+    }
+
+    /// The periods of `now` in the zone `offset` minutes east of UTC.
+    pub fn at(now: u64, offset: i64) -> Periods {
+        let local = (now as i64 + offset * 60_000) as u64;
+        Periods { hour: Some(local / HOUR_MS), day: local / DAY_MS }
+    }
+
+    pub fn get(&self, p: Period) -> Option<u64> {
+        match p {
+            Period::Hour => self.hour,
+            Period::Day => Some(self.day),
+            Period::Week => Some((self.day + 3) / 7),
+            Period::Month => Some(month_of(self.day)),
+        }
+    }
+
+    /// Ms from `now` until period `p` of these turns, in the zone `offset` minutes east.
+    pub fn ends(&self, p: Period, now: u64, offset: i64) -> f64 {
+        let ends = match p {
+            Period::Hour => (self.hour.unwrap() + 1) * HOUR_MS,
+            Period::Day => (self.day + 1) * DAY_MS,
+            Period::Week => (((self.day + 3) / 7 + 1) * 7 - 3) * DAY_MS,
+            Period::Month => month_start(month_of(self.day) + 1) * DAY_MS,
+        };
+        (ends as i64 - offset * 60_000 - now as i64) as f64
+    }
+}
+
+/// Amounts by measure (debt when positive, a refund when negative).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Amounts {
+    pub tokens: i64,
+    pub cost: i64,
+    pub input: i64,
+    pub output: i64,
+}
+
+impl Amounts {
+    pub fn of(&self, m: Measure) -> i64 {
+        match m {
+            Measure::Tokens => self.tokens,
+            Measure::Cost => self.cost,
+            Measure::Input => self.input,
+            Measure::Output => self.output,
+        }
+    }
+
+    fn negated(self) -> Amounts {
+        Amounts { tokens: -self.tokens, cost: -self.cost, input: -self.input, output: -self.output }
+    }
+
+    fn is_zero(&self) -> bool {
+        self.tokens == 0 && self.cost == 0 && self.input == 0 && self.output == 0
+    }
 }
 
 /// The UTC calendar month of a day number: tollgate's own, which the counters this model holds
@@ -108,7 +208,10 @@ pub struct Hold {
     pub slot: bool,
     pub lease_end: u64,
     pub attempts: u32,
+    /// The day (and hour, when a scope counts hours) it was charged to, in its zone.
     pub day: u64,
+    pub hour: Option<u64>,
+    pub zone_offset_min: i64,
     pub scopes: Vec<String>,
     pub policy: ExpiredUsage,
     pub key: Option<String>,
@@ -260,56 +363,72 @@ impl Model {
         }
     }
 
-    /// The day's and the month's usage of tokens (cost) move by `amount` when they are those of
-    /// `day`; a charge on a new day (month) starts its count (as common.lua's adjust).
-    fn move_usage(s: &mut Scope, cost: bool, amount: i64, day: u64) {
-        if amount == 0 || s.d.is_none() {
-            return;
-        }
-        let add = |v: u64| (v as i64 + amount).max(0) as u64;
-        if s.d == Some(day) {
-            if cost { s.dc = add(s.dc) } else { s.du = add(s.du) }
-        } else if amount > 0 {
-            s.d = Some(day);
-            (s.du, s.dc) = (0, 0);
-            if cost { s.dc = amount as u64 } else { s.du = amount as u64 }
-        }
-        let month = month_of(day);
-        if s.mo == Some(month) {
-            if cost { s.mc = add(s.mc) } else { s.mu = add(s.mu) }
-        } else if amount > 0 {
-            s.mo = Some(month);
-            (s.mu, s.mc) = (0, 0);
-            if cost { s.mc = amount as u64 } else { s.mu = amount as u64 }
-        }
-    }
-
-    /// Moves each scope by `tokens` and `cost` (debt when positive, a refund when negative).
-    fn adjust(&mut self, keys: &[String], tokens: i64, cost: i64, tokens_day: u64, cost_day: u64, now: u64) {
+    /// Moves each scope by `n` (as common.lua's adjust): its buckets from their level now; each
+    /// period's counters it has when their marker is the period `hold_at` (a refund) or `now_at`
+    /// (debt) names; debt in a new period starts all of that period's counters afresh.
+    fn adjust(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64) {
         for k in keys {
-            if tokens != 0 {
-                self.move_tokens(k, -(tokens as f64), now);
+            if n.tokens != 0 {
+                self.move_tokens(k, -(n.tokens as f64), now);
             }
-            if let Some(s) = self.scopes.get_mut(k) {
-                Self::move_usage(s, false, tokens, tokens_day);
-                Self::move_usage(s, true, cost, cost_day);
+            let Some(s) = self.scopes.get_mut(k) else { continue };
+            for (bucket, amount) in [(&mut s.input, n.input), (&mut s.output, n.output)] {
+                if amount != 0
+                    && let Some(b) = bucket
+                {
+                    let cap = b.cap as f64;
+                    let level = refilled(Some(b.level), b.at, b.cap, b.rate, now) - amount as f64;
+                    (b.level, b.at) = ((-cap).max(cap.min(level)), now);
+                }
+            }
+            for p in Period::ALL {
+                if !s.markers.contains_key(&p) {
+                    continue;
+                }
+                for m in Measure::ALL {
+                    let key = BudgetKey::new(m, p);
+                    let amount = n.of(m);
+                    let at = if amount < 0 { hold_at.get(p) } else { now_at.get(p) };
+                    let Some(at) = at.filter(|_| amount != 0 && s.counts.contains_key(&key)) else { continue };
+                    if s.markers[&p] == at {
+                        let v = (s.counts[&key] as i64 + amount).max(0) as u64;
+                        s.counts.insert(key, v);
+                    } else if amount > 0 {
+                        for (k, v) in s.counts.iter_mut() {
+                            if k.period == p {
+                                *v = 0;
+                            }
+                        }
+                        s.markers.insert(p, at);
+                        s.counts.insert(key, amount as u64);
+                    }
+                }
             }
         }
     }
 
-    fn refund(&mut self, keys: &[String], tokens: u64, cost: u64, day: u64, now: u64) {
-        if tokens > 0 || cost > 0 {
-            self.adjust(keys, -(tokens as i64), -(cost as i64), day, day, now);
+    fn refund(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now: u64) {
+        if n.tokens > 0 || n.cost > 0 || n.input > 0 || n.output > 0 {
+            self.adjust(keys, n.negated(), hold_at, hold_at, now);
         }
     }
 
-    /// A settled hold moves from what it charged to what it should: refunds to its day, charges
-    /// to today.
-    fn settle(&mut self, keys: &[String], tokens: i64, cost: i64, day: u64, now: u64) {
-        let today = now / DAY_MS;
-        let on = |delta: i64| if delta < 0 { day } else { today };
-        if tokens != 0 || cost != 0 {
-            self.adjust(keys, tokens, cost, on(tokens), on(cost), now);
+    /// A settled hold moves from what it charged to what it should: refunds to its periods,
+    /// charges to the current ones.
+    fn settle(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64) {
+        if !n.is_zero() {
+            self.adjust(keys, n, hold_at, now_at, now);
+        }
+    }
+
+    /// What a hold has charged, by measure: all it held, or nothing once an expiry refunded it.
+    fn charged_of(h: &Hold) -> Amounts {
+        let output = if h.charged > 0 { h.charged.min(h.output_held) } else { 0 };
+        Amounts {
+            tokens: h.charged as i64,
+            cost: h.cost_charged as i64,
+            input: (h.charged - output) as i64,
+            output: output as i64,
         }
     }
 
@@ -339,7 +458,7 @@ impl Model {
         let h = self.holds[id].clone();
         let (mut charged, mut cost) = (h.charged, h.cost_charged);
         if h.slot && h.policy == ExpiredUsage::Refund {
-            self.refund(&h.scopes, h.charged, h.cost_charged, h.day, now);
+            self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now);
             (charged, cost) = (0, 0);
         }
         let h = self.holds.get_mut(id).unwrap();
@@ -483,8 +602,10 @@ impl Model {
         let hold = ask.prompt + ask.max_tokens;
         let cost = self.cost(&ask.model, ask.prompt, ask.max_tokens);
         for (_, l) in scopes {
-            let largest = [l.token_capacity, l.daily_budget, l.monthly_budget].into_iter().filter(|&n| n > 0).min();
-            let dearest = [l.daily_cost, l.monthly_cost].into_iter().filter(|&n| n > 0).min();
+            let tokens = Period::ALL.map(|p| l.budget(BudgetKey::new(Measure::Tokens, p)));
+            let largest = std::iter::once(l.token_capacity).chain(tokens).filter(|&n| n > 0).min();
+            let dearest =
+                Period::ALL.map(|p| l.budget(BudgetKey::new(Measure::Cost, p))).into_iter().filter(|&n| n > 0).min();
             if largest.is_some_and(|largest| hold > largest) || dearest.is_some_and(|d| cost > d) {
                 return Some(Decision::Denied(Denial::now(Reason::Unsatisfiable, "")));
             }
@@ -533,8 +654,10 @@ impl Model {
         let hold = ask.prompt + ask.max_tokens;
         let price = self.prices.get(&ask.model).copied().unwrap_or((0, 0));
         let cost = ask.prompt * price.0 + ask.max_tokens * price.1;
-        let today = now / DAY_MS;
-        let month = month_of(today);
+        let n =
+            Amounts { tokens: hold as i64, cost: cost as i64, input: ask.prompt as i64, output: ask.max_tokens as i64 };
+        let offset = rules.zone_offset_min;
+        let at = Periods::at(now, offset);
         self.sweep(&ask.tenant, now, delivered);
 
         // Read and refill every scope.
@@ -544,10 +667,11 @@ impl Model {
             t: f64,
             r: f64,
             c: u64,
-            du: u64,
-            dc: u64,
-            mu: u64,
-            mc: u64,
+            input: f64,
+            output: f64,
+            /// Every counter the scope counts (its budgets, ALWAYS, what it has counted), in the
+            /// current period.
+            used: BTreeMap<BudgetKey, u64>,
         }
         let reads: Vec<Read> = scope_keys
             .iter()
@@ -567,10 +691,35 @@ impl Model {
                         0.0
                     },
                     c: self.in_flight(key),
-                    du: if s.d == Some(today) { s.du } else { 0 },
-                    dc: if s.d == Some(today) { s.dc } else { 0 },
-                    mu: if s.mo == Some(month) { s.mu } else { 0 },
-                    mc: if s.mo == Some(month) { s.mc } else { 0 },
+                    input: if l.input_capacity > 0 {
+                        refilled(
+                            s.input.map(|b| b.level),
+                            s.input.map_or(0, |b| b.at),
+                            l.input_capacity,
+                            l.input_per_ms,
+                            now,
+                        )
+                    } else {
+                        0.0
+                    },
+                    output: if l.output_capacity > 0 {
+                        refilled(
+                            s.output.map(|b| b.level),
+                            s.output.map_or(0, |b| b.at),
+                            l.output_capacity,
+                            l.output_per_ms,
+                            now,
+                        )
+                    } else {
+                        0.0
+                    },
+                    used: BudgetKey::all()
+                        .filter(|k| l.budget(*k) > 0 || s.counts.contains_key(k) || ALWAYS.contains(k))
+                        .map(|k| {
+                            let current = at.get(k.period).is_some_and(|p| s.markers.get(&k.period) == Some(&p));
+                            (k, if current { s.counts.get(&k).copied().unwrap_or(0) } else { 0 })
+                        })
+                        .collect(),
                 }
             })
             .collect();
@@ -647,6 +796,16 @@ impl Model {
             }
         }
 
+        // What no wait can help: a side larger than its bucket or budget ever holds.
+        let beyond = |s: &Read| {
+            (s.l.input_capacity > 0 && ask.prompt > s.l.input_capacity)
+                || (s.l.output_capacity > 0 && ask.max_tokens > s.l.output_capacity)
+                || BudgetKey::all().any(|k| s.l.budget(k) > 0 && n.of(k.measure) > s.l.budget(k) as i64)
+        };
+        if reads.iter().any(beyond) {
+            return Decision::Denied(Denial::now(Reason::Unsatisfiable, ""));
+        }
+
         // Decide: the limit that frees last is the reason.
         let mut verdict: Option<(Reason, u64)> = None;
         let mut deny = |why: Reason, ms: f64| {
@@ -660,6 +819,12 @@ impl Model {
             if s.l.token_capacity > 0 && s.t < hold as f64 {
                 deny(Reason::TokenRate, (hold as f64 - s.t) / s.l.tokens_per_ms);
             }
+            if s.l.input_capacity > 0 && ask.prompt > 0 && s.input < ask.prompt as f64 {
+                deny(Reason::TokenRate, (ask.prompt as f64 - s.input) / s.l.input_per_ms);
+            }
+            if s.l.output_capacity > 0 && ask.max_tokens > 0 && s.output < ask.max_tokens as f64 {
+                deny(Reason::TokenRate, (ask.max_tokens as f64 - s.output) / s.l.output_per_ms);
+            }
             if s.l.request_capacity > 0 && s.r < 1.0 {
                 deny(Reason::RequestRate, (1.0 - s.r) / s.l.requests_per_ms);
             }
@@ -669,19 +834,11 @@ impl Model {
                 });
                 deny(Reason::Concurrency, ms);
             }
-            let tomorrow = ((today + 1) * DAY_MS - now) as f64;
-            let next_month = (month_start(month + 1) * DAY_MS - now) as f64;
-            if s.l.daily_budget > 0 && s.du + hold > s.l.daily_budget {
-                deny(Reason::Budget, tomorrow);
-            }
-            if s.l.daily_cost > 0 && cost > 0 && s.dc + cost > s.l.daily_cost {
-                deny(Reason::Budget, tomorrow);
-            }
-            if s.l.monthly_budget > 0 && s.mu + hold > s.l.monthly_budget {
-                deny(Reason::Budget, next_month);
-            }
-            if s.l.monthly_cost > 0 && cost > 0 && s.mc + cost > s.l.monthly_cost {
-                deny(Reason::Budget, next_month);
+            for (key, used) in &s.used {
+                let (limit, amount) = (s.l.budget(*key), n.of(key.measure));
+                if limit > 0 && amount > 0 && used + amount as u64 > limit {
+                    deny(Reason::Budget, at.ends(key.period, now, offset));
+                }
             }
         }
         if let Some((reason, wait)) = verdict {
@@ -693,14 +850,26 @@ impl Model {
         }
 
         // Hold.
+        let mut hourly = false;
         for s in &reads {
             let scope = self.scopes.entry(s.key.clone()).or_default();
-            scope.d = Some(today);
-            scope.du = s.du + hold;
-            scope.dc = s.dc + cost;
-            scope.mo = Some(month);
-            scope.mu = s.mu + hold;
-            scope.mc = s.mc + cost;
+            for (key, used) in &s.used {
+                scope.counts.insert(*key, used + n.of(key.measure) as u64);
+                scope.markers.insert(key.period, at.get(key.period).unwrap());
+                hourly |= key.period == Period::Hour;
+            }
+            let level = |level: f64, amount: u64, cap: u64, rate: f64| Level {
+                level: level - amount as f64,
+                at: now,
+                cap,
+                rate,
+            };
+            if s.l.input_capacity > 0 {
+                scope.input = Some(level(s.input, ask.prompt, s.l.input_capacity, s.l.input_per_ms));
+            }
+            if s.l.output_capacity > 0 {
+                scope.output = Some(level(s.output, ask.max_tokens, s.l.output_capacity, s.l.output_per_ms));
+            }
             if s.l.token_capacity > 0 {
                 scope.t = Some(s.t - hold as f64);
                 scope.tt = now;
@@ -735,7 +904,9 @@ impl Model {
                 slot: true,
                 lease_end: now + rules.lease_ms,
                 attempts,
-                day: today,
+                day: at.day,
+                hour: if hourly { at.hour } else { None },
+                zone_offset_min: offset,
                 scopes: reads.iter().map(|s| s.key.clone()).collect(),
                 policy: rules.expired_usage,
                 key: ask.key.as_ref().map(|(k, _)| k.clone()),
@@ -813,7 +984,15 @@ impl Model {
         let h = self.holds[id].clone();
         let used = prompt + output;
         let cost = prompt * h.price.0 + output * h.price.1;
-        self.settle(&h.scopes, used as i64 - h.charged as i64, cost as i64 - h.cost_charged as i64, h.day, now);
+        let had = Self::charged_of(&h);
+        let delta = Amounts {
+            tokens: used as i64 - had.tokens,
+            cost: cost as i64 - had.cost,
+            input: prompt as i64 - had.input,
+            output: output as i64 - had.output,
+        };
+        let now_at = Periods::at(now, h.zone_offset_min);
+        self.settle(&h.scopes, delta, Periods::of(h.day, h.hour), now_at, now);
         let late = h.state == State::Settled(Settled::Expired);
         let usage = Usage {
             late,
@@ -848,7 +1027,7 @@ impl Model {
             Err(Some(s)) => ReleaseOutcome::Settled(s),
             Ok(()) => {
                 let h = self.holds[id].clone();
-                self.refund(&h.scopes, h.charged, h.cost_charged, h.day, now);
+                self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now);
                 let rec = self.holds.get_mut(id).unwrap();
                 rec.state = State::Settled(Settled::Released);
                 rec.refunded_on_release = h.charged;

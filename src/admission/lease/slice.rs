@@ -372,7 +372,10 @@ impl Slice {
     pub(super) fn share_cap(&self, share: f64) -> Amounts {
         let l = &self.limits;
         // Tokens are bounded by the bucket and the budgets, whichever is smallest.
-        let tokens = [l.tokens.map(|b| b.capacity), l.budget(TOKENS_PER_DAY), l.budget(TOKENS_PER_MONTH)].into_iter().flatten().min();
+        let tokens = [l.tokens.map(|b| b.capacity), l.budget(TOKENS_PER_DAY), l.budget(TOKENS_PER_MONTH)]
+            .into_iter()
+            .flatten()
+            .min();
         let of = |n: Option<u64>| n.map_or(0, |n| share_of(n, share));
         Amounts {
             tokens: of(tokens.map(NonZeroU64::get)),

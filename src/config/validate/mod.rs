@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
-use crate::hold::{BudgetKey, Measure, Period};
 use super::{
     AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
     MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings,
     TenantPolicy, TlsSettings, TokenWeights, Zone,
 };
+use crate::hold::{BudgetKey, Measure, Period};
 
 use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
 pub(super) use sections::{tls, tls_flag};
@@ -526,7 +526,10 @@ fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Prob
             && mine > theirs
         {
             let shown = |n: u64| if money == Some(Measure::Cost) { Money(n).to_string() } else { n.to_string() };
-            return Err(problem(format!("{field}.{name}"), format!("{} is above the tenant's {}", shown(mine), shown(theirs))));
+            return Err(problem(
+                format!("{field}.{name}"),
+                format!("{} is above the tenant's {}", shown(mine), shown(theirs)),
+            ));
         }
     }
     Ok(())

@@ -141,7 +141,10 @@ impl<S: Store> Protocol<S> {
         );
         let [user, model, by, why] = call.entry.map(clean);
         let name = call.budget.name();
-        a.push("the ledger entry", [clean(call.request_id), call.tenant.to_string(), user, model, by, why, name].join("\t"));
+        a.push(
+            "the ledger entry",
+            [clean(call.request_id), call.tenant.to_string(), user, model, by, why, name].join("\t"),
+        );
         a.push("the tenant's time zone", call.zone_offset_min.to_string());
         let keys =
             vec![call.scope_key.to_string(), keys::adjustment(call.tenant, call.request_id), keys::ledger(call.tenant)];
