@@ -188,6 +188,29 @@ mod scenarios {
         assert!(admitted(&leased).reservation_id.contains('@'), "{leased:?}");
     }
 
+    /// A budget leasing does not decide from slices (an hour's or a week's, one side's, periods in
+    /// a zone) sends the tenant's decisions to the store: its holds are store holds, and two
+    /// replicas racing on it admit exactly the budget.
+    pub async fn a_budget_leasing_does_not_decide_goes_to_the_store<S: Store + Clone>(h: Harness<S>) {
+        let other = h.wrapped(|s| s).await;
+        let (a, b) = tokio::join!(
+            futures_util::future::join_all((0..4).map(|_| h.reserve(0, 100))),
+            futures_util::future::join_all((0..4).map(|_| other.reserve(0, 100)))
+        );
+        let admitted: Vec<&tollgate::admission::Admitted> = a
+            .iter()
+            .chain(&b)
+            .filter_map(|d| match d {
+                tollgate::admission::Decision::Admitted(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(admitted.len(), 5, "500 tokens, 100 a request: {a:?} {b:?}");
+        assert!(admitted.iter().all(|a| !a.reservation_id.contains('@')), "store holds: {admitted:?}");
+        assert_eq!(h.admission.leased_holds(&h.tenant), (0, 0));
+        assert_eq!(other.admission.leased_holds(&h.tenant), (0, 0));
+    }
+
     /// A client re-sends a command whose connection dropped after it was written: every lease call
     /// here runs twice. The second run is a re-send of the first and changes nothing, so the
     /// returns, the debt and the draws count once: the day's usage is what was used.
@@ -523,6 +546,22 @@ macro_rules! leasing {
             async fn strict_tenants_and_keyed_requests_bypass_leasing() {
                 let body = format!("leasing:\n  window_ms: 250\n{TOP_SEPARATOR}strict: true\nlimits:\n{SLOW}");
                 scenarios::strict_tenants_and_keyed_requests_bypass_leasing($make(&body).await).await;
+            }
+
+            scenario!(a_budget_leasing_does_not_decide_goes_to_the_store, &format!("{SLOW}  tokens_per_hour: 500\n"));
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_output_budget_goes_to_the_store() {
+                let h = $make(&policy(&format!("{SLOW}  output_tokens_per_day: 500\n"))).await;
+                scenarios::a_budget_leasing_does_not_decide_goes_to_the_store(h).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_budget_in_a_time_zone_goes_to_the_store() {
+                let body = format!(
+                    "leasing:\n  window_ms: 250\n  max_share: 0.5\n{TOP_SEPARATOR}time_zone: Europe/Berlin\nlimits:\n{SLOW}  tokens_per_day: 500\n"
+                );
+                scenarios::a_budget_leasing_does_not_decide_goes_to_the_store($make(&body).await).await;
             }
 
             /// Budgets over a month or in money are leased, and stay exact.
