@@ -416,25 +416,35 @@ local function take(s, n, requests, slots, at, now, idle)
   keep_for(s.key, idle)
 end
 
--- The scope with the fewest tokens (requests) left after taking `take_tokens` (`take_requests`),
--- for the rate-limit headers: remaining, limit and ms to full, for tokens and then requests; -1
--- when no scope limits them.
-local function headroom(scopes, take_tokens, take_requests)
+-- The scope with the least left in one kind of bucket after taking `take` (level, capacity and
+-- refill fields of a scope as read_scope names them: t tcap trate, r rcap rrate, pt pcap prate,
+-- gt gcap grate): remaining, limit and ms to full; -1 when no scope has that bucket.
+local function tightest(scopes, level, cap, rate, take)
   local rem, lim, reset = -1, -1, -1
-  local rrem, rlim, rreset = -1, -1, -1
   for _, s in ipairs(scopes) do
-    if s.tcap > 0 and (rem == -1 or s.t - take_tokens < rem) then
-      rem = math.max(0, s.t - take_tokens)
-      lim = s.tcap
-      reset = math.ceil((s.tcap - rem) / s.trate)
-    end
-    if s.rcap > 0 and (rrem == -1 or s.r - take_requests < rrem) then
-      rrem = math.max(0, s.r - take_requests)
-      rlim = s.rcap
-      rreset = math.ceil((s.rcap - rrem) / s.rrate)
+    if s[cap] > 0 and (rem == -1 or s[level] - take < rem) then
+      rem = math.max(0, s[level] - take)
+      lim = s[cap]
+      reset = math.ceil((s[cap] - rem) / s[rate])
     end
   end
-  return math.floor(rem), lim, reset, math.floor(rrem), rlim, rreset
+  return math.floor(rem), lim, reset
+end
+
+-- The tightest token and request windows after taking `take_tokens` and `take_requests`, for
+-- the rate-limit headers: remaining, limit and ms to full, tokens then requests (-1: none).
+local function headroom(scopes, take_tokens, take_requests)
+  local rem, lim, reset = tightest(scopes, 't', 'tcap', 'trate', take_tokens)
+  local rrem, rlim, rreset = tightest(scopes, 'r', 'rcap', 'rrate', take_requests)
+  return rem, lim, reset, rrem, rlim, rreset
+end
+
+-- The tightest input and output windows after taking `prompt` and `output`, as headroom's:
+-- {remaining, limit, ms to full} for prompt tokens, then for output tokens.
+local function side_headroom(scopes, prompt, output)
+  local irem, ilim, ireset = tightest(scopes, 'pt', 'pcap', 'prate', prompt)
+  local orem, olim, oreset = tightest(scopes, 'gt', 'gcap', 'grate', output)
+  return { irem, ilim, ireset, orem, olim, oreset }
 end
 
 -- The buckets adjust moves, by the measure they count: the level's field; `<field>t` is its last

@@ -167,3 +167,29 @@ fn grpcurl_adjusts_a_budget_only_for_an_allowed_caller() {
         "{out}"
     );
 }
+
+/// A week's output budget in a zone behind UTC, adjusted and read by its policy name.
+#[test]
+fn grpcurl_adjusts_and_reads_a_weekly_output_budget() {
+    let policy = "server:\n  budget_admins: [loopback]\nmodels:\n  m: { max_output_tokens: 512 }\ntenants:\n  acme:\n    \
+                  time_zone: America/Chicago\n    limits: { input_tokens_per_minute: 6000, output_tokens_per_week: 5000 }\n";
+    let t = Tollgate::start(policy);
+    let adjust = r#"{"tenant":"acme","budget":"output_tokens_per_week","amount":-1200,"request_id":"w-1","reason":"carried over"}"#;
+    let reply: serde_json::Value =
+        serde_json::from_str(&run(&t, &["-d", adjust, "tollgate.v1.Budgets/Adjust"])).unwrap();
+    assert_eq!(&reply["countedAfter"], &"1200", "{reply}");
+    let bad = r#"{"tenant":"acme","budget":"output_tokens_per_fortnight","amount":1,"request_id":"w-2"}"#;
+    let out = grpcurl(t.addr, &["-d", bad, "tollgate.v1.Budgets/Adjust"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("InvalidArgument") && stderr.contains("per_week"), "{stderr}");
+    let out = run(&t, &["-d", r#"{"tenant":"acme"}"#, "tollgate.v1.Budgets/Get"]);
+    let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let limits = reply["scopes"][0]["limits"].as_array().unwrap();
+    let names: Vec<&str> = limits.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["input_tokens_per_minute", "output_tokens_per_week"], "{out}");
+    let week = &limits[1];
+    assert_eq!((&week["used"], &week["remaining"]), (&"1200".into(), &"3800".into()), "{out}");
+    // Monday 00:00 in Chicago is at most a week away.
+    let resets: u64 = week["resetsInMs"].as_str().unwrap().parse().unwrap();
+    assert!(resets > 0 && resets <= 7 * 86_400_000, "{out}");
+}

@@ -129,11 +129,20 @@ fn rate_limit_headers(h: &Headroom, family: Family) -> Vec<HeaderValueOption> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
     };
-    for (kind, window) in [("tokens", h.tokens), ("requests", h.requests)] {
+    // (OpenAI has no headers for one side; Anthropic has, as input-tokens and output-tokens.)
+    let windows = [
+        ("tokens", h.tokens, true),
+        ("requests", h.requests, true),
+        ("input-tokens", h.input, false),
+        ("output-tokens", h.output, false),
+    ];
+    for (kind, window, openai) in windows {
         if let Some(w) = window {
-            out.push(header(&format!("{RATELIMIT_PREFIX}limit-{kind}"), w.limit.to_string()));
-            out.push(header(&format!("{RATELIMIT_PREFIX}remaining-{kind}"), w.remaining.max(0).to_string()));
-            out.push(header(&format!("{RATELIMIT_PREFIX}reset-{kind}"), duration_text(w.reset_ms)));
+            if openai {
+                out.push(header(&format!("{RATELIMIT_PREFIX}limit-{kind}"), w.limit.to_string()));
+                out.push(header(&format!("{RATELIMIT_PREFIX}remaining-{kind}"), w.remaining.max(0).to_string()));
+                out.push(header(&format!("{RATELIMIT_PREFIX}reset-{kind}"), duration_text(w.reset_ms)));
+            }
             if family == Family::Anthropic {
                 let reset = rfc3339(now_ms().saturating_add(w.reset_ms));
                 out.push(header(&format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-limit"), w.limit.to_string()));
@@ -265,6 +274,8 @@ mod tests {
         let headroom = Headroom {
             tokens: Some(Window { remaining: 40, limit: 100, reset_ms: 60_000 }),
             requests: Some(Window { remaining: 0, limit: 5, reset_ms: 1_000 }),
+            input: Some(Window { remaining: 7, limit: 9, reset_ms: 1_000 }),
+            output: None,
         };
         let d = Denial { headroom, retry_after_ms: Some(1_000), ..Denial::now(Reason::RequestRate, "m") };
         let names = |family| -> Vec<String> {
@@ -284,6 +295,12 @@ mod tests {
         let reset = get("anthropic-ratelimit-requests-reset");
         assert!(reset.len() == 20 && reset.ends_with('Z') && reset.as_bytes()[10] == b'T', "{reset}");
         assert_eq!(get("x-ratelimit-remaining-tokens"), "40", "and OpenAI's");
+        assert_eq!(
+            (get("anthropic-ratelimit-input-tokens-limit"), get("anthropic-ratelimit-input-tokens-remaining")),
+            ("9".into(), "7".into())
+        );
+        assert!(!h.iter().any(|(k, _)| k.contains("output-tokens")), "no output bucket, no header: {h:?}");
+        assert!(!openai.iter().any(|k| k.contains("input-tokens")), "OpenAI has no header for one side: {openai:?}");
     }
 
     #[test]

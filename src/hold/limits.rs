@@ -93,4 +93,7 @@ pub struct Window {
 pub struct Headroom {
     pub tokens: Option<Window>,
     pub requests: Option<Window>,
+    /// The buckets of prompt tokens and of output tokens alone (an admission's only).
+    pub input: Option<Window>,
+    pub output: Option<Window>,
 }

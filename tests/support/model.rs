@@ -290,6 +290,20 @@ pub struct Model {
 /// placeholder the driver replaces with the id the store chose.
 pub const NEW_ID: &str = "<new>";
 
+/// The tightest of one kind of bucket after taking `take`, from each scope's (level, capacity,
+/// refill per ms): common.lua's `tightest`.
+fn tightest(buckets: impl Iterator<Item = (f64, u64, f64)>, take: f64) -> Option<Window> {
+    let (mut rem, mut lim, mut reset) = (-1.0f64, -1i64, -1i64);
+    for (level, cap, rate) in buckets {
+        if cap > 0 && (rem == -1.0 || level - take < rem) {
+            rem = (level - take).max(0.0);
+            lim = cap as i64;
+            reset = ((cap as f64 - rem) / rate).ceil() as i64;
+        }
+    }
+    (lim >= 0).then(|| Window { remaining: rem.floor() as i64, limit: lim as u64, reset_ms: reset.max(0) as u64 })
+}
+
 fn refilled(level: Option<f64>, at: u64, cap: u64, rate: f64, now: u64) -> f64 {
     match level {
         None => cap as f64,
@@ -724,33 +738,20 @@ impl Model {
             })
             .collect();
         let headroom = |take_t: f64, take_r: f64| {
-            let (mut rem, mut lim, mut reset) = (-1.0f64, -1i64, -1i64);
-            let (mut rrem, mut rlim, mut rreset) = (-1.0f64, -1i64, -1i64);
-            for s in &reads {
-                if s.l.token_capacity > 0 && (rem == -1.0 || s.t - take_t < rem) {
-                    rem = (s.t - take_t).max(0.0);
-                    lim = s.l.token_capacity as i64;
-                    reset = ((s.l.token_capacity as f64 - rem) / s.l.tokens_per_ms).ceil() as i64;
-                }
-                if s.l.request_capacity > 0 && (rrem == -1.0 || s.r - take_r < rrem) {
-                    rrem = (s.r - take_r).max(0.0);
-                    rlim = s.l.request_capacity as i64;
-                    rreset = ((s.l.request_capacity as f64 - rrem) / s.l.requests_per_ms).ceil() as i64;
-                }
-            }
-            let window = |rem: f64, lim: i64, reset: i64| {
-                (lim >= 0).then(|| Window {
-                    remaining: rem.floor() as i64,
-                    limit: lim as u64,
-                    reset_ms: reset.max(0) as u64,
-                })
-            };
-            (window(rem, lim, reset), window(rrem, rlim, rreset))
+            let tokens = tightest(reads.iter().map(|s| (s.t, s.l.token_capacity, s.l.tokens_per_ms)), take_t);
+            let requests = tightest(reads.iter().map(|s| (s.r, s.l.request_capacity, s.l.requests_per_ms)), take_r);
+            (tokens, requests)
+        };
+        // The buckets of one side after taking `prompt` and `output` (an admission's headroom).
+        let sides = |prompt: f64, output: f64| {
+            let input = tightest(reads.iter().map(|s| (s.input, s.l.input_capacity, s.l.input_per_ms)), prompt);
+            let output = tightest(reads.iter().map(|s| (s.output, s.l.output_capacity, s.l.output_per_ms)), output);
+            (input, output)
         };
         let refuse = |reason: Reason| {
             Decision::Denied(Denial {
                 retry_after_ms: None,
-                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, ..Default::default() },
                 ..Denial::now(reason, "")
             })
         };
@@ -779,13 +780,14 @@ impl Model {
                     entry.made += 1;
                     entry.last_call = Some(call);
                     let (tokens, requests) = headroom(0.0, 0.0);
+                    let (input, output) = sides(0.0, 0.0);
                     return Decision::Admitted(Admitted {
                         reservation_id: latest,
                         model: ask.model.clone(),
                         reserved_tokens: held,
                         attempts: k.made + 1,
                         replayed: true,
-                        headroom: tollgate::hold::Headroom { tokens, requests },
+                        headroom: tollgate::hold::Headroom { tokens, requests, input, output },
                         shadow: None,
                     });
                 }
@@ -844,7 +846,7 @@ impl Model {
         if let Some((reason, wait)) = verdict {
             return Decision::Denied(Denial {
                 retry_after_ms: Some(wait),
-                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, requests: None },
+                headroom: tollgate::hold::Headroom { tokens: headroom(0.0, 0.0).0, ..Default::default() },
                 ..Denial::now(reason, "")
             });
         }
@@ -923,13 +925,14 @@ impl Model {
         );
         self.leases.entry(ask.tenant.clone()).or_default().insert((now + rules.lease_ms, id.clone()));
         let (tokens, requests) = headroom(hold as f64, 1.0);
+        let (input, output) = sides(ask.prompt as f64, ask.max_tokens as f64);
         Decision::Admitted(Admitted {
             reservation_id: id,
             model: ask.model.clone(),
             reserved_tokens: hold,
             attempts,
             replayed: false,
-            headroom: tollgate::hold::Headroom { tokens, requests },
+            headroom: tollgate::hold::Headroom { tokens, requests, input, output },
             shadow: None,
         })
     }

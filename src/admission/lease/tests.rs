@@ -204,7 +204,7 @@ fn a_leased_decision_never_reports_more_remaining_than_the_limit() {
     stock(&t, &tp, 1_000, 5, START + 4_000);
     // The store's view at the last call: full. The slice's 900 free tokens are inside it.
     t.lock().headroom =
-        Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), requests: None };
+        Headroom { tokens: Some(Window { remaining: 10_000, limit: 10_000, reset_ms: 0 }), ..Headroom::default() };
     let Local::Admitted { headroom } = leases.try_admit(&t, &ask("h1", 100)) else { panic!("admitted") };
     assert_eq!(headroom.tokens.map(|w| w.remaining), Some(10_000));
 }

@@ -241,7 +241,7 @@ impl<S: Store> Protocol<S> {
         Ok(LeaseReply {
             outcome,
             day: r.uint(4)?,
-            headroom: Headroom { tokens: r.window([5, 6, 7])?, requests: r.window([8, 9, 10])? },
+            headroom: Headroom { tokens: r.window([5, 6, 7])?, requests: r.window([8, 9, 10])?, ..Headroom::default() },
             forwarded,
             swept: r.texts(13)?,
             store_now: r.uint(14)?,

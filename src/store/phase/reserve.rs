@@ -184,7 +184,15 @@ impl<S: Store> Protocol<S> {
                     id: r.text(1)?.to_string(),
                     held: r.uint(2)?,
                     attempts: r.count(3)?,
-                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])? },
+                    headroom: {
+                        let sides = Fields::of(script, r.get(16).ok_or_else(|| r.bad())?)?;
+                        Headroom {
+                            tokens: r.window([4, 5, 6])?,
+                            requests: r.window([7, 8, 9])?,
+                            input: sides.window([0, 1, 2])?,
+                            output: sides.window([3, 4, 5])?,
+                        }
+                    },
                     estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
                     replayed: r.flag(12)?,
                     shadowed: r.would_refuse(14)?,
@@ -197,7 +205,7 @@ impl<S: Store> Protocol<S> {
                     reason: r.refusal(1)?,
                     scope: r.scope(2)?,
                     retry_after_ms: r.uint(3)?,
-                    headroom: Headroom { tokens: r.window([4, 5, 6])?, requests: None },
+                    headroom: Headroom { tokens: r.window([4, 5, 6])?, ..Headroom::default() },
                 },
                 swept: r.texts(7)?,
                 budget_left: r.counts(8)?,
