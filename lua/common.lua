@@ -271,7 +271,8 @@ end
 -- A scope's limits, from ten ARGV after `b`: token capacity, tokens per ms, request capacity,
 -- requests per ms, max concurrency, input token capacity, input tokens per ms, output token
 -- capacity, output tokens per ms (0 meaning no such limit), and its period budgets as
--- "<counter>:<limit> ..." (money in nanos; '' when none).
+-- "<counter>:<limit> ..." (money in nanos; '' when none), a soft one written "~<counter>:<limit>"
+-- (past it a request is admitted all the same, and marked).
 local function scope_limits(args, b)
   local l = {
     tcap = tonumber(args[b + 1]),
@@ -284,9 +285,14 @@ local function scope_limits(args, b)
     gcap = tonumber(args[b + 8]),
     grate = tonumber(args[b + 9]),
     budgets = {},
+    soft = {},
   }
-  for c, n in string.gmatch(args[b + 10], '(%a%a):(%d+)') do
-    l.budgets[c] = tonumber(n)
+  for mark, c, n in string.gmatch(args[b + 10], '(~?)(%a%a):(%d+)') do
+    if mark == '~' then
+      l.soft[c] = tonumber(n)
+    else
+      l.budgets[c] = tonumber(n)
+    end
   end
   return l
 end
@@ -322,7 +328,7 @@ local function read_scope(key, l, now, at)
     end
   end
   for _, c in ipairs(COUNTERS) do
-    if l.budgets[c] or f[c] then
+    if l.budgets[c] or l.soft[c] or f[c] then
       count(c)
     end
   end
@@ -378,6 +384,20 @@ local function beyond_budgets(s, n)
     end
   end
   return false
+end
+
+-- The first soft budget (in COUNTERS order) of `scopes` that taking `n` more leaves passed:
+-- {counter, ms until its period ends}, or {} when none is.
+local function soft_passed(scopes, n, now, at, offset)
+  for _, s in ipairs(scopes) do
+    for _, c in ipairs(COUNTERS) do
+      local limit = s.l.soft[c]
+      if limit and s.used[c] + n[string.sub(c, 2, 2)] > limit then
+        return { c, period_ends(string.sub(c, 1, 1), at, now, offset) }
+      end
+    end
+  end
+  return {}
 end
 
 -- Takes `n` ({u, c, p, g}), `requests` and `slots` from scope `s` (as read_scope left it, in the

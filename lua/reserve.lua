@@ -46,9 +46,11 @@
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed, swept, shadow, budget left, sides}
+--                   replayed, swept, shadow, budget left, sides, soft}
 --   (sides: {remaining, limit, reset ms} of the tightest bucket of prompt tokens, then of output
 --    tokens, each -1 when no scope has one)
+--   (soft: {counter, ms until its period ends} of the first soft budget this hold leaves past
+--    (an earlier hold answered again: that its scope is past now), or {} when none is)
 --   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
 --    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
@@ -148,7 +150,8 @@ end
 local function again(hold_id, r, attempts, replayed)
   local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
   return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
-    tonumber(r.es) or 0, replayed, swept, {}, budget_left(0), side_headroom(scopes, 0, 0) }
+    tonumber(r.es) or 0, replayed, swept, {}, budget_left(0), side_headroom(scopes, 0, 0),
+    soft_passed(scopes, amounts(0, 0, 0, 0), now, at, offset) }
 end
 
 local function refuse(reason)
@@ -293,4 +296,4 @@ keep_for(holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
 return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse,
-  budget_left(hold), side_headroom(scopes, prompt, output) }
+  budget_left(hold), side_headroom(scopes, prompt, output), soft_passed(scopes, n, now, at, offset) }

@@ -16,12 +16,15 @@ use tollgate::store::{Store, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
+#[path = "conformance/soft.rs"]
+mod soft;
 
 /// Scenarios, each generic over the store.
 mod scenarios {
     use super::*;
 
     pub use super::periods::*;
+    pub use super::soft::*;
 
     /// 1 token per second of refill: slow enough that the few milliseconds a real Redis test
     /// takes cannot refill a meaningful amount.
@@ -1274,6 +1277,7 @@ macro_rules! conformance {
             scenario!(hourly_and_weekly_budgets_turn_on_their_boundaries, HOURLY_WEEKLY);
             scenario!(a_zone_ahead_of_utc_turns_the_day_at_its_midnight, TOKYO);
             scenario!(a_zone_behind_utc_turns_the_week_at_its_midnight, NEW_YORK);
+            scenario!(past_a_soft_budget_a_request_is_admitted_marked_and_demoted, &soft_policy());
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);

@@ -108,6 +108,11 @@ pub struct Admitted {
     /// The tenant is in shadow and its limits would have refused this request, for this reason:
     /// admitted (and held) anyway, and marked so.
     pub shadow: Option<Reason>,
+    /// The tenant's soft budget this request is past: admitted, marked, and (from this replica's
+    /// next request on, until the period turns) one tier lower in its pool.
+    pub soft_limit: Option<crate::hold::BudgetKey>,
+    /// The tier its pool leg was decided at.
+    pub tier: crate::config::Priority,
 }
 
 /// A request refused. Nothing was charged.

@@ -75,6 +75,8 @@ impl<S: Store> Admission<S> {
                 replayed: false,
                 headroom,
                 shadow: None,
+                soft_limit: None,
+                tier: plan.tier,
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());

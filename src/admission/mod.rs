@@ -34,6 +34,7 @@ mod pools;
 mod reserve;
 pub mod retry;
 mod settle;
+mod soft;
 mod store_down;
 mod sweeper;
 
@@ -119,6 +120,8 @@ pub struct Admission<S> {
     /// keeps the truth; this is this replica's most recent look at it. By tenant, then model, so
     /// a lookup borrows the names instead of building a key.
     seen_estimates: RwLock<HashMap<String, HashMap<String, u64>>>,
+    /// Tenants this replica last saw past a soft budget, and when its period ends (ms).
+    soft_past: RwLock<HashMap<String, u64>>,
     /// This replica's slices and leased holds, when the policy leases.
     leases: Option<Leases>,
     /// This replica's name: in leased reservation ids, and in its heartbeat.
@@ -175,6 +178,7 @@ impl<S: Store> Admission<S> {
             policy: RwLock::new(policy),
             protocol,
             seen_estimates: RwLock::new(HashMap::new()),
+            soft_past: RwLock::new(HashMap::new()),
             leases,
             replica,
             local,

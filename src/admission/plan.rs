@@ -113,6 +113,7 @@ impl<S> Admission<S> {
             }
         }
         let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
+        let tier = if tp.soft.iter().any(|&n| n > 0) { self.soft_tier(tenant, tier) } else { tier };
         let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
                 let output = match tp.adaptive_output {
@@ -293,7 +294,9 @@ pub(super) fn scopes(tenant: &str, user: Option<&str>, model: &str, tp: &TenantP
         limits: ScopeLimits::from(limits),
         largest: limits.largest_admissible(),
     };
-    let mut out = vec![scope("tenant".into(), keys::tenant_scope(tenant), ScopeOf::Tenant, &tp.limits)];
+    let mut tenant_scope = scope("tenant".into(), keys::tenant_scope(tenant), ScopeOf::Tenant, &tp.limits);
+    tenant_scope.limits.soft = tp.soft;
+    let mut out = vec![tenant_scope];
     if let Some(user) = user
         && let Some(limits) = tp.user_limits(user)
     {

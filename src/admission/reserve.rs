@@ -297,7 +297,17 @@ impl<S: Store> Admission<S> {
             Err(e) => Err(e),
         };
         match outcome {
-            Ok(ReserveOutcome::Admitted { id, held, attempts, headroom, estimated_output, replayed, shadowed }) => {
+            Ok(ReserveOutcome::Admitted {
+                id,
+                held,
+                attempts,
+                headroom,
+                estimated_output,
+                replayed,
+                shadowed,
+                soft,
+            }) => {
+                self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
                 self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()
@@ -317,6 +327,8 @@ impl<S: Store> Admission<S> {
                     replayed,
                     headroom,
                     shadow,
+                    soft_limit: soft.map(|(budget, _)| budget),
+                    tier: plan.tier,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {

@@ -36,6 +36,14 @@ pub enum Priority {
 }
 
 impl Priority {
+    /// One tier lower (the lowest stays): where a request past its tenant's soft budget goes.
+    pub fn demoted(self) -> Priority {
+        match self {
+            Priority::Critical => Priority::Standard,
+            Priority::Standard | Priority::Sheddable => Priority::Sheddable,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Priority::Critical => "critical",
@@ -288,6 +296,9 @@ pub struct TenantPolicy {
     pub strict: bool,
     /// The time zone its budgets' hours, days, weeks and months turn in.
     pub zone: Zone,
+    /// Soft budgets of the tenant's scope, by [`crate::hold::BudgetKey::index`] (`0`: none): past
+    /// one, a request is still admitted, one tier lower and marked.
+    pub soft: crate::hold::BudgetLimits,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.

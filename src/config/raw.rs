@@ -258,6 +258,9 @@ pub(super) struct RawTenant {
     /// The time zone its budgets' days, weeks and months turn in: an IANA name
     /// (`America/New_York`) or a fixed offset (`+09:00`); UTC unless it says.
     pub time_zone: Option<String>,
+    /// Period budgets of the tenant's scope that degrade instead of refusing: past one, a request
+    /// is admitted one tier lower and marked (`x-tollgate-soft-limit`).
+    pub soft_limits: Option<Limits>,
     pub default_user: Option<Limits>,
     #[serde(default)]
     pub users: BTreeMap<String, Limits>,
@@ -290,6 +293,10 @@ impl RawTenant {
             shadow: self.shadow.or(plan.shadow),
             strict: self.strict.or(plan.strict),
             time_zone: self.time_zone.or_else(|| plan.time_zone.clone()),
+            soft_limits: match (self.soft_limits, &plan.soft_limits) {
+                (Some(mine), Some(theirs)) => Some(mine.over(theirs)),
+                (mine, theirs) => mine.or_else(|| theirs.clone()),
+            },
             default_user: match (self.default_user, &plan.default_user) {
                 (Some(mine), Some(theirs)) => Some(mine.over(theirs)),
                 (mine, theirs) => mine.or_else(|| theirs.clone()),

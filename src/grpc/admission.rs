@@ -79,6 +79,8 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     limit_tokens: tokens.map_or(0, |w| w.limit),
                     reset_tokens_ms: tokens.map_or(0, |w| w.reset_ms),
                     shadow_reason: a.shadow.map(|r| r.code().to_string()).unwrap_or_default(),
+                    soft_limit: a.soft_limit.map(|b| b.name()).unwrap_or_default(),
+                    tier: a.tier.as_str().to_string(),
                     ..Default::default()
                 }
             }

@@ -39,6 +39,10 @@ pub const UNMETERED: &str = "x-tollgate-unmetered";
 /// Upstream and to the client: the tenant is in shadow and its limits would have refused the
 /// request, for this reason; it was admitted (and held) anyway.
 pub const SHADOW: &str = "x-tollgate-shadow";
+/// Upstream and to the client: the tenant's soft budget the request is past (`tokens_per_day`);
+/// admitted all the same, and one tier lower in its pool. An Envoy route may match it to send the
+/// request to a cheaper backend (ext_authz's `clear_route_cache`; envoy/soft-limits.yaml).
+pub const SOFT_LIMIT: &str = "x-tollgate-soft-limit";
 /// Upstream: the model the hold was made for, which the commit from the response meters by. On
 /// a request, set by a trusted filter (never a client), it names the model when the body cannot:
 /// OpenAI's Python SDK sends `messages` before `model`, so a body cut at `max_request_bytes` may
@@ -70,3 +74,6 @@ pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 pub const RESERVATION_FIELD: &str = "reservation";
 /// The model field of that metadata.
 pub const MODEL_FIELD: &str = "model";
+/// The soft budget the request is past, and the tier its pool leg was decided at.
+pub const SOFT_LIMIT_FIELD: &str = "soft_limit";
+pub const TIER_FIELD: &str = "tier";

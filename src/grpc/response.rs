@@ -21,7 +21,7 @@ use super::refusal::refusal;
 
 use super::headers::{
     self, ANTHROPIC_RATELIMIT_PREFIX, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD,
-    RESERVED_TOKENS, SHADOW,
+    RESERVED_TOKENS, SHADOW, SOFT_LIMIT, SOFT_LIMIT_FIELD, TIER_FIELD,
 };
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
@@ -45,14 +45,23 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
                 upstream.push(header(SHADOW, would.code().to_string()));
                 downstream.push(header(SHADOW, would.code().to_string()));
             }
+            // Past a soft budget: for a route to a cheaper backend, and for the client.
+            let soft = a.soft_limit.map(|b| b.name());
+            if let Some(budget) = &soft {
+                upstream.push(header(SOFT_LIMIT, budget.clone()));
+                downstream.push(header(SOFT_LIMIT, budget.clone()));
+            }
             let mut response = admitted(upstream, downstream, client_own);
             // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
             // ext_authz:reservation)%`), and for an ext_proc filter that forwards it instead of
             // sending the request headers.
+            let tier = a.tier.as_str().to_string();
+            let fields = [(RESERVATION_FIELD, Some(&a.reservation_id)), (MODEL_FIELD, Some(&a.model))]
+                .into_iter()
+                .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, soft.as_ref().map(|_| &tier))]);
             response.dynamic_metadata = Some(Struct {
-                fields: [(RESERVATION_FIELD, &a.reservation_id), (MODEL_FIELD, &a.model)]
-                    .into_iter()
-                    .map(|(k, v)| (k.to_string(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+                fields: fields
+                    .filter_map(|(k, v)| Some((k.to_string(), Value { kind: Some(Kind::StringValue(v?.clone())) })))
                     .collect(),
             });
             response
@@ -243,14 +252,34 @@ mod tests {
             replayed: false,
             headroom: Headroom::default(),
             shadow: None,
+            soft_limit: None,
+            tier: crate::config::Priority::Critical,
         };
-        let r = check_response(&Decision::Admitted(ok), &[], Family::OpenAi);
-        let fields = &r.dynamic_metadata.expect("dynamic metadata").fields;
+        let r = check_response(&Decision::Admitted(ok.clone()), &[], Family::OpenAi);
+        let fields = &r.dynamic_metadata.as_ref().expect("dynamic metadata").fields;
         let text = |k: &str| match fields.get(k).and_then(|v| v.kind.as_ref()) {
             Some(Kind::StringValue(s)) => s.clone(),
             other => panic!("{k}: {other:?}"),
         };
         assert_eq!((text(RESERVATION_FIELD), text(MODEL_FIELD)), ("acme:r1".to_string(), "m".to_string()));
+        assert!(!fields.contains_key(SOFT_LIMIT_FIELD) && headers(&r).iter().all(|(k, _)| k != SOFT_LIMIT));
+        // Past a soft budget: marked upstream and to the client, and in the metadata with its tier.
+        let soft = crate::admission::Admitted {
+            soft_limit: Some(crate::hold::BudgetKey::new(crate::hold::Measure::Tokens, crate::hold::Period::Day)),
+            tier: crate::config::Priority::Standard,
+            ..ok
+        };
+        let r = check_response(&Decision::Admitted(soft), &[SOFT_LIMIT.to_string()], Family::OpenAi);
+        let fields = &r.dynamic_metadata.as_ref().expect("dynamic metadata").fields;
+        let text = |k: &str| match fields.get(k).and_then(|v| v.kind.as_ref()) {
+            Some(Kind::StringValue(s)) => s.clone(),
+            other => panic!("{k}: {other:?}"),
+        };
+        assert_eq!((text(SOFT_LIMIT_FIELD), text(TIER_FIELD)), ("tokens_per_day".to_string(), "standard".to_string()));
+        assert!(headers(&r).contains(&(SOFT_LIMIT.to_string(), "tokens_per_day".to_string())));
+        let Some(HttpResponse::OkResponse(ok)) = &r.http_response else { panic!() };
+        assert!(ok.headers_to_remove.is_empty(), "set by tollgate, not removed: {:?}", ok.headers_to_remove);
+        assert!(ok.response_headers_to_add.iter().any(|h| h.header.as_ref().is_some_and(|h| h.key == SOFT_LIMIT)));
         assert!(
             check_response(&Decision::Unmetered(Unmetered::StoreUnavailable), &[], Family::OpenAi)
                 .dynamic_metadata

@@ -27,6 +27,9 @@ pub struct ScopeLimits {
     pub max_concurrency: Option<NonZeroU64>,
     /// Period budgets by [`BudgetKey::index`]; money in nanos; `0`: none.
     pub budgets: BudgetLimits,
+    /// Soft budgets (the tenant's scope only): past one a request is admitted all the same, one
+    /// tier lower and marked.
+    pub soft: BudgetLimits,
 }
 
 impl ScopeLimits {
@@ -45,6 +48,7 @@ impl ScopeLimits {
     pub fn leasable(&self) -> bool {
         self.input.is_none()
             && self.output.is_none()
+            && self.soft.iter().all(|&n| n == 0)
             && BudgetKey::all().all(|k| k.leasable() || self.budget(k).is_none())
     }
 }
@@ -66,6 +70,7 @@ impl From<&Limits> for ScopeLimits {
             requests: bucket(l.requests_per_minute, l.requests_per_ms()),
             max_concurrency: nonzero(l.max_concurrency),
             budgets,
+            soft: BudgetLimits::default(),
         }
     }
 }

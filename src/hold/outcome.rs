@@ -1,6 +1,7 @@
 //! How each phase answered: a reserve's verdict, what a commit was told and what it charged, how a
 //! renew or release found the hold, and the operations one replica leaves for another.
 
+use super::BudgetKey;
 use super::limits::Headroom;
 use super::refusal::{Refusal, WouldRefuse};
 
@@ -18,6 +19,8 @@ pub enum ReserveOutcome {
         replayed: bool,
         /// In shadow, the refusal the limits would have made.
         shadowed: Option<WouldRefuse>,
+        /// The soft budget the hold left past, and the ms until its period ends.
+        soft: Option<(BudgetKey, u64)>,
     },
     Denied {
         reason: Refusal,

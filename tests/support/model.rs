@@ -789,6 +789,8 @@ impl Model {
                         replayed: true,
                         headroom: tollgate::hold::Headroom { tokens, requests, input, output },
                         shadow: None,
+                        soft_limit: None,
+                        tier: ask.priority,
                     });
                 }
                 if k.made >= self.max_attempts {
@@ -934,6 +936,8 @@ impl Model {
             replayed: false,
             headroom: tollgate::hold::Headroom { tokens, requests, input, output },
             shadow: None,
+            soft_limit: None,
+            tier: ask.priority,
         })
     }
 

@@ -400,10 +400,15 @@ fn tenant_policy(
         }
     }
 
+    let soft = soft_budgets(field, t.soft_limits.as_ref(), &t.limits, models)?;
+
     // Keys must outlive everything they remember: a full refill, two leases, a day's budget.
     let mut idle = 2 * lease_ttl_ms + retention_ms.min(lease_ttl_ms);
-    let all =
-        std::iter::once(&t.limits).chain(t.default_user.iter()).chain(users.values()).chain(tenant_models.values());
+    let all = std::iter::once(&t.limits)
+        .chain(t.soft_limits.iter())
+        .chain(t.default_user.iter())
+        .chain(users.values())
+        .chain(tenant_models.values());
     for limits in all {
         // A full refill takes capacity / rate; a bucket refills one minute's worth per minute.
         if let (Some(capacity), Some(tpm)) = (limits.token_capacity(), limits.tokens_per_minute) {
@@ -449,6 +454,7 @@ fn tenant_policy(
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
         shadow: t.shadow.unwrap_or(defaults.shadow),
         strict: t.strict.unwrap_or(false),
+        soft,
         zone: match &t.time_zone {
             Some(text) => Zone::parse(text).map_err(|why| problem(format!("{field}.time_zone"), why))?,
             None => Zone::utc(),
@@ -460,6 +466,62 @@ fn tenant_policy(
         expired_usage: t.expired_usage.unwrap_or(default_expired),
         idle_ttl_ms: idle + 60_000,
     })
+}
+
+/// A tenant's soft budgets: period budgets only, each below the hard budget of the same period and
+/// measure where the tenant has one (else it would never degrade before refusing).
+fn soft_budgets(
+    field: &str,
+    soft: Option<&Limits>,
+    hard: &Limits,
+    models: &HashMap<String, ModelPolicy>,
+) -> Result<crate::hold::BudgetLimits, Problem> {
+    let mut out = crate::hold::BudgetLimits::default();
+    let Some(soft) = soft else { return Ok(out) };
+    let f = format!("{field}.soft_limits");
+    let rates = [
+        ("tokens_per_minute", soft.tokens_per_minute),
+        ("burst_tokens", soft.burst_tokens),
+        ("input_tokens_per_minute", soft.input_tokens_per_minute),
+        ("output_tokens_per_minute", soft.output_tokens_per_minute),
+        ("requests_per_minute", soft.requests_per_minute),
+        ("max_concurrency", soft.max_concurrency),
+    ];
+    if let Some((name, _)) = rates.iter().find(|(_, v)| v.is_some()) {
+        return Err(problem(
+            format!("{f}.{name}"),
+            "only period budgets can be soft (tokens_per_day, cost_per_month, ...)",
+        ));
+    }
+    check_limits(&f, soft)?;
+    for (key, limit) in soft.budgets() {
+        if let Some(h) = hard.budget(key)
+            && limit >= h
+        {
+            let shown = |n: u64| if key.measure == Measure::Cost { Money(n).to_string() } else { n.to_string() };
+            return Err(problem(
+                format!("{f}.{}", key.name()),
+                format!(
+                    "{} is not below the hard {} ({}): it would never degrade first",
+                    shown(limit),
+                    key.name(),
+                    shown(h)
+                ),
+            ));
+        }
+        if key.measure == Measure::Cost
+            && let Some(first) = models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).min()
+        {
+            return Err(problem(
+                format!("{f}.{}", key.name()),
+                format!("model {first} has no price: a budget in money needs every model priced"),
+            ));
+        }
+        if let Some(slot) = out.get_mut(key.index()) {
+            *slot = limit;
+        }
+    }
+    Ok(out)
 }
 
 /// Users or models of a tenant: each name checked, each within the tenant's limits.

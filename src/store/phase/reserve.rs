@@ -196,6 +196,15 @@ impl<S: Store> Protocol<S> {
                     estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
                     replayed: r.flag(12)?,
                     shadowed: r.would_refuse(14)?,
+                    soft: {
+                        let soft = Fields::of(script, r.get(17).ok_or_else(|| r.bad())?)?;
+                        match soft.len() {
+                            0 => None,
+                            _ => {
+                                Some((BudgetKey::from_counter(soft.text(0)?).ok_or_else(|| soft.bad())?, soft.uint(1)?))
+                            }
+                        }
+                    },
                 },
                 swept: r.texts(13)?,
                 budget_left: r.counts(15)?,
@@ -228,8 +237,10 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
     a.push("input tokens per ms", per_ms(l.input));
     a.push("output token capacity", capacity(l.output));
     a.push("output tokens per ms", per_ms(l.output));
-    let budgets: Vec<String> =
-        BudgetKey::all().filter_map(|k| l.budget(k).map(|limit| format!("{}:{limit}", k.counter()))).collect();
+    let hard = BudgetKey::all().filter_map(|k| l.budget(k).map(|limit| format!("{}:{limit}", k.counter())));
+    let soft = BudgetKey::all()
+        .filter_map(|k| l.soft.get(k.index()).filter(|&&n| n > 0).map(|limit| format!("~{}:{limit}", k.counter())));
+    let budgets: Vec<String> = hard.chain(soft).collect();
     a.push("period budgets", budgets.join(" "));
 }
 

@@ -37,6 +37,8 @@ impl Authorization for Floor {
             replayed: false,
             headroom: Headroom::default(),
             shadow: None,
+            soft_limit: None,
+            tier: crate::config::Priority::Standard,
         });
         Ok(Response::new(check_response(&admitted, &[], crate::llm::api::Family::OpenAi)))
     }
