@@ -26,7 +26,8 @@ const POLICY: &str = "models:\n  gemini-2.0-flash: { max_output_tokens: 4096, by
                       \x20 text-embedding-3-small: { max_output_tokens: 1, bytes_per_token: 4 }\n\
                       tenants:\n  acme:\n    lease_ttl_ms: 60000\n    limits: { max_concurrency: 100 }\n\
                       \x20 broke:\n    limits: { tokens_per_day: 1000 }\n\
-                      \x20 rated:\n    limits: { tokens_per_minute: 600000, requests_per_minute: 1 }\n";
+                      \x20 rated:\n    limits: { tokens_per_minute: 600000, requests_per_minute: 1 }\n\
+                      \x20 thrifty:\n    soft_limits: { tokens_per_day: 50 }\n    limits: { tokens_per_day: 1000000 }\n";
 
 /// The output each request asks for (and the stand-in generates: its fixed 40).
 const MAX_TOKENS: i64 = 40;
@@ -205,6 +206,46 @@ async fn anthropic_through_the_anthropic_sdk() {
         (&"RateLimitError".into(), &"rate_limit_error".into()),
         "{refused}"
     );
+}
+
+/// Past its tenant's soft budget an SDK's call is answered all the same, marked
+/// `x-tollgate-soft-limit`, and the shipped Envoy sends it to the economy cluster; a tenant under
+/// its soft budget goes to the main backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_a_soft_budget_sdk_calls_go_to_the_economy_backend() {
+    for family in ["openai", "anthropic"] {
+        let (port, stop, economy) = support::sim_backend_counted(10_000.0, Text::Tok).await;
+        let stack = Stack::sim(POLICY, 10_000.0, Text::Tok, |c| to_economy(&c, port)).await;
+        let answered = || economy.completed.load(std::sync::atomic::Ordering::SeqCst);
+        // A soft 50 tokens: the first call's hold (the 40 asked and its prompt) is past it.
+        let calls = run(&stack, family, "thrifty");
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        for call in &calls {
+            assert_eq!(call["soft_limit"], "tokens_per_day", "{family}: {call}");
+            assert_eq!(call["text_bytes"], 4 * MAX_TOKENS, "{family}: answered in full: {call}");
+            let c = stack.charged(call["reservation"].as_str().unwrap()).await;
+            assert_eq!(c.used_tokens, 39 + 40, "{family}: charged as any: {c:?}");
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while answered() < 2 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(answered(), 2, "{family}: both went to the economy backend");
+        for call in run(&stack, family, "acme") {
+            assert!(call["soft_limit"].is_null(), "{family}: {call}");
+        }
+        assert_eq!(answered(), 2, "{family}: a tenant under its soft budget goes to the main backend");
+        stop.cancel();
+    }
+}
+
+/// The shipped bootstrap with its economy cluster moved to `port`.
+fn to_economy(config: &str, port: u16) -> String {
+    let at = config.find("- name: inference-economy").expect("envoy.yaml has an economy cluster");
+    let (head, tail) = config.split_at(at);
+    let from = tail.find("port_value: ").expect("the economy cluster's port") + "port_value: ".len();
+    let to = from + tail[from..].find(' ').unwrap();
+    format!("{head}{}{port}{}", &tail[..from], &tail[to..])
 }
 
 /// An embedding holds its input alone: a 5-token input is not held at the output ceiling.

@@ -43,6 +43,7 @@ def report(call: str, headers: dict, text: str = "") -> None:
         "reserved_tokens": int(headers.get("x-sim-reserved-tokens", "-1")),
         "text_bytes": len(text),
         "rate": rate_headers(headers),
+        "soft_limit": headers.get("x-tollgate-soft-limit"),
     }), flush=True)
 
 

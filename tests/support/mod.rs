@@ -37,6 +37,15 @@ pub async fn sim_backend(
     decode_tokens_per_second: f64,
     text: tollgate::tools::sim::formats::Text,
 ) -> (u16, tokio_util::sync::CancellationToken) {
+    let (port, shutdown, _) = sim_backend_counted(decode_tokens_per_second, text).await;
+    (port, shutdown)
+}
+
+/// The same, with the count of what it answered.
+pub async fn sim_backend_counted(
+    decode_tokens_per_second: f64,
+    text: tollgate::tools::sim::formats::Text,
+) -> (u16, tokio_util::sync::CancellationToken, Arc<tollgate::tools::sim::backend::SimStats>) {
     use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -50,8 +59,9 @@ pub async fn sim_backend(
         ..SimConfig::default()
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
-    tokio::spawn(backend::serve(listener, config, shutdown.clone(), Arc::new(SimStats::default())));
-    (port, shutdown)
+    let stats = Arc::new(SimStats::default());
+    tokio::spawn(backend::serve(listener, config, shutdown.clone(), Arc::clone(&stats)));
+    (port, shutdown, stats)
 }
 
 pub fn redis_url() -> String {
