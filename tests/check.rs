@@ -130,3 +130,40 @@ async fn the_path_decides_what_is_read_and_how_a_refusal_reads() {
         }
     }
 }
+
+/// The Gateway API Inference Extension's headers, as the policy allows: the fairness id as the
+/// tenant (`server.tenant_header`), the objective as the tier (`server.objectives`), `x-priority`
+/// before it, an objective the policy does not list leaving the tenant's default. The tier a
+/// request was decided at is in ext_authz's dynamic metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inference_extensions_fairness_id_and_objective_name_the_tenant_and_the_tier() {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let policy = "server:\n  tenant_header: x-gateway-inference-fairness-id\n  \
+                  objectives: { chat: critical, offline: sheddable }\n\
+                  models:\n  m: { max_output_tokens: 64 }\ntenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
+    let t = Tollgate::start(policy);
+    let mut client = AuthorizationClient::connect(t.endpoint()).await.unwrap();
+    let body = br#"{"model":"m","max_tokens":10}"#;
+    let fairness = ("x-gateway-inference-fairness-id", "acme");
+    let objective = "x-gateway-inference-objective";
+    for (extra, tier) in [
+        (vec![(objective, "chat")], "critical"),
+        (vec![(objective, "offline")], "sheddable"),
+        (vec![(objective, "not-listed")], "standard"),
+        (vec![(objective, "offline"), ("x-priority", "critical")], "critical"),
+        (vec![], "standard"),
+    ] {
+        let headers: Vec<(&str, &str)> = std::iter::once(fairness).chain(extra.iter().copied()).collect();
+        let reply = client.check(check(&headers, body)).await.unwrap().into_inner();
+        assert_eq!(reason(&reply), "admitted", "{headers:?}: {reply:?}");
+        let fields = reply.dynamic_metadata.expect("metadata").fields;
+        let got = match fields.get("tier").and_then(|v| v.kind.as_ref()) {
+            Some(Kind::StringValue(s)) => s.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got, tier, "{headers:?}");
+    }
+    // Without the fairness id there is no tenant: x-tenant-id is not read.
+    let reply = client.check(check(&[("x-tenant-id", "acme")], body)).await.unwrap().into_inner();
+    assert_eq!(reason(&reply), "unauthenticated");
+}

@@ -21,7 +21,8 @@ use tollgate::grpc::admission::AdmissionService;
 use tollgate::grpc::authz::{IdentityHeaders, attributes};
 
 /// Check's identity headers, a plan header among them.
-const IDENTITY: IdentityHeaders<'static> = IdentityHeaders { tenant: "x-tenant-id", plan: Some("x-tollgate-plan") };
+const IDENTITY: IdentityHeaders<'static> =
+    IdentityHeaders { tenant: "x-tenant-id", plan: Some("x-tollgate-plan"), objectives: None };
 use tollgate::llm::body::{self, Body};
 use tollgate::llm::usage::{Measured, Meter};
 use tollgate::proto::admission_server::Admission as _;

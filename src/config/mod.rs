@@ -150,6 +150,9 @@ pub struct ServerSettings {
     /// The header that carries the plan a tenant the policy does not list is admitted under
     /// (Envoy sets it from a verified claim, and strips what clients send); none: not read.
     pub plan_header: Option<String>,
+    /// The tier of a request that names no `x-priority` but an objective of the Gateway API
+    /// Inference Extension (`x-gateway-inference-objective`) listed here; empty: not read.
+    pub objectives: HashMap<String, Priority>,
     /// Most tenants admitted under a plan header this replica remembers the plan of (see
     /// `admission::claims`).
     pub claimed_tenants: usize,

@@ -65,6 +65,10 @@ pub(super) struct RawServer {
     pub policy_poll_ms: Option<u64>,
     pub tenant_header: Option<String>,
     pub plan_header: Option<String>,
+    /// The Gateway API Inference Extension's objectives (`x-gateway-inference-objective`), each
+    /// as the tier its requests are decided at.
+    #[serde(default)]
+    pub objectives: BTreeMap<String, Priority>,
     pub claimed_tenants: Option<u64>,
     #[serde(default)]
     pub budget_admins: Vec<String>,

@@ -2,6 +2,7 @@
 //! [`Attributes`] (read as the API its path names: [`crate::llm::api`]), and the decision back
 //! through [`super::response`], a refusal in that API's shape. A token count passes free.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use envoy_types::pb::envoy::service::auth::v3::{
@@ -11,7 +12,7 @@ use tonic::{Request, Response, Status};
 
 use super::response::check_response;
 use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason};
-use crate::config::ServerSettings;
+use crate::config::{Priority, ServerSettings};
 use crate::estimate::PromptSize;
 use crate::llm::api::{self, Endpoint, Work};
 use crate::llm::body;
@@ -132,11 +133,17 @@ pub struct IdentityHeaders<'a> {
     pub tenant: &'a str,
     /// The plan an unlisted tenant is admitted under; none: not read.
     pub plan: Option<&'a str>,
+    /// The tiers of the Inference Extension's objectives; none: the objective is not read.
+    pub objectives: Option<&'a HashMap<String, Priority>>,
 }
 
 impl<'a> IdentityHeaders<'a> {
     pub fn of(server: &'a ServerSettings) -> IdentityHeaders<'a> {
-        IdentityHeaders { tenant: &server.tenant_header, plan: server.plan_header.as_deref() }
+        IdentityHeaders {
+            tenant: &server.tenant_header,
+            plan: server.plan_header.as_deref(),
+            objectives: (!server.objectives.is_empty()).then_some(&server.objectives),
+        }
     }
 }
 
@@ -194,7 +201,14 @@ fn attributes_at(
         }
         (None, None) => None,
     };
-    let priority = text(headers::PRIORITY)?.map(|p| p.parse()).transpose().map_err(invalid)?;
+    let priority = match text(headers::PRIORITY)? {
+        Some(p) => Some(p.parse().map_err(invalid)?),
+        // An objective the policy does not list says nothing: the tenant's default tier applies.
+        None => match identity.objectives {
+            Some(tiers) => text(headers::OBJECTIVE)?.and_then(|o| tiers.get(&o).copied()),
+            None => None,
+        },
+    };
     Ok(Attributes {
         tenant: text(identity.tenant)?,
         plan: identity.plan.map(text).transpose()?.flatten(),

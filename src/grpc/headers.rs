@@ -7,6 +7,8 @@
 pub const USER: &str = "x-user-id";
 /// The claimed tier: `critical`, `standard` or `sheddable` (capped by the tenant's `max_priority`).
 pub const PRIORITY: &str = "x-priority";
+/// The Gateway API Inference Extension's objective: a tier, as `server.objectives` maps it.
+pub const OBJECTIVE: &str = "x-gateway-inference-objective";
 /// How long the caller will wait, in ms from now: capacity admission refuses what cannot finish.
 pub const DEADLINE: &str = "x-request-deadline-ms";
 /// Groups the attempts of one request; a retried Check is a new attempt with a hold of its own.
@@ -74,6 +76,6 @@ pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 pub const RESERVATION_FIELD: &str = "reservation";
 /// The model field of that metadata.
 pub const MODEL_FIELD: &str = "model";
-/// The soft budget the request is past, and the tier its pool leg was decided at.
+/// The soft budget the request is past (only then), and the tier it was decided at (always).
 pub const SOFT_LIMIT_FIELD: &str = "soft_limit";
 pub const TIER_FIELD: &str = "tier";

@@ -58,7 +58,7 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
             let tier = a.tier.as_str().to_string();
             let fields = [(RESERVATION_FIELD, Some(&a.reservation_id)), (MODEL_FIELD, Some(&a.model))]
                 .into_iter()
-                .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, soft.as_ref().map(|_| &tier))]);
+                .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, Some(&tier))]);
             response.dynamic_metadata = Some(Struct {
                 fields: fields
                     .filter_map(|(k, v)| Some((k.to_string(), Value { kind: Some(Kind::StringValue(v?.clone())) })))

@@ -109,6 +109,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         policy_poll,
         tenant_header,
         plan_header,
+        objectives: raw.server.objectives.into_iter().collect(),
         claimed_tenants,
         budget_admins,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
