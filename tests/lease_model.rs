@@ -2,7 +2,9 @@
 //! id) lease one tenant's scopes from one embedded store on a manual clock. Reserves of random
 //! sizes on random replicas and users; commits (up to half again beyond the hold: debt) and
 //! releases at the owner or at another replica (forwarded); renewals; lease windows; clock jumps
-//! past refills and leases; reloads that cut the tenant's burst and restore it; replicas that
+//! past refills and leases; reloads that cut the tenant's burst and restore it (and give one user
+//! a budget leasing does not decide from slices, so that its requests go to the store beside the
+//! leased ones, and take it away again); replicas that
 //! stall (no decision, window or call for up to 9 s, past their lease) and replicas that die
 //! without giving their slices back; half the cases start 20 s before midnight and cross it; in
 //! half, store calls that fail at random (a tenth run and lose their reply, a tenth never arrive),
@@ -126,10 +128,12 @@ fn op() -> impl Strategy<Value = Op> {
 /// Where a case's clock starts: mid-day, or 20 s before the day's turn.
 const STARTS: [u64; 2] = [support::CLOCK_START_MS, support::CLOCK_START_MS + 12 * 3_600_000 - 20_000];
 
+/// The policy. `tight` also gives user u0 an hour's output budget, which leasing does not decide
+/// from slices: while it holds, u0's requests are decided at the store, beside the leased ones.
 fn policy(tenant: &str, share: f64, refund: bool, tight: bool) -> String {
     let expired = if refund { "    expired_usage: refund\n" } else { "" };
-    let limits = |(tpm, burst, rpm, c): (u64, u64, u64, u64), budget: Option<u64>| {
-        let budget = budget.map_or(String::new(), |b| format!(", tokens_per_day: {b}"));
+    let limits = |(tpm, burst, rpm, c): (u64, u64, u64, u64), budget: Option<&str>| {
+        let budget = budget.map_or(String::new(), |b| format!(", {b}"));
         format!(
             "{{ tokens_per_minute: {tpm}, burst_tokens: {burst}, requests_per_minute: {rpm}, max_concurrency: {c}{budget} }}"
         )
@@ -138,8 +142,8 @@ fn policy(tenant: &str, share: f64, refund: bool, tight: bool) -> String {
         "leasing: {{ window_ms: 250, max_share: {share} }}\n\
          models:\n  m: {{ max_output_tokens: 1000, bytes_per_token: 4 }}\n\
          tenants:\n  {tenant}:\n    lease_ttl_ms: {LEASE_MS}\n{expired}    limits: {}\n    users:\n      u0: {}\n",
-        limits(tenant_limits(tight), Some(BUDGET)),
-        limits(USER, None),
+        limits(tenant_limits(tight), Some(&format!("tokens_per_day: {BUDGET}"))),
+        limits(USER, tight.then_some("output_tokens_per_hour: 20000")),
     )
 }
 
@@ -513,7 +517,7 @@ impl World {
                     Settling::Commit(o) => o,
                     Settling::Release(_) => unreachable!(),
                 };
-                if replica == self.holds[i].owner {
+                if self.settles_at(i, replica) {
                     let fresh = o.usage().is_some_and(|u| !u.duplicate);
                     // Settled before this commit, by what (not this very commit, re-sent after
                     // its reply was lost: that one answers with its own counts).
@@ -557,7 +561,7 @@ impl World {
                     Settling::Release(o) => o,
                     Settling::Commit(_) => unreachable!(),
                 };
-                if replica == self.holds[i].owner {
+                if self.settles_at(i, replica) {
                     let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
                     let shown = match o {
                         ReleaseOutcome::Released { repeated: true, .. } if !retried => Some(Shown::Released),
@@ -700,7 +704,11 @@ impl World {
         self.lost_refunds += self.in_flight[replica].iter().map(|&(n, _)| n).sum::<u64>();
         if self.refund {
             let live: u64 =
-                self.holds.iter().filter(|h| h.owner == replica && h.state == State::Live).map(|h| h.held).sum();
+                self.holds
+                    .iter()
+                    .filter(|h| h.owner == replica && h.id.contains('@') && h.state == State::Live)
+                    .map(|h| h.held)
+                    .sum();
             self.lost_refunds += live;
         }
         self.lost_debt += self.unsent_debt[replica];
@@ -842,6 +850,12 @@ impl World {
         waiting.is_some_and(|v| v.fields.contains_key(&self.holds[i].id))
     }
 
+    /// Whether a settlement of hold `i` at `replica` is applied there and then: at its owner, or
+    /// at any replica for a hold decided at the store (its id names no replica).
+    fn settles_at(&self, i: usize, replica: usize) -> bool {
+        replica == self.holds[i].owner || !self.holds[i].id.contains('@')
+    }
+
     fn pick(&self, hold: usize) -> Option<usize> {
         (!self.holds.is_empty()).then(|| hold % self.holds.len())
     }
@@ -919,10 +933,14 @@ impl World {
         assert!(self.pending.is_empty(), "forwarded operations left untaken: {:?}", self.pending);
         for i in 0..self.holds.len() {
             let h = self.holds[i].clone();
-            if dead.contains(&h.owner) {
-                continue;
-            }
-            let o = self.replicas[h.owner].admission.release(&h.id).await.unwrap();
+            // A dead replica's leased holds went with its lease record; a hold decided at the
+            // store is any replica's to settle.
+            let at = match (dead.contains(&h.owner), h.id.contains('@')) {
+                (false, _) => h.owner,
+                (true, false) => alive[0],
+                (true, true) => continue,
+            };
+            let o = self.replicas[at].admission.release(&h.id).await.unwrap();
             let fresh = matches!(o, ReleaseOutcome::Released { repeated: false, .. });
             assert_eq!(fresh, self.apply(i, None), "final release of {h:?}: {o:?}");
         }
