@@ -703,12 +703,12 @@ impl World {
         assert!(swept, "no sweeper period of the dying replica went through");
         self.lost_refunds += self.in_flight[replica].iter().map(|&(n, _)| n).sum::<u64>();
         if self.refund {
-            let live: u64 =
-                self.holds
-                    .iter()
-                    .filter(|h| h.owner == replica && h.id.contains('@') && h.state == State::Live)
-                    .map(|h| h.held)
-                    .sum();
+            let live: u64 = self
+                .holds
+                .iter()
+                .filter(|h| h.owner == replica && h.id.contains('@') && h.state == State::Live)
+                .map(|h| h.held)
+                .sum();
             self.lost_refunds += live;
         }
         self.lost_debt += self.unsent_debt[replica];

@@ -139,11 +139,12 @@ fn rate_limit_headers(h: &Headroom, family: Family) -> Vec<HeaderValueOption> {
         u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
     };
     // (OpenAI has no headers for one side; Anthropic has, as input-tokens and output-tokens.)
+    let sides = h.sides();
     let windows = [
         ("tokens", h.tokens, true),
         ("requests", h.requests, true),
-        ("input-tokens", h.input, false),
-        ("output-tokens", h.output, false),
+        ("input-tokens", sides.input, false),
+        ("output-tokens", sides.output, false),
     ];
     for (kind, window, openai) in windows {
         if let Some(w) = window {
@@ -303,9 +304,12 @@ mod tests {
         let headroom = Headroom {
             tokens: Some(Window { remaining: 40, limit: 100, reset_ms: 60_000 }),
             requests: Some(Window { remaining: 0, limit: 5, reset_ms: 1_000 }),
+            sides: None,
+        }
+        .with_sides(crate::hold::Sides {
             input: Some(Window { remaining: 7, limit: 9, reset_ms: 1_000 }),
             output: None,
-        };
+        });
         let d = Denial { headroom, retry_after_ms: Some(1_000), ..Denial::now(Reason::RequestRate, "m") };
         let names = |family| -> Vec<String> {
             headers(&check_response(&Decision::Denied(d.clone()), &[], family)).into_iter().map(|(k, _)| k).collect()

@@ -94,11 +94,31 @@ pub struct Window {
 }
 
 /// The tightest token and request windows after a decision; `None` where no scope limits them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Headroom {
     pub tokens: Option<Window>,
     pub requests: Option<Window>,
-    /// The buckets of prompt tokens and of output tokens alone (an admission's only).
+    /// The buckets of one side, when a scope has either (an admission's only; boxed, so that a
+    /// decision stays small for the many that have none).
+    pub sides: Option<Box<Sides>>,
+}
+
+/// The tightest bucket of prompt tokens alone, and of output tokens alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sides {
     pub input: Option<Window>,
     pub output: Option<Window>,
+}
+
+impl Headroom {
+    /// The side windows as a pair (`None` where there is none).
+    pub fn sides(&self) -> Sides {
+        self.sides.as_deref().copied().unwrap_or_default()
+    }
+
+    /// `sides` boxed only when there is one.
+    pub fn with_sides(self, sides: Sides) -> Headroom {
+        let any = sides.input.is_some() || sides.output.is_some();
+        Headroom { sides: any.then(|| Box::new(sides)), ..self }
+    }
 }

@@ -21,7 +21,7 @@ pub use crate::config::MAX_TOKEN_COUNT;
 pub use budget::{BudgetKey, BudgetLimits, Measure, Period};
 pub use charge::{Charge, Detail, charge};
 pub use id::{ReservationRef, parse_reservation_id};
-pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Window};
+pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Sides, Window};
 pub use outcome::{
     CommitOutcome, Counted, Ending, Forwarded, ReleaseOutcome, RenewOutcome, ReserveOutcome, Settled, Usage,
 };

@@ -787,7 +787,8 @@ impl Model {
                         reserved_tokens: held,
                         attempts: k.made + 1,
                         replayed: true,
-                        headroom: tollgate::hold::Headroom { tokens, requests, input, output },
+                        headroom: tollgate::hold::Headroom { tokens, requests, sides: None }
+                            .with_sides(tollgate::hold::Sides { input, output }),
                         shadow: None,
                         soft_limit: None,
                         tier: ask.priority,
@@ -934,7 +935,8 @@ impl Model {
             reserved_tokens: hold,
             attempts,
             replayed: false,
-            headroom: tollgate::hold::Headroom { tokens, requests, input, output },
+            headroom: tollgate::hold::Headroom { tokens, requests, sides: None }
+                .with_sides(tollgate::hold::Sides { input, output }),
             shadow: None,
             soft_limit: None,
             tier: ask.priority,

@@ -123,7 +123,7 @@ impl Leases {
         s.day = reply.store_now / DAY_MS;
         let left_of_day = DAY_MS.saturating_sub(reply.store_now % DAY_MS);
         s.day_ends_at = sending.saturating_add(left_of_day);
-        s.headroom = reply.headroom;
+        s.headroom = reply.headroom.clone();
         match &reply.outcome {
             LeaseOutcome::Granted(granted) => {
                 for (scope, g) in scopes.iter().zip(granted) {

@@ -336,7 +336,7 @@ impl Leases {
         };
         s.holds.insert(ask.id.to_string(), hold);
         // The store's view at the last call, and what this replica holds free besides.
-        let mut headroom = s.headroom;
+        let mut headroom = s.headroom.clone();
         if let (Some(w), Some(free)) = (headroom.tokens.as_mut(), tightest) {
             // (Never above the limit: the store's view may have refilled to it since.)
             let limit = i64::try_from(w.limit).unwrap_or(i64::MAX);

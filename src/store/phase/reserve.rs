@@ -4,7 +4,7 @@ use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
-use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits};
+use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits, Sides};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
@@ -186,12 +186,8 @@ impl<S: Store> Protocol<S> {
                     attempts: r.count(3)?,
                     headroom: {
                         let sides = Fields::of(script, r.get(16).ok_or_else(|| r.bad())?)?;
-                        Headroom {
-                            tokens: r.window([4, 5, 6])?,
-                            requests: r.window([7, 8, 9])?,
-                            input: sides.window([0, 1, 2])?,
-                            output: sides.window([3, 4, 5])?,
-                        }
+                        Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])?, sides: None }
+                            .with_sides(Sides { input: sides.window([0, 1, 2])?, output: sides.window([3, 4, 5])? })
                     },
                     estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
                     replayed: r.flag(12)?,
