@@ -31,10 +31,11 @@ local flat = {}
 if ARGV[1] == '1' then
   flat = redis.call('HGETALL', KEYS[1])
 end
-for i = 1, #flat, 2 do
-  local e = split(flat[i + 1])
+-- One live hold's entry: what it holds in the current periods, by scope and counter.
+local function count_held(id, entry)
+  local e = split(entry)
   local tokens, day, cost = tonumber(e[1]), tonumber(e[2]), tonumber(e[4]) or 0
-  local r = redis.call('HMGET', ARGV[2] .. flat[i], 'oh', 'hr')
+  local r = redis.call('HMGET', ARGV[2] .. id, 'oh', 'hr')
   -- (A hold whose record is gone is counted whole as prompt: its output part is unknown.)
   local output = math.min(tokens, tonumber(r[1]) or 0)
   local n = amounts(tokens, cost, tokens - output, output)
@@ -48,6 +49,13 @@ for i = 1, #flat, 2 do
       end
     end
     held[e[j]] = h
+  end
+end
+
+for i = 1, #flat, 2 do
+  -- (A hold's detail beside its entry, `<id>+`, is not an entry.)
+  if string.sub(flat[i], -1) ~= '+' then
+    count_held(flat[i], flat[i + 1])
   end
 end
 

@@ -18,6 +18,8 @@
 -- ARGV[11] reasoning tokens: of the output ('' when unsaid; charged at their weight and price)
 -- ARGV[12] how the request ended: completed | metered | as_held | client_left | upstream_refused |
 --          upstream_error (kept with the settled hold, entered in the ledger)
+-- ARGV[13] the tenant's time zone: its offset from UTC now, in minutes east ('' when the policy no
+--          longer has the tenant: the offset the hold was made with); debt counts in its periods
 --
 -- Reply: {state, duplicate (0|1), used, held, refunded, overrun, metered (0|1), model, output held,
 --         cost (nanos, at the prices the hold was made with), ending}
@@ -81,8 +83,9 @@ if r.sl == '1' then
   free_slots(keys)
 end
 local had = charged_of(r)
-local hold_at, now_at = hold_periods(r, now)
-settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), hold_at, now_at, now)
+local now_at = periods_at(now, tonumber(ARGV[13]) or r.zo)
+settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), periods_of(r.dy, r.hr), now_at,
+  now, r.kc)
 keep_alive(keys, leases, holds, r.it)
 
 local state = 'committed'

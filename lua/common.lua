@@ -9,6 +9,7 @@
 --   dy  day number the hold was charged to, in its tenant's zone (its week and month are those
 --       of that day)         hr  its hour number, when a scope counts hours
 --   zo  the zone's offset from UTC when it was made (minutes east; absent: UTC)
+--   kc  what it charged beside ALWAYS, per scope (see charged_counters; absent: nothing)
 --   ks  the scope hashes it charged, space separated
 --   xp  expired-usage policy: charge | refund
 --   ik  its idempotency key, or empty       rt  how long it waits for a late commit once expired (ms)
@@ -44,6 +45,8 @@
 --
 -- Holds hash (one per tenant, beside its lease index, sharing its TTL): for every live hold,
 --   id -> "<tokens charged> <day> <expired-usage policy> <cost charged> <scope keys...>"
+--   and, for a hold with a bucket of one side or a counter beside ALWAYS,
+--   id .. '+' -> "<output part> <hour, -1 when none> <kc>"
 -- what the sweep needs to settle the hold. A record can run out of TTL before a sweep that has
 -- fallen behind reaches it; its entry here cannot, so no slot and no token is ever left behind.
 --
@@ -136,7 +139,7 @@ local function split(s)
 end
 
 local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'us', 'rf',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw', 'hr', 'zo' }
+  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw', 'hr', 'zo', 'kc' }
 
 -- Reads a record into a table; returns nil when it does not exist.
 local function load(rk)
@@ -230,6 +233,45 @@ for _, p in ipairs(PERIODS) do
   end
 end
 local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
+local IS_ALWAYS = { du = true, dc = true, mu = true, mc = true }
+
+-- What a hold charged beside ALWAYS, per scope, as its record keeps it (`kc`): for each scope in
+-- `ks` order, the other counters its reserve charged, comma-separated, scopes separated by '|'
+-- ('' when no scope charged any: the record then has no `kc`). A refund goes only to what the
+-- hold charged, so a budget a reload added after it is never credited with what it never held.
+local function charged_counters(scopes)
+  local all, any = {}, false
+  for i, s in ipairs(scopes) do
+    local mine = {}
+    for _, c in ipairs(COUNTERS) do
+      if s.used[c] ~= nil and not IS_ALWAYS[c] then
+        mine[#mine + 1] = c
+      end
+    end
+    all[i] = table.concat(mine, ',')
+    any = any or #mine > 0
+  end
+  if not any then
+    return ''
+  end
+  return table.concat(all, '|')
+end
+
+-- `kc` read back: per scope index, the set of counters a refund may go to (ALWAYS, and what the
+-- hold charged beside them).
+local function refundable(kc)
+  local sets = {}
+  local i = 0
+  for part in string.gmatch((kc or '') .. '|', '([^|]*)|') do
+    i = i + 1
+    local set = { du = true, dc = true, mu = true, mc = true }
+    for c in string.gmatch(part, '[^,]+') do
+      set[c] = true
+    end
+    sets[i] = set
+  end
+  return sets
+end
 
 -- The hour, day, week and month numbers of `day` (and `hour`, when known) in a zone: the periods
 -- a hold charged. (Week 0 began on Monday 1969-12-29.)
@@ -475,11 +517,16 @@ local BUCKETS = { u = 't', p = 'pt', g = 'gt' }
 -- and one write a scope. A bucket moves from its level now: refilled first, so a full bucket's
 -- refill (which it could not hold) never pays debt; never above its capacity, never below minus
 -- it. A period's counters move when they count the period `hold_at` (a refund: what the hold was
--- charged to, given back only while it is current) or `now_at` (debt: the current one) names;
--- debt in a new period starts its count. Only counters the scope has move, and a scope hash that
--- has expired (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
-local function adjust(keys, n, hold_at, now_at, now)
-  for _, k in ipairs(keys) do
+-- charged to, given back only while it is current, and only to the counters `kc` says it charged:
+-- see charged_counters) or `now_at` (debt: the current one) names; debt in a new period starts
+-- its count, and debt for a period older than the one counted (a zone's offset that moved since)
+-- counts in the newer one: a marker never goes back. Only counters the scope has move, and a
+-- scope hash that has expired (idle longer than its TTL) is not recreated: an idle bucket is
+-- full anyway.
+local function adjust(keys, n, hold_at, now_at, now, kc)
+  local allowed = refundable(kc)
+  for i, k in ipairs(keys) do
+    local may_refund = allowed[i] or IS_ALWAYS
     local f = fields_of(k)
     local w = {}
     for m, b in pairs(BUCKETS) do
@@ -501,8 +548,11 @@ local function adjust(keys, n, hold_at, now_at, now)
         if amount < 0 then
           at = hold_at[p]
         end
+        if amount < 0 and not may_refund[p .. m] then
+          at = nil
+        end
         if u.at and u[m] and amount ~= 0 and at then
-          if u.at == at then
+          if u.at == at or (amount > 0 and at < u.at) then
             u[m], moved = math.max(0, u[m] + amount), true
           elseif amount > 0 then
             for _, other in ipairs(MEASURES) do
@@ -545,10 +595,10 @@ local function amounts(u, c, p, g)
 end
 
 -- Gives `n` ({u, c, p, g}) back: to each bucket, and to the periods of `hold_at` while they are
--- the current ones.
-local function refund(keys, n, hold_at, now)
+-- the current ones, in the counters `kc` says the hold charged.
+local function refund(keys, n, hold_at, now, kc)
   if n.u > 0 or n.c > 0 or n.p > 0 or n.g > 0 then
-    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now)
+    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now, kc)
   end
 end
 
@@ -563,16 +613,10 @@ end
 -- Moves a settled hold from what it has charged to what it should, `n` the differences: each a
 -- refund to the hold's own periods (`hold_at`) when negative, a charge to the current ones
 -- (`now_at`) when positive.
-local function settle(keys, n, hold_at, now_at, now)
+local function settle(keys, n, hold_at, now_at, now, kc)
   if n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0 then
-    adjust(keys, n, hold_at, now_at, now)
+    adjust(keys, n, hold_at, now_at, now, kc)
   end
-end
-
--- The periods a hold's record says it charged (its day and, when it counted hours, its hour, in
--- its zone), and the current ones in that zone.
-local function hold_periods(r, now)
-  return periods_of(r.dy, r.hr), periods_at(now, r.zo)
 end
 
 -- What a hold's record has charged, by measure: all it held, or nothing once an expiry refunded it.
@@ -601,7 +645,7 @@ end
 -- pointing at it (the key keeps counting attempts until its own TTL).
 local function close(id, r, leases, holds)
   redis.call('ZREM', leases, id)
-  redis.call('HDEL', holds, id)
+  redis.call('HDEL', holds, id, id .. '+')
   if r.ik and r.ik ~= '' and redis.call('HGET', r.ik, 'id') == id then
     redis.call('HDEL', r.ik, 'id')
   end
@@ -736,10 +780,10 @@ end
 -- the slot is freed; the tokens and their cost stay charged (charge) or come back (refund).
 -- Missing usage is not zero usage, so charge is the default policy. Returns the tokens and cost
 -- still charged.
-local function settle_expired(keys, charged, hold_at, policy, now)
+local function settle_expired(keys, charged, hold_at, policy, now, kc)
   free_slots(keys)
   if policy == 'refund' then
-    refund(keys, charged, hold_at, now)
+    refund(keys, charged, hold_at, now, kc)
     return 0, 0
   end
   return charged.u, charged.c
@@ -750,7 +794,7 @@ end
 local function expire(rk, id, r, leases, holds, now, ledger)
   local keys = split(r.ks)
   if r.sl == '1' then
-    r.ch, r.cc = settle_expired(keys, charged_of(r), periods_of(r.dy, r.hr), r.xp, now)
+    r.ch, r.cc = settle_expired(keys, charged_of(r), periods_of(r.dy, r.hr), r.xp, now, r.kc)
   end
   r.st = 'expired'
   r.sl = '0'
@@ -803,10 +847,16 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
     for i = first, #e do
       keys[#keys + 1] = e[i]
     end
-    -- (The entry does not say the hold's hour, nor its prompt and output apart: a refund leaves
-    -- those counters charged.)
-    local charged, cost_left =
-      settle_expired(keys, amounts(tonumber(e[1]), cost, 0, 0), periods_of(tonumber(e[2])), e[3], now)
+    -- Its detail, where the hold has one: its output part, hour and what it charged beside
+    -- ALWAYS (see reserve.lua).
+    local d = split(redis.call('HGET', holds, due .. '+') or '')
+    local tokens, output, hour = tonumber(e[1]), tonumber(d[1]) or 0, tonumber(d[2])
+    if hour == -1 then
+      hour = nil
+    end
+    output = math.min(tokens, output)
+    local charged, cost_left = settle_expired(keys, amounts(tokens, cost, tokens - output, output),
+      periods_of(tonumber(e[2]), hour), e[3], now, d[3])
     local usage = 'held'
     if charged == 0 then
       usage = 'none'
@@ -816,7 +866,7 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
     settled = true
   end
   redis.call('ZREM', leases, due)
-  redis.call('HDEL', holds, due)
+  redis.call('HDEL', holds, due, due .. '+')
   return settled
 end
 

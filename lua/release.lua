@@ -35,7 +35,7 @@ end
 
 local keys = split(r.ks)
 free_slots(keys)
-refund(keys, charged_of(r), periods_of(r.dy, r.hr), now)
+refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc)
 keep_alive(keys, leases, holds, r.it)
 close(id, r, leases, holds)
 file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0, ending)

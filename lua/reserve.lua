@@ -287,11 +287,26 @@ end
 if offset ~= 0 then
   also('zo', offset)
 end
+local kc = charged_counters(scopes)
+if kc ~= '' then
+  also('kc', kc)
+end
 redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)
 redis.call('ZADD', leases, expiry, id)
 keep_for(leases, idle)
 redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
+local sided = false
+for _, s in ipairs(scopes) do
+  sided = sided or s.pcap > 0 or s.gcap > 0
+end
+if kc ~= '' or sided then
+  local hour = -1
+  if hourly then
+    hour = at.h
+  end
+  redis.call('HSET', holds, id .. '+', string.format('%d %d %s', output, hour, kc))
+end
 keep_for(holds, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)

@@ -1278,6 +1278,8 @@ macro_rules! conformance {
             scenario!(a_zone_ahead_of_utc_turns_the_day_at_its_midnight, TOKYO);
             scenario!(a_zone_behind_utc_turns_the_week_at_its_midnight, NEW_YORK);
             scenario!(past_a_soft_budget_a_request_is_admitted_marked_and_demoted, &soft_policy());
+            scenario!(a_budget_a_reload_adds_is_not_credited_by_older_holds, DAY_ONLY);
+            scenario!(debt_in_an_earlier_period_than_the_counted_one_is_kept, DAY_ONLY);
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);

@@ -60,10 +60,15 @@ impl<S: Store> Admission<S> {
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
         let at_store = || async {
-            let learning = self.tenant_policy(&policy, r.tenant).and_then(|tp| {
+            let tp = self.tenant_policy(&policy, r.tenant);
+            let learning = tp.and_then(|tp| {
                 tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
             });
-            self.protocol.commit(r.tenant, reservation_id, counted, ending, learning, policy.record_retention_ms).await
+            // Debt counts in the periods the tenant's zone is in now (a tenant the policy no
+            // longer has: the zone its hold was made in).
+            let zone = tp.map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
+            let retention = policy.record_retention_ms;
+            self.protocol.commit(r.tenant, reservation_id, counted, ending, learning, retention, zone).await
         };
         let outcome = match self.home(&r) {
             Home::Store => {

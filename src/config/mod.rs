@@ -2,6 +2,7 @@
 //! error, so a typo cannot silently drop a limit) and validation names the field and the reason,
 //! so a bad file stops the start with a message a person can act on.
 
+pub mod budget;
 mod models;
 pub mod names;
 mod raw;
@@ -299,9 +300,9 @@ pub struct TenantPolicy {
     pub strict: bool,
     /// The time zone its budgets' hours, days, weeks and months turn in.
     pub zone: Zone,
-    /// Soft budgets of the tenant's scope, by [`crate::hold::BudgetKey::index`] (`0`: none): past
+    /// Soft budgets of the tenant's scope, by [`budget::BudgetKey::index`] (`0`: none): past
     /// one, a request is still admitted, one tier lower and marked.
-    pub soft: crate::hold::BudgetLimits,
+    pub soft: budget::BudgetLimits,
     /// How long the tenant's keys outlive their last write: long enough for every bucket to refill,
     /// every lease to run out and a day's budget to roll over, so expiry never forgets state that
     /// still matters.

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::budget::{BudgetKey, Measure, Period};
 use super::{ExpiredUsage, OnStoreError, Priority};
-use crate::hold::budget::{BudgetKey, Measure, Period};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -1,7 +1,7 @@
 //! What a policy enforces, in a few lines: `tollgate check-config`'s answer.
 
+use super::budget::Measure;
 use super::{Limits, Money, Policy, StoreChoice};
-use crate::hold::Measure;
 
 impl Policy {
     /// A few lines saying what the policy enforces, for `check-config`.

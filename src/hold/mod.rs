@@ -9,7 +9,6 @@
 //! - [`ledger`]: a settled hold's ledger entry as a JSON line.
 //! - [`charge`]: what reported counts charge, cached prompt tokens at their weight and price.
 
-pub mod budget;
 pub mod charge;
 pub mod id;
 pub mod ledger;
@@ -18,7 +17,8 @@ pub mod outcome;
 pub mod refusal;
 
 pub use crate::config::MAX_TOKEN_COUNT;
-pub use budget::{BudgetKey, BudgetLimits, Measure, Period};
+/// Period budgets are the policy's nouns (`config::budget`); decisions speak of them as of holds.
+pub use crate::config::budget::{self, BudgetKey, BudgetLimits, Measure, Period};
 pub use charge::{Charge, Detail, charge};
 pub use id::{ReservationRef, parse_reservation_id};
 pub use limits::{Amounts, Bucket, Headroom, ScopeLimits, Sides, Window};

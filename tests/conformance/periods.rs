@@ -180,3 +180,49 @@ pub async fn a_zone_behind_utc_turns_the_week_at_its_midnight<S: Store>(h: Harne
     h.advance(1).await;
     admitted(&h.reserve(0, 1000).await);
 }
+
+/// A day's tokens only, and holds that outlive the reloads below.
+pub const DAY_ONLY: &str = "lease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 100000\n";
+
+/// Replaces the tenant's policy with what `change` makes of it.
+fn reload<S: Store>(h: &Harness<S>, change: impl FnOnce(&mut tollgate::config::TenantPolicy)) {
+    let mut policy = tollgate::config::Policy::clone(&h.admission.policy());
+    let mut tp = tollgate::config::TenantPolicy::clone(&policy.tenants[&h.tenant]);
+    change(&mut tp);
+    policy.tenants.insert(h.tenant.clone(), std::sync::Arc::new(tp));
+    h.admission.reload(policy);
+}
+
+/// A budget a reload adds counts the holds made after it; a hold made before gives nothing back to
+/// it (it never charged it), so the budget is never credited with what it never held.
+pub async fn a_budget_a_reload_adds_is_not_credited_by_older_holds<S: Store>(h: Harness<S>) {
+    let older = admitted(&h.reserve(1000, 8000).await).reservation_id.clone();
+    reload(&h, |tp| tp.limits.tokens_per_week = Some(50_000));
+    admitted(&h.reserve(1000, 8000).await);
+    // The older hold used 1,500 of its 9,000: 7,500 back to the day, none to the week.
+    h.admission.commit(&older, 1000, 500).await.unwrap();
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("du"), scope.num("wu")), (10_500.0, 9_000.0), "{scope:?}");
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Tokens, Period::Week), (9_000, 9_000));
+}
+
+/// Debt charged with a zone's offset that has moved since the period was counted (a reload that
+/// changed the zone, or a daylight-saving change) counts in the period the counters are in: a
+/// marker never goes back, and nothing counted is lost.
+pub async fn debt_in_an_earlier_period_than_the_counted_one_is_kept<S: Store>(h: Harness<S>) {
+    reload(&h, |tp| tp.zone = tollgate::config::Zone::parse("+09:00").unwrap());
+    if !h.exact_time() {
+        return;
+    }
+    // 16:00 UTC: 30 November, 01:00 in the zone.
+    h.advance(4 * HOUR).await;
+    let first = admitted(&h.reserve(0, 1000).await).reservation_id.clone();
+    admitted(&h.reserve(0, 1000).await);
+    let day = h.tenant_scope().await.num("d");
+    // Back to UTC: it is 29 November there. The first hold overruns by 500.
+    reload(&h, |tp| tp.zone = tollgate::config::Zone::utc());
+    h.admission.commit(&first, 0, 1500).await.unwrap();
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("d"), scope.num("du")), (day, 2_500.0), "{scope:?}");
+}

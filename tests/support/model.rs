@@ -213,6 +213,8 @@ pub struct Hold {
     pub hour: Option<u64>,
     pub zone_offset_min: i64,
     pub scopes: Vec<String>,
+    /// Per scope, the counters its reserve charged: where a refund may go.
+    pub counted_in: Vec<BTreeSet<BudgetKey>>,
     pub policy: ExpiredUsage,
     pub key: Option<String>,
     pub usage: Option<Usage>,
@@ -380,8 +382,8 @@ impl Model {
     /// Moves each scope by `n` (as common.lua's adjust): its buckets from their level now; each
     /// period's counters it has when their marker is the period `hold_at` (a refund) or `now_at`
     /// (debt) names; debt in a new period starts all of that period's counters afresh.
-    fn adjust(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64) {
-        for k in keys {
+    fn adjust(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64, h: &Hold) {
+        for (i, k) in keys.iter().enumerate() {
             if n.tokens != 0 {
                 self.move_tokens(k, -(n.tokens as f64), now);
             }
@@ -402,9 +404,13 @@ impl Model {
                 for m in Measure::ALL {
                     let key = BudgetKey::new(m, p);
                     let amount = n.of(m);
-                    let at = if amount < 0 { hold_at.get(p) } else { now_at.get(p) };
+                    // A refund goes only to what the hold charged.
+                    let charged = h.counted_in.get(i).is_some_and(|c| c.contains(&key));
+                    let at = if amount < 0 { hold_at.get(p).filter(|_| charged) } else { now_at.get(p) };
                     let Some(at) = at.filter(|_| amount != 0 && s.counts.contains_key(&key)) else { continue };
-                    if s.markers[&p] == at {
+                    // (Debt for a period before the one counted counts in it: a marker never
+                    // goes back.)
+                    if s.markers[&p] == at || (amount > 0 && at < s.markers[&p]) {
                         let v = (s.counts[&key] as i64 + amount).max(0) as u64;
                         s.counts.insert(key, v);
                     } else if amount > 0 {
@@ -421,17 +427,17 @@ impl Model {
         }
     }
 
-    fn refund(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now: u64) {
+    fn refund(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now: u64, h: &Hold) {
         if n.tokens > 0 || n.cost > 0 || n.input > 0 || n.output > 0 {
-            self.adjust(keys, n.negated(), hold_at, hold_at, now);
+            self.adjust(keys, n.negated(), hold_at, hold_at, now, h);
         }
     }
 
     /// A settled hold moves from what it charged to what it should: refunds to its periods,
     /// charges to the current ones.
-    fn settle(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64) {
+    fn settle(&mut self, keys: &[String], n: Amounts, hold_at: Periods, now_at: Periods, now: u64, h: &Hold) {
         if !n.is_zero() {
-            self.adjust(keys, n, hold_at, now_at, now);
+            self.adjust(keys, n, hold_at, now_at, now, h);
         }
     }
 
@@ -472,7 +478,7 @@ impl Model {
         let h = self.holds[id].clone();
         let (mut charged, mut cost) = (h.charged, h.cost_charged);
         if h.slot && h.policy == ExpiredUsage::Refund {
-            self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now);
+            self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now, &h);
             (charged, cost) = (0, 0);
         }
         let h = self.holds.get_mut(id).unwrap();
@@ -913,6 +919,7 @@ impl Model {
                 hour: if hourly { at.hour } else { None },
                 zone_offset_min: offset,
                 scopes: reads.iter().map(|s| s.key.clone()).collect(),
+                counted_in: reads.iter().map(|s| s.used.keys().copied().collect()).collect(),
                 policy: rules.expired_usage,
                 key: ask.key.as_ref().map(|(k, _)| k.clone()),
                 usage: None,
@@ -1001,7 +1008,7 @@ impl Model {
             output: output as i64 - had.output,
         };
         let now_at = Periods::at(now, h.zone_offset_min);
-        self.settle(&h.scopes, delta, Periods::of(h.day, h.hour), now_at, now);
+        self.settle(&h.scopes, delta, Periods::of(h.day, h.hour), now_at, now, &h);
         let late = h.state == State::Settled(Settled::Expired);
         let usage = Usage {
             late,
@@ -1036,7 +1043,7 @@ impl Model {
             Err(Some(s)) => ReleaseOutcome::Settled(s),
             Ok(()) => {
                 let h = self.holds[id].clone();
-                self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now);
+                self.refund(&h.scopes, Self::charged_of(&h), Periods::of(h.day, h.hour), now, &h);
                 let rec = self.holds.get_mut(id).unwrap();
                 rec.state = State::Settled(Settled::Released);
                 rec.refunded_on_release = h.charged;

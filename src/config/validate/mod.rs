@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::budget::{BudgetKey, BudgetLimits, Measure, Period};
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
@@ -16,7 +17,6 @@ use super::{
     MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings,
     TenantPolicy, TlsSettings, TokenWeights, Zone,
 };
-use crate::hold::{BudgetKey, Measure, Period};
 
 use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
 pub(super) use sections::{tls, tls_flag};
@@ -476,8 +476,8 @@ fn soft_budgets(
     soft: Option<&Limits>,
     hard: &Limits,
     models: &HashMap<String, ModelPolicy>,
-) -> Result<crate::hold::BudgetLimits, Problem> {
-    let mut out = crate::hold::BudgetLimits::default();
+) -> Result<BudgetLimits, Problem> {
+    let mut out = BudgetLimits::default();
     let Some(soft) = soft else { return Ok(out) };
     let f = format!("{field}.soft_limits");
     let rates = [

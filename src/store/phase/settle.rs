@@ -5,7 +5,7 @@ use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewO
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
-pub(crate) const COMMIT_ARGV: [&str; 12] = [
+pub(crate) const COMMIT_ARGV: [&str; 13] = [
     "reservation id",
     "prompt tokens used",
     "output tokens used",
@@ -18,6 +18,7 @@ pub(crate) const COMMIT_ARGV: [&str; 12] = [
     "cache writes",
     "reasoning tokens",
     "how the request ended",
+    "the tenant's time zone",
 ];
 
 /// `renew.lua`'s `ARGV`, in order.
@@ -50,6 +51,7 @@ impl<S: Store> Protocol<S> {
         ending: Ending,
         learning: Option<Learning>,
         retention_ms: u64,
+        zone_offset_min: Option<i32>,
     ) -> Result<CommitOutcome, StoreError> {
         let script = &self.scripts.commit;
         let (prompt, output, measure, detail) = match counted {
@@ -70,6 +72,7 @@ impl<S: Store> Protocol<S> {
         a.push("cache writes", count(detail.cache_write));
         a.push("reasoning tokens", count(detail.reasoning));
         a.push("how the request ended", ending.as_str().to_string());
+        a.push("the tenant's time zone", zone_offset_min.map_or_else(String::new, |m| m.to_string()));
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
