@@ -9,7 +9,7 @@ use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, pa
 use crate::config::Policy;
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome};
 use crate::metrics::Estimate;
-use crate::store::{Learning, Store};
+use crate::store::{CommitTerms, Learning, Store};
 
 impl<S: Store> Admission<S> {
     /// The commit phase: reconcile a hold against the usage its caller reports, then free its pool
@@ -67,8 +67,8 @@ impl<S: Store> Admission<S> {
             // Debt counts in the periods the tenant's zone is in now (a tenant the policy no
             // longer has: the zone its hold was made in).
             let zone = tp.map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
-            let retention = policy.record_retention_ms;
-            self.protocol.commit(r.tenant, reservation_id, counted, ending, learning, retention, zone).await
+            let terms = CommitTerms { learning, retention_ms: policy.record_retention_ms, zone_offset_min: zone };
+            self.protocol.commit(r.tenant, reservation_id, counted, ending, terms).await
         };
         let outcome = match self.home(&r) {
             Home::Store => {

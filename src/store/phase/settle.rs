@@ -38,10 +38,21 @@ pub struct Learning {
     pub window: u64,
 }
 
+/// What a commit needs beside the hold and its counts: the tenant's terms now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitTerms {
+    /// `None` when the hold's tenant no longer learns.
+    pub learning: Option<Learning>,
+    /// How long the settled hold answers repeats.
+    pub retention_ms: u64,
+    /// The tenant's zone's offset from UTC now (minutes east): debt counts in its periods. `None`
+    /// when the policy no longer has the tenant (the hold's own offset is used).
+    pub zone_offset_min: Option<i32>,
+}
+
 impl<S: Store> Protocol<S> {
     /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once,
-    /// and keeps how its request ended. `learning` is `None` when the hold's tenant no longer
-    /// learns. A repeat within `retention_ms` of the first is answered with the first's result (as
+    /// and keeps how its request ended. A repeat within `retention_ms` of the first is answered with the first's result (as
     /// are those of renew and release).
     pub async fn commit(
         &self,
@@ -49,10 +60,9 @@ impl<S: Store> Protocol<S> {
         id: &str,
         counted: Counted,
         ending: Ending,
-        learning: Option<Learning>,
-        retention_ms: u64,
-        zone_offset_min: Option<i32>,
+        terms: CommitTerms,
     ) -> Result<CommitOutcome, StoreError> {
+        let CommitTerms { learning, retention_ms, zone_offset_min } = terms;
         let script = &self.scripts.commit;
         let (prompt, output, measure, detail) = match counted {
             Counted::Exact { prompt, output, detail } => (prompt.to_string(), output.to_string(), "exact", detail),
