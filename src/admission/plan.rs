@@ -113,7 +113,7 @@ impl<S> Admission<S> {
             }
         }
         let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
-        let tier = if tp.soft.iter().any(|&n| n > 0) { self.soft_tier(tenant, tier) } else { tier };
+        let tier = if tp.has_soft() { self.soft_tier(tenant, tier) } else { tier };
         let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
                 let output = match tp.adaptive_output {

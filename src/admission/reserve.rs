@@ -307,7 +307,10 @@ impl<S: Store> Admission<S> {
                 shadowed,
                 soft,
             }) => {
-                self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
+                // (Only a tenant with soft budgets is demoted: no other takes the lock.)
+                if plan.tp.has_soft() {
+                    self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
+                }
                 self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
                 if let Some(output) = estimated_output
                     && plan.pool.is_some()

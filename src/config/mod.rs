@@ -310,6 +310,11 @@ pub struct TenantPolicy {
 }
 
 impl TenantPolicy {
+    /// Whether the tenant has a soft budget.
+    pub fn has_soft(&self) -> bool {
+        self.soft.iter().any(|&n| n > 0)
+    }
+
     /// The user's limits, if any apply.
     pub fn user_limits(&self, user: &str) -> Option<&Limits> {
         self.users.get(user).or(self.default_user.as_ref())

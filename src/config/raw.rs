@@ -376,6 +376,18 @@ impl Limits {
         }
     }
 
+    /// Every limit that is not a period budget, by its name: the buckets and the concurrency.
+    pub fn rates(&self) -> [(&'static str, Option<u64>); 6] {
+        [
+            ("tokens_per_minute", self.tokens_per_minute),
+            ("burst_tokens", self.burst_tokens),
+            ("input_tokens_per_minute", self.input_tokens_per_minute),
+            ("output_tokens_per_minute", self.output_tokens_per_minute),
+            ("requests_per_minute", self.requests_per_minute),
+            ("max_concurrency", self.max_concurrency),
+        ]
+    }
+
     /// A period budget's limit (money in nanos), if these limits set it.
     pub fn budget(&self, key: BudgetKey) -> Option<u64> {
         use Measure::{Cost, Input, Output, Tokens};

@@ -306,6 +306,14 @@ fn tightest(buckets: impl Iterator<Item = (f64, u64, f64)>, take: f64) -> Option
     (lim >= 0).then(|| Window { remaining: rem.floor() as i64, limit: lim as u64, reset_ms: reset.max(0) as u64 })
 }
 
+/// A bucket of one side refilled to `now` (0 when the scope has none; full when never written).
+fn side_level(bucket: Option<Level>, cap: u64, rate: f64, now: u64) -> f64 {
+    if cap == 0 {
+        return 0.0;
+    }
+    refilled(bucket.map(|b| b.level), bucket.map_or(0, |b| b.at), cap, rate, now)
+}
+
 fn refilled(level: Option<f64>, at: u64, cap: u64, rate: f64, now: u64) -> f64 {
     match level {
         None => cap as f64,
@@ -711,28 +719,8 @@ impl Model {
                         0.0
                     },
                     c: self.in_flight(key),
-                    input: if l.input_capacity > 0 {
-                        refilled(
-                            s.input.map(|b| b.level),
-                            s.input.map_or(0, |b| b.at),
-                            l.input_capacity,
-                            l.input_per_ms,
-                            now,
-                        )
-                    } else {
-                        0.0
-                    },
-                    output: if l.output_capacity > 0 {
-                        refilled(
-                            s.output.map(|b| b.level),
-                            s.output.map_or(0, |b| b.at),
-                            l.output_capacity,
-                            l.output_per_ms,
-                            now,
-                        )
-                    } else {
-                        0.0
-                    },
+                    input: side_level(s.input, l.input_capacity, l.input_per_ms, now),
+                    output: side_level(s.output, l.output_capacity, l.output_per_ms, now),
                     used: BudgetKey::all()
                         .filter(|k| l.budget(*k) > 0 || s.counts.contains_key(k) || ALWAYS.contains(k))
                         .map(|k| {

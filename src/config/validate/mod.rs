@@ -1,23 +1,25 @@
 //! Raw policy → [`Policy`], or the first problem as (field path, why). The tenants and the
 //! whole are checked here; the other sections in `sections`.
 
+mod limits;
 mod sections;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::budget::{BudgetKey, BudgetLimits, Measure, Period};
+use super::budget::{Measure, Period};
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
-    MetricsSettings, ModelPolicy, Money, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings,
-    TenantPolicy, TlsSettings, TokenWeights, Zone,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, MetricsSettings,
+    ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy, TlsSettings,
+    TokenWeights, Zone,
 };
 
+use limits::{check_limits, check_within, children, first_unpriced, soft_budgets, unpriced};
 use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
 pub(super) use sections::{tls, tls_flag};
 
@@ -388,16 +390,10 @@ fn tenant_policy(
         .chain(tenant_models.iter().map(|(n, l)| (format!("{field}.models.{n}"), l)));
     for (f, l) in scoped {
         let money = l.budgets().find(|(k, _)| k.measure == Measure::Cost);
-        if let Some((key, _)) = money {
-            let mut unpriced: Vec<&str> =
-                models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).collect();
-            unpriced.sort_unstable();
-            if let Some(first) = unpriced.first() {
-                return Err(problem(
-                    format!("{f}.{}", key.name()),
-                    format!("model {first} has no price: a budget in money needs every model priced"),
-                ));
-            }
+        if let Some((key, _)) = money
+            && let Some(first) = first_unpriced(models)
+        {
+            return Err(problem(format!("{f}.{}", key.name()), unpriced(first)));
         }
     }
 
@@ -467,135 +463,6 @@ fn tenant_policy(
         expired_usage: t.expired_usage.unwrap_or(default_expired),
         idle_ttl_ms: idle + 60_000,
     })
-}
-
-/// A tenant's soft budgets: period budgets only, each below the hard budget of the same period and
-/// measure where the tenant has one (else it would never degrade before refusing).
-fn soft_budgets(
-    field: &str,
-    soft: Option<&Limits>,
-    hard: &Limits,
-    models: &HashMap<String, ModelPolicy>,
-) -> Result<BudgetLimits, Problem> {
-    let mut out = BudgetLimits::default();
-    let Some(soft) = soft else { return Ok(out) };
-    let f = format!("{field}.soft_limits");
-    let rates = [
-        ("tokens_per_minute", soft.tokens_per_minute),
-        ("burst_tokens", soft.burst_tokens),
-        ("input_tokens_per_minute", soft.input_tokens_per_minute),
-        ("output_tokens_per_minute", soft.output_tokens_per_minute),
-        ("requests_per_minute", soft.requests_per_minute),
-        ("max_concurrency", soft.max_concurrency),
-    ];
-    if let Some((name, _)) = rates.iter().find(|(_, v)| v.is_some()) {
-        return Err(problem(
-            format!("{f}.{name}"),
-            "only period budgets can be soft (tokens_per_day, cost_per_month, ...)",
-        ));
-    }
-    check_limits(&f, soft)?;
-    for (key, limit) in soft.budgets() {
-        if let Some(h) = hard.budget(key)
-            && limit >= h
-        {
-            let shown = |n: u64| if key.measure == Measure::Cost { Money(n).to_string() } else { n.to_string() };
-            return Err(problem(
-                format!("{f}.{}", key.name()),
-                format!(
-                    "{} is not below the hard {} ({}): it would never degrade first",
-                    shown(limit),
-                    key.name(),
-                    shown(h)
-                ),
-            ));
-        }
-        if key.measure == Measure::Cost
-            && let Some(first) = models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).min()
-        {
-            return Err(problem(
-                format!("{f}.{}", key.name()),
-                format!("model {first} has no price: a budget in money needs every model priced"),
-            ));
-        }
-        if let Some(slot) = out.get_mut(key.index()) {
-            *slot = limit;
-        }
-    }
-    Ok(out)
-}
-
-/// Users or models of a tenant: each name checked, each within the tenant's limits.
-fn children(
-    field: &str,
-    kind: &str,
-    raw: BTreeMap<String, Limits>,
-    parent: &Limits,
-    check_name: impl Fn(&str) -> Result<(), String>,
-) -> Result<HashMap<String, Limits>, Problem> {
-    let mut out = HashMap::new();
-    for (name, limits) in raw {
-        let f = format!("{field}.{kind}.{name}");
-        check_name(&name).map_err(|why| problem(f.clone(), why))?;
-        check_limits(&f, &limits)?;
-        check_within(&f, &limits, parent)?;
-        out.insert(name, limits);
-    }
-    Ok(out)
-}
-
-fn check_limits(field: &str, l: &Limits) -> Result<(), Problem> {
-    let rates = [
-        ("tokens_per_minute", l.tokens_per_minute),
-        ("burst_tokens", l.burst_tokens),
-        ("input_tokens_per_minute", l.input_tokens_per_minute),
-        ("output_tokens_per_minute", l.output_tokens_per_minute),
-        ("requests_per_minute", l.requests_per_minute),
-        ("max_concurrency", l.max_concurrency),
-    ];
-    let counts = l.budgets().filter(|(k, _)| k.measure != Measure::Cost).map(|(k, n)| (k.name(), Some(n)));
-    for (name, value) in rates.into_iter().map(|(n, v)| (n.to_string(), v)).chain(counts) {
-        if value == Some(0) {
-            return Err(problem(format!("{field}.{name}"), "must be at least 1 (leave it out for no limit)"));
-        }
-        if value.is_some_and(|v| v > 1_000_000_000_000) {
-            return Err(problem(format!("{field}.{name}"), "is above 10^12"));
-        }
-    }
-    if let Some((key, _)) = l.budgets().find(|&(k, n)| k.measure == Measure::Cost && n == 0) {
-        return Err(problem(format!("{field}.{}", key.name()), "must be above 0 (leave it out for no limit)"));
-    }
-    if l.burst_tokens.is_some() && l.tokens_per_minute.is_none() {
-        return Err(problem(format!("{field}.burst_tokens"), "needs tokens_per_minute (the bucket's refill rate)"));
-    }
-    Ok(())
-}
-
-/// A child scope may not allow more than its tenant: every request passes both, so a larger child
-/// limit could never be used and is almost certainly a mistake.
-fn check_within(field: &str, child: &Limits, parent: &Limits) -> Result<(), Problem> {
-    let pairs = [
-        ("tokens_per_minute", child.tokens_per_minute, parent.tokens_per_minute),
-        ("burst_tokens", child.token_capacity(), parent.token_capacity()),
-        ("input_tokens_per_minute", child.input_tokens_per_minute, parent.input_tokens_per_minute),
-        ("output_tokens_per_minute", child.output_tokens_per_minute, parent.output_tokens_per_minute),
-        ("requests_per_minute", child.requests_per_minute, parent.requests_per_minute),
-        ("max_concurrency", child.max_concurrency, parent.max_concurrency),
-    ];
-    let budgets = BudgetKey::all().map(|k| (k, child.budget(k), parent.budget(k)));
-    let pairs = pairs.into_iter().map(|(n, c, p)| (n.to_string(), c, p, None));
-    for (name, mine, theirs, money) in pairs.chain(budgets.map(|(k, c, p)| (k.name(), c, p, Some(k.measure)))) {
-        if let (Some(mine), Some(theirs)) = (mine, theirs)
-            && mine > theirs
-        {
-            let shown = |n: u64| if money == Some(Measure::Cost) { Money(n).to_string() } else { n.to_string() };
-            return Err(problem(
-                format!("{field}.{name}"),
-                format!("{} is above the tenant's {}", shown(mine), shown(theirs)),
-            ));
-        }
-    }
-    Ok(())
 }
 
 fn lease(field: &str, ms: u64) -> Result<u64, Problem> {
