@@ -17,6 +17,8 @@
 -- ARGV[10] KV tokens this tier may fill (0: the pool sets no KV limit)
 -- ARGV[11] deadline, ms from now (0: none)
 -- ARGV[12] recovery per ms of the share its provider's 429s left (see pool_throttle.lua)
+-- ARGV[13] finish: this request's own predicted slot time when it runs long (ms), which its
+--          deadline is judged by (the work held, ARGV[2], is what it takes on average)
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
@@ -28,7 +30,8 @@
 -- ms. A request starts at once while fewer holds than slots are outstanding, otherwise after the
 -- outstanding work spread over the slots: ceil(w / slots). A tier sees only its share of the slots,
 -- so lower tiers queue (and are refused) first and the rest is headroom they cannot borrow. Work
--- leaves the pool exactly when its hold is committed, released or expires, never by time alone.
+-- leaves the pool when its hold is committed, released or expires, and as a live stream reports
+-- its progress (pool_progress.lua), never by time alone.
 -- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
 -- that pool_throttle.lua left it.
 
@@ -45,6 +48,7 @@ local max_delay = tonumber(ARGV[9])
 local tier_kv = tonumber(ARGV[10])
 local deadline = tonumber(ARGV[11])
 local recover = tonumber(ARGV[12])
+local finish = tonumber(ARGV[13])
 
 local now = now_ms()
 
@@ -80,7 +84,7 @@ local function start_delay(over_slots)
 end
 
 local delay = start_delay(slots)
-if deadline > 0 and delay + work > deadline then
+if deadline > 0 and delay + finish > deadline then
   return { 0, 'deadline', 0, delay }
 end
 if start_delay(tier_slots) > max_delay then

@@ -192,7 +192,7 @@ fn policy(
     format!(
         "{store}\nledger:\n  max_len: 100000\n  retention_ms: 31622400000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
          n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
-         pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000 }}\n\
+         pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000, calibrate: false }}\n\
          tenants:\n  {a}:\n    time_zone: '+12:00'\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
 }

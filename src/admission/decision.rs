@@ -113,6 +113,20 @@ pub struct Admitted {
     pub soft_limit: Option<crate::hold::BudgetKey>,
     /// The tier its pool leg was decided at.
     pub tier: crate::config::Priority,
+    /// What capacity admission predicted, when the request holds pool work.
+    pub forecast: Option<Forecast>,
+}
+
+/// What capacity admission predicted for a request it admitted into a pool: it goes upstream with
+/// the request, so the commit from the response can time the pool by it (a request predicted to
+/// start at once shows the pool's prefill in its first token) and count the stream's remaining
+/// work down from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Forecast {
+    /// When the pool was predicted to start it (ms after admission).
+    pub start_delay_ms: u64,
+    /// The output its pool work was predicted for.
+    pub output_tokens: u64,
 }
 
 /// A request refused. Nothing was charged.

@@ -77,6 +77,7 @@ impl<S: Store> Admission<S> {
                 shadow: None,
                 soft_limit: None,
                 tier: plan.tier,
+                forecast: None,
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());

@@ -15,7 +15,9 @@
 //!   heartbeat that counts the replicas sharing its limits; `local`, those limits in memory.
 //! - `settle`: commit, renew and release, routed to where the hold lives (the store, this
 //!   replica's slice, or another replica).
-//! - `pools`, `estimates`: a pool's status and throttle; the learned output estimates.
+//! - `pools`, `estimates`: a pool's status, throttle, calibration and live streams' progress; the
+//!   learned output estimates. [`fleet`]: what this replica learned of the fleet's speeds and its
+//!   tenants' output lengths, which capacity admission predicts from.
 //! - `sweeper`: every expired hold settled within a bound, even of a tenant that never calls again.
 //! - [`retry`]: settlements that could not reach the store, tried again.
 
@@ -26,6 +28,7 @@ mod budgets;
 mod claims;
 mod decision;
 mod estimates;
+pub mod fleet;
 mod lease;
 mod leasing;
 mod local;
@@ -43,7 +46,7 @@ use std::sync::{Arc, RwLock};
 
 use tokio_util::task::TaskTracker;
 
-pub use decision::{Admitted, Decision, Denial, Reason, Unmetered};
+pub use decision::{Admitted, Decision, Denial, Forecast, Reason, Unmetered};
 
 pub use crate::config::Priority;
 use crate::config::{Policy, TenantPolicy};
@@ -122,6 +125,9 @@ pub struct Admission<S> {
     seen_estimates: RwLock<HashMap<String, HashMap<String, u64>>>,
     /// Tenants this replica last saw past a soft budget, and when its period ends (ms).
     soft_past: RwLock<HashMap<String, u64>>,
+    /// What the responses this replica watched showed of its pools' speeds and its tenants'
+    /// output lengths: capacity admission predicts from it.
+    fleet: fleet::Fleet,
     /// This replica's slices and leased holds, when the policy leases.
     leases: Option<Leases>,
     /// This replica's name: in leased reservation ids, and in its heartbeat.
@@ -179,6 +185,7 @@ impl<S: Store> Admission<S> {
             protocol,
             seen_estimates: RwLock::new(HashMap::new()),
             soft_past: RwLock::new(HashMap::new()),
+            fleet: fleet::Fleet::default(),
             leases,
             replica,
             local,
@@ -257,6 +264,7 @@ impl<S: Store> Admission<S> {
         if let Some(leases) = &self.leases {
             leases.policy_changed(|tenant| self.tenant_policy(&new, tenant));
         }
+        self.fleet.retain(|pool, model| new.models.get(model).and_then(|m| m.pool.as_deref()) == Some(pool));
         self.metrics.policy_loaded(&new);
         kept
     }

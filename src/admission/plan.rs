@@ -116,15 +116,29 @@ impl<S> Admission<S> {
         let tier = if tp.has_soft() { self.soft_tier(tenant, tier) } else { tier };
         let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
-                let output = match tp.adaptive_output {
-                    Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
-                    None => ceiling,
+                let speeds = self.fleet.speeds(name, model_name, pool, self.clock.now_ms());
+                // The pool holds the output this tenant's requests to the model have on average
+                // (a queue drains on averages), and judges the request's own deadline by a long
+                // one; until this replica has seen enough of them, the learned estimate (the
+                // tenant's quantile) or the ceiling, for both. Never above the ceiling.
+                let learned = self.fleet.output(tenant, model_name).filter(|_| pool.calibrate);
+                let (output, long) = match learned {
+                    Some((mean, long)) => (mean.min(ceiling), long.min(ceiling)),
+                    None => {
+                        let held = match tp.adaptive_output {
+                            Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),
+                            None => ceiling,
+                        };
+                        (held, held)
+                    }
                 };
                 let leg = PoolLeg {
                     name: name.to_string(),
                     pool: Arc::clone(pool),
                     tier,
-                    work_ms: pool.service_ms(prompt, output),
+                    work_ms: speeds.service_ms(prompt, output),
+                    finish_ms: speeds.service_ms(prompt, long),
+                    output_tokens: output,
                     kv_tokens: prompt.saturating_add(output),
                 };
                 if let Some(kv) = pool.kv_cache_tokens
@@ -205,8 +219,12 @@ pub(super) struct PoolLeg {
     pub(super) name: String,
     pub(super) pool: Arc<PoolPolicy>,
     pub(super) tier: Priority,
-    /// Predicted slot time (ms).
+    /// Predicted slot time (ms): the work the pool holds.
     pub(super) work_ms: u64,
+    /// Predicted slot time should it run long (ms): what its deadline is judged by.
+    pub(super) finish_ms: u64,
+    /// The output its work was predicted for.
+    pub(super) output_tokens: u64,
     /// KV-cache tokens it holds: the prompt and the output it is expected to produce.
     pub(super) kv_tokens: u64,
 }

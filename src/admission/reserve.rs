@@ -40,7 +40,7 @@ use super::lease::Local;
 use super::plan::{Plan, PoolLeg};
 use super::retry::Settlement;
 use super::{
-    Admission, AdmissionError, Admitted, Attributes, Decision, Denial, KeyRepeat, Priority, Reason, Unmetered, ids,
+    Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason, Unmetered, ids,
 };
 use crate::config::Policy;
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
@@ -135,19 +135,25 @@ impl<S: Store> Admission<S> {
     }
 
     pub(super) async fn hold(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
-        if let Some(leg) = &plan.pool
-            && let Err(denial) = self.pool_leg(plan, leg).await
-        {
-            return match denial.reason {
-                Reason::StoreUnavailable => {
+        let forecast = match &plan.pool {
+            Some(leg) => match self.pool_leg(plan, leg).await {
+                Ok(forecast) => Some(forecast),
+                Err(denial) if denial.reason == Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
                     tidy.pool_leg = true;
-                    self.on_store_error(plan, denial)
+                    return self.on_store_error(plan, denial);
                 }
-                _ => Decision::Denied(denial),
-            };
+                Err(denial) => return Decision::Denied(denial),
+            },
+            None => None,
+        };
+        let mut decision =
+            if plan.leased { self.leased_leg(plan, tidy).await } else { self.tenant_leg(plan, tidy).await };
+        if let Decision::Admitted(a) = &mut decision
+            && a.reservation_id == plan.id
+        {
+            a.forecast = forecast;
         }
-        let decision = if plan.leased { self.leased_leg(plan, tidy).await } else { self.tenant_leg(plan, tidy).await };
         let holds_this_id = matches!(&decision, Decision::Admitted(a) if a.reservation_id == plan.id);
         if let Some(leg) = &plan.pool
             && !holds_this_id
@@ -201,13 +207,15 @@ impl<S: Store> Admission<S> {
         Ok(())
     }
 
-    /// Capacity: can the pool start and finish this request in time? Holds its work if so.
-    pub(super) async fn pool_leg(&self, plan: &Plan, leg: &PoolLeg) -> Result<(), Denial> {
+    /// Capacity: can the pool start and finish this request in time? Holds its work if so, and
+    /// says what it predicted.
+    pub(super) async fn pool_leg(&self, plan: &Plan, leg: &PoolLeg) -> Result<Forecast, Denial> {
         let pool = &leg.pool;
         let call = PoolCall {
             pool: &leg.name,
             id: &plan.id,
             work_ms: leg.work_ms,
+            finish_ms: leg.finish_ms,
             kv_tokens: leg.kv_tokens,
             lease_ms: plan.tp.lease_ttl_ms,
             idle_ttl_ms: pool.idle_ttl_ms,
@@ -220,12 +228,14 @@ impl<S: Store> Admission<S> {
             recover_per_ms: pool.upstream_throttle.map_or(0.0, |t| t.recover_per_ms),
         };
         match self.protocol.pool_reserve(&call).await {
-            Ok(PoolOutcome::Admitted { .. }) => Ok(()),
+            Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {
+                Ok(Forecast { start_delay_ms, output_tokens: leg.output_tokens })
+            }
             Ok(PoolOutcome::Denied { reason: PoolRefusal::Deadline, start_delay_ms, .. }) => Err(Denial::now(
                 Reason::Deadline,
                 format!(
                     "predicted to finish in {} ms (start in {start_delay_ms} ms on pool {}), past the {} ms deadline",
-                    start_delay_ms.saturating_add(leg.work_ms),
+                    start_delay_ms.saturating_add(leg.finish_ms),
                     leg.name,
                     plan.deadline_ms.unwrap_or(0)
                 ),
@@ -332,6 +342,7 @@ impl<S: Store> Admission<S> {
                     shadow,
                     soft_limit: soft.map(|(budget, _)| budget),
                     tier: plan.tier,
+                    forecast: None,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {

@@ -73,7 +73,7 @@ impl<S: Store> Admission<S> {
         let outcome = match self.home(&r) {
             Home::Store => {
                 let outcome = at_store().await?;
-                self.record_commit(&policy, r.tenant, &outcome, counted);
+                self.record_commit(&policy, r.tenant, &outcome, counted, ending);
                 outcome
             }
             Home::Slice(leases) => {
@@ -82,7 +82,7 @@ impl<S: Store> Admission<S> {
                     CommitOutcome::NotFound => at_store().await?,
                     outcome => outcome,
                 };
-                self.record_commit(&policy, r.tenant, &outcome, counted);
+                self.record_commit(&policy, r.tenant, &outcome, counted, ending);
                 outcome
             }
             Home::Replica(replica) => {
@@ -104,10 +104,23 @@ impl<S: Store> Admission<S> {
 
     /// Counts a commit that settled a hold now (not a repeat of an earlier one), and, when the
     /// counts were reported, how far each estimate behind the hold was from them: the output
-    /// reservation and the prompt estimate, per tenant and model.
-    fn record_commit(&self, policy: &Policy, tenant: &str, outcome: &CommitOutcome, counted: Counted) {
+    /// reservation and the prompt estimate, per tenant and model. A request that ran to its end
+    /// teaches its pool's prediction its output length.
+    fn record_commit(&self, policy: &Policy, tenant: &str, outcome: &CommitOutcome, counted: Counted, ending: Ending) {
         let CommitOutcome::Committed(u) = outcome else { return };
-        if u.duplicate || !self.metrics.enabled() {
+        if u.duplicate {
+            return;
+        }
+        let output = match counted {
+            Counted::Exact { output, .. } | Counted::Metered { output } => Some(output),
+            Counted::AsHeld => None,
+        };
+        if let (Some(output), Some(model), Ending::Completed | Ending::Metered) = (output, &u.model, ending)
+            && policy.models.get(model).is_some_and(|m| m.pool.is_some())
+        {
+            self.fleet.observe_length(tenant, model, output);
+        }
+        if !self.metrics.enabled() {
             return;
         }
         self.metrics.committed(tenant, u);

@@ -82,6 +82,9 @@ pub struct PoolPolicy {
     pub idle_ttl_ms: u64,
     /// How the provider's 429s throttle the pool; `None` when they do not.
     pub upstream_throttle: Option<UpstreamThrottle>,
+    /// Admission predicts from the speeds and output lengths the responses show (the speeds
+    /// above are the priors); off, from the speeds above and each request's ceiling alone.
+    pub calibrate: bool,
 }
 
 /// Adaptive throttle from the provider's 429s (additive increase, multiplicative decrease): each
@@ -121,7 +124,8 @@ impl PoolPolicy {
         self.kv_cache_tokens.map(|kv| ((kv as f64 * self.share(tier)).floor() as u64).max(1))
     }
 
-    /// Predicted slot time of one request: prefill the prompt, then decode the output. Token
+    /// Predicted slot time of one request at the policy's speeds: prefill the prompt, then decode
+    /// the output (admission predicts from the calibrated speeds, `admission::fleet`). Token
     /// counts are bounded (10^9) and speeds positive, so the result is finite and non-negative;
     /// `as` saturates all the same.
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]

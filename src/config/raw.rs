@@ -205,6 +205,10 @@ pub(super) struct RawPool {
     pub tier_shares: RawShares,
     #[serde(default)]
     pub upstream_throttle: RawThrottle,
+    /// Predict from what the responses show (speeds, output lengths) rather than from the
+    /// figures above and each request's ceiling alone.
+    #[serde(default = "yes")]
+    pub calibrate: bool,
 }
 
 #[derive(Debug, Deserialize)]

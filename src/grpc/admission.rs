@@ -11,7 +11,7 @@ use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewO
 use crate::proto::admission_server;
 use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
-    PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
+    PoolSpeeds, PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
 use crate::store::Store;
 
@@ -179,13 +179,25 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
 
     #[tracing::instrument(name = "pool_status", skip_all)]
     async fn pool_status(&self, request: Request<PoolStatusRequest>) -> Result<Response<PoolStatusResponse>, Status> {
-        let v = self.admission.pool_status(&request.into_inner().pool).await.map_err(status)?;
+        let pool = request.into_inner().pool;
+        let v = self.admission.pool_status(&pool).await.map_err(status)?;
+        let speeds = self.admission.pool_speeds(&pool).map_err(status)?;
         Ok(Response::new(PoolStatusResponse {
             holds: v.holds,
             work_ms: v.work_ms,
             kv_tokens: v.kv_tokens,
             share: v.share,
             resumes_in_ms: v.resumes_in_ms,
+            speeds: speeds
+                .into_iter()
+                .map(|(model, s)| PoolSpeeds {
+                    model,
+                    prefill_tokens_per_second: s.prefill_tokens_per_second(),
+                    decode_tokens_per_second: s.decode_tokens_per_second(),
+                    prefill_samples: s.prefill.samples,
+                    decode_samples: s.decode.samples,
+                })
+                .collect(),
         }))
     }
 

@@ -18,6 +18,14 @@
 //! sends anyway). Both committing is harmless, since commit is idempotent. A tollgate restart
 //! mid-stream leaves the hold to expiry.
 //!
+//! Watching each response, it also teaches capacity admission the fleet (`admission::fleet`): a
+//! stream's time from its first body bytes to its last over the tokens between times its pool's
+//! decode speed; its time to first token over its prompt times the pool's prefill, when admission
+//! predicted it would start at once (the `x-tollgate-forecast` Check sent upstream says; a request
+//! that queued in the backend shows its queue, not its prefill). While a stream flows it reports
+//! its remaining work to its pool (a task of its own, one at a time, each time the remainder has
+//! fallen by a quarter), so the pool's queue frees as generation proceeds, not only at commit.
+//!
 //! A configuration may skip the request headers and forward `Check`'s dynamic metadata instead
 //! (`metadata_options`): the reservation is read from whichever comes first. It saves one message
 //! a request but opens the stream on the response's path, and a client that leaves before the
@@ -42,9 +50,10 @@ use tonic::{Request, Response, Status, Streaming};
 
 use envoy_types::pb::google::protobuf::{Struct, value::Kind};
 
-use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, MODEL_FIELD, RESERVATION, RESERVATION_FIELD};
+use super::headers::{self, AUTHZ_NAMESPACE, COMMIT, FORECAST_FIELD, MODEL_FIELD, RESERVATION, RESERVATION_FIELD};
+use crate::admission::fleet::Timing;
 use crate::admission::retry::Settlement;
-use crate::admission::{Admission, AdmissionError};
+use crate::admission::{Admission, AdmissionError, Forecast};
 use crate::config::DEFAULT_BYTES_PER_TOKEN;
 use crate::hold::id as ids;
 use crate::hold::{Ending, RenewOutcome};
@@ -105,6 +114,7 @@ impl<S: Store> ExternalProcessor for ExtProcService<S> {
                 if let Some(reply) = exchange.read(message, &admission).await {
                     let _ = replies.send(Ok(reply)).await;
                 }
+                exchange.report_progress(&admission);
                 if exchange.settled {
                     break;
                 }
@@ -130,7 +140,33 @@ struct Exchange {
     /// On tokio's clock, which the renewal timer sleeps on.
     last_renewal: tokio::time::Instant,
     settled: bool,
+    /// What capacity admission predicted, when the request holds pool work.
+    forecast: Option<Forecast>,
+    /// The stream's timing, and its progress reports.
+    watch: Watch,
 }
+
+/// A response's timing as it passes, and the remaining work last reported to its pool.
+#[derive(Default)]
+struct Watch {
+    /// The request left for the backend (its headers reached tollgate).
+    sent: Option<std::time::Instant>,
+    first_bytes: Option<std::time::Instant>,
+    last_bytes: Option<std::time::Instant>,
+    /// Output tokens at which the remaining work is next worked out (so not at every chunk).
+    next_look: u64,
+    /// The remaining work (ms) last reported, or predicted at the start.
+    reported_ms: Option<u64>,
+    /// A report under way.
+    report: Option<tokio::task::JoinHandle<()>>,
+    /// Set once the pool no longer holds the work (settled, expired): nothing more to report.
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// A progress report goes when the remaining work has fallen to this fraction of the last one...
+const REPORT_AT: f64 = 0.75;
+/// ...and by at least this much (ms): short requests are not worth a store call.
+const MIN_REPORT_MS: u64 = 250;
 
 impl Exchange {
     fn new() -> Self {
@@ -144,6 +180,8 @@ impl Exchange {
             meter: None,
             last_renewal: tokio::time::Instant::now(),
             settled: false,
+            forecast: None,
+            watch: Watch::default(),
         }
     }
 
@@ -157,8 +195,9 @@ impl Exchange {
         if self.reservation.is_none()
             && let Some(metadata) = &message.metadata_context
         {
-            let (reservation, model) = forwarded(metadata);
+            let (reservation, model, forecast) = forwarded(metadata);
             self.learn(reservation, model, admission);
+            self.forecast = forecast.and_then(headers::parse_forecast);
         }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
@@ -166,7 +205,9 @@ impl Exchange {
                 self.input_only = header(&headers, ":path").is_some_and(|p| api::endpoint(p).work == Work::Embed);
                 if self.reservation.is_none() {
                     self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
+                    self.forecast = header(&headers, headers::FORECAST).and_then(headers::parse_forecast);
                 }
+                self.watch.sent = Some(std::time::Instant::now());
                 Reply::RequestHeaders(HeadersResponse::default())
             }
             Phase::ResponseHeaders(h) => {
@@ -208,6 +249,11 @@ impl Exchange {
             Phase::ResponseBody(b) => {
                 if let Some(meter) = &mut self.meter {
                     meter.feed(&b.body);
+                }
+                if !b.body.is_empty() {
+                    let now = std::time::Instant::now();
+                    self.watch.first_bytes.get_or_insert(now);
+                    self.watch.last_bytes = Some(now);
                 }
                 // (Its renewal is the timer's, in `process`: a chunk never waits on the store.)
                 if b.end_of_stream {
@@ -281,9 +327,90 @@ impl Exchange {
             return;
         }
         match settlement::verdict(self.status, self.meter.as_mut(), stop) {
-            Verdict::Commit(measured, ending) => commit(admission, id, measured, ending).await,
+            Verdict::Commit(measured, ending) => {
+                if let (Some(model), Ending::Completed | Ending::Metered) = (&self.model, ending) {
+                    let timing = self.timing(measured);
+                    if timing != Timing::default() {
+                        admission.observed(id, model, timing);
+                    }
+                }
+                commit(admission, id, measured, ending).await;
+            }
             Verdict::Release(ending) => release(admission, id, ending).await,
         }
+    }
+
+    /// What a stream that ran to its end showed of its pool's speeds.
+    // Durations in ms: far below 2^52, exact in f64.
+    #[allow(clippy::cast_precision_loss)]
+    fn timing(&self, measured: Measured) -> Timing {
+        let (Some(forecast), Some(meter)) = (self.forecast, &self.meter) else { return Timing::default() };
+        let (Some(first), Some(last)) = (self.watch.first_bytes, self.watch.last_bytes) else {
+            return Timing::default();
+        };
+        if !meter.streams() {
+            return Timing::default();
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let (prompt, output) = match measured {
+            Measured::Exact { prompt, output, .. } => (Some(prompt), output),
+            Measured::Metered { output } => (None, output),
+            Measured::AsHeld => return Timing::default(),
+        };
+        // A handful of tokens says little of a speed; the first arrived with the first bytes.
+        let decode = (output >= 4).then(|| (ms(last.duration_since(first)), output.saturating_sub(1)));
+        let first_token = match (self.watch.sent, prompt) {
+            (Some(sent), Some(prompt)) if forecast.start_delay_ms == 0 && prompt > 0 => {
+                Some((ms(first.duration_since(sent)), prompt))
+            }
+            _ => None,
+        };
+        Timing { first_token, decode }
+    }
+
+    /// While a stream flows, tells its pool the work it has left, each time that has fallen by a
+    /// quarter (a store call on a task of its own, one at a time; never one per chunk).
+    fn report_progress<S: Store>(&mut self, admission: &Arc<Admission<S>>) {
+        let (Some(id), Some(model), Some(forecast), Some(meter)) =
+            (&self.reservation, &self.model, self.forecast, &self.meter)
+        else {
+            return;
+        };
+        let w = &mut self.watch;
+        let stopped = w.stop.load(std::sync::atomic::Ordering::Relaxed);
+        if stopped || self.settled || self.caller_commits || !meter.streams() {
+            return;
+        }
+        if w.report.as_ref().is_some_and(|r| !r.is_finished()) {
+            return;
+        }
+        let passed = meter.output_so_far();
+        if passed < w.next_look {
+            return;
+        }
+        w.next_look = passed.saturating_add((forecast.output_tokens / 16).max(1));
+        let Some(left) = admission.work_left(id, model, forecast.output_tokens, passed) else {
+            w.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            return;
+        };
+        let reported = *w.reported_ms.get_or_insert_with(|| {
+            admission.work_left(id, model, forecast.output_tokens, 0).unwrap_or(left)
+        });
+        #[allow(clippy::cast_precision_loss)]
+        let fallen_enough = (left as f64) <= reported as f64 * REPORT_AT && reported.saturating_sub(left) >= MIN_REPORT_MS;
+        if !fallen_enough {
+            return;
+        }
+        w.reported_ms = Some(left);
+        let (admission, id, stop) = (Arc::clone(admission), id.clone(), Arc::clone(&w.stop));
+        w.report = Some(tokio::spawn(async move {
+            match admission.progress(&id, left).await {
+                Ok(Some(_)) => {}
+                Ok(None) => stop.store(true, std::sync::atomic::Ordering::Relaxed),
+                // The next report says it again; the commit frees it all the same.
+                Err(e) => tracing::debug!(error = %e, reservation = %id, "reporting a stream's progress failed"),
+            }
+        }));
     }
 }
 
@@ -304,11 +431,12 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
     }
 }
 
-/// The reservation and model `Check` left in the request's dynamic metadata, as Envoy forwards it.
-fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>) {
+/// The reservation, model and forecast `Check` left in the request's dynamic metadata, as Envoy
+/// forwards it.
+fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>, Option<&str>) {
     match metadata.filter_metadata.get(AUTHZ_NAMESPACE) {
-        Some(check) => (text(check, RESERVATION_FIELD), text(check, MODEL_FIELD)),
-        None => (None, None),
+        Some(check) => (text(check, RESERVATION_FIELD), text(check, MODEL_FIELD), text(check, FORECAST_FIELD)),
+        None => (None, None, None),
     }
 }
 

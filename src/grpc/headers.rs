@@ -1,6 +1,8 @@
 //! Every header name tollgate reads or writes, once, with what it means. HTTP header names are
 //! case-insensitive; Envoy hands them over lower-cased, and these are written so.
 
+use crate::admission::Forecast;
+
 // What a request carries in (Envoy's Check).
 
 /// The caller's user within its tenant: a scope of its own when the policy limits users.
@@ -50,6 +52,10 @@ pub const SOFT_LIMIT: &str = "x-tollgate-soft-limit";
 /// OpenAI's Python SDK sends `messages` before `model`, so a body cut at `max_request_bytes` may
 /// end before the model. Used only when the body names none.
 pub const MODEL: &str = "x-tollgate-model";
+/// Upstream: what capacity admission predicted for a request holding pool work,
+/// `start=<ms>;output=<tokens>` (see [`forecast`]): the commit from the response times the pool
+/// and counts the stream's remaining work by it.
+pub const FORECAST: &str = "x-tollgate-forecast";
 /// Response: the backend says it commits itself (`caller`), so ext_proc leaves the hold to it.
 pub const COMMIT: &str = "x-tollgate-commit";
 
@@ -76,6 +82,37 @@ pub const AUTHZ_NAMESPACE: &str = "envoy.filters.http.ext_authz";
 pub const RESERVATION_FIELD: &str = "reservation";
 /// The model field of that metadata.
 pub const MODEL_FIELD: &str = "model";
+/// The forecast field of that metadata, as [`FORECAST`].
+pub const FORECAST_FIELD: &str = "forecast";
 /// The soft budget the request is past (only then), and the tier it was decided at (always).
 pub const SOFT_LIMIT_FIELD: &str = "soft_limit";
 pub const TIER_FIELD: &str = "tier";
+
+/// The [`FORECAST`] header's value.
+pub fn forecast(f: Forecast) -> String {
+    format!("start={};output={}", f.start_delay_ms, f.output_tokens)
+}
+
+/// A [`FORECAST`] value read back; `None` if it is not one.
+pub fn parse_forecast(value: &str) -> Option<Forecast> {
+    let (start, output) = value.trim().split_once(';')?;
+    Some(Forecast {
+        start_delay_ms: start.strip_prefix("start=")?.parse().ok()?,
+        output_tokens: output.strip_prefix("output=")?.parse().ok()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forecast_reads_back_as_written() {
+        let f = Forecast { start_delay_ms: 12, output_tokens: 120 };
+        assert_eq!(forecast(f), "start=12;output=120");
+        assert_eq!(parse_forecast(&forecast(f)), Some(f));
+        for bad in ["", "start=1", "start=x;output=2", "output=2;start=1", "start=1;output=-2"] {
+            assert_eq!(parse_forecast(bad), None, "{bad:?}");
+        }
+    }
+}

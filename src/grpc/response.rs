@@ -51,6 +51,10 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
                 upstream.push(header(SOFT_LIMIT, budget.clone()));
                 downstream.push(header(SOFT_LIMIT, budget.clone()));
             }
+            let forecast = a.forecast.map(headers::forecast);
+            if let Some(f) = &forecast {
+                upstream.push(header(headers::FORECAST, f.clone()));
+            }
             let mut response = admitted(upstream, downstream, client_own);
             // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
             // ext_authz:reservation)%`), and for an ext_proc filter that forwards it instead of
@@ -58,7 +62,8 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
             let tier = a.tier.as_str().to_string();
             let fields = [(RESERVATION_FIELD, Some(&a.reservation_id)), (MODEL_FIELD, Some(&a.model))]
                 .into_iter()
-                .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, Some(&tier))]);
+                .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, Some(&tier))])
+                .chain([(headers::FORECAST_FIELD, forecast.as_ref())]);
             response.dynamic_metadata = Some(Struct {
                 fields: fields
                     .filter_map(|(k, v)| Some((k.to_string(), Value { kind: Some(Kind::StringValue(v?.clone())) })))
@@ -255,6 +260,7 @@ mod tests {
             shadow: None,
             soft_limit: None,
             tier: crate::config::Priority::Critical,
+            forecast: None,
         };
         let r = check_response(&Decision::Admitted(ok.clone()), &[], Family::OpenAi);
         let fields = &r.dynamic_metadata.as_ref().expect("dynamic metadata").fields;

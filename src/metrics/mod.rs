@@ -122,6 +122,9 @@ pub struct Metrics {
     /// Each labelled tenant's period budgets as last read (`tollgate.budget.*`).
     budgets: Arc<RwLock<BudgetLevels>>,
     _budget_gauges: [ObservableGauge<f64>; 3],
+    /// Each pool's calibrated speeds per model, as last learned (`tollgate.pool.*.speed`).
+    speeds: Arc<RwLock<PoolSpeeds>>,
+    _speed_gauges: [ObservableGauge<f64>; 2],
     /// False for [`Metrics::disabled`]: nothing is recorded, and no labels are built.
     enabled: bool,
 }
@@ -131,6 +134,9 @@ impl std::fmt::Debug for Metrics {
         f.debug_struct("Metrics").finish_non_exhaustive()
     }
 }
+
+/// Pool, model → (prefill, decode) tokens a second, as calibrated.
+type PoolSpeeds = std::collections::BTreeMap<(String, String), (f64, f64)>;
 
 /// A tenant's period budgets as last read: (budget name, limit, remaining, seconds to its reset).
 type BudgetLevels = std::collections::HashMap<String, Vec<(String, u64, i64, f64)>>;
@@ -221,9 +227,37 @@ impl Metrics {
             ),
             gauge("tollgate.budget.reset", "Seconds until a period budget resets", "s", |_, _, s| s),
         ];
+        let speeds: Arc<RwLock<PoolSpeeds>> = Arc::default();
+        let speed_gauge = |name: &'static str, description: &'static str, pick: fn((f64, f64)) -> f64| {
+            let seen = Arc::clone(&speeds);
+            meter
+                .f64_observable_gauge(name)
+                .with_description(description)
+                .with_unit("{token}/s")
+                .with_callback(move |o| {
+                    for ((pool, model), s) in seen.read().unwrap_or_else(PoisonError::into_inner).iter() {
+                        o.observe(pick(*s), &[KeyValue::new("pool", pool.clone()), KeyValue::new("model", model.clone())]);
+                    }
+                })
+                .build()
+        };
+        let speed_gauges = [
+            speed_gauge(
+                "tollgate.pool.prefill.speed",
+                "A pool's prefill speed for a model as its responses show it (prompt tokens over time to first token)",
+                |s| s.0,
+            ),
+            speed_gauge(
+                "tollgate.pool.decode.speed",
+                "A pool's decode speed of one sequence for a model as its streams show it",
+                |s| s.1,
+            ),
+        ];
         Metrics {
             budgets,
             _budget_gauges: budget_gauges,
+            speeds,
+            _speed_gauges: speed_gauges,
             decisions: meter
                 .u64_counter("tollgate.decisions")
                 .with_description("Admission decisions, by tenant, model, tier, outcome and reason")
@@ -333,6 +367,15 @@ impl Metrics {
             Some(levels) => seen.insert(tenant.to_string(), levels),
             None => seen.remove(tenant),
         };
+    }
+
+    /// A pool's speeds for a model, as just calibrated (tokens a second).
+    pub fn pool_speeds(&self, pool: &str, model: &str, prefill: f64, decode: f64) {
+        if !self.enabled {
+            return;
+        }
+        let mut seen = self.speeds.write().unwrap_or_else(PoisonError::into_inner);
+        seen.insert((pool.to_string(), model.to_string()), (prefill, decode));
     }
 
     /// The tenants whose budgets have series of their own: the policy's labelled tenants.

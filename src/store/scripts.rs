@@ -36,6 +36,7 @@ pub struct Scripts {
     pub pool_reserve: Script,
     pub pool_release: Script,
     pub pool_renew: Script,
+    pub pool_progress: Script,
     pub pool_throttle: Script,
     pub pool_status: Script,
     pub estimate: Script,
@@ -60,6 +61,7 @@ impl Scripts {
             pool_reserve: Script::phase("pool_reserve", include_str!("../../lua/pool_reserve.lua")),
             pool_release: Script::phase("pool_release", include_str!("../../lua/pool_release.lua")),
             pool_renew: Script::phase("pool_renew", include_str!("../../lua/pool_renew.lua")),
+            pool_progress: Script::phase("pool_progress", include_str!("../../lua/pool_progress.lua")),
             pool_throttle: Script::phase("pool_throttle", include_str!("../../lua/pool_throttle.lua")),
             pool_status: Script::phase("pool_status", include_str!("../../lua/pool_status.lua")),
             estimate: Script::phase("estimate", include_str!("../../lua/estimate.lua")),
@@ -75,7 +77,7 @@ impl Scripts {
         }
     }
 
-    pub fn all(&self) -> [&Script; 19] {
+    pub fn all(&self) -> [&Script; 20] {
         [
             &self.reserve,
             &self.commit,
@@ -84,6 +86,7 @@ impl Scripts {
             &self.pool_reserve,
             &self.pool_release,
             &self.pool_renew,
+            &self.pool_progress,
             &self.pool_throttle,
             &self.pool_status,
             &self.estimate,

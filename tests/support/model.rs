@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use tollgate::admission::{Admitted, Decision, Denial, Reason};
+use tollgate::admission::{Admitted, Decision, Denial, Forecast, Reason};
 use tollgate::config::{ExpiredUsage, PoolPolicy, Priority};
 pub use tollgate::hold::BudgetKey;
 use tollgate::hold::{
@@ -539,7 +539,12 @@ impl Model {
     }
 
     /// The pool leg: `Err` is the refusal.
-    fn pool_reserve(&mut self, id: &str, work: u64, kv: u64, lease: u64, ask: &Ask, now: u64) -> Result<(), Denial> {
+    /// The pool leg's script: the predicted start delay, or a refusal. A re-sent one that finds
+    /// its hold answers a delay of 0, as the script does.
+    fn pool_reserve(&mut self, id: &str, work: u64, kv: u64, lease: u64, ask: &Ask, now: u64) -> Result<u64, Denial> {
+        if self.pool.holds.contains_key(id) {
+            return Ok(0);
+        }
         let due: Vec<String> = {
             let mut v: Vec<(u64, String)> =
                 self.pool.holds.iter().filter(|(_, h)| h.2 <= now).map(|(id, h)| (h.2, id.clone())).collect();
@@ -565,7 +570,7 @@ impl Model {
             return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
         }
         self.pool.holds.insert(id.to_string(), (work, kv, now + lease));
-        Ok(())
+        Ok(delay)
     }
 
     // ---- the phases, as admission runs them ----
@@ -592,9 +597,11 @@ impl Model {
         }
         let id = NEW_ID.to_string();
         let pooled = ask.model == "m";
-        if pooled && let Err(d) = self.pool_leg(ask, now, twice) {
-            return Decision::Denied(d);
-        }
+        let forecast = match pooled.then(|| self.pool_leg(ask, now, twice)) {
+            Some(Err(d)) => return Decision::Denied(d),
+            Some(Ok(start_delay_ms)) => Some(Forecast { start_delay_ms, output_tokens: ask.max_tokens }),
+            None => None,
+        };
         let mut decision = self.tenant_reserve(ask, &scopes, call, now, delivered);
         // A re-sent reserve whose first run held (or replayed) answers as that run did, changing
         // nothing; one whose first run refused runs again in full.
@@ -604,6 +611,11 @@ impl Model {
         let holds_new = matches!(&decision, Decision::Admitted(a) if a.reservation_id == NEW_ID);
         if pooled && !holds_new {
             self.pool_drop(&id);
+        }
+        if let Decision::Admitted(a) = &mut decision
+            && holds_new
+        {
+            a.forecast = forecast;
         }
         decision
     }
@@ -643,13 +655,15 @@ impl Model {
 
     /// The pool leg of a reserve of model `m`. A re-sent pool reserve finds its hold and changes
     /// nothing; a refused one decides again.
-    fn pool_leg(&mut self, ask: &Ask, now: u64, twice: bool) -> Result<(), Denial> {
+    /// (The policy's pool does not calibrate: its work is the request's ceiling at the policy's
+    /// speeds.)
+    fn pool_leg(&mut self, ask: &Ask, now: u64, twice: bool) -> Result<u64, Denial> {
         let id = NEW_ID.to_string();
         let lease = self.rules[&ask.tenant].lease_ms;
         let hold = ask.prompt + ask.max_tokens;
         let work = self.pool_policy.service_ms(ask.prompt, ask.max_tokens);
         let pool = self.pool_reserve(&id, work, hold, lease, ask, now);
-        if twice && pool.is_err() {
+        if twice {
             return self.pool_reserve(&id, work, hold, lease, ask, now);
         }
         pool
@@ -786,6 +800,7 @@ impl Model {
                         shadow: None,
                         soft_limit: None,
                         tier: ask.priority,
+                        forecast: None,
                     });
                 }
                 if k.made >= self.max_attempts {
@@ -935,6 +950,7 @@ impl Model {
             shadow: None,
             soft_limit: None,
             tier: ask.priority,
+            forecast: None,
         })
     }
 

@@ -194,6 +194,7 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
         sheddable_share: sheddable,
         idle_ttl_ms: 0,
         upstream_throttle,
+        calibrate: p.calibrate,
     })
 }
 

@@ -154,8 +154,17 @@ impl Meter {
         self.streams() && (self.text_bytes > 0 || self.output.is_some_and(|o| o > 0))
     }
 
-    fn streams(&self) -> bool {
+    /// Whether the body is a stream of events (its output arrives as it is generated).
+    pub fn streams(&self) -> bool {
         matches!(self.format, Format::Events | Format::Lines | Format::AwsEvents)
+    }
+
+    /// Output tokens a stream has generated so far: its running count, or its text metered.
+    pub fn output_so_far(&self) -> u64 {
+        if !self.streams() {
+            return 0;
+        }
+        tokens_of(self.text_bytes, self.bytes_per_token).max(self.output.unwrap_or(0))
     }
 
     /// What the whole body used, at its end (or at a disconnect: what passed until then).

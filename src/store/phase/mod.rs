@@ -253,7 +253,7 @@ mod tests {
     use super::*;
 
     /// Every codec's argument list, with the script whose header it follows.
-    const CODECS: [(&str, &str, &[&str], &[&str]); 21] = [
+    const CODECS: [(&str, &str, &[&str], &[&str]); 22] = [
         ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
         ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
@@ -264,6 +264,7 @@ mod tests {
         ("pool_reserve.lua", include_str!("../../../lua/pool_reserve.lua"), &pool::RESERVE_ARGV, &[]),
         ("pool_release.lua", include_str!("../../../lua/pool_release.lua"), &pool::RELEASE_ARGV, &[]),
         ("pool_renew.lua", include_str!("../../../lua/pool_renew.lua"), &pool::RENEW_ARGV, &[]),
+        ("pool_progress.lua", include_str!("../../../lua/pool_progress.lua"), &pool::PROGRESS_ARGV, &[]),
         ("pool_throttle.lua", include_str!("../../../lua/pool_throttle.lua"), &pool::THROTTLE_ARGV, &[]),
         ("pool_status.lua", include_str!("../../../lua/pool_status.lua"), &pool::STATUS_ARGV, &[]),
         ("estimate.lua", include_str!("../../../lua/estimate.lua"), &estimate::ARGV, &[]),

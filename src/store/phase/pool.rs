@@ -7,7 +7,7 @@ use crate::hold::PoolRefusal;
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `pool_reserve.lua`'s `ARGV`, in order.
-pub(crate) const RESERVE_ARGV: [&str; 12] = [
+pub(crate) const RESERVE_ARGV: [&str; 13] = [
     "reservation id",
     "work",
     "KV-cache tokens",
@@ -20,6 +20,7 @@ pub(crate) const RESERVE_ARGV: [&str; 12] = [
     "KV tokens this tier may fill",
     "deadline",
     "recovery per ms",
+    "finish",
 ];
 
 /// `pool_release.lua`'s `ARGV`.
@@ -27,6 +28,9 @@ pub(crate) const RELEASE_ARGV: [&str; 1] = ["reservation id"];
 
 /// `pool_renew.lua`'s `ARGV`, in order.
 pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
+
+/// `pool_progress.lua`'s `ARGV`, in order.
+pub(crate) const PROGRESS_ARGV: [&str; 2] = ["reservation id", "the work it has left"];
 
 /// `pool_throttle.lua`'s `ARGV`, in order.
 pub(crate) const THROTTLE_ARGV: [&str; 6] = [
@@ -46,8 +50,10 @@ pub(crate) const STATUS_ARGV: [&str; 1] = ["recovery of the share per ms"];
 pub struct PoolCall<'a> {
     pub pool: &'a str,
     pub id: &'a str,
-    /// Predicted slot time of the request (ms).
+    /// Predicted slot time of the request (ms): the work the pool holds for it.
     pub work_ms: u64,
+    /// Its predicted slot time should it run long (ms): what its deadline is judged by.
+    pub finish_ms: u64,
     pub kv_tokens: u64,
     pub lease_ms: u64,
     pub idle_ttl_ms: u64,
@@ -110,6 +116,7 @@ impl<S: Store> Protocol<S> {
         a.push("KV tokens this tier may fill", call.tier_kv_tokens.unwrap_or(0).to_string());
         a.push("deadline", call.deadline_ms.unwrap_or(0).to_string());
         a.push("recovery per ms", call.recover_per_ms.to_string());
+        a.push("finish", call.finish_ms.to_string());
         let reply = self.store.eval(script, pool_keys(call.pool), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
@@ -166,6 +173,19 @@ impl<S: Store> Protocol<S> {
         a.push("reservation id", id.to_string());
         let reply = self.store.eval(script, pool_keys(pool), a.finish()).await?;
         Fields::of(script, &reply)?.flag(0)
+    }
+
+    /// A live stream has `left_ms` of work left: its hold shrinks to that (never grows). Returns
+    /// the work it holds now; `None` when the pool does not hold it. Safe to repeat.
+    pub async fn pool_progress(&self, pool: &str, id: &str, left_ms: u64) -> Result<Option<u64>, StoreError> {
+        let script = &self.scripts.pool_progress;
+        let mut a = Argv::new("pool_progress", &PROGRESS_ARGV, 0);
+        a.push("reservation id", id.to_string());
+        a.push("the work it has left", left_ms.to_string());
+        let reply = self.store.eval(script, vec![keys::pool_state(pool), keys::pool_holds(pool)], a.finish()).await?;
+        let r = Fields::of(script, &reply)?;
+        let held = r.uint(1)?;
+        Ok(r.flag(0)?.then_some(held))
     }
 
     /// Extends a pool hold's lease; `false` when the pool does not hold it.

@@ -39,6 +39,7 @@ impl Authorization for Floor {
             shadow: None,
             soft_limit: None,
             tier: crate::config::Priority::Standard,
+            forecast: None,
         });
         Ok(Response::new(check_response(&admitted, &[], crate::llm::api::Family::OpenAi)))
     }

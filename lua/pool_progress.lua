@@ -1,0 +1,27 @@
+-- pool_progress.lua: a live stream's remaining work. The commit from the response counts the
+-- tokens that pass and says how much slot time the stream still needs; the pool's outstanding
+-- work shrinks by what was done, so the queue estimate frees as generation proceeds, not only at
+-- commit. Work only ever shrinks here (an update that arrives late, after a smaller one, changes
+-- nothing), and the hold leaves the pool (pool_release, expiry) with what it holds by then: the
+-- pool's work stays the sum of its holds' work.
+--
+-- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash
+-- ARGV[1] reservation id            ARGV[2] the work it has left (ms)
+--
+-- Reply: {1, work it holds now (ms)}; {0, 0} when the pool does not hold it (nothing changes).
+
+local state, holds, id = KEYS[1], KEYS[2], ARGV[1]
+local left = tonumber(ARGV[2])
+local h = redis.call('HGET', holds, id)
+if not h then
+  return { 0, 0 }
+end
+local parts = split(h)
+local work, kv = tonumber(parts[1]), tonumber(parts[2])
+if left >= work then
+  return { 1, work }
+end
+local w = tonumber(redis.call('HGET', state, 'w')) or 0
+redis.call('HSET', state, 'w', math.max(0, w - (work - left)))
+redis.call('HSET', holds, id, string.format('%d %d', left, kv))
+return { 1, left }

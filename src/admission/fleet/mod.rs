@@ -1,0 +1,180 @@
+//! What this replica has learned of the fleet from the responses it watched: each pool's speeds,
+//! per model it serves ([`speeds`]), and each tenant's output lengths per model ([`lengths`]).
+//! Capacity admission predicts a request's slot time from these rather than from the policy's
+//! figures alone, which stay the priors (and the bounds: a learned speed stays within
+//! [`speeds::BOUND`] of the policy's).
+//!
+//! In memory and per replica: every replica watches a share of the same fleet's responses and
+//! learns the same speeds from it, so nothing needs sharing; a restarted replica starts again from
+//! the policy and is calibrated within seconds of traffic. Bounded: speeds are kept only for the
+//! policy's own pools and models, and lengths for at most [`MAX_LENGTHS`] tenants, of the policy's models (past
+//! that all are forgotten and learned again, as the output estimates are).
+
+pub mod lengths;
+pub mod speeds;
+
+use std::collections::HashMap;
+use std::sync::{PoisonError, RwLock};
+
+use crate::config::PoolPolicy;
+use lengths::Lengths;
+use speeds::Rate;
+
+/// Tenants whose output lengths are kept (each for the policy's models it uses).
+pub const MAX_LENGTHS: usize = 20_000;
+
+/// The quantile of a tenant's output lengths a request is assumed to reach when its own finish is
+/// judged against its deadline: the pool holds the mean (what a queue drains on average), the
+/// deadline is judged on a long one.
+pub const DEADLINE_QUANTILE: f32 = 0.9;
+
+/// A pool's speeds for one model: learned, with the policy's as priors.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Speeds {
+    /// Time to first token, per prompt token (ms).
+    pub prefill: Rate,
+    /// Time per output token of one sequence (ms).
+    pub decode: Rate,
+    /// The policy's speeds the rates started from, in ms per token: a reload that changes them
+    /// starts the pool again from its new word.
+    prior: (f64, f64),
+}
+
+impl Speeds {
+    fn prior_of(pool: &PoolPolicy) -> (f64, f64) {
+        (1.0 / pool.prefill_tokens_per_ms, 1.0 / pool.decode_tokens_per_ms)
+    }
+
+    fn new(pool: &PoolPolicy, now_ms: u64) -> Self {
+        let prior = Self::prior_of(pool);
+        Speeds { prefill: Rate::prior(prior.0, now_ms), decode: Rate::prior(prior.1, now_ms), prior }
+    }
+
+    /// Learned ms per prompt token (time to first token over the prompt).
+    pub fn prefill_ms_per_token(&self) -> f64 {
+        self.prefill.ms_per_token(self.prior.0)
+    }
+
+    /// Learned ms per output token of one sequence.
+    pub fn decode_ms_per_token(&self) -> f64 {
+        self.decode.ms_per_token(self.prior.1)
+    }
+
+    /// The learned prefill speed, in tokens a second (the figure the policy states).
+    pub fn prefill_tokens_per_second(&self) -> f64 {
+        1000.0 / self.prefill_ms_per_token()
+    }
+
+    /// The learned decode speed of one sequence, in tokens a second.
+    pub fn decode_tokens_per_second(&self) -> f64 {
+        1000.0 / self.decode_ms_per_token()
+    }
+
+    /// Predicted slot time of a request: prefill the prompt, then decode the output. Token counts
+    /// are bounded (10^9) and the speeds within their bounds, so the result is finite and
+    /// non-negative; `as` saturates all the same.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    pub fn service_ms(&self, prompt_tokens: u64, output_tokens: u64) -> u64 {
+        (prompt_tokens as f64 * self.prefill_ms_per_token() + output_tokens as f64 * self.decode_ms_per_token()).ceil()
+            as u64
+    }
+}
+
+/// What one response showed of its pool's speed, as the commit from the response timed it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Timing {
+    /// From the request leaving for the backend to its first body bytes (ms), and the prompt
+    /// tokens it reported: taken only for a stream that was predicted to start at once (a
+    /// request that queued in the backend shows its queue, not its prefill).
+    pub first_token: Option<(f64, u64)>,
+    /// From the first body bytes to the last (ms), and the output tokens that came after the
+    /// first: a stream's decode.
+    pub decode: Option<(f64, u64)>,
+}
+
+/// This replica's picture of the fleet.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    /// Pool, then model.
+    speeds: RwLock<HashMap<String, HashMap<String, Speeds>>>,
+    /// Tenant, then model.
+    lengths: RwLock<HashMap<String, HashMap<String, Lengths>>>,
+}
+
+/// The entry under `a` then `b`, made if missing (names are allocated only then).
+fn entry<'m, T>(map: &'m mut HashMap<String, HashMap<String, T>>, a: &str, b: &str, make: impl FnOnce() -> T) -> &'m mut T {
+    if !map.contains_key(a) {
+        map.insert(a.to_string(), HashMap::new());
+    }
+    let inner = map.get_mut(a).expect("inserted above");
+    if !inner.contains_key(b) {
+        inner.insert(b.to_string(), make());
+    }
+    inner.get_mut(b).expect("inserted above")
+}
+
+impl Fleet {
+    /// The speeds of `pool` for `model` now: learned, or the policy's before anything was (and
+    /// always, for a pool that does not calibrate).
+    pub fn speeds(&self, name: &str, model: &str, pool: &PoolPolicy, now_ms: u64) -> Speeds {
+        if !pool.calibrate {
+            return Speeds::new(pool, now_ms);
+        }
+        let speeds = self.speeds.read().unwrap_or_else(PoisonError::into_inner);
+        match speeds.get(name).and_then(|m| m.get(model)) {
+            Some(s) if s.prior == Speeds::prior_of(pool) => *s,
+            _ => Speeds::new(pool, now_ms),
+        }
+    }
+
+    /// Every pool and model speeds were learned for: (pool, model, speeds).
+    pub fn all_speeds(&self) -> Vec<(String, String, Speeds)> {
+        let speeds = self.speeds.read().unwrap_or_else(PoisonError::into_inner);
+        speeds.iter().flat_map(|(p, models)| models.iter().map(|(m, s)| (p.clone(), m.clone(), *s))).collect()
+    }
+
+    /// Learns from one response of `model` on `pool` (both the policy's: the caller checked).
+    /// Returns the speeds as they now stand.
+    // Token counts are bounded (10^9): exact in f64.
+    #[allow(clippy::cast_precision_loss)]
+    pub fn observe(&self, name: &str, model: &str, pool: &PoolPolicy, now_ms: u64, t: Timing) -> Speeds {
+        let mut speeds = self.speeds.write().unwrap_or_else(PoisonError::into_inner);
+        let s = entry(&mut speeds, name, model, || Speeds::new(pool, now_ms));
+        if s.prior != Speeds::prior_of(pool) {
+            *s = Speeds::new(pool, now_ms);
+        }
+        if let Some((ms, prompt)) = t.first_token {
+            s.prefill.observe(now_ms, ms, prompt as f64);
+        }
+        if let Some((ms, tokens)) = t.decode {
+            s.decode.observe(now_ms, ms, tokens as f64);
+        }
+        *s
+    }
+
+    /// Forgets the speeds of pools and models a reload took away.
+    pub fn retain(&self, keep: impl Fn(&str, &str) -> bool) {
+        let mut speeds = self.speeds.write().unwrap_or_else(PoisonError::into_inner);
+        for (p, models) in speeds.iter_mut() {
+            models.retain(|m, _| keep(p, m));
+        }
+        speeds.retain(|_, models| !models.is_empty());
+    }
+
+    /// One output length of `tenant`'s requests to `model` (one of the policy's: the caller checked).
+    pub fn observe_length(&self, tenant: &str, model: &str, output: u64) {
+        let mut lengths = self.lengths.write().unwrap_or_else(PoisonError::into_inner);
+        if lengths.len() >= MAX_LENGTHS && !lengths.contains_key(tenant) {
+            lengths.clear();
+        }
+        entry(&mut lengths, tenant, model, Lengths::default).observe(output);
+    }
+
+    /// The output `tenant`'s requests to `model` have: (the mean, for the pool's work; the
+    /// [`DEADLINE_QUANTILE`], for a request's own finish), once enough were seen.
+    pub fn output(&self, tenant: &str, model: &str) -> Option<(u64, u64)> {
+        let lengths = self.lengths.read().unwrap_or_else(PoisonError::into_inner);
+        let l = lengths.get(tenant)?.get(model)?;
+        Some((l.mean()?, l.quantile(DEADLINE_QUANTILE)?))
+    }
+}
