@@ -1204,6 +1204,59 @@ mod scenarios {
         assert_eq!(h.inspect(vec![key.clone()]).await[&key].kind, "none");
     }
 
+    /// A live stream reports the work it has left: its hold in the pool shrinks to that, never
+    /// grows, and leaves the pool with what it holds by then.
+    pub async fn a_live_streams_progress_shrinks_its_pool_work<S: Store>(h: Harness<S>) {
+        let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        let b = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
+        assert_eq!(h.pool_load().await, (2, 2200));
+        assert_eq!(h.admission.progress(&a, 600).await.unwrap(), Some(600));
+        assert_eq!(h.pool_load().await, (2, 1700));
+        assert_eq!(h.admission.progress(&a, 600).await.unwrap(), Some(600), "a repeat");
+        assert_eq!(h.admission.progress(&a, 900).await.unwrap(), Some(600), "a late, larger report");
+        assert_eq!(h.pool_load().await, (2, 1700), "work never grows back");
+        h.admission.commit(&a, 100, 60).await.unwrap();
+        assert_eq!(h.pool_load().await, (1, 1100), "the hold left with the 600 ms it held");
+        assert_eq!(h.admission.progress(&a, 10).await.unwrap(), None, "settled: the pool holds it no more");
+        assert_eq!(h.pool_load().await, (1, 1100));
+        h.admission.release(&b).await.unwrap();
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
+    /// Ten requests of this tenant to model m, each generating 20 of its 100 tokens.
+    async fn twenty_tokens_ten_times<S: Store>(h: &Harness<S>) {
+        for _ in 0..10 {
+            let a = admitted(&h.admission.reserve(&pooled(h, Priority::Critical, None)).await).reservation_id.clone();
+            h.admission.commit(&a, 100, 20).await.unwrap();
+        }
+        assert_eq!(h.pool_load().await, (0, 0));
+    }
+
+    /// Once the tenant's requests have shown their output, the pool holds what they generate on
+    /// average (20 tokens: 100 + 200 ms), not the 100 each may: the forecast says so upstream. A
+    /// request's own deadline is judged by a long one (the 90th percentile: 23 tokens, 330 ms).
+    pub async fn the_pool_holds_the_output_its_tenant_has_had<S: Store>(h: Harness<S>) {
+        twenty_tokens_ten_times(&h).await;
+        let d = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        let a = admitted(&d);
+        assert_eq!(a.forecast, Some(tollgate::admission::Forecast { start_delay_ms: 0, output_tokens: 20 }));
+        assert_eq!(h.pool_load().await, (1, 300));
+        h.admission.release(&a.reservation_id).await.unwrap();
+        let d = h.admission.reserve(&pooled(&h, Priority::Critical, Some(320))).await;
+        assert_eq!(denied(&d).reason, Reason::Deadline, "{d:?}");
+        assert!(denied(&d).message.contains("finish in 330 ms"), "{d:?}");
+        let d = h.admission.reserve(&pooled(&h, Priority::Critical, Some(340))).await;
+        assert_eq!(h.pool_load().await, (1, 300), "{d:?}");
+    }
+
+    /// A pool that does not calibrate holds every request at its ceiling, whatever it has seen.
+    pub async fn a_pool_that_does_not_calibrate_holds_the_ceiling<S: Store>(h: Harness<S>) {
+        twenty_tokens_ten_times(&h).await;
+        let d = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
+        assert_eq!(admitted(&d).forecast.map(|f| f.output_tokens), Some(100));
+        assert_eq!(h.pool_load().await, (1, 1100));
+    }
+
     /// Work is stored as integers: a hold's work leaves the pool exactly as it came, at any size.
     pub async fn pool_work_is_exact_at_any_size<S: Store>(h: Harness<S>) {
         // 999,999,937 prompt tokens at 0.003 tokens/s: 333,333,312,333,334 ms of work, 15 digits.
@@ -1294,6 +1347,18 @@ macro_rules! conformance {
             scenario!(cached_prompt_tokens_count_at_their_weight_and_price, LEDGER);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);
+            scenario!(
+                a_live_streams_progress_shrinks_its_pool_work,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                the_pool_holds_the_output_its_tenant_has_had,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_pool_that_does_not_calibrate_holds_the_ceiling,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\ncalibrate: false\n")
+            );
             scenario!(
                 a_committed_or_released_hold_leaves_the_pool_exactly,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")

@@ -495,3 +495,75 @@ async fn a_commit_that_could_not_reach_redis_lands_when_it_answers_again() {
     }
     shutdown.cancel();
 }
+
+/// A pool `gpu` serving model `sim`, whose policy says 2,000 prefill and `decode` decode tokens a
+/// second.
+fn calibrated(decode: u32) -> String {
+    format!(
+        "models:\n  sim: {{ max_output_tokens: 4096, bytes_per_token: 4, pool: gpu }}\n\
+         pools:\n  gpu: {{ max_sequences: 4, prefill_tokens_per_second: 2000, decode_tokens_per_second: {decode}, max_queue_delay_ms: 60000 }}\n\
+         tenants:\n  acme:\n    limits: {{ max_concurrency: 100 }}\n"
+    )
+}
+
+async fn gpu_status(stack: &Stack) -> tollgate::proto::PoolStatusResponse {
+    stack.client().await.pool_status(PoolStatusRequest { pool: "gpu".into() }).await.unwrap().into_inner()
+}
+
+/// The pool's speeds follow what its streams show: the backend decodes at 200 tokens a second
+/// where the policy says 100, and prefills far faster than the 2,000 it says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_learns_its_backends_speeds_from_the_streams_it_watches() {
+    let stack = Stack::sim(&calibrated(100), 200.0, Text::Tok, |c| c).await;
+    let before = gpu_status(&stack).await;
+    assert_eq!(before.speeds.len(), 1, "{before:?}");
+    assert_eq!((before.speeds[0].decode_tokens_per_second, before.speeds[0].decode_samples), (100.0, 0));
+    for _ in 0..5 {
+        let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(r.header("x-sim-reservation").is_some());
+    }
+    // The last commit from the response may still be on its way.
+    let start = Instant::now();
+    let s = loop {
+        let v = gpu_status(&stack).await;
+        if v.speeds[0].decode_samples == 5 || start.elapsed() > Duration::from_secs(5) {
+            break v.speeds[0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!((s.model.as_str(), s.decode_samples, s.prefill_samples), ("sim", 5, 5), "{s:?}\n{}", stack.diagnostics());
+    assert!((150.0..250.0).contains(&s.decode_tokens_per_second), "the backend decodes at 200: {s:?}");
+    assert!(s.prefill_tokens_per_second > 4_000.0, "the backend prefills far faster than 2,000: {s:?}");
+}
+
+/// A live stream frees its pool work as it generates: 100 tokens at 50 a second hold 2 s of work
+/// at admission, and well before the stream ends the pool holds less than 1.2 s of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_stream_frees_its_pool_work_as_it_generates() {
+    let stack = Stack::sim(&calibrated(50), 50.0, Text::Tok, |c| c).await;
+    let port = stack.envoy.port;
+    let stream = tokio::spawn(async move {
+        post(port, CHAT, &[TENANT, ("x-sim-output-tokens", "100")], chat(true, true)).await
+    });
+    let (mut admitted, mut least) = (0, u64::MAX);
+    let start = Instant::now();
+    while !stream.is_finished() && start.elapsed() < Duration::from_secs(10) {
+        let v = gpu_status(&stack).await;
+        if v.holds == 1 {
+            admitted = admitted.max(v.work_ms);
+            least = least.min(v.work_ms);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = stream.await.unwrap();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(admitted >= 2_000, "held 100 tokens at 50 a second: {admitted} ms");
+    assert!(least < 1_200, "the pool still held {least} ms of the stream's work\n{}", stack.diagnostics());
+    let start = Instant::now();
+    while gpu_status(&stack).await.holds > 0 && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let v = gpu_status(&stack).await;
+    assert_eq!((v.holds, v.work_ms), (0, 0), "the commit took the rest off");
+}

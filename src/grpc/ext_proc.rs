@@ -151,8 +151,10 @@ struct Exchange {
 struct Watch {
     /// The request left for the backend (its headers reached tollgate).
     sent: Option<std::time::Instant>,
-    first_bytes: Option<std::time::Instant>,
-    last_bytes: Option<std::time::Instant>,
+    /// The first chunk that carried output, and the output metered by then.
+    first_output: Option<(std::time::Instant, u64)>,
+    /// The last chunk that added output, and the output metered by then.
+    last_output: Option<(std::time::Instant, u64)>,
     /// Output tokens at which the remaining work is next worked out (so not at every chunk).
     next_look: u64,
     /// The remaining work (ms) last reported, or predicted at the start.
@@ -161,6 +163,18 @@ struct Watch {
     report: Option<tokio::task::JoinHandle<()>>,
     /// Set once the pool no longer holds the work (settled, expired): nothing more to report.
     stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Watch {
+    /// A chunk passed, and the stream has generated `output` tokens by it.
+    fn passed(&mut self, output: u64) {
+        if output == 0 || self.last_output.is_some_and(|(_, seen)| seen >= output) {
+            return;
+        }
+        let now = std::time::Instant::now();
+        self.first_output.get_or_insert((now, output));
+        self.last_output = Some((now, output));
+    }
 }
 
 /// A progress report goes when the remaining work has fallen to this fraction of the last one...
@@ -249,11 +263,7 @@ impl Exchange {
             Phase::ResponseBody(b) => {
                 if let Some(meter) = &mut self.meter {
                     meter.feed(&b.body);
-                }
-                if !b.body.is_empty() {
-                    let now = std::time::Instant::now();
-                    self.watch.first_bytes.get_or_insert(now);
-                    self.watch.last_bytes = Some(now);
+                    self.watch.passed(meter.output_so_far());
                 }
                 // (Its renewal is the timer's, in `process`: a chunk never waits on the store.)
                 if b.end_of_stream {
@@ -340,32 +350,41 @@ impl Exchange {
         }
     }
 
-    /// What a stream that ran to its end showed of its pool's speeds.
-    // Durations in ms: far below 2^52, exact in f64.
+    /// What a stream that ran to its end showed of its pool's speeds: its decode, from the first
+    /// chunk that carried output to the last, over the tokens generated between them; its prefill,
+    /// the time to that first chunk less the decode of the tokens it carried. Tokens are counted
+    /// as the meter counted them as they passed, scaled to the final count (so a meter's error in
+    /// bytes per token does not become an error in speed).
+    // Durations in ms and token counts: far below 2^52, exact in f64.
     #[allow(clippy::cast_precision_loss)]
     fn timing(&self, measured: Measured) -> Timing {
-        let (Some(forecast), Some(meter)) = (self.forecast, &self.meter) else { return Timing::default() };
-        let (Some(first), Some(last)) = (self.watch.first_bytes, self.watch.last_bytes) else {
-            return Timing::default();
+        let none = Timing::default();
+        let (Some(forecast), Some(meter)) = (self.forecast, &self.meter) else { return none };
+        let (Some((first, m_first)), Some((last, m_last))) = (self.watch.first_output, self.watch.last_output) else {
+            return none;
         };
-        if !meter.streams() {
-            return Timing::default();
-        }
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         let (prompt, output) = match measured {
             Measured::Exact { prompt, output, .. } => (Some(prompt), output),
             Measured::Metered { output } => (None, output),
-            Measured::AsHeld => return Timing::default(),
+            Measured::AsHeld => return none,
         };
-        // A handful of tokens says little of a speed; the first arrived with the first bytes.
-        let decode = (output >= 4).then(|| (ms(last.duration_since(first)), output.saturating_sub(1)));
+        // A handful of tokens says little of a speed.
+        if !meter.streams() || output < 4 || m_last <= m_first {
+            return none;
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let scale = output as f64 / m_last as f64;
+        let between = (m_last - m_first) as f64 * scale;
+        let decode_ms = ms(last.duration_since(first));
+        let per_token = decode_ms / between;
         let first_token = match (self.watch.sent, prompt) {
             (Some(sent), Some(prompt)) if forecast.start_delay_ms == 0 && prompt > 0 => {
-                Some((ms(first.duration_since(sent)), prompt))
+                let ttft = ms(first.duration_since(sent)) - m_first as f64 * scale * per_token;
+                Some((ttft.max(0.0), prompt))
             }
             _ => None,
         };
-        Timing { first_token, decode }
+        Timing { first_token, decode: Some((decode_ms, between)) }
     }
 
     /// While a stream flows, tells its pool the work it has left, each time that has fallen by a

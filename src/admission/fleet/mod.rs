@@ -83,13 +83,13 @@ impl Speeds {
 /// What one response showed of its pool's speed, as the commit from the response timed it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Timing {
-    /// From the request leaving for the backend to its first body bytes (ms), and the prompt
+    /// From the request leaving for the backend to its first output token (ms), and the prompt
     /// tokens it reported: taken only for a stream that was predicted to start at once (a
     /// request that queued in the backend shows its queue, not its prefill).
     pub first_token: Option<(f64, u64)>,
-    /// From the first body bytes to the last (ms), and the output tokens that came after the
-    /// first: a stream's decode.
-    pub decode: Option<(f64, u64)>,
+    /// From the first output to the last (ms), and the output tokens generated in between: a
+    /// stream's decode.
+    pub decode: Option<(f64, f64)>,
 }
 
 /// This replica's picture of the fleet.
@@ -147,7 +147,7 @@ impl Fleet {
             s.prefill.observe(now_ms, ms, prompt as f64);
         }
         if let Some((ms, tokens)) = t.decode {
-            s.decode.observe(now_ms, ms, tokens as f64);
+            s.decode.observe(now_ms, ms, tokens);
         }
         *s
     }
