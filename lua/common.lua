@@ -919,6 +919,39 @@ end
 
 -- Takes one hold off a pool, exactly as it was added; returns its work, or nil if the pool does
 -- not hold it (already released, or swept after its lease).
+-- Fair shares within a tier (pool state hash fields; weights in thousandths):
+--   f<tier>           "<work> <weights>": the work every tenant holds at the tier, and the sum of
+--                     the weights of the tenants holding any
+--   f<tier>:<tenant>  "<work> <weight> <holds>": one tenant's, with the weight it came with
+-- A hold's entry in the holds hash names its tier and tenant ("<work> <kv> <tier> <tenant>"), so
+-- whatever takes it off the pool takes it off its tenant's share too.
+local function fair_read(state, tier, tenant, weight)
+  local v = redis.call('HMGET', state, 'f' .. tier, 'f' .. tier .. ':' .. tenant)
+  local t, m = split(v[1] or '0 0'), split(v[2] or ('0 ' .. weight .. ' 0'))
+  return tonumber(t[1]), tonumber(t[2]), tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
+end
+
+-- Adds `work` (may be negative) and `holds` (+1, -1 or 0) to a tenant's share of a tier.
+local function fair_add(state, tier, tenant, weight, work, holds)
+  local tw, ws, mw, w, mh = fair_read(state, tier, tenant, weight)
+  if mh == 0 and holds > 0 then
+    ws = ws + w
+  end
+  mw, mh, tw = math.max(0, mw + work), mh + holds, math.max(0, tw + work)
+  local mine = 'f' .. tier .. ':' .. tenant
+  if mh <= 0 then
+    redis.call('HDEL', state, mine)
+    ws = math.max(0, ws - w)
+  else
+    redis.call('HSET', state, mine, string.format('%d %d %d', mw, w, mh))
+  end
+  if tw == 0 and ws == 0 then
+    redis.call('HDEL', state, 'f' .. tier)
+  else
+    redis.call('HSET', state, 'f' .. tier, string.format('%d %d', tw, ws))
+  end
+end
+
 local function pool_drop(state, holds, leases, id)
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
@@ -928,6 +961,9 @@ local function pool_drop(state, holds, leases, id)
   local parts = split(h)
   local work, kv = tonumber(parts[1]), tonumber(parts[2])
   redis.call('HDEL', holds, id)
+  if parts[4] then
+    fair_add(state, parts[3], parts[4], 0, -work, -1)
+  end
   local v = redis.call('HMGET', state, 'n', 'w', 'kv')
   redis.call('HSET', state, 'n', math.max(0, (tonumber(v[1]) or 0) - 1), 'w',
     math.max(0, (tonumber(v[2]) or 0) - work), 'kv', math.max(0, (tonumber(v[3]) or 0) - kv))

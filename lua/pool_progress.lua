@@ -3,7 +3,8 @@
 -- work shrinks by what was done, so the queue estimate frees as generation proceeds, not only at
 -- commit. Work only ever shrinks here (an update that arrives late, after a smaller one, changes
 -- nothing), and the hold leaves the pool (pool_release, expiry) with what it holds by then: the
--- pool's work stays the sum of its holds' work.
+-- pool's work stays the sum of its holds' work (and each tenant's share of its tier, the sum of
+-- its holds' there).
 --
 -- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash
 -- ARGV[1] reservation id            ARGV[2] the work it has left (ms)
@@ -17,11 +18,15 @@ if not h then
   return { 0, 0 }
 end
 local parts = split(h)
-local work, kv = tonumber(parts[1]), tonumber(parts[2])
+local work = tonumber(parts[1])
 if left >= work then
   return { 1, work }
 end
 local w = tonumber(redis.call('HGET', state, 'w')) or 0
 redis.call('HSET', state, 'w', math.max(0, w - (work - left)))
-redis.call('HSET', holds, id, string.format('%d %d', left, kv))
+parts[1] = string.format('%d', left)
+redis.call('HSET', holds, id, table.concat(parts, ' '))
+if parts[4] then
+  fair_add(state, parts[3], parts[4], 0, left - work, 0)
+end
 return { 1, left }

@@ -19,12 +19,15 @@
 -- ARGV[12] recovery per ms of the share its provider's 429s left (see pool_throttle.lua)
 -- ARGV[13] finish: this request's own predicted slot time when it runs long (ms), which its
 --          deadline is judged by (the work held, ARGV[2], is what it takes on average)
+-- ARGV[14] tier (critical | standard | sheddable)
+-- ARGV[15] tenant                     ARGV[16] the tenant's weight in its tier (thousandths)
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
 --    finds the hold and answers with the pool as it stands: the work is held once)
 -- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
---   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed)
+--   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed) |
+--           fair_share (the tier is contended and the tenant holds its share of it already)
 --
 -- The model, fluid and conservative: the pool drains outstanding work at one slot-ms per slot per
 -- ms. A request starts at once while fewer holds than slots are outstanding, otherwise after the
@@ -34,6 +37,13 @@
 -- its progress (pool_progress.lua), never by time alone.
 -- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
 -- that pool_throttle.lua left it.
+--
+-- Fair shares within a tier: while a request would queue at its tier (the tier is contended), a
+-- tenant that already holds work there may hold at most its weight's share of the tier's work
+-- (its weight over the weights of every tenant holding work there, itself included); past it the
+-- request is refused, so the tier's slots go to the tenants below their share, whatever each
+-- sends. A tenant holding nothing at the tier is always let in (up to the tier's queue), and an
+-- uncontended tier admits everyone: the pool never idles for fairness' sake.
 
 local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -49,6 +59,7 @@ local tier_kv = tonumber(ARGV[10])
 local deadline = tonumber(ARGV[11])
 local recover = tonumber(ARGV[12])
 local finish = tonumber(ARGV[13])
+local tier, tenant, weight = ARGV[14], ARGV[15], tonumber(ARGV[16])
 
 local now = now_ms()
 
@@ -91,6 +102,15 @@ if start_delay(tier_slots) > max_delay then
   -- Until the pool, draining at its full rate, is down to what this tier may queue behind.
   return { 0, 'queue_full', math.max(1, math.ceil((w - max_delay * tier_slots) / slots)), delay }
 end
+if n >= tier_slots then
+  local tier_work, weights, mine, my_weight, my_holds = fair_read(state, tier, tenant, weight)
+  if my_holds > 0 then
+    local fair = my_weight / math.max(weights, my_weight) * (tier_work + work)
+    if mine + work > fair then
+      return { 0, 'fair_share', math.max(1, math.ceil((mine + work - fair) / tier_slots)), delay }
+    end
+  end
+end
 if tier_kv > 0 and used_kv + kv > tier_kv then
   return { 0, 'queue_full', math.max(1, math.ceil(w / slots)), delay }
 end
@@ -99,7 +119,8 @@ end
 redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
 -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
 -- pool exactly as it came.
-redis.call('HSET', holds, id, string.format('%d %d', work, kv))
+redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
+fair_add(state, tier, tenant, weight, work, 1)
 redis.call('ZADD', leases, now + lease, id)
 for _, k in ipairs(KEYS) do
   keep_for(k, idle)

@@ -1257,6 +1257,55 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (1, 1100));
     }
 
+    /// A request of this harness's tenant (`a`) or of another (`b`, under `default_tenant`).
+    async fn pool_try<S: Store>(h: &Harness<S>, b: bool) -> Decision {
+        let mut a = pooled(h, Priority::Critical, None);
+        if b {
+            a.tenant = Some(format!("{}-b", h.tenant));
+        }
+        h.admission.reserve(&a).await
+    }
+
+    /// Whether a request is refused for its tenant's share of a contended tier.
+    fn over_share(d: &Decision) -> bool {
+        matches!(d, Decision::Denied(x) if x.reason == Reason::QueueFull && x.message.contains("holds its share"))
+    }
+
+    /// Two slots, each request 1,100 ms of work. Once the tier is contended (both slots taken), a
+    /// tenant holding work there may hold only its share of the tier's work: `a`, alone, takes a
+    /// third; `b` is let in, and then `a` waits while `b` comes up to an equal share.
+    pub async fn a_contended_tier_is_shared_equally<S: Store>(h: Harness<S>) {
+        for _ in 0..3 {
+            admitted(&pool_try(&h, false).await);
+        }
+        admitted(&pool_try(&h, true).await);
+        let d = pool_try(&h, false).await;
+        assert!(over_share(&d), "a holds 3 of 4: {d:?}");
+        assert!(denied(&d).message.contains(&h.tenant), "{d:?}");
+        assert!(denied(&d).retry_after_ms.is_some_and(|ms| ms > 0), "{d:?}");
+        admitted(&pool_try(&h, true).await);
+        admitted(&pool_try(&h, true).await);
+        let d = pool_try(&h, true).await;
+        assert!(over_share(&d), "b holds 3 of 6, its share: {d:?}");
+        assert_eq!(h.pool_load().await, (6, 6600), "refusals hold nothing");
+    }
+
+    /// The same with `a` weighing three: it keeps three holds to `b`'s one.
+    pub async fn a_contended_tier_is_shared_by_weight<S: Store>(h: Harness<S>) {
+        for _ in 0..3 {
+            admitted(&pool_try(&h, false).await);
+        }
+        admitted(&pool_try(&h, true).await);
+        assert!(over_share(&pool_try(&h, true).await), "b holds its quarter");
+        assert!(over_share(&pool_try(&h, false).await), "a holds its three quarters");
+        // An uncontended tier admits anyone: one slot frees, and b's next request starts at once.
+        let ids = h.pool_holds().await;
+        h.admission.release(&ids[0]).await.unwrap();
+        h.admission.release(&ids[1]).await.unwrap();
+        h.admission.release(&ids[2]).await.unwrap();
+        admitted(&pool_try(&h, true).await);
+    }
+
     /// Work is stored as integers: a hold's work leaves the pool exactly as it came, at any size.
     pub async fn pool_work_is_exact_at_any_size<S: Store>(h: Harness<S>) {
         // 999,999,937 prompt tokens at 0.003 tokens/s: 333,333,312,333,334 ms of work, 15 digits.
@@ -1358,6 +1407,14 @@ macro_rules! conformance {
             scenario!(
                 a_pool_that_does_not_calibrate_holds_the_ceiling,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\ncalibrate: false\n")
+            );
+            scenario!(
+                a_contended_tier_is_shared_equally,
+                &pool_policy("default_tenant:\n  limits: {}\n---top---\nlimits: {}\n", "max_sequences: 2\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_contended_tier_is_shared_by_weight,
+                &pool_policy("default_tenant:\n  limits: {}\n---top---\nlimits: {}\nweight: 3\n", "max_sequences: 2\nmax_queue_delay_ms: 60000\n")
             );
             scenario!(
                 a_committed_or_released_hold_leaves_the_pool_exactly,

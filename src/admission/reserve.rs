@@ -226,6 +226,9 @@ impl<S: Store> Admission<S> {
             tier_kv_tokens: pool.kv_for(leg.tier),
             deadline_ms: plan.deadline_ms,
             recover_per_ms: pool.upstream_throttle.map_or(0.0, |t| t.recover_per_ms),
+            tier: leg.tier,
+            tenant: &plan.tenant,
+            weight_milli: plan.tp.weight_milli,
         };
         match self.protocol.pool_reserve(&call).await {
             Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {
@@ -245,6 +248,18 @@ impl<S: Store> Admission<S> {
                 ..Denial::now(
                     Reason::QueueFull,
                     format!("pool {} is throttled: its provider refused with a Retry-After", leg.name),
+                )
+            }),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::FairShare, retry_after_ms, start_delay_ms }) => Err(Denial {
+                retry_after_ms: Some(retry_after_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!(
+                        "pool {} is contended for {} requests and tenant {} holds its share of it (predicted start in {start_delay_ms} ms)",
+                        leg.name,
+                        leg.tier.as_str(),
+                        plan.tenant
+                    ),
                 )
             }),
             Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {

@@ -289,6 +289,9 @@ pub struct TenantPolicy {
     pub max_priority: Priority,
     /// The deadline of a request that names none; none means no deadline.
     pub default_deadline_ms: Option<u64>,
+    /// Its weight among the tenants of its tier contending for a pool, in thousandths (1,000 = 1):
+    /// a contended tier's work is shared in proportion.
+    pub weight_milli: u64,
     /// Learned output reservation; none means the ceiling is always reserved.
     pub adaptive_output: Option<AdaptiveOutput>,
     pub on_store_error: OnStoreError,

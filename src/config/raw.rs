@@ -259,6 +259,8 @@ pub(super) struct RawTenant {
     pub default_priority: Option<Priority>,
     pub max_priority: Option<Priority>,
     pub default_deadline_ms: Option<u64>,
+    /// Its weight among the tenants of its tier contending for a pool (1 unless set).
+    pub weight: Option<f64>,
     pub adaptive_output: Option<RawAdaptive>,
     pub on_store_error: Option<OnStoreError>,
     pub shadow: Option<bool>,
@@ -296,6 +298,7 @@ impl RawTenant {
             default_priority: self.default_priority.or(plan.default_priority),
             max_priority: self.max_priority.or(plan.max_priority),
             default_deadline_ms: self.default_deadline_ms.or(plan.default_deadline_ms),
+            weight: self.weight.or(plan.weight),
             adaptive_output: self.adaptive_output.or(plan.adaptive_output),
             on_store_error: self.on_store_error.or(plan.on_store_error),
             shadow: self.shadow.or(plan.shadow),

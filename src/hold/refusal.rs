@@ -50,4 +50,6 @@ pub enum PoolRefusal {
     QueueFull,
     /// The provider behind the pool refused with a Retry-After that has not passed.
     Throttled,
+    /// The tier is contended and the tenant already holds its weight's share of it.
+    FairShare,
 }

@@ -455,6 +455,13 @@ impl<S: Store> Harness<S> {
         (state, holds, leases)
     }
 
+    /// The reservation ids the pool holds work for.
+    pub async fn pool_holds(&self) -> Vec<String> {
+        let key = keys::pool_holds(&self.pool);
+        let mut views = self.inspect(vec![key.clone()]).await;
+        views.remove(&key).unwrap().fields.into_keys().collect()
+    }
+
     /// Outstanding holds and work of the pool: (n, w).
     pub async fn pool_load(&self) -> (u64, u64) {
         let (state, holds, leases) = self.pool_view().await;

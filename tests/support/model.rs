@@ -244,7 +244,10 @@ pub struct Key {
 /// A pool's holds: id → (work, kv, lease end).
 #[derive(Debug, Clone, Default)]
 pub struct Pool {
+    /// (work, KV tokens, lease end) by reservation id.
     pub holds: BTreeMap<String, (u64, u64, u64)>,
+    /// Whose each hold is: (tier, tenant), for fair shares within a tier.
+    pub owners: BTreeMap<String, (Priority, String)>,
 }
 
 impl Pool {
@@ -536,9 +539,31 @@ impl Model {
 
     fn pool_drop(&mut self, id: &str) {
         self.pool.holds.remove(id);
+        self.pool.owners.remove(id);
     }
 
-    /// The pool leg: `Err` is the refusal.
+    /// Fair shares within a contended tier (every tenant's weight is 1 here): a tenant holding
+    /// work at the tier may hold at most its share of the tier's work, this request's included.
+    fn fair_share(&self, ask: &Ask, work: u64, tier_slots: u64) -> Result<(), Denial> {
+        let at_tier = |id: &String| self.pool.owners.get(id).is_some_and(|(t, _)| *t == ask.priority);
+        let held = self.pool.holds.iter().filter(|(id, _)| at_tier(id));
+        let mine: Vec<u64> =
+            held.clone().filter(|(id, _)| self.pool.owners[*id].1 == ask.tenant).map(|(_, h)| h.0).collect();
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let tier_work: u64 = held.clone().map(|(_, h)| h.0).sum();
+        let tenants: std::collections::BTreeSet<&String> = held.map(|(id, _)| &self.pool.owners[id].1).collect();
+        let (weight, weights) = (1000.0, 1000.0 * tenants.len() as f64);
+        let fair = weight / f64::max(weights, weight) * (tier_work + work) as f64;
+        let over = (mine.iter().sum::<u64>() + work) as f64 - fair;
+        if over > 0.0 {
+            let retry = ((over / tier_slots as f64).ceil() as u64).max(1);
+            return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
+        }
+        Ok(())
+    }
+
     /// The pool leg's script: the predicted start delay, or a refusal. A re-sent one that finds
     /// its hold answers a delay of 0, as the script does.
     fn pool_reserve(&mut self, id: &str, work: u64, kv: u64, lease: u64, ask: &Ask, now: u64) -> Result<u64, Denial> {
@@ -569,7 +594,11 @@ impl Model {
             let retry = over.div_ceil(p.max_sequences).max(1);
             return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
         }
+        if n >= tier_slots {
+            self.fair_share(ask, work, tier_slots)?;
+        }
         self.pool.holds.insert(id.to_string(), (work, kv, now + lease));
+        self.pool.owners.insert(id.to_string(), (ask.priority, ask.tenant.clone()));
         Ok(delay)
     }
 
@@ -972,6 +1001,9 @@ impl Model {
         }
         if let Some(p) = self.pool.holds.remove(NEW_ID) {
             self.pool.holds.insert(id.to_string(), p);
+        }
+        if let Some(o) = self.pool.owners.remove(NEW_ID) {
+            self.pool.owners.insert(id.to_string(), o);
         }
         self.holds.insert(id.to_string(), hold);
     }

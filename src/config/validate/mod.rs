@@ -441,12 +441,19 @@ fn tenant_policy(
     if t.default_deadline_ms == Some(0) {
         return Err(problem(format!("{field}.default_deadline_ms"), "must be at least 1 (leave it out for none)"));
     }
+    let weight = t.weight.unwrap_or(1.0);
+    if !(0.001..=1000.0).contains(&weight) {
+        return Err(problem(format!("{field}.weight"), format!("{weight} is outside 0.001..=1000")));
+    }
 
     Ok(TenantPolicy {
         limits: t.limits,
         default_priority,
         max_priority,
         default_deadline_ms: t.default_deadline_ms,
+        // In 0.001..=1000: the product is a whole number of thousandths from 1 to 10^6.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        weight_milli: (weight * 1000.0).round() as u64,
         adaptive_output,
         on_store_error: t.on_store_error.unwrap_or(defaults.on_store_error),
         shadow: t.shadow.unwrap_or(defaults.shadow),

@@ -7,7 +7,7 @@ use crate::hold::PoolRefusal;
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `pool_reserve.lua`'s `ARGV`, in order.
-pub(crate) const RESERVE_ARGV: [&str; 13] = [
+pub(crate) const RESERVE_ARGV: [&str; 16] = [
     "reservation id",
     "work",
     "KV-cache tokens",
@@ -21,6 +21,9 @@ pub(crate) const RESERVE_ARGV: [&str; 13] = [
     "deadline",
     "recovery per ms",
     "finish",
+    "tier",
+    "tenant",
+    "the tenant's weight in its tier",
 ];
 
 /// `pool_release.lua`'s `ARGV`.
@@ -66,6 +69,11 @@ pub struct PoolCall<'a> {
     pub deadline_ms: Option<u64>,
     /// Recovery per ms of the share the provider's 429s left the pool (0 without a throttle).
     pub recover_per_ms: f64,
+    /// Whose request, at which tier, and the tenant's weight there (thousandths): a contended
+    /// tier is shared by weight.
+    pub tier: crate::config::Priority,
+    pub tenant: &'a str,
+    pub weight_milli: u64,
 }
 
 /// What a pool holds, and how far its provider's 429s throttle it.
@@ -117,6 +125,9 @@ impl<S: Store> Protocol<S> {
         a.push("deadline", call.deadline_ms.unwrap_or(0).to_string());
         a.push("recovery per ms", call.recover_per_ms.to_string());
         a.push("finish", call.finish_ms.to_string());
+        a.push("tier", call.tier.as_str().to_string());
+        a.push("tenant", call.tenant.to_string());
+        a.push("the tenant's weight in its tier", call.weight_milli.to_string());
         let reply = self.store.eval(script, pool_keys(call.pool), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
@@ -126,6 +137,7 @@ impl<S: Store> Protocol<S> {
                     "deadline" => PoolRefusal::Deadline,
                     "queue_full" => PoolRefusal::QueueFull,
                     "throttled" => PoolRefusal::Throttled,
+                    "fair_share" => PoolRefusal::FairShare,
                     _ => return Err(r.bad()),
                 };
                 Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
