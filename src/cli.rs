@@ -239,6 +239,10 @@ fn parse_quota(s: &str) -> Result<(u64, u64), String> {
 pub enum BenchKind {
     /// A burst of requests against one budget: worst-case reservation versus adaptive.
     Burst(BurstArgs),
+    /// Capacity admission under overload, through Envoy, against the simulated fleet (started
+    /// here): calibration, then offered load at multiples of the pool's capacity (see
+    /// `scripts/bench-overload`, which starts tollgate and Envoy for it).
+    Overload(OverloadArgs),
     /// The decision itself, in process: Check requests handed straight to tollgate's
     /// Authorization service on a policy's store, timed one by one (no network, no load
     /// generator); each admitted hold is committed at once, untimed.
@@ -323,6 +327,44 @@ pub struct SimLoadArgs {
     /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
     #[arg(long, default_value_t = 8.0)]
     pub batch_rate: f64,
+}
+
+/// The overload matrix's settings.
+#[derive(Debug, clap::Args)]
+pub struct OverloadArgs {
+    /// Envoy's HTTP address, whose upstream is --sim-listen.
+    #[arg(long, default_value = "http://127.0.0.1:10000")]
+    pub envoy: String,
+    /// tollgate's gRPC address (for the pool's status).
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub tollgate: String,
+    #[arg(long, default_value = "gpu")]
+    pub pool: String,
+    /// Where the simulated fleet listens.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub sim_listen: std::net::SocketAddr,
+    #[arg(long, default_value_t = 4)]
+    pub slots: usize,
+    #[arg(long, default_value_t = 5000.0)]
+    pub prefill_tps: f64,
+    /// Decode speed of one sequence (the policy's pool says the same).
+    #[arg(long, default_value_t = 100.0)]
+    pub decode_tps: f64,
+    #[arg(long, default_value_t = 120.0)]
+    pub output_median: f64,
+    #[arg(long, default_value_t = 0.8)]
+    pub output_sigma: f64,
+    /// Multiples of the pool's capacity offered, one cell each.
+    #[arg(long, default_value = "1,2,3,5", value_delimiter = ',')]
+    pub loads: Vec<f64>,
+    /// Seconds of load per cell.
+    #[arg(long, default_value_t = 30)]
+    pub seconds: u64,
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Seconds of calibration at capacity before the speed halves (0: none).
+    #[arg(long, default_value_t = 60)]
+    pub calibrate: u64,
 }
 
 /// The burst experiment's settings.

@@ -643,6 +643,26 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (4, 4400));
     }
 
+    /// A lower tier queues only its share of the pool's max queue delay (2,000 ms): sheddable
+    /// (0.5) 1,000 ms, standard (0.8) 1,600 ms, so the queue they leave is one critical requests
+    /// still get through in time.
+    pub async fn a_lower_tier_queues_only_its_share_of_the_delay<S: Store>(h: Harness<S>) {
+        let ask = |tier| pooled(&h, tier, None);
+        admitted(&h.admission.reserve(&ask(Priority::Sheddable)).await);
+        admitted(&h.admission.reserve(&ask(Priority::Sheddable)).await);
+        // Its two slots busy: it would start in 1,100 ms, past its 1,000.
+        let no = h.admission.reserve(&ask(Priority::Sheddable)).await;
+        assert_eq!(denied(&no).reason, Reason::QueueFull, "{no:?}");
+        // Standard's three slots: 1,100 then 1,467 ms are within its 1,600; 1,834 is not.
+        admitted(&h.admission.reserve(&ask(Priority::Standard)).await);
+        admitted(&h.admission.reserve(&ask(Priority::Standard)).await);
+        admitted(&h.admission.reserve(&ask(Priority::Standard)).await);
+        assert_eq!(denied(&h.admission.reserve(&ask(Priority::Standard)).await).reason, Reason::QueueFull);
+        // Critical, over all four slots: 5,500 / 4 = 1,375 ms, within the pool's 2,000.
+        admitted(&h.admission.reserve(&ask(Priority::Critical)).await);
+        assert_eq!(h.pool_load().await, (6, 6600));
+    }
+
     pub async fn a_tenant_cannot_claim_a_tier_above_its_cap<S: Store>(h: Harness<S>) {
         // The tenant may claim at most sheddable, which gets one of the pool's two slots.
         admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
@@ -1407,6 +1427,10 @@ macro_rules! conformance {
             scenario!(
                 a_pool_that_does_not_calibrate_holds_the_ceiling,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\ncalibrate: false\n")
+            );
+            scenario!(
+                a_lower_tier_queues_only_its_share_of_the_delay,
+                &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 2000\n")
             );
             scenario!(
                 a_contended_tier_is_shared_equally,

@@ -222,7 +222,7 @@ impl<S: Store> Admission<S> {
             sweep_batch: plan.policy.sweep_batch,
             slots: pool.max_sequences,
             tier_slots: pool.slots_for(leg.tier),
-            max_queue_delay_ms: pool.max_queue_delay_ms,
+            max_queue_delay_ms: pool.queue_delay_for(leg.tier),
             tier_kv_tokens: pool.kv_for(leg.tier),
             deadline_ms: plan.deadline_ms,
             recover_per_ms: pool.upstream_throttle.map_or(0.0, |t| t.recover_per_ms),

@@ -71,7 +71,8 @@ pub struct PoolPolicy {
     pub prefill_tokens_per_ms: f64,
     /// Decode speed of one sequence.
     pub decode_tokens_per_ms: f64,
-    /// The longest predicted queue delay a request may be admitted into (for `critical`).
+    /// The longest predicted queue delay a request may be admitted into (for `critical`; a lower
+    /// tier its share of it).
     pub max_queue_delay_ms: u64,
     pub kv_cache_tokens: Option<u64>,
     /// Share of the pool `standard` and `sheddable` may use; the rest is headroom for the tiers
@@ -116,6 +117,14 @@ impl PoolPolicy {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
     pub fn slots_for(&self, tier: Priority) -> u64 {
         ((self.max_sequences as f64 * self.share(tier)).floor() as u64).max(1)
+    }
+
+    /// The longest predicted queue delay a tier may be admitted into: its share of the pool's.
+    /// Lower tiers queue less, so the queue they leave behind is one a higher tier's deadline
+    /// can still be met through (every slot's queue is a queue for the tiers above too).
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+    pub fn queue_delay_for(&self, tier: Priority) -> u64 {
+        ((self.max_queue_delay_ms as f64 * self.share(tier)).floor() as u64).max(1)
     }
 
     /// The KV-cache tokens a tier may fill; `None` when the pool sets no KV capacity.

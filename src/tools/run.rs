@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::Admission;
 use crate::app::cancel_on_signal;
 use crate::cli::{
-    BenchArgs, BenchKind, BurstArgs, CycleArgs, DecisionArgs, InjectArgs, LedgerArgs, SimBackendArgs, SimLoadArgs,
+    BenchArgs, BenchKind, BurstArgs, OverloadArgs, CycleArgs, DecisionArgs, InjectArgs, LedgerArgs, SimBackendArgs, SimLoadArgs,
     SimText,
 };
 use crate::config::{ConfigError, Policy, TlsSettings};
@@ -21,6 +21,7 @@ use crate::store::clock::SystemClock;
 use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 use crate::store::{Protocol, StoreError};
 use crate::tools::bench::burst::{self, BurstOptions};
+use crate::tools::bench::overload::{self, OverloadOptions};
 use crate::tools::bench::sweep::{self, SweepOptions};
 use crate::tools::bench::{BenchOptions, Control};
 use crate::tools::sim::backend::{self, SimConfig};
@@ -87,6 +88,26 @@ async fn inject_webhook(args: InjectArgs) -> Result<(), String> {
     cancel_on_signal(shutdown.clone());
     crate::tools::webhook::serve(listener, live, Arc::new(inject_options(&args)), shutdown).await;
     Ok(())
+}
+
+impl From<OverloadArgs> for OverloadOptions {
+    fn from(a: OverloadArgs) -> Self {
+        OverloadOptions {
+            envoy: a.envoy,
+            tollgate: a.tollgate,
+            pool: a.pool,
+            sim_listen: a.sim_listen,
+            slots: a.slots,
+            prefill_tokens_per_second: a.prefill_tps,
+            decode_tokens_per_second: a.decode_tps,
+            median: a.output_median,
+            sigma: a.output_sigma,
+            loads: a.loads,
+            seconds: a.seconds,
+            rounds: a.rounds,
+            calibrate: a.calibrate,
+        }
+    }
 }
 
 impl From<BurstArgs> for BurstOptions {
@@ -165,6 +186,18 @@ pub async fn bench(args: BenchArgs) -> ExitCode {
             }
             Err(e) => {
                 eprintln!("tollgate: bench decision: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if let Some(BenchKind::Overload(o)) = args.kind {
+        return match overload::run(&OverloadOptions::from(o)).await {
+            Ok(report) => {
+                print!("{report}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("tollgate: bench overload: {e}");
                 ExitCode::FAILURE
             }
         };

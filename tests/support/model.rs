@@ -589,8 +589,9 @@ impl Model {
             return Err(Denial::now(Reason::Deadline, ""));
         }
         let tier_slots = p.slots_for(ask.priority);
-        if start_delay(tier_slots) > p.max_queue_delay_ms {
-            let over = w.saturating_sub(p.max_queue_delay_ms * tier_slots);
+        let max_delay = p.queue_delay_for(ask.priority);
+        if start_delay(tier_slots) > max_delay {
+            let over = w.saturating_sub(max_delay * tier_slots);
             let retry = over.div_ceil(p.max_sequences).max(1);
             return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
         }

@@ -99,6 +99,8 @@ pub struct Fleet {
     speeds: RwLock<HashMap<String, HashMap<String, Speeds>>>,
     /// Tenant, then model.
     lengths: RwLock<HashMap<String, HashMap<String, Lengths>>>,
+    /// Every tenant's together, by model: for a tenant not yet seen enough.
+    model_lengths: RwLock<HashMap<String, Lengths>>,
 }
 
 /// The entry under `a` then `b`, made if missing (names are allocated only then).
@@ -168,13 +170,73 @@ impl Fleet {
             lengths.clear();
         }
         entry(&mut lengths, tenant, model, Lengths::default).observe(output);
+        drop(lengths);
+        let mut models = self.model_lengths.write().unwrap_or_else(PoisonError::into_inner);
+        match models.get_mut(model) {
+            Some(l) => l.observe(output),
+            None => models.entry(model.to_string()).or_default().observe(output),
+        }
     }
 
     /// The output `tenant`'s requests to `model` have: (the mean, for the pool's work; the
-    /// [`DEADLINE_QUANTILE`], for a request's own finish), once enough were seen.
+    /// [`DEADLINE_QUANTILE`], for a request's own finish), once enough were seen; until then,
+    /// every tenant's to the model, once enough of those were.
     pub fn output(&self, tenant: &str, model: &str) -> Option<(u64, u64)> {
+        let of = |l: &Lengths| Some((l.mean()?, l.quantile(DEADLINE_QUANTILE)?));
         let lengths = self.lengths.read().unwrap_or_else(PoisonError::into_inner);
-        let l = lengths.get(tenant)?.get(model)?;
-        Some((l.mean()?, l.quantile(DEADLINE_QUANTILE)?))
+        if let Some(known) = lengths.get(tenant).and_then(|m| m.get(model)).and_then(of) {
+            return Some(known);
+        }
+        drop(lengths);
+        self.model_lengths.read().unwrap_or_else(PoisonError::into_inner).get(model).and_then(of)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_not_yet_seen_enough_gets_every_tenants_lengths() {
+        let fleet = Fleet::default();
+        for _ in 0..lengths::MIN_SAMPLES {
+            fleet.observe_length("a", "m", 100);
+        }
+        assert_eq!(fleet.output("a", "m"), Some((100, 128)));
+        assert_eq!(fleet.output("b", "m"), Some((100, 128)), "b has no lengths of its own yet");
+        assert_eq!(fleet.output("b", "other"), None);
+        for _ in 0..lengths::MIN_SAMPLES {
+            fleet.observe_length("b", "m", 10);
+        }
+        assert_eq!(fleet.output("b", "m"), Some((10, 12)), "its own, once it has enough");
+    }
+
+    #[test]
+    fn speeds_start_from_the_policy_and_a_new_prior_starts_them_again() {
+        let fleet = Fleet::default();
+        let mut pool = crate::config::PoolPolicy {
+            max_sequences: 1,
+            prefill_tokens_per_ms: 1.0,
+            decode_tokens_per_ms: 0.1,
+            max_queue_delay_ms: 1,
+            kv_cache_tokens: None,
+            standard_share: 1.0,
+            sheddable_share: 1.0,
+            idle_ttl_ms: 1,
+            upstream_throttle: None,
+            calibrate: true,
+        };
+        assert_eq!(fleet.speeds("p", "m", &pool, 0).service_ms(100, 10), 200);
+        // A backend twice as fast at decoding, for three minutes (the prior has decayed away).
+        for at in (0..180_000).step_by(500) {
+            fleet.observe("p", "m", &pool, at, Timing { first_token: None, decode: Some((500.0, 100.0)) });
+        }
+        assert_eq!(fleet.speeds("p", "m", &pool, 180_000).service_ms(100, 10), 150);
+        // A reload that says the pool decodes at 0.05 tokens/ms: learning starts again from it.
+        pool.decode_tokens_per_ms = 0.05;
+        assert_eq!(fleet.speeds("p", "m", &pool, 180_000).service_ms(100, 10), 300);
+        pool.calibrate = false;
+        pool.decode_tokens_per_ms = 0.1;
+        assert_eq!(fleet.speeds("p", "m", &pool, 180_000).service_ms(100, 10), 200, "not calibrating");
     }
 }

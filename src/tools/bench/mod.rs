@@ -15,6 +15,7 @@
 pub mod burst;
 pub mod decision;
 pub mod floor;
+pub mod overload;
 mod report;
 pub mod sweep;
 

@@ -80,13 +80,32 @@ pub enum SimError {
     Config(String),
 }
 
-/// Counters of what the backend did, for tests and the demo.
+/// Counters of what the backend did, for tests, the demo and the overload bench; and the one
+/// setting a bench may change while it runs.
 #[derive(Debug, Default)]
 pub struct SimStats {
     pub completed: AtomicU64,
     pub disconnected: AtomicU64,
     pub commits: AtomicU64,
     pub renewals: AtomicU64,
+    /// Sequences on a slot now (prefilling or decoding).
+    pub running: AtomicU64,
+    /// Output tokens generated, and those of them generated for a client that left before the end.
+    pub tokens: AtomicU64,
+    pub cut_tokens: AtomicU64,
+    /// Time spent decoding them, summed over sequences (µs): `tokens` over it is the decode speed
+    /// one sequence achieved (a step's sleep runs a little long on a loaded machine).
+    pub decode_micros: AtomicU64,
+    /// The decode speed from now on (an `f64`'s bits; 0: the configured one): a bench slows the
+    /// fleet mid-run with it.
+    pub decode_override: AtomicU64,
+}
+
+impl SimStats {
+    /// Every sequence decodes at `tokens_per_second` from its next step on.
+    pub fn set_decode_speed(&self, tokens_per_second: f64) {
+        self.decode_override.store(tokens_per_second.to_bits(), Ordering::Relaxed);
+    }
 }
 
 struct Sim {
@@ -100,6 +119,14 @@ struct Sim {
 }
 
 impl Sim {
+    /// The decode speed now: the configured one unless a bench changed it.
+    fn decode_tokens_per_second(&self) -> f64 {
+        match self.stats.decode_override.load(Ordering::Relaxed) {
+            0 => self.config.decode_tokens_per_second,
+            bits => f64::from_bits(bits),
+        }
+    }
+
     fn next_seed(&self) -> u64 {
         self.config.seed.wrapping_add(self.seeds.fetch_add(1, Ordering::Relaxed))
     }
@@ -279,6 +306,7 @@ struct Generation {
 
 impl Generation {
     fn new(sim: Arc<Sim>, reservation: Option<String>, prompt: u64) -> Self {
+        sim.stats.running.fetch_add(1, Ordering::Relaxed);
         Generation { sim, reservation, prompt, produced: 0, done: false }
     }
 
@@ -289,16 +317,21 @@ impl Generation {
         let started = Instant::now();
         let mut last_renewal = started;
         tokio::time::sleep(Duration::from_secs_f64(self.prompt as f64 / config.prefill_tokens_per_second)).await;
-        // Decode in steps of about 20 ms of tokens: fine enough for streaming, cheap to simulate.
-        let step = ((config.decode_tokens_per_second * 0.02).round() as u64).max(1);
         while self.produced < output {
+            // Decode in steps of about 20 ms of tokens: fine enough for streaming, cheap to simulate.
+            let speed = self.sim.decode_tokens_per_second();
+            let step = ((speed * 0.02).round() as u64).max(1);
             let tokens = step.min(output - self.produced);
-            tokio::time::sleep(Duration::from_secs_f64(tokens as f64 / config.decode_tokens_per_second)).await;
+            let began = Instant::now();
+            tokio::time::sleep(Duration::from_secs_f64(tokens as f64 / speed)).await;
             self.produced += tokens;
+            self.sim.stats.tokens.fetch_add(tokens, Ordering::Relaxed);
+            self.sim.stats.decode_micros.fetch_add(began.elapsed().as_micros() as u64, Ordering::Relaxed);
             if let Some((tx, chunk)) = sink
                 && tx.send(Ok(chunk(tokens))).await.is_err()
             {
                 self.sim.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+                self.sim.stats.cut_tokens.fetch_add(self.produced, Ordering::Relaxed);
                 return false;
             }
             if last_renewal.elapsed() >= config.renew_every {
@@ -333,10 +366,12 @@ impl Generation {
 
 impl Drop for Generation {
     fn drop(&mut self) {
+        self.sim.stats.running.fetch_sub(1, Ordering::Relaxed);
         if self.done {
             return;
         }
         self.sim.stats.disconnected.fetch_add(1, Ordering::Relaxed);
+        self.sim.stats.cut_tokens.fetch_add(self.produced, Ordering::Relaxed);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(commit(self.sim.clone(), self.reservation.take(), self.prompt, self.produced));
         }

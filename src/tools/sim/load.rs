@@ -58,6 +58,12 @@ pub struct ClassReport {
     pub timed_out: u64,
     /// Latency (ms) of every admitted request, and of every timeout (as the timeout).
     pub latencies_ms: Vec<f64>,
+    /// Output tokens the admitted requests' usage reported.
+    pub output_tokens: u64,
+    /// Admitted requests that finished after their deadline, and their output tokens (work the
+    /// caller had given up on).
+    pub late: u64,
+    pub late_tokens: u64,
 }
 
 impl ClassReport {
@@ -78,7 +84,8 @@ impl ClassReport {
 }
 
 enum Outcome {
-    Admitted(f64),
+    /// Latency (ms) and the output tokens its usage reported.
+    Admitted(f64, u64),
     Denied(String),
     Failed,
     TimedOut(f64),
@@ -121,9 +128,14 @@ pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
             for outcome in outcomes {
                 report.sent += 1;
                 match outcome {
-                    Outcome::Admitted(ms) => {
+                    Outcome::Admitted(ms, tokens) => {
                         report.admitted += 1;
                         report.latencies_ms.push(ms);
+                        report.output_tokens += tokens;
+                        if class.deadline_ms.is_some_and(|d| ms > d as f64) {
+                            report.late += 1;
+                            report.late_tokens += tokens;
+                        }
                     }
                     Outcome::Denied(reason) => *report.denied.entry(reason).or_default() += 1,
                     Outcome::Failed => report.failed += 1,
@@ -174,16 +186,31 @@ async fn send(
         let res = client.request(req).await.ok()?;
         let status = res.status().as_u16();
         let reason = res.headers().get("x-tollgate-reason").and_then(|v| v.to_str().ok()).map(str::to_string);
-        res.into_body().collect().await.ok()?;
-        Some((status, reason))
+        let body = res.into_body().collect().await.ok()?.to_bytes();
+        Some((status, reason, output_tokens(&body)))
     };
     match tokio::time::timeout_at(scheduled + timeout, exchange).await {
         Err(_) => Outcome::TimedOut(timeout.as_secs_f64() * 1000.0),
         Ok(None) => Outcome::Failed,
-        Ok(Some((200, _))) => Outcome::Admitted(scheduled.elapsed().as_secs_f64() * 1000.0),
-        Ok(Some((_, Some(reason)))) => Outcome::Denied(reason),
+        Ok(Some((200, _, tokens))) => Outcome::Admitted(scheduled.elapsed().as_secs_f64() * 1000.0, tokens),
+        Ok(Some((_, Some(reason), _))) => Outcome::Denied(reason),
         Ok(Some(_)) => Outcome::Failed,
     }
+}
+
+/// The output tokens a chat completion's usage reports: its JSON body's, or its stream's usage
+/// chunk's (0 when it reports none).
+fn output_tokens(body: &[u8]) -> u64 {
+    let count = |v: &serde_json::Value| v["usage"]["completion_tokens"].as_u64();
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        return count(&v).unwrap_or(0);
+    }
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .find_map(|v| count(&v))
+        .unwrap_or(0)
 }
 
 /// The demo's mix: interactive chat (critical, 2 s deadline, short answers) and standard
