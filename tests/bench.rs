@@ -229,3 +229,40 @@ async fn the_decision_benchmark_times_every_call_in_process() {
     assert_eq!(admission.leased_holds("a").0, 0, "every hold was committed");
     assert!(admission.leased_holds("a").1 > 0, "and they were leased holds");
 }
+
+/// The overload matrix runs through real Envoy against the fleet it starts, and reports every
+/// cell it ran: one load and the weighted cell, one round of three seconds each (the figures
+/// themselves are the benchmark's, scripts/bench-overload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overload_matrix_drives_envoy_and_the_fleet_it_starts() {
+    use tollgate::tools::bench::overload::{self, OverloadOptions};
+    let policy =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/overload-policy.yaml")).unwrap();
+    let t = Tollgate::start(&policy);
+    let sim_port = support::procs::free_port();
+    let envoy = support::procs::Envoy::start(t.addr, sim_port);
+    let options = OverloadOptions {
+        envoy: format!("http://127.0.0.1:{}", envoy.port),
+        tollgate: t.endpoint(),
+        pool: "gpu".into(),
+        sim_listen: format!("127.0.0.1:{sim_port}").parse().unwrap(),
+        slots: 4,
+        prefill_tokens_per_second: 5000.0,
+        decode_tokens_per_second: 100.0,
+        median: 120.0,
+        sigma: 0.8,
+        loads: vec![2.0],
+        seconds: 3,
+        rounds: 1,
+        calibrate: 0,
+    };
+    let report = overload::run(&options).await.unwrap();
+    assert!((2.0..4.0).contains(&report.capacity_rps), "{report}");
+    assert_eq!((report.cells.len(), report.cells[0].1.len(), report.weighted.len()), (1, 1, 1), "{report}");
+    let cell = report.cells[0].1[0];
+    assert!(cell.sent >= 10, "{report}");
+    assert!(cell.utilisation > 0.0 && cell.utilisation <= 1.0, "{report}");
+    assert!(cell.interactive_admitted > 0.0 && cell.deadline_hits <= 1.0, "{report}");
+    assert!((0.0..=1.0).contains(&cell.wasted) && (0.0..=1.0).contains(&cell.jain), "{report}");
+    assert!(report.to_string().contains("| 2x |"), "{report}");
+}

@@ -532,7 +532,12 @@ async fn a_pool_learns_its_backends_speeds_from_the_streams_it_watches() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert_eq!((s.model.as_str(), s.decode_samples, s.prefill_samples), ("sim", 5, 5), "{s:?}\n{}", stack.diagnostics());
+    assert_eq!(
+        (s.model.as_str(), s.decode_samples, s.prefill_samples),
+        ("sim", 5, 5),
+        "{s:?}\n{}",
+        stack.diagnostics()
+    );
     // (A loaded machine slows the simulator's 20 ms steps a little: what it shows is what counts.)
     assert!((140.0..250.0).contains(&s.decode_tokens_per_second), "the backend decodes at 200: {s:?}");
     assert!(s.prefill_tokens_per_second > 4_000.0, "the backend prefills far faster than 2,000: {s:?}");
@@ -544,9 +549,10 @@ async fn a_pool_learns_its_backends_speeds_from_the_streams_it_watches() {
 async fn a_live_stream_frees_its_pool_work_as_it_generates() {
     let stack = Stack::sim(&calibrated(50), 50.0, Text::Tok, |c| c).await;
     let port = stack.envoy.port;
-    let stream = tokio::spawn(async move {
-        post(port, CHAT, &[TENANT, ("x-sim-output-tokens", "100")], chat(true, true)).await
-    });
+    let stream =
+        tokio::spawn(
+            async move { post(port, CHAT, &[TENANT, ("x-sim-output-tokens", "100")], chat(true, true)).await },
+        );
     let (mut admitted, mut least) = (0, u64::MAX);
     let start = Instant::now();
     while !stream.is_finished() && start.elapsed() < Duration::from_secs(10) {

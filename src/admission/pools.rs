@@ -16,7 +16,11 @@ const OVERRUN_EXPECTED: u64 = 8;
 
 /// The pool and the policy's name of the pool serving `model`, when `reservation_id` holds work
 /// in it (a reservation names its pool; the model must still be served by it).
-fn pool_of<'p>(policy: &'p Policy, reservation_id: &str, model: &str) -> Option<(&'p str, &'p crate::config::PoolPolicy)> {
+fn pool_of<'p>(
+    policy: &'p Policy,
+    reservation_id: &str,
+    model: &str,
+) -> Option<(&'p str, &'p crate::config::PoolPolicy)> {
     let r = ids::parse_reservation_id(reservation_id)?;
     let (name, pool) = policy.pool_of(policy.models.get(model)?)?;
     (r.pool? == name).then_some((name, &**pool))

@@ -40,7 +40,8 @@ use super::lease::Local;
 use super::plan::{Plan, PoolLeg};
 use super::retry::Settlement;
 use super::{
-    Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason, Unmetered, ids,
+    Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason,
+    Unmetered, ids,
 };
 use crate::config::Policy;
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};

@@ -10,8 +10,8 @@ use crate::estimate::PromptSize;
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome};
 use crate::proto::admission_server;
 use crate::proto::{
-    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
-    PoolSpeeds, PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
+    CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolSpeeds, PoolStatusRequest,
+    PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
 use crate::store::Store;
 

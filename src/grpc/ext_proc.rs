@@ -412,11 +412,12 @@ impl Exchange {
             w.stop.store(true, std::sync::atomic::Ordering::Relaxed);
             return;
         };
-        let reported = *w.reported_ms.get_or_insert_with(|| {
-            admission.work_left(id, model, forecast.output_tokens, 0).unwrap_or(left)
-        });
+        let reported = *w
+            .reported_ms
+            .get_or_insert_with(|| admission.work_left(id, model, forecast.output_tokens, 0).unwrap_or(left));
         #[allow(clippy::cast_precision_loss)]
-        let fallen_enough = (left as f64) <= reported as f64 * REPORT_AT && reported.saturating_sub(left) >= MIN_REPORT_MS;
+        let fallen_enough =
+            (left as f64) <= reported as f64 * REPORT_AT && reported.saturating_sub(left) >= MIN_REPORT_MS;
         if !fallen_enough {
             return;
         }

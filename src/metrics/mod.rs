@@ -236,7 +236,10 @@ impl Metrics {
                 .with_unit("{token}/s")
                 .with_callback(move |o| {
                     for ((pool, model), s) in seen.read().unwrap_or_else(PoisonError::into_inner).iter() {
-                        o.observe(pick(*s), &[KeyValue::new("pool", pool.clone()), KeyValue::new("model", model.clone())]);
+                        o.observe(
+                            pick(*s),
+                            &[KeyValue::new("pool", pool.clone()), KeyValue::new("model", model.clone())],
+                        );
                     }
                 })
                 .build()

@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 use crate::admission::Admission;
 use crate::app::cancel_on_signal;
 use crate::cli::{
-    BenchArgs, BenchKind, BurstArgs, OverloadArgs, CycleArgs, DecisionArgs, InjectArgs, LedgerArgs, SimBackendArgs, SimLoadArgs,
-    SimText,
+    BenchArgs, BenchKind, BurstArgs, CycleArgs, DecisionArgs, InjectArgs, LedgerArgs, OverloadArgs, SimBackendArgs,
+    SimLoadArgs, SimText,
 };
 use crate::config::{ConfigError, Policy, TlsSettings};
 use crate::store::backend::Backend;

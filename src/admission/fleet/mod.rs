@@ -104,7 +104,12 @@ pub struct Fleet {
 }
 
 /// The entry under `a` then `b`, made if missing (names are allocated only then).
-fn entry<'m, T>(map: &'m mut HashMap<String, HashMap<String, T>>, a: &str, b: &str, make: impl FnOnce() -> T) -> &'m mut T {
+fn entry<'m, T>(
+    map: &'m mut HashMap<String, HashMap<String, T>>,
+    a: &str,
+    b: &str,
+    make: impl FnOnce() -> T,
+) -> &'m mut T {
     if !map.contains_key(a) {
         map.insert(a.to_string(), HashMap::new());
     }

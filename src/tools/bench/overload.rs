@@ -184,7 +184,8 @@ struct Fleet {
 }
 
 async fn start_fleet(o: &OverloadOptions) -> Result<Fleet, OverloadError> {
-    let listener = tokio::net::TcpListener::bind(o.sim_listen).await.map_err(|e| OverloadError::Listen(o.sim_listen, e))?;
+    let listener =
+        tokio::net::TcpListener::bind(o.sim_listen).await.map_err(|e| OverloadError::Listen(o.sim_listen, e))?;
     let config = SimConfig {
         slots: o.slots,
         prefill_tokens_per_second: o.prefill_tokens_per_second,
@@ -228,7 +229,12 @@ async fn cell(o: &OverloadOptions, fleet: &Fleet, classes: Vec<Class>) -> (Vec<C
     };
     let reports = load::run(&plan).await;
     // Every cell's classes, as the demo prints them, for the log.
-    eprintln!("{} s at {:.2} requests/s:\n{}", o.seconds, plan.classes.iter().map(|c| c.rate).sum::<f64>(), load::table(&reports));
+    eprintln!(
+        "{} s at {:.2} requests/s:\n{}",
+        o.seconds,
+        plan.classes.iter().map(|c| c.rate).sum::<f64>(),
+        load::table(&reports)
+    );
     sampling.cancel();
     let utilisation = sampler.await.unwrap_or(0.0);
     let tokens = fleet.stats.tokens.load(Ordering::Relaxed) - tokens0;

@@ -64,6 +64,8 @@ pub struct ClassReport {
     /// caller had given up on).
     pub late: u64,
     pub late_tokens: u64,
+    /// The class's requests name a deadline.
+    pub deadline: bool,
 }
 
 impl ClassReport {
@@ -95,7 +97,10 @@ enum Outcome {
 pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
     let reports = Arc::new(Mutex::new(
-        plan.classes.iter().map(|c| ClassReport { name: c.name.clone(), ..Default::default() }).collect::<Vec<_>>(),
+        plan.classes
+            .iter()
+            .map(|c| ClassReport { name: c.name.clone(), deadline: c.deadline_ms.is_some(), ..Default::default() })
+            .collect::<Vec<_>>(),
     ));
     let start = Instant::now() + Duration::from_millis(20);
     let end = start + plan.duration;
@@ -237,7 +242,7 @@ pub fn mixed(interactive_rate: f64, standard_rate: f64, batch_rate: f64) -> Vec<
 /// A table of the reports, one row per class.
 pub fn table(reports: &[ClassReport]) -> String {
     let mut out = String::from(
-        "| class | sent | admitted | denied (by reason) | failed | timed out | p50 ms | p99 ms |\n|---|---|---|---|---|---|---|---|\n",
+        "| class | sent | admitted | denied (by reason) | failed | timed out | p50 ms | p99 ms | within deadline |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in reports {
         let denied = if r.denied.is_empty() {
@@ -246,8 +251,15 @@ pub fn table(reports: &[ClassReport]) -> String {
             r.denied.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
         };
         let pct = |p| r.percentile(p).map_or("-".to_string(), |v| format!("{v:.0}"));
+        // Of the admitted requests of a class with a deadline, those that finished within it.
+        let within = match r.admitted {
+            0 => "-".to_string(),
+            n if r.deadline => format!("{} of {n}", n - r.late),
+            _ => "-".to_string(),
+        };
+        let share = if r.sent == 0 { 0.0 } else { 100.0 * r.admitted as f64 / r.sent as f64 };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} ({share:.0}%) | {} | {} | {} | {} | {} | {within} |\n",
             r.name,
             r.sent,
             r.admitted,
