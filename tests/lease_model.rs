@@ -21,8 +21,8 @@
 //!   falls below minus `replicas × max_share × capacity`, plus the refunds that had not yet reached
 //!   the store the last time the reference bucket was full (a refund beyond a slice's share goes
 //!   back with its replica's next window, and may find room there that the full bucket did not
-//!   have), plus, after a reload cut the capacity, the old bound until the bucket is back above
-//!   zero;
+//!   have; what a slice holds beyond a share a reload cut goes back so too), plus, after a reload
+//!   cut the capacity, the old bound until the bucket is full again;
 //! - **each day's budget is exact**: what the replicas admitted that day and did not refund never
 //!   exceeds it.
 //!
@@ -165,7 +165,7 @@ struct Bucket {
     /// Refunds not yet back at the store the last time this bucket was full.
     in_flight_when_full: f64,
     /// After a reload cut the capacity, what the replicas could overshoot under the old one, until
-    /// the bucket is back above zero.
+    /// the bucket is full again (a deficit run up under the old slices lasts until then).
     before_reload: f64,
 }
 
@@ -217,10 +217,8 @@ impl Bucket {
     }
 
     fn note_full(&mut self, in_flight: u64) {
-        if self.level() >= 0.0 {
-            self.before_reload = 0.0;
-        }
         if self.level() >= self.capacity {
+            self.before_reload = 0.0;
             self.in_flight_when_full = in_flight as f64;
         }
     }
@@ -592,9 +590,18 @@ impl World {
                 if !self.running(owner) {
                     return;
                 }
-                // A store hold under a leased id (a leased decision its slices could not cover
-                // after all) renews at the store, whose call may fail: then nothing changed.
-                let renewed = self.replicas[owner].admission.renew(&self.holds[i].id, 0).await;
+                // A hold decided at the store (or a store hold under a leased id: a leased
+                // decision its slices could not cover after all) renews at the store, whose call
+                // may fail after it ran (its reply lost): tried again, as a caller would, until
+                // answered, so the lease is the store's.
+                let a = &self.replicas[owner].admission;
+                let mut renewed = a.renew(&self.holds[i].id, 0).await;
+                for _ in 0..100 {
+                    if renewed.is_ok() {
+                        break;
+                    }
+                    renewed = a.renew(&self.holds[i].id, 0).await;
+                }
                 let alive = self.alive(&self.holds[i]);
                 match renewed {
                     Ok(RenewOutcome::Renewed { lease_remaining_ms }) => {
@@ -629,7 +636,19 @@ impl World {
                     r.admission.reload(new.clone());
                 }
                 let slack = self.slack(self.tenant.capacity);
-                self.tenant.reload(tenant_limits(tight).1, slack);
+                let capacity = tenant_limits(tight).1;
+                if (capacity as f64) < self.tenant.capacity {
+                    // What a slice holds free beyond the new share goes back with its replica's
+                    // next call, as a refund beyond the share does: in flight until then.
+                    let slice = |c: f64| (c * self.share).floor().max(1.0) as u64;
+                    let excess = slice(self.tenant.capacity) - slice(capacity as f64);
+                    for r in 0..REPLICAS {
+                        if !self.dead(r) {
+                            self.in_flight[r].push((excess, false));
+                        }
+                    }
+                }
+                self.tenant.reload(capacity, slack);
             }
             Op::Stall { replica, ms } => {
                 if !self.dead(replica) {
@@ -737,11 +756,14 @@ impl World {
     }
 
     async fn tick(&mut self, replica: usize) {
-        // A window whose call fails stays pending, and goes again first at the next.
-        let _ = self.replicas[replica].admission.lease_tick(false).await;
+        // A window whose call fails stays pending, and goes again first at the next: until a
+        // window goes through, its refunds and debt are still the replica's (lost if it dies).
+        let sent = self.replicas[replica].admission.lease_tick(false).await.is_ok();
         self.since_windows[replica] = 0;
-        self.in_flight[replica].clear();
-        self.unsent_debt[replica] = 0;
+        if sent {
+            self.in_flight[replica].clear();
+            self.unsent_debt[replica] = 0;
+        }
     }
 
     /// Operations forwarded to a replica are taken by its next lease call (a window, or a miss):
@@ -800,7 +822,19 @@ impl World {
                 // before it was handed over already. Operations on a hold apply in order.
                 let last_for_hold = !pending[k + 1..].iter().any(|q| q.hold() == hold);
                 let earlier_kept = still.iter().any(|q| q.hold() == hold);
-                if earlier_kept || (last_for_hold && waiting.contains_key(id)) || handed_unapplied(id, p) {
+                // The unanswered call handed over at most one operation of the hold: the latest
+                // one no longer waiting in the store (those before it went with calls answered,
+                // and were applied), whatever its kind and counts.
+                let later = pending[k + 1..].iter().filter(|q| q.hold() == hold).count();
+                let latest_handed = match later {
+                    0 => !waiting.contains_key(id),
+                    1 => waiting.contains_key(id),
+                    _ => false,
+                };
+                if earlier_kept
+                    || (last_for_hold && waiting.contains_key(id))
+                    || (latest_handed && handed_unapplied(id, p))
+                {
                     still.push(p.clone());
                     continue;
                 }
@@ -1257,4 +1291,79 @@ fn regression_a_commit_whose_reply_was_lost_is_answered_as_its_own_duplicate() {
         Op::Commit { hold: 1_212_274_177_729_416_001, replica: 1, per_mille: 0 },
     ];
     runtime().block_on(run_random(0.1, ops, Some(17_753_354_234_723_082_508), false, STARTS[0]));
+}
+
+/// A reload that cuts the burst while every replica holds a full slice; the excess of
+/// each slice beyond the new share goes back to a store bucket that store decisions (user u0's,
+/// under the hour budget) drained first.
+#[test]
+fn a_reload_cut_slices_excess_returns_into_a_drained_bucket() {
+    let ops = vec![
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 100 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 100 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 100 },
+        Op::Commit { hold: 0, replica: 0, per_mille: 1000 },
+        Op::Commit { hold: 1, replica: 1, per_mille: 1000 },
+        Op::Commit { hold: 2, replica: 2, per_mille: 1000 },
+        Op::Advance { ms: 2000 },
+        Op::Reload { tight: true },
+        Op::Advance { ms: 1 },
+        Op::Reserve { replica: 0, user: true, prompt: 299, max_tokens: 499 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 0, user: false, prompt: 299, max_tokens: 343 },
+    ];
+    runtime().block_on(run(0.1, ops));
+}
+
+/// The same without user u0: the first replica's call after the reload gives its excess back to a
+/// full bucket, then draws it down; the other two give theirs back into the drained bucket.
+#[test]
+fn a_reload_cut_slices_excess_returns_without_store_decisions() {
+    let ops = vec![
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 100 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 100 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 100 },
+        Op::Commit { hold: 0, replica: 0, per_mille: 1000 },
+        Op::Commit { hold: 1, replica: 1, per_mille: 1000 },
+        Op::Commit { hold: 2, replica: 2, per_mille: 1000 },
+        Op::Advance { ms: 2000 },
+        Op::Reload { tight: true },
+        Op::Advance { ms: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 0, user: false, prompt: 299, max_tokens: 343 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 1, user: false, prompt: 299, max_tokens: 419 },
+    ];
+    runtime().block_on(run(0.1, ops));
+}
+
+/// A reload that cuts the burst while the bucket is below the new capacity: the deficit built up
+/// under the old share (every replica stalled on a full slice while both buckets refilled) outlives
+/// the reference's "back above zero".
+#[test]
+fn a_reload_below_capacity_keeps_the_old_deficit() {
+    let ops = vec![
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 200 },
+        Op::Commit { hold: 0, replica: 0, per_mille: 0 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 200 },
+        Op::Commit { hold: 1, replica: 1, per_mille: 0 },
+        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 200 },
+        Op::Commit { hold: 2, replica: 2, per_mille: 0 },
+        Op::Stall { replica: 0, ms: 7000 },
+        Op::Stall { replica: 1, ms: 7000 },
+        Op::Stall { replica: 2, ms: 7000 },
+        Op::Advance { ms: 7000 },
+        Op::Advance { ms: 1 },
+        Op::Reserve { replica: 2, user: false, prompt: 299, max_tokens: 499 },
+        Op::Reserve { replica: 2, user: false, prompt: 299, max_tokens: 499 },
+        Op::Reload { tight: true },
+        Op::Advance { ms: 1 },
+        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 120 },
+        Op::Reserve { replica: 2, user: false, prompt: 299, max_tokens: 465 },
+    ];
+    runtime().block_on(run(0.1, ops));
 }
