@@ -905,7 +905,9 @@ end
 
 -- Pool state hash (one per backend pool, its own hash tag):
 --   n  holds outstanding      w  their predicted slot time (ms)      kv  their KV-cache tokens
--- Pool holds hash: reservation id -> "<work> <kv>".
+--   f…  fair shares within a tier (below)
+-- Pool holds hash: reservation id -> "<work> <kv> <tier> <tenant>" (holds made before fair shares:
+-- "<work> <kv>"); a live stream's work shrinks as it reports progress (pool_progress.lua).
 
 -- The share of a pool admitted, as its provider's 429s left it (see pool_throttle.lua): the share
 -- written at `at`, recovered since at `recover` per ms, never above the whole pool.
@@ -917,8 +919,6 @@ local function pool_share(share, at, recover, now)
   return math.min(1, share + recover * math.max(0, now - tonumber(at)))
 end
 
--- Takes one hold off a pool, exactly as it was added; returns its work, or nil if the pool does
--- not hold it (already released, or swept after its lease).
 -- Fair shares within a tier (pool state hash fields; weights in thousandths):
 --   f<tier>           "<work> <weights>": the work every tenant holds at the tier, and the sum of
 --                     the weights of the tenants holding any
@@ -931,11 +931,15 @@ local function fair_read(state, tier, tenant, weight)
   return tonumber(t[1]), tonumber(t[2]), tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 end
 
--- Adds `work` (may be negative) and `holds` (+1, -1 or 0) to a tenant's share of a tier.
+-- Adds `work` (may be negative) and `holds` (+1, -1 or 0) to a tenant's share of a tier. A new
+-- hold brings the tenant's weight now (`weight`; 0 from a caller that does not know it): a reload
+-- that changed it takes effect at once, and the tier's sum of weights follows.
 local function fair_add(state, tier, tenant, weight, work, holds)
   local tw, ws, mw, w, mh = fair_read(state, tier, tenant, weight)
   if mh == 0 and holds > 0 then
     ws = ws + w
+  elseif mh > 0 and weight > 0 and weight ~= w then
+    ws, w = ws - w + weight, weight
   end
   mw, mh, tw = math.max(0, mw + work), mh + holds, math.max(0, tw + work)
   local mine = 'f' .. tier .. ':' .. tenant
@@ -952,6 +956,10 @@ local function fair_add(state, tier, tenant, weight, work, holds)
   end
 end
 
+-- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
+-- does not hold it (already released, or swept after its lease). An empty pool drops every fair
+-- share field: whatever a hold taken off without its share (by a replica from before fair shares,
+-- in a rolling update) left behind does not outlive the pool's next idle moment.
 local function pool_drop(state, holds, leases, id)
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
@@ -965,8 +973,17 @@ local function pool_drop(state, holds, leases, id)
     fair_add(state, parts[3], parts[4], 0, -work, -1)
   end
   local v = redis.call('HMGET', state, 'n', 'w', 'kv')
-  redis.call('HSET', state, 'n', math.max(0, (tonumber(v[1]) or 0) - 1), 'w',
-    math.max(0, (tonumber(v[2]) or 0) - work), 'kv', math.max(0, (tonumber(v[3]) or 0) - kv))
+  local n = math.max(0, (tonumber(v[1]) or 0) - 1)
+  redis.call('HSET', state, 'n', n, 'w', math.max(0, (tonumber(v[2]) or 0) - work), 'kv',
+    math.max(0, (tonumber(v[3]) or 0) - kv))
+  if n == 0 then
+    local all = redis.call('HGETALL', state)
+    for i = 1, #all, 2 do
+      if string.sub(all[i], 1, 1) == 'f' then
+        redis.call('HDEL', state, all[i])
+      end
+    end
+  end
   return work
 end
 

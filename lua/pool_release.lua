@@ -1,4 +1,4 @@
--- pool_release.lua: takes a hold's work off its pool, exactly as it was added. Called after the
+-- pool_release.lua: takes a hold's work off its pool, as much as it holds. Called after the
 -- tenant leg commits or releases, and to compensate when the tenant leg refuses. Idempotent: a
 -- hold already taken off (or swept after its lease) changes nothing.
 --

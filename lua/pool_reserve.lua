@@ -115,12 +115,12 @@ if tier_kv > 0 and used_kv + kv > tier_kv then
   return { 0, 'queue_full', math.max(1, math.ceil(w / slots)), delay }
 end
 
--- 3. Hold.
+-- 3. Hold (its tenant's share first: it reads before it writes, so nothing is half written).
+fair_add(state, tier, tenant, weight, work, 1)
 redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
 -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
 -- pool exactly as it came.
 redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
-fair_add(state, tier, tenant, weight, work, 1)
 redis.call('ZADD', leases, now + lease, id)
 for _, k in ipairs(KEYS) do
   keep_for(k, idle)

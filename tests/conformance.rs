@@ -1324,6 +1324,12 @@ mod scenarios {
         h.admission.release(&ids[1]).await.unwrap();
         h.admission.release(&ids[2]).await.unwrap();
         admitted(&pool_try(&h, true).await);
+        // Empty again, the pool keeps no share of anyone's.
+        for id in h.pool_holds().await {
+            h.admission.release(&id).await.unwrap();
+        }
+        let (state, _, _) = h.pool_view().await;
+        assert!(state.fields.keys().all(|f| !f.starts_with('f')), "{:?}", state.fields);
     }
 
     /// Work is stored as integers: a hold's work leaves the pool exactly as it came, at any size.

@@ -123,7 +123,8 @@ impl<S> Admission<S> {
                 // tenant's quantile) or the ceiling, for both. Never above the ceiling.
                 let learned = self.fleet.output(tenant, model_name).filter(|_| pool.calibrate);
                 let (output, long) = match learned {
-                    Some((mean, long)) => (mean.min(ceiling), long.min(ceiling)),
+                    // (A heavy tail can put the quantile below the mean: never judge by less.)
+                    Some((mean, long)) => (mean.min(ceiling), long.max(mean).min(ceiling)),
                     None => {
                         let held = match tp.adaptive_output {
                             Some(_) => self.seen_estimate(tenant, model_name).map_or(ceiling, |o| o.min(ceiling)),

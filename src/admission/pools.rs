@@ -10,9 +10,9 @@ use crate::config::Policy;
 use crate::hold::id as ids;
 use crate::store::{PoolView, Store, ThrottleCall};
 
-/// A stream past its predicted output is expected to run on for this fraction of it again: it
-/// holds that much work until it ends, never none while it still holds a slot.
-const OVERRUN_EXPECTED: u64 = 8;
+/// A stream past its predicted output is expected to run on for 1/`OVERRUN_DIVISOR` of it again:
+/// it holds that much work until it ends, never none while it still holds a slot.
+const OVERRUN_DIVISOR: u64 = 8;
 
 /// The pool and the policy's name of the pool serving `model`, when `reservation_id` holds work
 /// in it (a reservation names its pool; the model must still be served by it).
@@ -83,7 +83,7 @@ impl<S: Store> Admission<S> {
         let policy = self.policy();
         let (name, pool) = pool_of(&policy, reservation_id, model).filter(|(_, p)| p.calibrate)?;
         let speeds = self.fleet.speeds(name, model, pool, self.clock.now_ms());
-        let tokens = expected.saturating_sub(passed).max(expected / OVERRUN_EXPECTED).max(1);
+        let tokens = expected.saturating_sub(passed).max(expected / OVERRUN_DIVISOR).max(1);
         Some((tokens as f64 * speeds.decode_ms_per_token()).ceil() as u64)
     }
 

@@ -1,5 +1,5 @@
 //! A backend pool's scripts: `pool_reserve.lua`, `pool_release.lua`, `pool_renew.lua`,
-//! `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
+//! `pool_progress.lua`, `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
 //! tenant's, so these run apart from the tenant phases (see the reserve phase's "Two key spaces", `admission::reserve`).
 
 use super::{Argv, Fields};
