@@ -514,7 +514,9 @@ async fn gpu_status(stack: &Stack) -> tollgate::proto::PoolStatusResponse {
 /// where the policy says 100, and prefills far faster than the 2,000 it says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_learns_its_backends_speeds_from_the_streams_it_watches() {
-    let stack = Stack::sim(&calibrated(100), 200.0, Text::Tok, |c| c).await;
+    let admin = format!("127.0.0.1:{}", support::procs::free_port());
+    let policy = format!("server:\n  admin_listen: {admin}\n{}", calibrated(100));
+    let stack = Stack::sim(&policy, 200.0, Text::Tok, |c| c).await;
     let before = gpu_status(&stack).await;
     assert_eq!(before.speeds.len(), 1, "{before:?}");
     assert_eq!((before.speeds[0].decode_tokens_per_second, before.speeds[0].decode_samples), (100.0, 0));
@@ -541,6 +543,13 @@ async fn a_pool_learns_its_backends_speeds_from_the_streams_it_watches() {
     // (A loaded machine slows the simulator's 20 ms steps a little: what it shows is what counts.)
     assert!((140.0..250.0).contains(&s.decode_tokens_per_second), "the backend decodes at 200: {s:?}");
     assert!(s.prefill_tokens_per_second > 4_000.0, "the backend prefills far faster than 2,000: {s:?}");
+    // The same speeds, exported.
+    let (status, body) = support::procs::http_get(admin.parse().unwrap(), "/metrics");
+    assert!(status.contains("200"), "{status}");
+    for gauge in ["tollgate_pool_prefill_speed", "tollgate_pool_decode_speed"] {
+        let line = body.lines().find(|l| l.starts_with(gauge) && l.contains("pool=\"gpu\""));
+        assert!(line.is_some_and(|l| l.contains("model=\"sim\"")), "no {gauge} for gpu/sim in\n{body}");
+    }
 }
 
 /// A live stream frees its pool work as it generates: 100 tokens at 50 a second hold 2 s of work

@@ -1293,12 +1293,10 @@ fn regression_a_commit_whose_reply_was_lost_is_answered_as_its_own_duplicate() {
     runtime().block_on(run_random(0.1, ops, Some(17_753_354_234_723_082_508), false, STARTS[0]));
 }
 
-/// A reload that cuts the burst while every replica holds a full slice; the excess of
-/// each slice beyond the new share goes back to a store bucket that store decisions (user u0's,
-/// under the hour budget) drained first.
-#[test]
-fn a_reload_cut_slices_excess_returns_into_a_drained_bucket() {
-    let ops = vec![
+/// Every replica draws a full slice (share 0.1 of 2,000) and commits it whole; two seconds later a
+/// reload cuts the burst, so each slice holds 80 tokens beyond the new share.
+fn full_slices_cut_by_a_reload() -> Vec<Op> {
+    vec![
         Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 100 },
         Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 100 },
         Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 100 },
@@ -1308,12 +1306,22 @@ fn a_reload_cut_slices_excess_returns_into_a_drained_bucket() {
         Op::Advance { ms: 2000 },
         Op::Reload { tight: true },
         Op::Advance { ms: 1 },
+    ]
+}
+
+/// A reload that cuts the burst while every replica holds a full slice; the excess of
+/// each slice beyond the new share goes back to a store bucket that store decisions (user u0's,
+/// under the hour budget) drained first.
+#[test]
+fn a_reload_cut_slices_excess_returns_into_a_drained_bucket() {
+    let mut ops = full_slices_cut_by_a_reload();
+    ops.extend([
         Op::Reserve { replica: 0, user: true, prompt: 299, max_tokens: 499 },
         Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 0, user: false, prompt: 299, max_tokens: 343 },
-    ];
+    ]);
     runtime().block_on(run(0.1, ops));
 }
 
@@ -1321,22 +1329,14 @@ fn a_reload_cut_slices_excess_returns_into_a_drained_bucket() {
 /// full bucket, then draws it down; the other two give theirs back into the drained bucket.
 #[test]
 fn a_reload_cut_slices_excess_returns_without_store_decisions() {
-    let ops = vec![
-        Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 100 },
-        Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 100 },
-        Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 100 },
-        Op::Commit { hold: 0, replica: 0, per_mille: 1000 },
-        Op::Commit { hold: 1, replica: 1, per_mille: 1000 },
-        Op::Commit { hold: 2, replica: 2, per_mille: 1000 },
-        Op::Advance { ms: 2000 },
-        Op::Reload { tight: true },
-        Op::Advance { ms: 1 },
+    let mut ops = full_slices_cut_by_a_reload();
+    ops.extend([
         Op::Reserve { replica: 0, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 0, user: false, prompt: 299, max_tokens: 343 },
         Op::Reserve { replica: 1, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 2, user: false, prompt: 0, max_tokens: 120 },
         Op::Reserve { replica: 1, user: false, prompt: 299, max_tokens: 419 },
-    ];
+    ]);
     runtime().block_on(run(0.1, ops));
 }
 

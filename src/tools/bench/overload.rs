@@ -68,6 +68,7 @@ const MIX: [(&str, f64, u64); 3] = [("interactive", 0.2, 64), ("standard", 0.3, 
 /// The standard tenants' shares of the standard rate: the tier the pool serves beside the
 /// interactive one, so its shares show fairness (batch is shed under overload).
 const STANDARD_TENANTS: [(&str, f64); 3] = [("std-a", 0.1), ("std-b", 0.3), ("std-c", 0.6)];
+/// `Class::new`'s prompt.
 const PROMPT_BYTES: usize = 800;
 const DEADLINE_MS: u64 = 2_000;
 
@@ -107,13 +108,17 @@ pub enum OverloadError {
     Sim(String),
 }
 
-/// Mean slot time (s) of a request of this ceiling on the simulated fleet.
-fn mean_service_s(o: &OverloadOptions, max_tokens: u64) -> f64 {
+/// Mean output tokens of a request of this ceiling on the simulated fleet.
+fn mean_output(o: &OverloadOptions, max_tokens: u64) -> f64 {
     let sampler = Sampler::new(OutputLengths::LogNormal { median: o.median, sigma: o.sigma }, 99);
     let n = 20_000;
-    let output: u64 = (0..n).map(|_| sampler.sample(max_tokens)).sum();
+    (0..n).map(|_| sampler.sample(max_tokens)).sum::<u64>() as f64 / f64::from(n)
+}
+
+/// Mean slot time (s) of a request of this ceiling on the simulated fleet.
+fn mean_service_s(o: &OverloadOptions, max_tokens: u64) -> f64 {
     let prompt = PROMPT_BYTES as f64 / 4.0;
-    prompt / o.prefill_tokens_per_second + output as f64 / n as f64 / o.decode_tokens_per_second
+    prompt / o.prefill_tokens_per_second + mean_output(o, max_tokens) / o.decode_tokens_per_second
 }
 
 /// Requests a second the fleet completes at the matrix's mix.
@@ -122,18 +127,9 @@ pub fn capacity_rps(o: &OverloadOptions) -> f64 {
     o.slots as f64 / mean
 }
 
+/// Every class of the matrix streams (so its pool calibrates) with the demo's prompts.
 fn class(name: &str, tenant: &str, priority: &str, deadline_ms: Option<u64>, rate: f64, max_tokens: u64) -> Class {
-    Class {
-        name: name.into(),
-        tenant: tenant.into(),
-        priority: Some(priority.into()),
-        deadline_ms,
-        rate,
-        max_tokens,
-        output_tokens: None,
-        prompt_bytes: PROMPT_BYTES,
-        stream: true,
-    }
+    Class { stream: true, ..Class::new(name, tenant, priority, deadline_ms, rate, max_tokens) }
 }
 
 /// The tier mix at `rps`, the standard tier from the given tenants at their shares.
@@ -304,8 +300,7 @@ pub async fn run(o: &OverloadOptions) -> Result<OverloadReport, OverloadError> {
         .map_err(|e| OverloadError::Tollgate(o.tollgate.clone(), e.to_string()))?;
     let capacity = capacity_rps(o);
     let mut report = OverloadReport { capacity_rps: capacity, ..Default::default() };
-    let mean_standard = (mean_service_s(o, MIX[1].2) - PROMPT_BYTES as f64 / 4.0 / o.prefill_tokens_per_second)
-        * o.decode_tokens_per_second;
+    let mean_standard = mean_output(o, MIX[1].2);
 
     if o.calibrate > 0 {
         // The true decode speed is what the simulator achieved (its steps' sleeps run a little

@@ -35,6 +35,24 @@ pub struct Class {
     pub stream: bool,
 }
 
+impl Class {
+    /// A class of `max_tokens` requests from `tenant` at `rate` a second, at a tier and with a
+    /// deadline when given: 800-byte prompts, the backend's own output lengths, not streamed.
+    pub fn new(name: &str, tenant: &str, priority: &str, deadline_ms: Option<u64>, rate: f64, max_tokens: u64) -> Self {
+        Class {
+            name: name.into(),
+            tenant: tenant.into(),
+            priority: Some(priority.into()),
+            deadline_ms,
+            rate,
+            max_tokens,
+            output_tokens: None,
+            prompt_bytes: 800,
+            stream: false,
+        }
+    }
+}
+
 /// The whole load.
 #[derive(Debug, Clone)]
 pub struct LoadPlan {
@@ -221,17 +239,7 @@ fn output_tokens(body: &[u8]) -> u64 {
 /// The demo's mix: interactive chat (critical, 2 s deadline, short answers) and standard
 /// requests from tenant `acme`, and a batch flood (sheddable, long answers) from tenant `batchco`.
 pub fn mixed(interactive_rate: f64, standard_rate: f64, batch_rate: f64) -> Vec<Class> {
-    let class = |name: &str, tenant: &str, priority: &str, deadline_ms, rate, max_tokens| Class {
-        name: name.into(),
-        tenant: tenant.into(),
-        priority: Some(priority.into()),
-        deadline_ms,
-        rate,
-        max_tokens,
-        output_tokens: None,
-        prompt_bytes: 800,
-        stream: false,
-    };
+    let class = Class::new;
     vec![
         Class { stream: true, ..class("interactive", "acme", "critical", Some(2_000), interactive_rate, 64) },
         class("standard", "acme", "standard", None, standard_rate, 256),
