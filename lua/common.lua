@@ -957,10 +957,17 @@ local function fair_add(state, tier, tenant, weight, work, holds)
 end
 
 -- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
--- does not hold it (already released, or swept after its lease). An empty pool drops every fair
--- share field: whatever a hold taken off without its share (by a replica from before fair shares,
--- in a rolling update) left behind does not outlive the pool's next idle moment.
-local function pool_drop(state, holds, leases, id)
+-- does not hold it (already released, or swept after its lease). A request still waiting for a
+-- slot (pool_reserve.lua's queue) leaves the queue here too. An empty pool with nobody waiting
+-- drops every fair share field and its tiers' counters: whatever a hold taken off without its
+-- share (by a replica from before fair shares, in a rolling update) left behind does not outlive
+-- the pool's next idle moment, and an idle pool has no contention to remember.
+-- `keys`: the pool scripts' KEYS (state, holds, leases, waiting, counters of each tier).
+local function pool_drop(keys, id)
+  local state, holds, leases = keys[1], keys[2], keys[3]
+  if keys[4] then
+    redis.call('HDEL', keys[4], id)
+  end
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
   if not h then
@@ -976,15 +983,74 @@ local function pool_drop(state, holds, leases, id)
   local n = math.max(0, (tonumber(v[1]) or 0) - 1)
   redis.call('HSET', state, 'n', n, 'w', math.max(0, (tonumber(v[2]) or 0) - work), 'kv',
     math.max(0, (tonumber(v[3]) or 0) - kv))
-  if n == 0 then
+  if n == 0 and (not keys[4] or redis.call('HLEN', keys[4]) == 0) then
     local all = redis.call('HGETALL', state)
     for i = 1, #all, 2 do
-      if string.sub(all[i], 1, 1) == 'f' then
+      local f = string.sub(all[i], 1, 1)
+      if f == 'f' or f == 'v' then
         redis.call('HDEL', state, all[i])
       end
     end
+    for i = 5, #keys do
+      redis.call('DEL', keys[i])
+    end
   end
   return work
+end
+
+-- Waiting for a slot (pool_reserve.lua, a pool that queues in tollgate). The pool's waiting hash:
+--   reservation id -> "<tier rank> <tenant> <work> <arrival ms> <expires ms> <weight>"
+-- tier ranks: critical 0, standard 1, sheddable 2. An entry lives while its caller polls (each
+-- call moves `expires` on by the waiter TTL), so a replica that dies leaves nobody blocking.
+--
+-- Order within a tier: start-time fair queueing by tenant (a virtual token counter). Each tier has
+-- a virtual time (the state's `v<tier>`: the highest start tag admitted there) and each tenant a
+-- finish tag (its tier's sorted set: member tenant, score the tag). A tenant's waiting requests,
+-- in arrival order, start at max(virtual time, its finish tag) and each adds its cost, work (ms)
+-- over its weight, for the next: so a tenant is served in proportion to its weight while others
+-- wait, and one back from quiet starts at the virtual time, with no credit for its quiet. Tags
+-- are computed from the entries as they stand, and written only when a request is admitted, so
+-- a request refused or given up changes no one's place. Tags at or below the virtual time mean
+-- the virtual time and are dropped.
+local TIER_RANK = { critical = 0, standard = 1, sheddable = 2 }
+
+local function cost_of(work, weight)
+  return math.ceil(work * 1000 / math.max(1, weight))
+end
+
+-- The waiting hash's live entries (expired ones removed), parsed.
+local function waiters_of(waiting, now)
+  local all, live = redis.call('HGETALL', waiting), {}
+  for i = 1, #all, 2 do
+    local p = split(all[i + 1])
+    if tonumber(p[5]) <= now then
+      redis.call('HDEL', waiting, all[i])
+    else
+      live[#live + 1] = { id = all[i], rank = tonumber(p[1]), tenant = p[2], work = tonumber(p[3]),
+        arrival = tonumber(p[4]), weight = tonumber(p[6]) }
+    end
+  end
+  return live
+end
+
+-- Start tags of `entries` (one tier's), in place, from the tier's virtual time and tenants' finish
+-- tags in `tags`.
+local function start_tags(entries, tags, virtual)
+  table.sort(entries, function(a, b)
+    if a.arrival ~= b.arrival then
+      return a.arrival < b.arrival
+    end
+    return a.id < b.id
+  end)
+  local next_start = {}
+  for _, e in ipairs(entries) do
+    local s = next_start[e.tenant]
+    if not s then
+      s = math.max(virtual, tonumber(redis.call('ZSCORE', tags, e.tenant)) or virtual)
+    end
+    e.start = s
+    next_start[e.tenant] = s + cost_of(e.work, e.weight)
+  end
 end
 
 -- Output-length estimate (one hash per tenant and model, learned from commits):

@@ -3,11 +3,12 @@
 -- hold already taken off (or swept after its lease) changes nothing.
 --
 -- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash     KEYS[3] the pool's lease index
+-- KEYS[4] the pool's waiting hash   KEYS[5..7] its tiers' virtual counters (see pool_reserve.lua)
 -- ARGV[1] reservation id
 --
 -- Reply: {1, work ms} when this call took the hold off; {0, 0} when the pool did not hold it.
 
-local work = pool_drop(KEYS[1], KEYS[2], KEYS[3], ARGV[1])
+local work = pool_drop(KEYS, ARGV[1])
 if work then
   return { 1, work }
 end

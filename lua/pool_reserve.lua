@@ -6,6 +6,8 @@
 -- KEYS[1] the pool's state hash
 -- KEYS[2] the pool's holds hash
 -- KEYS[3] the pool's lease index
+-- KEYS[4] the pool's waiting hash   KEYS[5..7] the tenants' finish tags at its critical, standard and
+--                                   sheddable tiers (common.lua, "Waiting for a slot")
 --
 -- ARGV[1]  reservation id
 -- ARGV[2]  work: this request's predicted slot time (ms)
@@ -21,10 +23,16 @@
 --          deadline is judged by (the work held, ARGV[2], is what it takes on average)
 -- ARGV[14] tier (critical | standard | sheddable)
 -- ARGV[15] tenant                     ARGV[16] the tenant's weight in its tier (thousandths)
+-- ARGV[17] where the pool queues: backend (admitted requests queue at the backend) | tollgate
+--          (a request that cannot start at once waits here for a slot, in order)
+-- ARGV[18] queueing in tollgate: how long (ms) the caller may still wait for its slot
+-- ARGV[19] queueing in tollgate: how long (ms) a waiting entry lives without its caller's next call
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
 --    finds the hold and answers with the pool as it stands: the work is held once)
+-- Reply, waiting:  {2, predicted start delay ms, holds outstanding, work outstanding (ms)}: call
+--   again (same id) to take the slot when it comes; pool_release.lua gives the place up
 -- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
 --   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed) |
 --           fair_share (the tier is contended and the tenant holds its share of it already)
@@ -44,6 +52,17 @@
 -- request is refused, so the tier's slots go to the tenants below their share, whatever each
 -- sends. A tenant holding nothing at the tier is always let in (up to the tier's queue), and an
 -- uncontended tier admits everyone: the pool never idles for fairness' sake.
+--
+-- Queueing in tollgate (ARGV[17] tollgate): the backend is never given more requests than a tier
+-- may run. A request starts at once while its tier has a free slot that nobody waiting before it
+-- will take (holds + those waiting before it < the tier's slots, and the tier's KV room); otherwise
+-- it waits here, and each call answers again. Order: higher tiers first; within a tier, the tenant
+-- with the earlier start tag (start-time fair queueing by tenant, a virtual token counter: see
+-- common.lua, "Waiting for a slot"), then arrival. Its predicted start: as many holds as must end before it
+-- (holds + those before it - the tier's slots + 1) times the mean work a hold holds, over the
+-- slots. Refused when that start (plus its finish) passes its deadline, or passes what the caller
+-- may still wait (queue_full). Fair shares by held work (above) apply only to a pool that queues
+-- at the backend: in tollgate the order is the share.
 
 local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -60,18 +79,23 @@ local deadline = tonumber(ARGV[11])
 local recover = tonumber(ARGV[12])
 local finish = tonumber(ARGV[13])
 local tier, tenant, weight = ARGV[14], ARGV[15], tonumber(ARGV[16])
+local in_tollgate = ARGV[17] == 'tollgate'
+local wait, waiter_ttl = tonumber(ARGV[18]) or 0, tonumber(ARGV[19]) or 0
+local waiting, rank = KEYS[4], TIER_RANK[tier]
+local tags = KEYS[5 + rank]
 
 local now = now_ms()
 
 -- 0. A re-sent call: this id already holds its work.
 if redis.call('HGET', holds, id) then
+  redis.call('HDEL', waiting, id)
   local v = redis.call('HMGET', state, 'n', 'w')
   return { 1, 0, tonumber(v[1]) or 0, tonumber(v[2]) or 0 }
 end
 
 -- 1. Expiry: holds whose lease ran out leave the pool, a bounded batch at a time.
 for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
-  pool_drop(state, holds, leases, due)
+  pool_drop(KEYS, due)
 end
 
 -- 2. Predict; nothing is written yet.
@@ -79,6 +103,7 @@ local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local resume = tonumber(v[6]) or 0
 if now < resume then
+  redis.call('HDEL', waiting, id)
   return { 0, 'throttled', resume - now, 0 }
 end
 local share = pool_share(v[4], v[5], recover, now)
@@ -92,6 +117,76 @@ local function start_delay(over_slots)
     return 0
   end
   return math.ceil(w / over_slots)
+end
+
+-- Holds this request's work: its tenant's share first (it reads before it writes, so nothing is
+-- half written), then the pool, then, queueing in tollgate, its tenant's finish tag and its tier's
+-- virtual time (`start`: its start tag).
+local function hold(delay, start)
+  fair_add(state, tier, tenant, weight, work, 1)
+  redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
+  -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
+  -- pool exactly as it came.
+  redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
+  redis.call('ZADD', leases, now + lease, id)
+  if start then
+    redis.call('HDEL', waiting, id)
+    local finish_tag = start + cost_of(work, weight)
+    local had = tonumber(redis.call('ZSCORE', tags, tenant)) or 0
+    redis.call('ZADD', tags, math.max(had, finish_tag), tenant)
+    local virtual = tonumber(redis.call('HGET', state, 'v' .. tier)) or 0
+    if start > virtual then
+      redis.call('HSET', state, 'v' .. tier, start)
+      for _, t in ipairs(redis.call('ZRANGEBYSCORE', tags, '-inf', start, 'LIMIT', 0, batch)) do
+        redis.call('ZREM', tags, t)
+      end
+    end
+  end
+  for _, k in ipairs(KEYS) do
+    keep_for(k, idle)
+  end
+  return { 1, delay, n + 1, w + work }
+end
+
+if in_tollgate then
+  -- Who waits before this request: every live entry of a higher tier, and each of its own tier
+  -- with an earlier start tag (then arrival, then id).
+  local mine = redis.call('HGET', waiting, id)
+  local me = { id = id, rank = rank, tenant = tenant, work = work, weight = weight,
+    arrival = mine and tonumber(split(mine)[4]) or now }
+  local before, before_work, same = 0, 0, { me }
+  for _, e in ipairs(waiters_of(waiting, now)) do
+    if e.rank < rank then
+      before, before_work = before + 1, before_work + e.work
+    elseif e.rank == rank and e.id ~= id then
+      same[#same + 1] = e
+    end
+  end
+  start_tags(same, tags, tonumber(redis.call('HGET', state, 'v' .. tier)) or 0)
+  for _, e in ipairs(same) do
+    if e ~= me and (e.start < me.start or (e.start == me.start and
+        (e.arrival < me.arrival or (e.arrival == me.arrival and e.id < id)))) then
+      before, before_work = before + 1, before_work + e.work
+    end
+  end
+  if n + before < tier_slots and (tier_kv == 0 or used_kv + kv <= tier_kv) then
+    return hold(0, me.start)
+  end
+  local ends = math.max(1, n + before - tier_slots + 1)
+  local per = n > 0 and w / n or work
+  local delay = math.ceil(ends * per / slots)
+  if deadline > 0 and delay + finish > deadline then
+    redis.call('HDEL', waiting, id)
+    return { 0, 'deadline', 0, delay }
+  end
+  if delay > wait or wait <= 0 then
+    redis.call('HDEL', waiting, id)
+    return { 0, 'queue_full', delay, delay }
+  end
+  redis.call('HSET', waiting, id,
+    string.format('%d %s %d %d %d %d', rank, tenant, work, me.arrival, now + waiter_ttl, weight))
+  keep_for(waiting, idle)
+  return { 2, delay, n, w + before_work }
 end
 
 local delay = start_delay(slots)
@@ -114,15 +209,4 @@ end
 if tier_kv > 0 and used_kv + kv > tier_kv then
   return { 0, 'queue_full', math.max(1, math.ceil(w / slots)), delay }
 end
-
--- 3. Hold (its tenant's share first: it reads before it writes, so nothing is half written).
-fair_add(state, tier, tenant, weight, work, 1)
-redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
--- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
--- pool exactly as it came.
-redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
-redis.call('ZADD', leases, now + lease, id)
-for _, k in ipairs(KEYS) do
-  keep_for(k, idle)
-end
-return { 1, delay, n + 1, w + work }
+return hold(delay, nil)

@@ -24,6 +24,7 @@ fn request(tenant: Option<&str>) -> Attributes {
         model: Some("m".into()),
         priority: None,
         deadline_ms: None,
+        wait_ms: None,
         idempotency: None,
         prompt: PromptSize::Bytes(40),
         max_tokens: None,

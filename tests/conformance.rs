@@ -1342,7 +1342,124 @@ mod scenarios {
         assert_eq!(h.pool_load().await, (0, 0));
     }
 
+    // A pool that queues in tollgate: a request that cannot start waits for its slot.
+
+    /// A reserve run on a task of its own (it may wait), for the tenant `a` or `b`.
+    fn waiting_reserve<S: Store>(h: &Harness<S>, tier: Priority, b: bool) -> tokio::task::JoinHandle<Decision> {
+        let mut a = pooled(h, tier, None);
+        if b {
+            a.tenant = Some(format!("{}-b", h.tenant));
+        }
+        let admission = std::sync::Arc::clone(&h.admission);
+        tokio::spawn(async move { admission.reserve(&a).await })
+    }
+
+    /// Until `n` requests wait for the pool (a bounded look).
+    async fn until_waiting<S: Store>(h: &Harness<S>, n: usize) {
+        let waiting = h.eventually(Duration::from_secs(5), || async { h.pool_waiting().await == n }).await;
+        assert!(waiting, "{n} requests should be waiting, {} are", h.pool_waiting().await);
+    }
+
+    /// Two slots, both taken: a third request waits (the backend is not given it), and takes the
+    /// slot the first hold gives back; the pool then holds exactly two again.
+    pub async fn a_request_waits_in_tollgate_for_a_free_slot<S: Store>(h: Harness<S>) {
+        let first = admitted(&pool_try(&h, false).await).reservation_id.clone();
+        admitted(&pool_try(&h, false).await);
+        let third = waiting_reserve(&h, Priority::Critical, false);
+        until_waiting(&h, 1).await;
+        assert_eq!(h.pool_load().await, (2, 2200), "a waiting request holds nothing");
+        assert!(!third.is_finished());
+        h.admission.commit(&first, 100, 100).await.unwrap();
+        let d = third.await.unwrap();
+        assert_eq!(admitted(&d).forecast.map(|f| f.start_delay_ms), Some(0), "it starts at once: {d:?}");
+        assert_eq!(h.pool_load().await, (2, 2200));
+        assert_eq!(h.pool_waiting().await, 0);
+    }
+
+    /// Higher tiers first: a sheddable request waiting before a critical one still takes the
+    /// second slot to come free, not the first.
+    pub async fn a_higher_tier_takes_the_next_slot_first<S: Store>(h: Harness<S>) {
+        let first = admitted(&pool_try(&h, false).await).reservation_id.clone();
+        let second = admitted(&pool_try(&h, false).await).reservation_id.clone();
+        let low = waiting_reserve(&h, Priority::Sheddable, false);
+        until_waiting(&h, 1).await;
+        let high = waiting_reserve(&h, Priority::Critical, false);
+        until_waiting(&h, 2).await;
+        h.admission.release(&first).await.unwrap();
+        admitted(&high.await.unwrap());
+        assert!(!low.is_finished(), "the sheddable request still waits");
+        assert_eq!(h.pool_waiting().await, 1);
+        h.admission.release(&second).await.unwrap();
+        admitted(&low.await.unwrap());
+        assert_eq!(h.pool_load().await, (2, 2200));
+    }
+
+    /// One slot, held by `a`, with three more of `a`'s requests waiting: `b`'s request, arriving
+    /// last, takes the next slot (its tenant has been served nothing), then `a`'s, one a slot.
+    pub async fn a_tenant_served_less_goes_first<S: Store>(h: Harness<S>) {
+        let held = admitted(&pool_try(&h, false).await).reservation_id.clone();
+        let mut mine = Vec::new();
+        for n in 1..=3 {
+            mine.push(waiting_reserve(&h, Priority::Critical, false));
+            until_waiting(&h, n).await;
+        }
+        let theirs = waiting_reserve(&h, Priority::Critical, true);
+        until_waiting(&h, 4).await;
+        h.admission.release(&held).await.unwrap();
+        let d = theirs.await.unwrap();
+        assert!(admitted(&d).reservation_id.contains("-b:"), "{d:?}");
+        assert!(mine.iter().all(|m| !m.is_finished()), "a's requests wait");
+        // Each slot given back goes to one of a's requests (in arrival order; two that arrived in
+        // the same millisecond go by id).
+        let mut last = admitted(&d).reservation_id.clone();
+        while !mine.is_empty() {
+            h.admission.release(&last).await.unwrap();
+            assert!(h.eventually(Duration::from_secs(5), || async { mine.iter().any(|m| m.is_finished()) }).await);
+            let at = mine.iter().position(|m| m.is_finished()).unwrap();
+            last = admitted(&mine.remove(at).await.unwrap()).reservation_id.clone();
+            assert!(mine.iter().all(|m| !m.is_finished()), "one slot, one request");
+        }
+        h.admission.release(&last).await.unwrap();
+        assert_eq!(h.pool_load().await, (0, 0));
+        assert_eq!(h.pool_waiting().await, 0);
+        let (state, _, _) = h.pool_view().await;
+        assert!(state.fields.keys().all(|f| !f.starts_with('v') && !f.starts_with('f')), "{:?}", state.fields);
+    }
+
+    /// A request that cannot get a slot within the time its caller gives it, or whose deadline
+    /// the wait would pass, is refused and leaves nothing behind: no hold, no place, no tag.
+    pub async fn a_wait_that_cannot_be_met_changes_nothing<S: Store>(h: Harness<S>) {
+        admitted(&pool_try(&h, false).await);
+        admitted(&pool_try(&h, false).await);
+        let before = pool_contents(&h).await;
+        // The caller gives it 50 ms; a slot is predicted in 550 (1,100 ms of work over 2 slots).
+        let mut short = pooled(&h, Priority::Critical, None);
+        short.wait_ms = Some(50);
+        let d = h.admission.reserve(&short).await;
+        assert_eq!(denied(&d).reason, Reason::QueueFull, "{d:?}");
+        assert!(denied(&d).retry_after_ms.is_some_and(|ms| ms > 0), "{d:?}");
+        // Predicted to finish in 550 + 1,100 ms: past a 1,500 ms deadline, refused at once.
+        let d = h.admission.reserve(&pooled(&h, Priority::Critical, Some(1_500))).await;
+        assert_eq!(denied(&d).reason, Reason::Deadline, "{d:?}");
+        assert_eq!(pool_contents(&h).await, before, "refusals change nothing");
+        // A caller that leaves while it waits gives its place up.
+        let gone = waiting_reserve(&h, Priority::Critical, false);
+        until_waiting(&h, 1).await;
+        gone.abort();
+        until_waiting(&h, 0).await;
+        assert_eq!(pool_contents(&h).await, before, "a caller gone leaves nothing");
+    }
+
+    /// What every key of the harness's pool holds (not how long it lives).
+    async fn pool_contents<S: Store>(h: &Harness<S>) -> Vec<(String, std::collections::BTreeMap<String, String>)> {
+        h.inspect(keys::pool_keys(&h.pool)).await.into_iter().map(|(k, v)| (k, v.fields)).collect()
+    }
+
     const POOL_SPEEDS: &str = "prefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n";
+    /// Two slots every tier may fill, queueing in tollgate; and one slot.
+    pub const TOLLGATE_QUEUE: &str =
+        "max_sequences: 2\nmax_queue_delay_ms: 60000\nqueue: tollgate\ntier_shares: { standard: 1, sheddable: 1 }\n";
+    pub const TOLLGATE_QUEUE_ONE: &str = "max_sequences: 1\nmax_queue_delay_ms: 60000\nqueue: tollgate\n";
 
     pub fn pool_policy(tenant: &str, pool: &str) -> String {
         format!("{tenant}---pool---\n{POOL_SPEEDS}{pool}")
@@ -1441,6 +1558,22 @@ macro_rules! conformance {
             scenario!(
                 a_contended_tier_is_shared_equally,
                 &pool_policy("default_tenant:\n  limits: {}\n---top---\nlimits: {}\n", "max_sequences: 2\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_request_waits_in_tollgate_for_a_free_slot,
+                &pool_policy("limits: {}\n", TOLLGATE_QUEUE)
+            );
+            scenario!(
+                a_higher_tier_takes_the_next_slot_first,
+                &pool_policy("limits: {}\nmax_priority: critical\n", TOLLGATE_QUEUE)
+            );
+            scenario!(
+                a_tenant_served_less_goes_first,
+                &pool_policy("default_tenant:\n  limits: {}\n---top---\nlimits: {}\n", TOLLGATE_QUEUE_ONE)
+            );
+            scenario!(
+                a_wait_that_cannot_be_met_changes_nothing,
+                &pool_policy("limits: {}\n", TOLLGATE_QUEUE)
             );
             scenario!(
                 a_contended_tier_is_shared_by_weight,

@@ -54,6 +54,7 @@ async fn a_hundred_thousand_tenants_leave_no_key_without_a_ttl() {
         model: Some("m".into()),
         priority: None,
         deadline_ms: None,
+        wait_ms: None,
         idempotency: None,
         prompt: PromptSize::Tokens(10),
         max_tokens: Some(10),

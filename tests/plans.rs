@@ -50,6 +50,7 @@ fn request(tenant: &str, plan: Option<&str>, max_tokens: u64) -> Attributes {
         model: Some("n".into()),
         priority: None,
         deadline_ms: None,
+        wait_ms: None,
         idempotency: None,
         prompt: PromptSize::Tokens(0),
         max_tokens: Some(max_tokens),

@@ -287,6 +287,7 @@ impl<S: Store + Clone> World<S> {
             model: Some(model.clone()),
             priority: Some(priority),
             deadline_ms: *deadline_ms,
+            wait_ms: None,
             idempotency: key.clone().map(|(key, repeat)| IdempotencyKey { key, repeat }),
             prompt: PromptSize::Tokens(*prompt),
             max_tokens: Some(*max_tokens),

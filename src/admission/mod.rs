@@ -78,6 +78,9 @@ pub struct Attributes {
     pub priority: Option<Priority>,
     /// Relative deadline (ms); `None` takes the tenant's default.
     pub deadline_ms: Option<u64>,
+    /// How long the caller lets admission wait for a slot of a pool that queues in tollgate (its
+    /// gRPC deadline, less a margin); `None`: the pool's `max_queue_delay_ms`.
+    pub wait_ms: Option<u64>,
     pub idempotency: Option<IdempotencyKey>,
     pub prompt: PromptSize,
     /// The caller's output ceiling.
@@ -151,6 +154,9 @@ pub struct Admission<S> {
     clock: Arc<dyn Clock>,
     /// The plans unlisted tenants were last admitted under, by their plan header.
     claims: claims::Claims,
+    /// Told whenever this replica gives a pool hold back: requests waiting in tollgate for a slot
+    /// look again at once rather than at their next poll.
+    pool_freed: tokio::sync::Notify,
 }
 
 /// Tenants whose last output estimate this replica remembers, at most.
@@ -185,6 +191,7 @@ impl<S: Store> Admission<S> {
             protocol,
             seen_estimates: RwLock::new(HashMap::new()),
             soft_past: RwLock::new(HashMap::new()),
+            pool_freed: tokio::sync::Notify::new(),
             fleet: fleet::Fleet::default(),
             leases,
             replica,

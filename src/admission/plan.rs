@@ -188,6 +188,7 @@ impl<S> Admission<S> {
             scopes,
             pool,
             deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
+            wait_ms: a.wait_ms,
             idempotency,
             leased,
             user: a.user.clone(),
@@ -245,6 +246,8 @@ pub(super) struct Plan {
     pub(super) scopes: Vec<Scope>,
     pub(super) pool: Option<PoolLeg>,
     pub(super) deadline_ms: Option<u64>,
+    /// How long the caller lets admission wait for a slot (`Attributes::wait_ms`).
+    pub(super) wait_ms: Option<u64>,
     /// The key, and the fingerprint of the request it stands for.
     pub(super) idempotency: Option<(IdempotencyKey, String)>,
     /// Decided from this replica's slices (the policy leases, the tenant is not strict, and the

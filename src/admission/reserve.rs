@@ -33,6 +33,7 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::oneshot;
 
@@ -47,6 +48,13 @@ use crate::config::Policy;
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
+
+/// How long a request's place in a pool's queue lives without its next call: well past the
+/// longest pause between calls and a store call's timeout, so only a replica that died loses it.
+const WAITER_TTL_MS: u64 = 1_000;
+/// The pause between a waiting request's calls: a quarter of its predicted start, within these.
+const POLL_MIN_MS: u64 = 5;
+const POLL_MAX_MS: u64 = 50;
 
 impl<S: Store> Admission<S> {
     /// The reserve phase. The legs run to completion even if the caller stops waiting, and a hold
@@ -118,7 +126,7 @@ impl<S: Store> Admission<S> {
         let this = Arc::clone(self);
         self.tasks.spawn(async move {
             let mut tidy = Tidy::default();
-            let decided = this.hold(&plan, &mut tidy).await;
+            let decided = this.hold(&plan, &mut tidy, || answer.is_closed()).await;
             let sent = answer.send(decided);
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
@@ -135,9 +143,11 @@ impl<S: Store> Admission<S> {
         })
     }
 
-    pub(super) async fn hold(&self, plan: &Plan, tidy: &mut Tidy) -> Decision {
+    /// Both legs. `gone` says whether the caller has stopped waiting for the answer (a request
+    /// waiting for a slot then gives its place up).
+    pub(super) async fn hold(&self, plan: &Plan, tidy: &mut Tidy, gone: impl Fn() -> bool) -> Decision {
         let forecast = match &plan.pool {
-            Some(leg) => match self.pool_leg(plan, leg).await {
+            Some(leg) => match self.pool_leg(plan, leg, gone).await {
                 Ok(forecast) => Some(forecast),
                 Err(denial) if denial.reason == Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
@@ -204,15 +214,26 @@ impl<S: Store> Admission<S> {
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
             self.protocol.pool_release(pool, id).await?;
+            self.pool_freed.notify_waiters();
         }
         Ok(())
     }
 
     /// Capacity: can the pool start and finish this request in time? Holds its work if so, and
-    /// says what it predicted.
-    pub(super) async fn pool_leg(&self, plan: &Plan, leg: &PoolLeg) -> Result<Forecast, Denial> {
+    /// says what it predicted. A pool that queues in tollgate may answer "wait": the request then
+    /// asks again, with the same id, when this replica gives a pool hold back or after a pause
+    /// (a fraction of its predicted start), until it is admitted, refused, out of the time its
+    /// caller gave it, or its caller is `gone`.
+    pub(super) async fn pool_leg(
+        &self,
+        plan: &Plan,
+        leg: &PoolLeg,
+        gone: impl Fn() -> bool,
+    ) -> Result<Forecast, Denial> {
         let pool = &leg.pool;
-        let call = PoolCall {
+        let waiting_since = std::time::Instant::now();
+        let may_wait = plan.wait_ms.unwrap_or(pool.max_queue_delay_ms).min(pool.max_queue_delay_ms);
+        let mut call = PoolCall {
             pool: &leg.name,
             id: &plan.id,
             work_ms: leg.work_ms,
@@ -230,11 +251,39 @@ impl<S: Store> Admission<S> {
             tier: leg.tier,
             tenant: &plan.tenant,
             weight_milli: plan.tp.weight_milli,
+            queue: pool.queue,
+            wait_ms: may_wait,
+            waiter_ttl_ms: WAITER_TTL_MS,
         };
-        match self.protocol.pool_reserve(&call).await {
+        let outcome = loop {
+            let outcome = self.protocol.pool_reserve(&call).await;
+            let Ok(PoolOutcome::Waiting { start_delay_ms }) = outcome else { break outcome };
+            let pause = Duration::from_millis((start_delay_ms / 4).clamp(POLL_MIN_MS, POLL_MAX_MS));
+            tokio::select! {
+                () = self.pool_freed.notified() => {}
+                () = tokio::time::sleep(pause) => {}
+            }
+            if gone() {
+                // Its place in the queue is given up now, not when the place's TTL runs out.
+                self.release_pool_leg(&leg.name, &plan.id).await;
+                return Err(Denial::now(Reason::QueueFull, "the caller stopped waiting for a slot"));
+            }
+            let waited = u64::try_from(waiting_since.elapsed().as_millis()).unwrap_or(u64::MAX);
+            call.wait_ms = may_wait.saturating_sub(waited);
+            // The deadline runs while the request waits.
+            call.deadline_ms = plan.deadline_ms.map(|d| d.saturating_sub(waited).max(1));
+        };
+        match outcome {
             Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {
                 Ok(Forecast { start_delay_ms, output_tokens: leg.output_tokens })
             }
+            Ok(PoolOutcome::Waiting { start_delay_ms }) => Err(Denial {
+                retry_after_ms: Some(start_delay_ms),
+                ..Denial::now(
+                    Reason::QueueFull,
+                    format!("no slot of pool {} came within the {may_wait} ms the caller could wait", leg.name),
+                )
+            }),
             Ok(PoolOutcome::Denied { reason: PoolRefusal::Deadline, start_delay_ms, .. }) => Err(Denial::now(
                 Reason::Deadline,
                 format!(
@@ -406,8 +455,11 @@ impl<S: Store> Admission<S> {
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
     pub(super) async fn release_pool_leg(&self, pool: &str, id: &str) {
-        if let Err(e) = self.protocol.pool_release(pool, id).await {
-            tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it");
+        match self.protocol.pool_release(pool, id).await {
+            Ok(_) => self.pool_freed.notify_waiters(),
+            Err(e) => {
+                tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it")
+            }
         }
     }
 }

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use models::{
-    DEFAULT_BYTES_PER_TOKEN, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, ModelPolicy, PoolPolicy, Price, TokenWeights,
-    UpstreamThrottle,
+    DEFAULT_BYTES_PER_TOKEN, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, ModelPolicy, PoolPolicy, PoolQueue, Price,
+    TokenWeights, UpstreamThrottle,
 };
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use validate::MAX_TOKEN_COUNT;

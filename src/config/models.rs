@@ -86,6 +86,30 @@ pub struct PoolPolicy {
     /// Admission predicts from the speeds and output lengths the responses show (the speeds
     /// above are the priors); off, from the speeds above and each request's ceiling alone.
     pub calibrate: bool,
+    pub queue: PoolQueue,
+}
+
+/// Where a pool's requests wait when every slot their tier may fill is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolQueue {
+    /// Admitted into the backend's own queue, while the predicted delay is within the tier's
+    /// share of `max_queue_delay_ms`.
+    #[default]
+    Backend,
+    /// Held in tollgate (the Check is answered when a slot is free), in order: higher tiers
+    /// first, tenants within a tier by weight (start-time fair queueing). The backend never runs
+    /// more than the tier's slots.
+    Tollgate,
+}
+
+impl PoolQueue {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolQueue::Backend => "backend",
+            PoolQueue::Tollgate => "tollgate",
+        }
+    }
 }
 
 /// Adaptive throttle from the provider's 429s (additive increase, multiplicative decrease): each

@@ -209,6 +209,9 @@ pub(super) struct RawPool {
     /// figures above and each request's ceiling alone.
     #[serde(default = "yes")]
     pub calibrate: bool,
+    /// Where a request that cannot start at once waits: `backend` or `tollgate`.
+    #[serde(default)]
+    pub queue: crate::config::PoolQueue,
 }
 
 #[derive(Debug, Deserialize)]

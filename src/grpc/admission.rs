@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use super::headers;
 use crate::admission::{Admission, AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use crate::estimate::PromptSize;
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome};
@@ -44,6 +45,7 @@ fn non_empty(s: String) -> Option<String> {
 impl<S: Store> admission_server::Admission for AdmissionService<S> {
     #[tracing::instrument(name = "reserve", skip_all)]
     async fn reserve(&self, request: Request<ReserveRequest>) -> Result<Response<ReserveResponse>, Status> {
+        let wait_ms = headers::caller_wait_ms(request.metadata());
         let r = request.into_inner();
         let priority = non_empty(r.priority).map(|p| p.parse()).transpose().map_err(Status::invalid_argument)?;
         let attributes = Attributes {
@@ -53,6 +55,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
             model: non_empty(r.model),
             priority,
             deadline_ms: (r.deadline_ms > 0).then_some(r.deadline_ms),
+            wait_ms,
             // A caller repeating a Reserve lost its answer: it gets the same hold back.
             idempotency: non_empty(r.idempotency_key).map(|key| IdempotencyKey { key, repeat: KeyRepeat::ReturnHold }),
             prompt: if r.prompt_tokens > 0 {

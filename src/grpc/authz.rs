@@ -42,6 +42,7 @@ impl<S: Store> Authorization for AuthzService<S> {
         let endpoint = api::endpoint(http(request.get_ref()).map_or("", |h| h.path.as_str()));
         let decision = match attributes_at(request.get_ref(), identity, &endpoint) {
             Ok(a) => {
+                let a = Attributes { wait_ms: headers::caller_wait_ms(request.metadata()), ..a };
                 let d = match endpoint.work {
                     Work::CountTokens => self.admission.pass_free(&a),
                     Work::Generate | Work::Embed => self.admission.reserve(&a).await,
@@ -217,6 +218,8 @@ fn attributes_at(
         priority,
         // 0 is "none given", as on Admission/Reserve: the tenant's default applies.
         deadline_ms: number(headers::DEADLINE)?.filter(|&ms| ms > 0),
+        // The gRPC call's own deadline, read with its metadata (`check`).
+        wait_ms: None,
         // A retried HTTP request reaches the backend too: a new attempt with its own hold.
         idempotency: text(headers::IDEMPOTENCY_KEY)?.map(|key| IdempotencyKey { key, repeat: KeyRepeat::NewAttempt }),
         prompt,

@@ -102,9 +102,48 @@ pub fn parse_forecast(value: &str) -> Option<Forecast> {
     })
 }
 
+/// A gRPC call's deadline as its caller sent it (`grpc-timeout`: Envoy's ext_authz `timeout`, a
+/// client's deadline).
+pub const GRPC_TIMEOUT: &str = "grpc-timeout";
+
+/// How long admission may keep a caller waiting for a slot: its `grpc-timeout` (digits, then a
+/// unit: H M S m u n) less a tenth and 20 ms, so the answer reaches it in time. `None` without one
+/// (or an unreadable one).
+pub fn caller_wait_ms(metadata: &tonic::metadata::MetadataMap) -> Option<u64> {
+    let value = metadata.get(GRPC_TIMEOUT)?.to_str().ok()?;
+    let unit_at = value.len().checked_sub(1)?;
+    let amount: u64 = value.get(..unit_at)?.parse().ok()?;
+    let ms = match value.get(unit_at..)? {
+        "H" => amount.saturating_mul(3_600_000),
+        "M" => amount.saturating_mul(60_000),
+        "S" => amount.saturating_mul(1_000),
+        "m" => amount,
+        "u" => amount / 1_000,
+        "n" => amount / 1_000_000,
+        _ => return None,
+    };
+    Some(ms.saturating_sub(ms / 10).saturating_sub(20))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_callers_wait_leaves_it_time_for_the_answer() {
+        let wait = |v: &str| {
+            let mut m = tonic::metadata::MetadataMap::new();
+            m.insert(GRPC_TIMEOUT, v.parse().unwrap());
+            caller_wait_ms(&m)
+        };
+        assert_eq!(wait("500m"), Some(430));
+        assert_eq!(wait("3S"), Some(2680));
+        assert_eq!(wait("2500000u"), Some(2230));
+        assert_eq!(wait("10m"), Some(0));
+        assert_eq!(wait("5x"), None);
+        assert_eq!(wait("S"), None);
+        assert_eq!(caller_wait_ms(&tonic::metadata::MetadataMap::new()), None);
+    }
 
     #[test]
     fn a_forecast_reads_back_as_written() {

@@ -182,6 +182,31 @@ pub fn pool_leases(pool: &str) -> String {
     format!("tg:pool:{{{pool}}}:leases")
 }
 
+/// The requests waiting in tollgate for a slot of a pool that queues here.
+pub fn pool_waiting(pool: &str) -> String {
+    format!("tg:pool:{{{pool}}}:q")
+}
+
+/// The tenants' finish tags at one tier of a pool that queues in tollgate (fair queueing).
+pub fn pool_tags(pool: &str, tier: crate::config::Priority) -> String {
+    format!("tg:pool:{{{pool}}}:v:{}", tier.as_str())
+}
+
+/// KEYS of the pool scripts that touch holds, in this order: the state hash, the holds hash, the
+/// lease index, the waiting hash, and the finish tags of the critical, standard and sheddable tiers.
+pub fn pool_keys(pool: &str) -> Vec<String> {
+    use crate::config::Priority;
+    vec![
+        pool_state(pool),
+        pool_holds(pool),
+        pool_leases(pool),
+        pool_waiting(pool),
+        pool_tags(pool, Priority::Critical),
+        pool_tags(pool, Priority::Standard),
+        pool_tags(pool, Priority::Sheddable),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -356,6 +356,7 @@ impl<S: Store> Harness<S> {
             model: Some("m".into()),
             priority: None,
             deadline_ms: None,
+            wait_ms: None,
             idempotency: None,
             prompt: PromptSize::Tokens(prompt),
             max_tokens: Some(max_tokens),
@@ -453,6 +454,11 @@ impl<S: Store> Harness<S> {
         let holds = views.remove(&keys[1]).unwrap().fields.len();
         let leases = views.remove(&keys[2]).unwrap().fields.len();
         (state, holds, leases)
+    }
+
+    /// The requests waiting in tollgate for a slot of the pool (a pool that queues here).
+    pub async fn pool_waiting(&self) -> usize {
+        self.scope(&keys::pool_waiting(&self.pool)).await.map_or(0, |v| v.fields.len())
     }
 
     /// The reservation ids the pool holds work for.

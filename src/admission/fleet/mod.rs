@@ -230,6 +230,7 @@ mod tests {
             idle_ttl_ms: 1,
             upstream_throttle: None,
             calibrate: true,
+            queue: crate::config::PoolQueue::Backend,
         };
         assert_eq!(fleet.speeds("p", "m", &pool, 0).service_ms(100, 10), 200);
         // A backend twice as fast at decoding, for three minutes (the prior has decayed away).

@@ -195,6 +195,7 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
         idle_ttl_ms: 0,
         upstream_throttle,
         calibrate: p.calibrate,
+        queue: p.queue,
     })
 }
 

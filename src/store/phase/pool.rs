@@ -7,7 +7,7 @@ use crate::hold::PoolRefusal;
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `pool_reserve.lua`'s `ARGV`, in order.
-pub(crate) const RESERVE_ARGV: [&str; 16] = [
+pub(crate) const RESERVE_ARGV: [&str; 19] = [
     "reservation id",
     "work",
     "KV-cache tokens",
@@ -24,6 +24,9 @@ pub(crate) const RESERVE_ARGV: [&str; 16] = [
     "tier",
     "tenant",
     "the tenant's weight in its tier",
+    "where the pool queues",
+    "how long the caller may still wait",
+    "waiter TTL",
 ];
 
 /// `pool_release.lua`'s `ARGV`.
@@ -74,6 +77,11 @@ pub struct PoolCall<'a> {
     pub tier: crate::config::Priority,
     pub tenant: &'a str,
     pub weight_milli: u64,
+    /// Where the pool queues; queueing in tollgate, how long the caller may still wait for its
+    /// slot, and how long its place lives without the caller's next call.
+    pub queue: crate::config::PoolQueue,
+    pub wait_ms: u64,
+    pub waiter_ttl_ms: u64,
 }
 
 /// What a pool holds, and how far its provider's 429s throttle it.
@@ -103,8 +111,21 @@ pub struct ThrottleCall<'a> {
 /// The pool's verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PoolOutcome {
-    Admitted { start_delay_ms: u64, holds: u64, work_ms: u64 },
-    Denied { reason: PoolRefusal, retry_after_ms: u64, start_delay_ms: u64 },
+    Admitted {
+        start_delay_ms: u64,
+        holds: u64,
+        work_ms: u64,
+    },
+    /// Queueing in tollgate: no slot yet; call again with the same id (its place is kept while
+    /// it does), or release it to give the place up.
+    Waiting {
+        start_delay_ms: u64,
+    },
+    Denied {
+        reason: PoolRefusal,
+        retry_after_ms: u64,
+        start_delay_ms: u64,
+    },
 }
 
 impl<S: Store> Protocol<S> {
@@ -128,10 +149,14 @@ impl<S: Store> Protocol<S> {
         a.push("tier", call.tier.as_str().to_string());
         a.push("tenant", call.tenant.to_string());
         a.push("the tenant's weight in its tier", call.weight_milli.to_string());
-        let reply = self.store.eval(script, pool_keys(call.pool), a.finish()).await?;
+        a.push("where the pool queues", call.queue.as_str().to_string());
+        a.push("how long the caller may still wait", call.wait_ms.to_string());
+        a.push("waiter TTL", call.waiter_ttl_ms.to_string());
+        let reply = self.store.eval(script, keys::pool_keys(call.pool), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
             1 => Ok(PoolOutcome::Admitted { start_delay_ms: r.uint(1)?, holds: r.uint(2)?, work_ms: r.uint(3)? }),
+            2 => Ok(PoolOutcome::Waiting { start_delay_ms: r.uint(1)? }),
             0 => {
                 let reason = match r.text(1)? {
                     "deadline" => PoolRefusal::Deadline,
@@ -183,7 +208,7 @@ impl<S: Store> Protocol<S> {
         let script = &self.scripts.pool_release;
         let mut a = Argv::new("pool_release", &RELEASE_ARGV, 0);
         a.push("reservation id", id.to_string());
-        let reply = self.store.eval(script, pool_keys(pool), a.finish()).await?;
+        let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         Fields::of(script, &reply)?.flag(0)
     }
 
@@ -207,7 +232,7 @@ impl<S: Store> Protocol<S> {
         a.push("reservation id", id.to_string());
         a.push("new lease", lease_ms.to_string());
         a.push("idle TTL", idle_ttl_ms.to_string());
-        let reply = self.store.eval(script, pool_keys(pool), a.finish()).await?;
+        let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         match reply {
             Reply::Int(n @ (0 | 1)) => Ok(n == 1),
             _ => Err(StoreError::BadReply { script: script.name, reply }),
@@ -219,9 +244,4 @@ impl<S: Store> Protocol<S> {
 #[allow(clippy::cast_precision_loss)]
 fn thousandths(n: u64) -> f64 {
     n.min(1_000) as f64 / 1000.0
-}
-
-/// KEYS of the pool scripts that touch holds: the state hash, the holds hash, the lease index.
-fn pool_keys(pool: &str) -> Vec<String> {
-    vec![keys::pool_state(pool), keys::pool_holds(pool), keys::pool_leases(pool)]
 }
