@@ -956,20 +956,37 @@ local function fair_add(state, tier, tenant, weight, work, holds)
   end
 end
 
+-- An empty pool with nobody waiting drops every fair share field, its virtual times and its
+-- tiers' finish tags: whatever a hold taken off without its share (by a replica from before fair
+-- shares, in a rolling update) left behind does not outlive the pool's next idle moment, and an
+-- idle pool has no contention to remember. `keys`: the pool scripts' KEYS (state, holds, leases,
+-- waiting, finish tags of each tier); `n`: the holds it has now.
+local function pool_forget_if_idle(keys, n)
+  if n == 0 and (not keys[4] or redis.call('HLEN', keys[4]) == 0) then
+    local all = redis.call('HGETALL', keys[1])
+    for i = 1, #all, 2 do
+      local f = string.sub(all[i], 1, 1)
+      if f == 'f' or f == 'v' then
+        redis.call('HDEL', keys[1], all[i])
+      end
+    end
+    for i = 5, #keys do
+      redis.call('DEL', keys[i])
+    end
+  end
+end
+
 -- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
 -- does not hold it (already released, or swept after its lease). A request still waiting for a
--- slot (pool_reserve.lua's queue) leaves the queue here too. An empty pool with nobody waiting
--- drops every fair share field and its tiers' counters: whatever a hold taken off without its
--- share (by a replica from before fair shares, in a rolling update) left behind does not outlive
--- the pool's next idle moment, and an idle pool has no contention to remember.
--- `keys`: the pool scripts' KEYS (state, holds, leases, waiting, counters of each tier).
+-- slot (pool_reserve.lua's queue) leaves the queue here too. Either way, a pool left empty forgets.
 local function pool_drop(keys, id)
   local state, holds, leases = keys[1], keys[2], keys[3]
-  if keys[4] then
-    redis.call('HDEL', keys[4], id)
-  end
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
+  if keys[4] and redis.call('HDEL', keys[4], id) == 1 and not h then
+    -- The last one waiting for an empty pool leaves.
+    pool_forget_if_idle(keys, tonumber(redis.call('HGET', state, 'n')) or 0)
+  end
   if not h then
     return nil
   end
@@ -983,18 +1000,7 @@ local function pool_drop(keys, id)
   local n = math.max(0, (tonumber(v[1]) or 0) - 1)
   redis.call('HSET', state, 'n', n, 'w', math.max(0, (tonumber(v[2]) or 0) - work), 'kv',
     math.max(0, (tonumber(v[3]) or 0) - kv))
-  if n == 0 and (not keys[4] or redis.call('HLEN', keys[4]) == 0) then
-    local all = redis.call('HGETALL', state)
-    for i = 1, #all, 2 do
-      local f = string.sub(all[i], 1, 1)
-      if f == 'f' or f == 'v' then
-        redis.call('HDEL', state, all[i])
-      end
-    end
-    for i = 5, #keys do
-      redis.call('DEL', keys[i])
-    end
-  end
+  pool_forget_if_idle(keys, n)
   return work
 end
 

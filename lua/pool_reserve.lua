@@ -151,9 +151,11 @@ end
 if in_tollgate then
   -- Who waits before this request: every live entry of a higher tier, and each of its own tier
   -- with an earlier start tag (then arrival, then id).
-  local mine = redis.call('HGET', waiting, id)
+  -- Its place, unless it lapsed (its caller did not ask again in time): then it starts anew.
+  local mine = split(redis.call('HGET', waiting, id) or '')
+  local kept = mine[5] and tonumber(mine[5]) > now
   local me = { id = id, rank = rank, tenant = tenant, work = work, weight = weight,
-    arrival = mine and tonumber(split(mine)[4]) or now }
+    arrival = kept and tonumber(mine[4]) or now }
   local before, before_work, same = 0, 0, { me }
   for _, e in ipairs(waiters_of(waiting, now)) do
     if e.rank < rank then

@@ -2,7 +2,9 @@
 //! plus a flood of long batch requests. With capacity admission, interactive requests keep their
 //! p99 within their deadline and the flood is refused with 503 (queue_full / deadline), not 429.
 //! With only tenant quotas, the flood queues in the backend and interactive p99 grows past the
-//! deadline.
+//! deadline. With the pool queueing in tollgate, requests that cannot start wait in the Check
+//! for their slot instead of in the backend: interactive requests go first, and the backend is
+//! never given more than the pool's slots.
 
 mod support;
 
@@ -14,15 +16,29 @@ use tollgate::tools::sim::load::{self, Class, ClassReport, LoadPlan};
 
 const DEADLINE_MS: u64 = 600;
 
-/// The policy; `capacity` puts model `sim` in a pool that mirrors the simulated backend.
-fn policy(capacity: bool) -> String {
-    let (pools, served_by) = if capacity {
-        (
-            "pools:\n  gpu:\n    max_sequences: 4\n    prefill_tokens_per_second: 20000\n    decode_tokens_per_second: 1000\n    max_queue_delay_ms: 500\n    tier_shares: { standard: 0.75, sheddable: 0.5 }\n",
+/// Capacity admission off, or where its pool queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Capacity {
+    Off,
+    Backend,
+    Tollgate,
+}
+
+/// The policy; with capacity admission, model `sim` is in a pool that mirrors the simulated backend.
+fn policy(capacity: Capacity) -> String {
+    let queue = match capacity {
+        Capacity::Off => None,
+        Capacity::Backend => Some("backend"),
+        Capacity::Tollgate => Some("tollgate"),
+    };
+    let (pools, served_by) = match queue {
+        Some(queue) => (
+            format!(
+                "pools:\n  gpu:\n    max_sequences: 4\n    prefill_tokens_per_second: 20000\n    decode_tokens_per_second: 1000\n    max_queue_delay_ms: 500\n    queue: {queue}\n    tier_shares: {{ standard: 0.75, sheddable: 0.5 }}\n"
+            ),
             ", pool: gpu",
-        )
-    } else {
-        ("", "")
+        ),
+        None => (String::new(), ""),
     };
     format!(
         "{pools}models:\n  sim: {{ max_output_tokens: 4096, bytes_per_token: 4{served_by} }}\ntenants:\n  \
@@ -66,7 +82,7 @@ impl Drop for SimBackend {
 
 /// 10 interactive requests/s for 3.5 s (100 tokens, 600 ms deadline), and from 0.5 s on a flood of
 /// 2,000-token batch requests at 20/s: 60 of them are 120 slot-seconds of work for 4 slots.
-async fn scenario(capacity: bool) -> (ClassReport, ClassReport) {
+async fn scenario(capacity: Capacity) -> (ClassReport, ClassReport) {
     let tollgate = Tollgate::start(&policy(capacity));
     let sim = SimBackend::start();
     let envoy = Envoy::start(tollgate.addr, sim.port);
@@ -107,17 +123,13 @@ async fn scenario(capacity: bool) -> (ClassReport, ClassReport) {
     };
     let (mut steady, mut flood) = tokio::join!(load::run(&steady), flood);
     let report = (steady.remove(0), flood.remove(0));
-    eprintln!(
-        "capacity admission {}:\n{}",
-        if capacity { "on" } else { "off" },
-        load::table(&[report.0.clone(), report.1.clone()])
-    );
+    eprintln!("capacity admission {capacity:?}:\n{}", load::table(&[report.0.clone(), report.1.clone()]));
     report
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capacity_admission_keeps_interactive_p99_within_its_deadline() {
-    let (interactive, batch) = scenario(true).await;
+    let (interactive, batch) = scenario(Capacity::Backend).await;
     let p99 = interactive.percentile(990).unwrap();
     assert!(p99 < DEADLINE_MS as f64, "interactive p99 {p99:.0} ms is past its {DEADLINE_MS} ms deadline");
     assert!(interactive.admitted * 10 >= interactive.sent * 8, "most interactive requests are served: {interactive:?}");
@@ -134,11 +146,30 @@ async fn capacity_admission_keeps_interactive_p99_within_its_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_only_tenant_quotas_the_flood_pushes_interactive_p99_past_its_deadline() {
-    let (interactive, batch) = scenario(false).await;
+    let (interactive, batch) = scenario(Capacity::Off).await;
     let p99 = interactive.percentile(990).unwrap();
     assert!(
         p99 > 2.0 * DEADLINE_MS as f64,
         "interactive p99 {p99:.0} ms should be far past the {DEADLINE_MS} ms deadline"
     );
     assert_eq!(batch.denied_total(), 0, "quotas alone admit the whole flood: {batch:?}");
+}
+
+/// Queueing in tollgate: interactive requests never wait behind the flood (they take the next slot
+/// before any batch request), and a batch request that cannot start waits in the Check, through
+/// Envoy (which keeps the Check open: its ext_authz timeout is read from the call), before its
+/// 2 s of generation, rather than in the backend's queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queueing_in_tollgate_serves_interactive_first_and_holds_the_flood_in_the_check() {
+    let (interactive, batch) = scenario(Capacity::Tollgate).await;
+    let p99 = interactive.percentile(990).unwrap();
+    assert!(p99 < DEADLINE_MS as f64, "interactive p99 {p99:.0} ms is past its {DEADLINE_MS} ms deadline");
+    assert!(interactive.admitted * 20 >= interactive.sent * 19, "interactive requests are served: {interactive:?}");
+    assert_eq!(interactive.timed_out + interactive.failed, 0, "{interactive:?}");
+    assert_eq!(batch.timed_out + batch.failed, 0, "no Check outlived Envoy's timeout: {batch:?}");
+    assert!(batch.denied.keys().all(|r| r == "queue_full"), "{batch:?}");
+    // 2 s of generation at 1,000 tokens/s and 25 ms of prefill; a slot of its own at once would
+    // answer in well under 2.1 s.
+    let waited = batch.latencies_ms.iter().filter(|&&ms| ms > 2_150.0).count();
+    assert!(waited > 0, "some batch requests waited in the Check for a slot: {batch:?}");
 }

@@ -9,9 +9,9 @@
 //! Then the matrix, in rounds (each round runs every cell, the cells' order rotating from round to
 //! round): offered load at each multiple of the pool's capacity, 20% interactive (critical, 2 s
 //! deadline, 64 tokens), 30% standard (256 tokens) sent by three tenants at 10%, 30% and 60% of
-//! the standard rate, 50% batch (sheddable, 1,024 tokens); and a weighted cell at 3x, whose
-//! standard tier is two tenants sending equally, one weighing twice the other. Every request
-//! streams. Per cell:
+//! the standard rate, 50% batch (sheddable, 1,024 tokens); and a weighted cell at 5x, whose
+//! standard tier is two tenants sending equally, one weighing twice the other (both want more
+//! than their weighted share). Every request streams. Per cell:
 //!
 //! - interactive admitted: the share of interactive requests admitted;
 //! - deadline hits: of the admitted interactive requests, the share that finished (last byte at the
@@ -71,6 +71,9 @@ const STANDARD_TENANTS: [(&str, f64); 3] = [("std-a", 0.1), ("std-b", 0.3), ("st
 /// `Class::new`'s prompt.
 const PROMPT_BYTES: usize = 800;
 const DEADLINE_MS: u64 = 2_000;
+/// The weighted cell's load: enough that both its standard tenants want more than their weighted
+/// share (at 3x the heavier one's whole demand fits its share, and the ratio shows demand).
+const WEIGHTED_LOAD: f64 = 5.0;
 
 /// One cell's figures.
 #[derive(Debug, Clone, Copy, Default)]
@@ -342,7 +345,7 @@ pub async fn run(o: &OverloadOptions) -> Result<OverloadReport, OverloadError> {
                 cells[at].1.push(figures(&reports, util, tokens, cut, &tenants, mean_standard));
             } else {
                 let even: Vec<(&str, f64)> = weighted_tenants.iter().map(|(t, _)| (*t, 0.5)).collect();
-                let (reports, util, tokens, cut) = cell(o, &fleet, mix(capacity * 3.0, &even)).await;
+                let (reports, util, tokens, cut) = cell(o, &fleet, mix(capacity * WEIGHTED_LOAD, &even)).await;
                 report.weighted.push(figures(&reports, util, tokens, cut, &weighted_tenants, mean_standard));
             }
             drain(o, &fleet, &mut client).await;
@@ -394,7 +397,7 @@ impl std::fmt::Display for OverloadReport {
         if !self.weighted.is_empty() {
             writeln!(
                 f,
-                "\nweighted, 3x (standard from two tenants sending equally, weights 2 and 1): tokens heavy/light {}; Jain over weighted fair shares {}",
+                "\nweighted, 5x (standard from two tenants sending equally, weights 2 and 1): tokens heavy/light {}; Jain over weighted fair shares {}",
                 num(spread(&self.weighted, |c| c.weight_ratio)),
                 num(spread(&self.weighted, |c| c.jain)),
             )?;

@@ -1,0 +1,296 @@
+//! A pool that queues in tollgate (`pool_reserve.lua` with `queue: tollgate`, `pool_release.lua`)
+//! against a reference model in plain Rust: random asks (a new request, or a waiting one asking
+//! again), releases and time, on the embedded store with a manual clock (so arrivals are ordered
+//! exactly as the model orders them). After every step the reply is the model's (admitted, waiting
+//! with its predicted start, or refused), and the pool's keys hold exactly the model's holds,
+//! waiting places, finish tags and virtual times: a waiting request holds no work, a refusal
+//! leaves no place, tags are written only on admission, and an idle pool keeps none.
+//! `tests/conformance.rs` runs the same scripts on a single Redis and a Cluster.
+
+// The model computes the script's float prediction as the script does, and reads its scores.
+#![allow(clippy::cast_possible_truncation, clippy::cast_precision_loss, clippy::cast_sign_loss)]
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use support::Harness;
+use tollgate::config::{PoolQueue, Priority};
+use tollgate::store::embedded::EmbeddedStore;
+use tollgate::store::{PoolCall, PoolOutcome, keys};
+
+const SLOTS: u64 = 3;
+const TIERS: [(Priority, u64); 3] = [(Priority::Critical, 3), (Priority::Standard, 2), (Priority::Sheddable, 1)];
+const WEIGHTS: [u64; 3] = [1_000, 2_000, 500];
+const WAITER_TTL_MS: u64 = 1_000;
+/// Longer than any case: holds never expire here (expiry is the conformance suite's).
+const LEASE_MS: u64 = 3_600_000;
+const IDS: usize = 8;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Request `id` asks (its tenant, tier and work are fixed by its first ask).
+    Ask {
+        id: usize,
+        tenant: usize,
+        tier: usize,
+        work: u64,
+        wait: u64,
+    },
+    Release {
+        id: usize,
+    },
+    Advance {
+        ms: u64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..IDS, 0..3usize, 0..3usize, 100..3_000u64, prop_oneof![1 => Just(0u64), 4 => 1..6_000u64])
+            .prop_map(|(id, tenant, tier, work, wait)| Op::Ask { id, tenant, tier, work, wait }),
+        3 => (0..IDS).prop_map(|id| Op::Release { id }),
+        1 => prop_oneof![3 => 1..300u64, 1 => 900..1_500u64].prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+/// A waiting place: tier rank, tenant, work, arrival, expiry, weight.
+#[derive(Debug, Clone, PartialEq)]
+struct Place {
+    rank: usize,
+    tenant: String,
+    work: u64,
+    arrival: u64,
+    expires: u64,
+    weight: u64,
+}
+
+#[derive(Debug, Default)]
+struct Model {
+    /// id → (work, tier, tenant)
+    holds: BTreeMap<String, (u64, usize, String)>,
+    waiting: BTreeMap<String, Place>,
+    /// Per tier: tenant → finish tag; and the tier's virtual time.
+    tags: [BTreeMap<String, u64>; 3],
+    virtual_time: [u64; 3],
+    /// What each id asked with first.
+    asked: BTreeMap<String, (usize, usize, u64)>,
+}
+
+#[derive(Debug, PartialEq)]
+enum Reply {
+    Admitted,
+    Waiting(u64),
+    Refused(u64),
+}
+
+fn cost(work: u64, weight: u64) -> u64 {
+    (work * 1_000).div_ceil(weight)
+}
+
+impl Model {
+    fn load(&self) -> (u64, u64) {
+        (self.holds.len() as u64, self.holds.values().map(|h| h.0).sum())
+    }
+
+    fn ask(&mut self, id: &str, tenant: &str, rank: usize, work: u64, wait: u64, now: u64) -> Reply {
+        if self.holds.contains_key(id) {
+            self.waiting.remove(id);
+            return Reply::Admitted;
+        }
+        self.waiting.retain(|_, p| p.expires > now);
+        let weight = WEIGHTS[tenant.as_bytes()[tenant.len() - 1] as usize - b'0' as usize];
+        let arrival = self.waiting.get(id).map_or(now, |p| p.arrival);
+        // Start tags of the tier's places (this request's among them), by arrival then id.
+        let mut same: Vec<(String, Place)> = self
+            .waiting
+            .iter()
+            .filter(|(other, p)| p.rank == rank && other.as_str() != id)
+            .map(|(i, p)| (i.clone(), p.clone()))
+            .collect();
+        same.push((id.to_string(), Place { rank, tenant: tenant.to_string(), work, arrival, expires: 0, weight }));
+        same.sort_by(|a, b| (a.1.arrival, &a.0).cmp(&(b.1.arrival, &b.0)));
+        let virtual_time = self.virtual_time[rank];
+        let mut next: BTreeMap<String, u64> = BTreeMap::new();
+        let mut starts = BTreeMap::new();
+        for (i, p) in &same {
+            let s = *next
+                .entry(p.tenant.clone())
+                .or_insert_with(|| self.tags[rank].get(&p.tenant).copied().unwrap_or(virtual_time).max(virtual_time));
+            starts.insert(i.clone(), s);
+            next.insert(p.tenant.clone(), s + cost(p.work, p.weight));
+        }
+        let mine = starts[id];
+        let before: Vec<&Place> = self
+            .waiting
+            .iter()
+            .filter(|(other, p)| {
+                other.as_str() != id
+                    && (p.rank < rank
+                        || (p.rank == rank && (starts[*other], p.arrival, other.as_str()) < (mine, arrival, id)))
+            })
+            .map(|(_, p)| p)
+            .collect();
+        let (n, w) = self.load();
+        let tier_slots = TIERS[rank].1;
+        if n + (before.len() as u64) < tier_slots {
+            self.waiting.remove(id);
+            self.holds.insert(id.to_string(), (work, rank, tenant.to_string()));
+            let finish = mine + cost(work, weight);
+            let had = self.tags[rank].get(tenant).copied().unwrap_or(0);
+            self.tags[rank].insert(tenant.to_string(), had.max(finish));
+            if mine > virtual_time {
+                self.virtual_time[rank] = mine;
+                self.tags[rank].retain(|_, t| *t > mine);
+            }
+            return Reply::Admitted;
+        }
+        let ends = (n + before.len() as u64 + 1).saturating_sub(tier_slots).max(1);
+        let per = if n > 0 { w as f64 / n as f64 } else { work as f64 };
+        let delay = (ends as f64 * per / SLOTS as f64).ceil() as u64;
+        if delay > wait || wait == 0 {
+            self.waiting.remove(id);
+            return Reply::Refused(delay);
+        }
+        self.waiting.insert(
+            id.to_string(),
+            Place { rank, tenant: tenant.to_string(), work, arrival, expires: now + WAITER_TTL_MS, weight },
+        );
+        Reply::Waiting(delay)
+    }
+
+    fn release(&mut self, id: &str) {
+        let was_waiting = self.waiting.remove(id).is_some();
+        let held = self.holds.remove(id).is_some();
+        if (was_waiting || held) && self.holds.is_empty() && self.waiting.is_empty() {
+            self.tags = Default::default();
+            self.virtual_time = [0; 3];
+        }
+    }
+}
+
+struct Run {
+    h: Harness<EmbeddedStore>,
+    model: Model,
+    now: u64,
+}
+
+impl Run {
+    async fn step(&mut self, op: &Op, at: &str) {
+        match op {
+            Op::Ask { id, tenant, tier, work, wait } => {
+                let id = format!("r{id}");
+                let (tenant, tier, work) = *self.model.asked.entry(id.clone()).or_insert((*tenant, *tier, *work));
+                let tenant = format!("t{tenant}");
+                let (priority, tier_slots) = TIERS[tier];
+                let call = PoolCall {
+                    pool: &self.h.pool,
+                    id: &id,
+                    work_ms: work,
+                    finish_ms: work,
+                    kv_tokens: 1,
+                    lease_ms: LEASE_MS,
+                    idle_ttl_ms: 2 * LEASE_MS,
+                    sweep_batch: 100,
+                    slots: SLOTS,
+                    tier_slots,
+                    max_queue_delay_ms: 6_000,
+                    tier_kv_tokens: None,
+                    deadline_ms: None,
+                    recover_per_ms: 0.0,
+                    tier: priority,
+                    tenant: &tenant,
+                    weight_milli: WEIGHTS[tenant.as_bytes()[1] as usize - b'0' as usize],
+                    queue: PoolQueue::Tollgate,
+                    wait_ms: *wait,
+                    waiter_ttl_ms: WAITER_TTL_MS,
+                };
+                let got = match self.h.admission.protocol().pool_reserve(&call).await.expect("pool_reserve") {
+                    PoolOutcome::Admitted { .. } => Reply::Admitted,
+                    PoolOutcome::Waiting { start_delay_ms } => Reply::Waiting(start_delay_ms),
+                    PoolOutcome::Denied { start_delay_ms, .. } => Reply::Refused(start_delay_ms),
+                };
+                let want = self.model.ask(&id, &tenant, tier, work, *wait, self.now);
+                assert_eq!(got, want, "{at}: the reply");
+            }
+            Op::Release { id } => {
+                let id = format!("r{id}");
+                self.h.admission.protocol().pool_release(&self.h.pool, &id).await.expect("pool_release");
+                self.model.release(&id);
+            }
+            Op::Advance { ms } => {
+                self.h.advance(*ms).await;
+                self.now += ms;
+            }
+        }
+        // Every ask arrives in a millisecond of its own, as the model orders them.
+        self.h.advance(1).await;
+        self.now += 1;
+        self.check(at).await;
+    }
+
+    async fn check(&self, at: &str) {
+        let all = keys::pool_keys(&self.h.pool);
+        let views = self.h.inspect(all.clone()).await;
+        let fields = |k: usize| views[&all[k]].fields.clone();
+        let holds: BTreeMap<String, u64> =
+            fields(1).into_iter().map(|(id, v)| (id, v.split(' ').next().unwrap().parse().unwrap())).collect();
+        let want: BTreeMap<String, u64> = self.model.holds.iter().map(|(id, h)| (id.clone(), h.0)).collect();
+        assert_eq!(holds, want, "{at}: the pool's holds");
+        let state = fields(0);
+        let get = |f: &str| state.get(f).map_or(0, |v| v.parse::<u64>().unwrap());
+        assert_eq!((get("n"), get("w")), self.model.load(), "{at}: n and w are the holds'");
+        let waiting: BTreeMap<String, String> = fields(3);
+        let want: BTreeMap<String, String> = self
+            .model
+            .waiting
+            .iter()
+            .map(|(id, p)| {
+                (id.clone(), format!("{} {} {} {} {} {}", p.rank, p.tenant, p.work, p.arrival, p.expires, p.weight))
+            })
+            .collect();
+        // The script removes expired places only when it next reads them; so does the model.
+        assert_eq!(waiting, want, "{at}: the waiting places");
+        for (rank, (tier, _)) in TIERS.iter().enumerate() {
+            let tags: BTreeMap<String, u64> =
+                fields(4 + rank).into_iter().map(|(t, v)| (t, v.parse::<f64>().unwrap() as u64)).collect();
+            assert_eq!(tags, self.model.tags[rank], "{at}: finish tags at {}", tier.as_str());
+            assert_eq!(get(&format!("v{}", tier.as_str())), self.model.virtual_time[rank], "{at}: virtual time");
+        }
+        if self.model.holds.is_empty() && self.model.waiting.is_empty() {
+            assert!(state.keys().all(|f| !f.starts_with('f') && !f.starts_with('v')), "{at}: {state:?}");
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_queue_keeps_the_models_books(ops in prop::collection::vec(op(), 1..60)) {
+        runtime().block_on(async {
+            let h = support::embedded("limits: {}\n---pool---\nmax_sequences: 3\nprefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\nmax_queue_delay_ms: 6000\nqueue: tollgate\n").await;
+            let now = tollgate::store::clock::Clock::now_ms(h.clock.as_ref().unwrap());
+            let mut run = Run { h, model: Model::default(), now };
+            for (i, op) in ops.iter().enumerate() {
+                run.step(op, &format!("step {i} {op:?}")).await;
+            }
+            // Everything released: the pool holds nothing and remembers no one.
+            for id in 0..IDS {
+                run.step(&Op::Release { id }, "the end").await;
+            }
+            let views = run.h.inspect(keys::pool_keys(&run.h.pool)).await;
+            let state_key = keys::pool_state(&run.h.pool);
+            let left: Vec<_> = views.iter().filter(|(k, v)| **k != state_key && !v.fields.is_empty()).collect();
+            let state = &views[&state_key].fields;
+            let tags_kept = run.model.tags.iter().any(|t| !t.is_empty());
+            assert!(left.is_empty() || tags_kept, "{left:?}");
+            assert!(state.keys().all(|f| !f.starts_with('v') && !f.starts_with('f')) || tags_kept, "{state:?}");
+        });
+    }
+}
