@@ -327,6 +327,9 @@ pub struct SimLoadArgs {
     /// Batch requests per second (tenant batchco, sheddable, 1024 tokens).
     #[arg(long, default_value_t = 8.0)]
     pub batch_rate: f64,
+    /// The simulated fleet's base URL (`tollgate sim-backend`): the printout adds its utilisation.
+    #[arg(long)]
+    pub sim: Option<String>,
 }
 
 /// The overload matrix's settings.

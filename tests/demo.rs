@@ -1,5 +1,5 @@
 //! The README's demo command runs end to end: Envoy, tollgate, the simulated backend and the
-//! mixed load, and prints a row per class.
+//! mixed load, and prints a row per class and the backend's utilisation.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -24,5 +24,10 @@ fn the_demo_runs_and_reports_every_class() {
         assert!(sent > 0, "{row}");
     }
     assert!(stdout.contains("queue_full"), "the batch flood meets capacity admission:\n{stdout}");
+    let utilisation = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("backend utilisation: ")?.split('%').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no utilisation line:\n{stdout}"));
+    assert!(utilisation > 0.0 && utilisation <= 100.5, "{utilisation}");
     assert!(started.elapsed() < Duration::from_secs(120));
 }

@@ -18,6 +18,7 @@ use tollgate::proto::admission_client::AdmissionClient;
 use tollgate::proto::{CommitRequest, CommitResponse, ReserveRequest};
 use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
 use tollgate::tools::sim::lengths::OutputLengths;
+use tollgate::tools::sim::load;
 
 const POLICY: &str = "models:\n  sim: { max_output_tokens: 4096 }\ntenants:\n  acme:\n    lease_ttl_ms: 300\n    limits: { max_concurrency: 100 }\n";
 
@@ -183,4 +184,26 @@ async fn requests_beyond_the_slots_wait_in_a_fifo_queue() {
     let (one, two) = (one.unwrap(), two.unwrap());
     assert!(one >= Duration::from_millis(290) && one < Duration::from_millis(550), "{one:?}");
     assert!(two >= Duration::from_millis(590), "the second waited for the slot: {two:?}");
+}
+
+/// `GET /sim/stats` counts the slot time of the generations that ended: two requests of 300 ms
+/// on one of two slots are 600 ms of the 2 slots' time, and sim-load's utilisation reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_reports_its_busy_slot_time() {
+    let t = Tollgate::start(POLICY);
+    let s = sim(SimConfig { tollgate: None, ..config(&t, 100.0) }).await;
+    let before = load::fleet_busy(&s.addr).await.expect("stats");
+    assert_eq!(before, (2, 0));
+    let started = Instant::now();
+    let c = client();
+    for _ in 0..2 {
+        let res = c.request(chat(&s.addr, "", 30, false)).await.unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    let after = load::fleet_busy(&s.addr).await.expect("stats");
+    let busy = Duration::from_micros(after.1);
+    assert!(busy >= Duration::from_millis(590) && busy < Duration::from_millis(900), "{busy:?}");
+    let u = load::utilisation(before, after, started.elapsed());
+    // One slot of two busy the whole time, less the requests' own round trips.
+    assert!(u > 0.3 && u <= 0.5, "{u}");
 }

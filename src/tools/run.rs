@@ -301,8 +301,21 @@ pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
         timeout: Duration::from_millis(args.timeout_ms),
         classes: load::mixed(args.interactive_rate, args.standard_rate, args.batch_rate),
     };
+    let before = match &args.sim {
+        Some(sim) => load::fleet_busy(sim).await.map(|b| (b, std::time::Instant::now())),
+        None => None,
+    };
     let reports = load::run(&plan).await;
     print!("{}", load::table(&reports));
+    if let (Some(sim), Some((before, at))) = (&args.sim, before) {
+        match load::fleet_busy(sim).await {
+            Some(after) => println!(
+                "\nbackend utilisation: {:.1}% of its slots busy over the load (generations that ended)",
+                100.0 * load::utilisation(before, after, at.elapsed())
+            ),
+            None => println!("\nbackend utilisation: the simulated fleet at {sim} did not answer"),
+        }
+    }
     ExitCode::SUCCESS
 }
 

@@ -99,6 +99,9 @@ pub struct SimStats {
     /// The decode speed from now on (an `f64`'s bits; 0: the configured one): a bench slows the
     /// fleet mid-run with it.
     pub decode_override: AtomicU64,
+    /// Slot time of the generations that ended (µs, prefill and decode): its growth over slots
+    /// times the time passed is the fleet's utilisation (`GET /sim/stats`).
+    pub busy_micros: AtomicU64,
 }
 
 impl SimStats {
@@ -201,6 +204,9 @@ pub async fn serve(
     }
 }
 
+/// The fleet's counters, as JSON (slots, running, busy_micros, completed, tokens).
+pub const STATS_PATH: &str = "/sim/stats";
+
 type Body = BoxBody<Bytes, Infallible>;
 type Chunks = mpsc::Sender<Result<Frame<Bytes>, Infallible>>;
 /// Where a streaming generation sends its tokens, and how a step of tokens becomes an SSE frame.
@@ -219,13 +225,27 @@ fn error(status: StatusCode, message: &str) -> Response<Body> {
 }
 
 async fn handle(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    if req.uri().path() == STATS_PATH && req.method() == hyper::Method::GET {
+        let s = &sim.stats;
+        return Ok(json(
+            StatusCode::OK,
+            serde_json::json!({
+                "slots": sim.config.slots,
+                "running": s.running.load(Ordering::Relaxed),
+                "busy_micros": s.busy_micros.load(Ordering::Relaxed),
+                "completed": s.completed.load(Ordering::Relaxed),
+                "tokens": s.tokens.load(Ordering::Relaxed),
+            }),
+        ));
+    }
     let (api, path_stream) = match Api::of_path(req.uri().path()) {
         Some(api) if req.method() == hyper::Method::POST => api,
         _ => {
             return Ok(error(
                 StatusCode::NOT_FOUND,
                 "the simulator serves POST /v1/chat/completions, /v1/messages, /v1/responses, /v1/embeddings, \
-                 Gemini's generateContent, Bedrock's converse and Ollama's /api/chat and /api/generate",
+                 Gemini's generateContent, Bedrock's converse and Ollama's /api/chat and /api/generate, \
+                 and GET /sim/stats",
             ));
         }
     };
@@ -302,12 +322,13 @@ struct Generation {
     prompt: u64,
     produced: u64,
     done: bool,
+    began: std::time::Instant,
 }
 
 impl Generation {
     fn new(sim: Arc<Sim>, reservation: Option<String>, prompt: u64) -> Self {
         sim.stats.running.fetch_add(1, Ordering::Relaxed);
-        Generation { sim, reservation, prompt, produced: 0, done: false }
+        Generation { sim, reservation, prompt, produced: 0, done: false, began: std::time::Instant::now() }
     }
 
     /// Prefill, then decode `output` tokens, streaming each step's tokens to `sink` when there is
@@ -367,6 +388,8 @@ impl Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         self.sim.stats.running.fetch_sub(1, Ordering::Relaxed);
+        let busy = u64::try_from(self.began.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.sim.stats.busy_micros.fetch_add(busy, Ordering::Relaxed);
         if self.done {
             return;
         }

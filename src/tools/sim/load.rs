@@ -176,6 +176,23 @@ pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
     Arc::try_unwrap(reports).map(Mutex::into_inner).unwrap_or_default()
 }
 
+/// The simulated fleet's slots and the slot time its ended generations took (µs), from its
+/// `GET /sim/stats` at `sim` (its base URL); `None` when it does not answer.
+pub async fn fleet_busy(sim: &str) -> Option<(u64, u64)> {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
+    let req = hyper::Request::get(format!("{sim}{}", super::backend::STATS_PATH)).body(Full::new(Bytes::new())).ok()?;
+    let response = tokio::time::timeout(Duration::from_secs(2), client.request(req)).await.ok()?.ok()?;
+    let body = response.into_body().collect().await.ok()?.to_bytes();
+    let stats: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    Some((stats["slots"].as_u64()?, stats["busy_micros"].as_u64()?))
+}
+
+/// The fleet's utilisation between two [`fleet_busy`] readings `elapsed` apart.
+pub fn utilisation((slots, before): (u64, u64), (_, after): (u64, u64), elapsed: Duration) -> f64 {
+    let capacity = slots as f64 * elapsed.as_micros() as f64;
+    if capacity > 0.0 { after.saturating_sub(before) as f64 / capacity } else { 0.0 }
+}
+
 async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     target: &str,
