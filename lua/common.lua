@@ -956,6 +956,14 @@ local function fair_add(state, tier, tenant, weight, work, holds)
   end
 end
 
+-- Tier ranks in a pool's queue (below, "Waiting for a slot"), and what a request of `work` ms
+-- adds to its tenant's finish tag at its `weight` (thousandths).
+local TIER_RANK = { critical = 0, standard = 1, sheddable = 2 }
+
+local function cost_of(work, weight)
+  return math.ceil(work * 1000 / math.max(1, weight))
+end
+
 -- An empty pool with nobody waiting drops every fair share field, its virtual times and its
 -- tiers' finish tags: whatever a hold taken off without its share (by a replica from before fair
 -- shares, in a rolling update) left behind does not outlive the pool's next idle moment, and an
@@ -979,7 +987,10 @@ end
 -- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
 -- does not hold it (already released, or swept after its lease). A request still waiting for a
 -- slot (pool_reserve.lua's queue) leaves the queue here too. Either way, a pool left empty forgets.
-local function pool_drop(keys, id)
+-- `unused`: the request never reached the backend (its tenant leg refused it, or nobody received
+-- the admission), so the finish tag its admission added ("<work> <kv> <tier> <tenant> <cost>")
+-- is taken back: its tenant is not queued as if served.
+local function pool_drop(keys, id, unused)
   local state, holds, leases = keys[1], keys[2], keys[3]
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
@@ -995,6 +1006,19 @@ local function pool_drop(keys, id)
   redis.call('HDEL', holds, id)
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)
+  end
+  if unused and parts[5] and keys[5] then
+    local tags, tenant = keys[5 + TIER_RANK[parts[3]]], parts[4]
+    local tag = tonumber(redis.call('ZSCORE', tags, tenant))
+    if tag then
+      local virtual = tonumber(redis.call('HGET', state, 'v' .. parts[3])) or 0
+      local back = tag - tonumber(parts[5])
+      if back > virtual then
+        redis.call('ZADD', tags, back, tenant)
+      else
+        redis.call('ZREM', tags, tenant)
+      end
+    end
   end
   local v = redis.call('HMGET', state, 'n', 'w', 'kv')
   local n = math.max(0, (tonumber(v[1]) or 0) - 1)
@@ -1018,12 +1042,6 @@ end
 -- are computed from the entries as they stand, and written only when a request is admitted, so
 -- a request refused or given up changes no one's place. Tags at or below the virtual time mean
 -- the virtual time and are dropped.
-local TIER_RANK = { critical = 0, standard = 1, sheddable = 2 }
-
-local function cost_of(work, weight)
-  return math.ceil(work * 1000 / math.max(1, weight))
-end
-
 -- The waiting hash's live entries (expired ones removed), parsed.
 local function waiters_of(waiting, now)
   local all, live = redis.call('HGETALL', waiting), {}

@@ -103,7 +103,9 @@ local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local resume = tonumber(v[6]) or 0
 if now < resume then
-  redis.call('HDEL', waiting, id)
+  if redis.call('HDEL', waiting, id) == 1 then
+    pool_forget_if_idle(KEYS, n)
+  end
   return { 0, 'throttled', resume - now, 0 }
 end
 local share = pool_share(v[4], v[5], recover, now)
@@ -127,11 +129,15 @@ local function hold(delay, start)
   redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
   -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
   -- pool exactly as it came.
-  redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
   redis.call('ZADD', leases, now + lease, id)
-  if start then
+  if not start then
+    redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
+  else
+    -- Its cost too: a release of a request that never ran takes it back off the tag.
+    local cost = cost_of(work, weight)
+    redis.call('HSET', holds, id, string.format('%d %d %s %s %d', work, kv, tier, tenant, cost))
     redis.call('HDEL', waiting, id)
-    local finish_tag = start + cost_of(work, weight)
+    local finish_tag = start + cost
     local had = tonumber(redis.call('ZSCORE', tags, tenant)) or 0
     redis.call('ZADD', tags, math.max(had, finish_tag), tenant)
     local virtual = tonumber(redis.call('HGET', state, 'v' .. tier)) or 0
@@ -171,19 +177,31 @@ if in_tollgate then
       before, before_work = before + 1, before_work + e.work
     end
   end
-  if n + before < tier_slots and (tier_kv == 0 or used_kv + kv <= tier_kv) then
+  local function refuse(reason, retry, delay)
+    if redis.call('HDEL', waiting, id) == 1 then
+      pool_forget_if_idle(KEYS, n)
+    end
+    return { 0, reason, retry, delay }
+  end
+  -- More KV than its tier may ever hold: no wait would help.
+  if tier_kv > 0 and kv > tier_kv then
+    return refuse('queue_full', max_delay, 0)
+  end
+  local starts = n + before < tier_slots and (tier_kv == 0 or used_kv + kv <= tier_kv)
+  local delay = 0
+  if not starts then
+    local ends = math.max(1, n + before - tier_slots + 1)
+    local per = n > 0 and w / n or work
+    delay = math.ceil(ends * per / slots)
+  end
+  if deadline > 0 and delay + finish > deadline then
+    return refuse('deadline', 0, delay)
+  end
+  if starts then
     return hold(0, me.start)
   end
-  local ends = math.max(1, n + before - tier_slots + 1)
-  local per = n > 0 and w / n or work
-  local delay = math.ceil(ends * per / slots)
-  if deadline > 0 and delay + finish > deadline then
-    redis.call('HDEL', waiting, id)
-    return { 0, 'deadline', 0, delay }
-  end
   if delay > wait or wait <= 0 then
-    redis.call('HDEL', waiting, id)
-    return { 0, 'queue_full', delay, delay }
+    return refuse('queue_full', delay, delay)
   end
   redis.call('HSET', waiting, id,
     string.format('%d %s %d %d %d %d', rank, tenant, work, me.arrival, now + waiter_ttl, weight))

@@ -1450,6 +1450,29 @@ mod scenarios {
         assert_eq!(pool_contents(&h).await, before, "a caller gone leaves nothing");
     }
 
+    /// The tenant's finish tag at the critical tier, as the queue reads it: its own, or the tier's
+    /// virtual time when that is later (or it has none).
+    async fn finish_tag<S: Store>(h: &Harness<S>) -> u64 {
+        let (tags, state) = (keys::pool_tags(&h.pool, Priority::Critical), keys::pool_state(&h.pool));
+        let views = h.inspect(vec![tags.clone(), state.clone()]).await;
+        let virtual_time = views[&state].fields.get("vcritical").map_or(0, |v| v.parse::<u64>().unwrap());
+        let own = views[&tags].fields.get(&h.tenant).map_or(0, |v| v.parse::<f64>().unwrap() as u64);
+        own.max(virtual_time)
+    }
+
+    /// A request the pool admits but its tenant refuses (here its concurrency) never reaches the
+    /// backend: the pool gives its slot back and its tenant's finish tag is what it was, so the
+    /// tenant is not queued behind others as if it had been served.
+    pub async fn a_request_its_tenant_refuses_is_not_counted_as_served<S: Store>(h: Harness<S>) {
+        admitted(&pool_try(&h, false).await);
+        let served = finish_tag(&h).await;
+        assert_eq!(served, 1_100, "one request of 1,100 ms at weight 1");
+        let d = pool_try(&h, false).await;
+        assert_eq!(denied(&d).reason, Reason::Concurrency, "{d:?}");
+        assert_eq!(h.pool_load().await, (1, 1100));
+        assert_eq!(finish_tag(&h).await, served);
+    }
+
     /// What every key of the harness's pool holds (not how long it lives).
     async fn pool_contents<S: Store>(h: &Harness<S>) -> Vec<(String, std::collections::BTreeMap<String, String>)> {
         h.inspect(keys::pool_keys(&h.pool)).await.into_iter().map(|(k, v)| (k, v.fields)).collect()
@@ -1570,6 +1593,10 @@ macro_rules! conformance {
             scenario!(
                 a_tenant_served_less_goes_first,
                 &pool_policy("default_tenant:\n  limits: {}\n---top---\nlimits: {}\n", TOLLGATE_QUEUE_ONE)
+            );
+            scenario!(
+                a_request_its_tenant_refuses_is_not_counted_as_served,
+                &pool_policy("limits: { max_concurrency: 1 }\n", TOLLGATE_QUEUE)
             );
             scenario!(
                 a_wait_that_cannot_be_met_changes_nothing,

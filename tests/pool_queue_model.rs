@@ -1,6 +1,7 @@
 //! A pool that queues in tollgate (`pool_reserve.lua` with `queue: tollgate`, `pool_release.lua`)
 //! against a reference model in plain Rust: random asks (a new request, or a waiting one asking
-//! again), releases and time, on the embedded store with a manual clock (so arrivals are ordered
+//! again; with a deadline, and KV-cache tokens against its tier's share), releases (of a request
+//! that ran, or of one that never reached the backend) and time, on the embedded store with a manual clock (so arrivals are ordered
 //! exactly as the model orders them). After every step the reply is the model's (admitted, waiting
 //! with its predicted start, or refused), and the pool's keys hold exactly the model's holds,
 //! waiting places, finish tags and virtual times: a waiting request holds no work, a refusal
@@ -27,19 +28,25 @@ const WAITER_TTL_MS: u64 = 1_000;
 /// Longer than any case: holds never expire here (expiry is the conformance suite's).
 const LEASE_MS: u64 = 3_600_000;
 const IDS: usize = 8;
+/// KV-cache tokens each tier may fill.
+const TIER_KV: [u64; 3] = [1_000, 800, 500];
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// Request `id` asks (its tenant, tier and work are fixed by its first ask).
+    /// Request `id` asks (its tenant, tier, work, KV tokens and deadline are fixed by its first ask).
     Ask {
         id: usize,
         tenant: usize,
         tier: usize,
         work: u64,
+        kv: u64,
+        deadline: u64,
         wait: u64,
     },
+    /// `unused`: its request never reached the backend.
     Release {
         id: usize,
+        unused: bool,
     },
     Advance {
         ms: u64,
@@ -48,9 +55,12 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0..IDS, 0..3usize, 0..3usize, 100..3_000u64, prop_oneof![1 => Just(0u64), 4 => 1..6_000u64])
-            .prop_map(|(id, tenant, tier, work, wait)| Op::Ask { id, tenant, tier, work, wait }),
-        3 => (0..IDS).prop_map(|id| Op::Release { id }),
+        6 => (
+            (0..IDS, 0..3usize, 0..3usize, 100..3_000u64),
+            (1..600u64, prop_oneof![3 => Just(0u64), 1 => 500..6_000u64], prop_oneof![1 => Just(0u64), 4 => 1..6_000u64]),
+        )
+            .prop_map(|((id, tenant, tier, work), (kv, deadline, wait))| Op::Ask { id, tenant, tier, work, kv, deadline, wait }),
+        3 => (0..IDS, prop::bool::weighted(0.3)).prop_map(|(id, unused)| Op::Release { id, unused }),
         1 => prop_oneof![3 => 1..300u64, 1 => 900..1_500u64].prop_map(|ms| Op::Advance { ms }),
     ]
 }
@@ -68,14 +78,14 @@ struct Place {
 
 #[derive(Debug, Default)]
 struct Model {
-    /// id → (work, tier, tenant)
-    holds: BTreeMap<String, (u64, usize, String)>,
+    /// id → (work, tier, tenant, KV tokens, what its admission added to its tenant's finish tag)
+    holds: BTreeMap<String, (u64, usize, String, u64, u64)>,
     waiting: BTreeMap<String, Place>,
     /// Per tier: tenant → finish tag; and the tier's virtual time.
     tags: [BTreeMap<String, u64>; 3],
     virtual_time: [u64; 3],
-    /// What each id asked with first.
-    asked: BTreeMap<String, (usize, usize, u64)>,
+    /// What each id asked with first: tenant, tier, work, KV tokens, deadline.
+    asked: BTreeMap<String, (usize, usize, u64, u64, u64)>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -94,7 +104,34 @@ impl Model {
         (self.holds.len() as u64, self.holds.values().map(|h| h.0).sum())
     }
 
-    fn ask(&mut self, id: &str, tenant: &str, rank: usize, work: u64, wait: u64, now: u64) -> Reply {
+    fn used_kv(&self) -> u64 {
+        self.holds.values().map(|h| h.3).sum()
+    }
+
+    /// A place given up by a refusal: a pool left with nothing forgets.
+    fn give_up_place(&mut self, id: &str) {
+        if self.waiting.remove(id).is_some() && self.holds.is_empty() && self.waiting.is_empty() {
+            self.forget();
+        }
+    }
+
+    fn forget(&mut self) {
+        self.tags = Default::default();
+        self.virtual_time = [0; 3];
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn ask(
+        &mut self,
+        id: &str,
+        tenant: &str,
+        rank: usize,
+        work: u64,
+        kv: u64,
+        deadline: u64,
+        wait: u64,
+        now: u64,
+    ) -> Reply {
         if self.holds.contains_key(id) {
             self.waiting.remove(id);
             return Reply::Admitted;
@@ -134,10 +171,28 @@ impl Model {
             .collect();
         let (n, w) = self.load();
         let tier_slots = TIERS[rank].1;
-        if n + (before.len() as u64) < tier_slots {
+        if kv > TIER_KV[rank] {
+            self.give_up_place(id);
+            return Reply::Refused(0);
+        }
+        let starts = n + (before.len() as u64) < tier_slots && self.used_kv() + kv <= TIER_KV[rank];
+        let delay = if starts {
+            0
+        } else {
+            let ends = (n + before.len() as u64 + 1).saturating_sub(tier_slots).max(1);
+            let per = if n > 0 { w as f64 / n as f64 } else { work as f64 };
+            (ends as f64 * per / SLOTS as f64).ceil() as u64
+        };
+        // A request's finish is its work here.
+        if deadline > 0 && delay + work > deadline {
+            self.give_up_place(id);
+            return Reply::Refused(delay);
+        }
+        if starts {
             self.waiting.remove(id);
-            self.holds.insert(id.to_string(), (work, rank, tenant.to_string()));
-            let finish = mine + cost(work, weight);
+            let added = cost(work, weight);
+            self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added));
+            let finish = mine + added;
             let had = self.tags[rank].get(tenant).copied().unwrap_or(0);
             self.tags[rank].insert(tenant.to_string(), had.max(finish));
             if mine > virtual_time {
@@ -146,11 +201,8 @@ impl Model {
             }
             return Reply::Admitted;
         }
-        let ends = (n + before.len() as u64 + 1).saturating_sub(tier_slots).max(1);
-        let per = if n > 0 { w as f64 / n as f64 } else { work as f64 };
-        let delay = (ends as f64 * per / SLOTS as f64).ceil() as u64;
         if delay > wait || wait == 0 {
-            self.waiting.remove(id);
+            self.give_up_place(id);
             return Reply::Refused(delay);
         }
         self.waiting.insert(
@@ -160,12 +212,21 @@ impl Model {
         Reply::Waiting(delay)
     }
 
-    fn release(&mut self, id: &str) {
+    fn release(&mut self, id: &str, unused: bool) {
         let was_waiting = self.waiting.remove(id).is_some();
-        let held = self.holds.remove(id).is_some();
-        if (was_waiting || held) && self.holds.is_empty() && self.waiting.is_empty() {
-            self.tags = Default::default();
-            self.virtual_time = [0; 3];
+        let held = self.holds.remove(id);
+        if let (true, Some((_, rank, tenant, _, added))) = (unused, &held)
+            && let Some(tag) = self.tags[*rank].get(tenant).copied()
+        {
+            let back = tag.saturating_sub(*added);
+            if back > self.virtual_time[*rank] {
+                self.tags[*rank].insert(tenant.clone(), back);
+            } else {
+                self.tags[*rank].remove(tenant);
+            }
+        }
+        if (was_waiting || held.is_some()) && self.holds.is_empty() && self.waiting.is_empty() {
+            self.forget();
         }
     }
 }
@@ -179,9 +240,10 @@ struct Run {
 impl Run {
     async fn step(&mut self, op: &Op, at: &str) {
         match op {
-            Op::Ask { id, tenant, tier, work, wait } => {
+            Op::Ask { id, tenant, tier, work, kv, deadline, wait } => {
                 let id = format!("r{id}");
-                let (tenant, tier, work) = *self.model.asked.entry(id.clone()).or_insert((*tenant, *tier, *work));
+                let (tenant, tier, work, kv, deadline) =
+                    *self.model.asked.entry(id.clone()).or_insert((*tenant, *tier, *work, *kv, *deadline));
                 let tenant = format!("t{tenant}");
                 let (priority, tier_slots) = TIERS[tier];
                 let call = PoolCall {
@@ -189,15 +251,15 @@ impl Run {
                     id: &id,
                     work_ms: work,
                     finish_ms: work,
-                    kv_tokens: 1,
+                    kv_tokens: kv,
                     lease_ms: LEASE_MS,
                     idle_ttl_ms: 2 * LEASE_MS,
                     sweep_batch: 100,
                     slots: SLOTS,
                     tier_slots,
                     max_queue_delay_ms: 6_000,
-                    tier_kv_tokens: None,
-                    deadline_ms: None,
+                    tier_kv_tokens: Some(TIER_KV[tier]),
+                    deadline_ms: (deadline > 0).then_some(deadline),
                     recover_per_ms: 0.0,
                     tier: priority,
                     tenant: &tenant,
@@ -211,13 +273,13 @@ impl Run {
                     PoolOutcome::Waiting { start_delay_ms } => Reply::Waiting(start_delay_ms),
                     PoolOutcome::Denied { start_delay_ms, .. } => Reply::Refused(start_delay_ms),
                 };
-                let want = self.model.ask(&id, &tenant, tier, work, *wait, self.now);
+                let want = self.model.ask(&id, &tenant, tier, work, kv, deadline, *wait, self.now);
                 assert_eq!(got, want, "{at}: the reply");
             }
-            Op::Release { id } => {
+            Op::Release { id, unused } => {
                 let id = format!("r{id}");
-                self.h.admission.protocol().pool_release(&self.h.pool, &id).await.expect("pool_release");
-                self.model.release(&id);
+                self.h.admission.protocol().pool_release(&self.h.pool, &id, *unused).await.expect("pool_release");
+                self.model.release(&id, *unused);
             }
             Op::Advance { ms } => {
                 self.h.advance(*ms).await;
@@ -241,6 +303,7 @@ impl Run {
         let state = fields(0);
         let get = |f: &str| state.get(f).map_or(0, |v| v.parse::<u64>().unwrap());
         assert_eq!((get("n"), get("w")), self.model.load(), "{at}: n and w are the holds'");
+        assert_eq!(get("kv"), self.model.used_kv(), "{at}: kv is the holds'");
         let waiting: BTreeMap<String, String> = fields(3);
         let want: BTreeMap<String, String> = self
             .model
@@ -282,15 +345,14 @@ proptest! {
             }
             // Everything released: the pool holds nothing and remembers no one.
             for id in 0..IDS {
-                run.step(&Op::Release { id }, "the end").await;
+                run.step(&Op::Release { id, unused: false }, "the end").await;
             }
             let views = run.h.inspect(keys::pool_keys(&run.h.pool)).await;
             let state_key = keys::pool_state(&run.h.pool);
             let left: Vec<_> = views.iter().filter(|(k, v)| **k != state_key && !v.fields.is_empty()).collect();
             let state = &views[&state_key].fields;
-            let tags_kept = run.model.tags.iter().any(|t| !t.is_empty());
-            assert!(left.is_empty() || tags_kept, "{left:?}");
-            assert!(state.keys().all(|f| !f.starts_with('v') && !f.starts_with('f')) || tags_kept, "{state:?}");
+            assert!(left.is_empty(), "{left:?}");
+            assert!(state.keys().all(|f| !f.starts_with('v') && !f.starts_with('f')), "{state:?}");
         });
     }
 }

@@ -49,6 +49,14 @@ use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
 
+/// Whether the request a pool leg was held for reached the backend: one that did not (its tenant
+/// leg refused it) takes back the queue's finish tag its admission added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ran {
+    No,
+    Maybe,
+}
+
 /// How long a request's place in a pool's queue lives without its next call: well past the
 /// longest pause between calls and a store call's timeout, so only a replica that died loses it.
 const WAITER_TTL_MS: u64 = 1_000;
@@ -174,7 +182,7 @@ impl<S: Store> Admission<S> {
             if tidy.store_failed {
                 tidy.pool_leg = true;
             } else {
-                self.release_pool_leg(&leg.name, &plan.id).await;
+                self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
             }
         }
         decision
@@ -213,7 +221,7 @@ impl<S: Store> Admission<S> {
             self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
-            self.protocol.pool_release(pool, id).await?;
+            self.protocol.pool_release(pool, id, true).await?;
             self.pool_freed.notify_waiters();
         }
         Ok(())
@@ -265,7 +273,7 @@ impl<S: Store> Admission<S> {
             }
             if gone() {
                 // Its place in the queue is given up now, not when the place's TTL runs out.
-                self.release_pool_leg(&leg.name, &plan.id).await;
+                self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
                 return Err(Denial::now(Reason::QueueFull, "the caller stopped waiting for a slot"));
             }
             let waited = u64::try_from(waiting_since.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -436,7 +444,7 @@ impl<S: Store> Admission<S> {
             let Some(r) = ids::parse_reservation_id(id) else { continue };
             self.metrics.expired(r.tenant);
             if let Some(pool) = r.pool {
-                self.release_pool_leg(pool, id).await;
+                self.release_pool_leg(pool, id, Ran::Maybe).await;
             }
         }
     }
@@ -454,8 +462,8 @@ impl<S: Store> Admission<S> {
     }
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
-    pub(super) async fn release_pool_leg(&self, pool: &str, id: &str) {
-        match self.protocol.pool_release(pool, id).await {
+    pub(super) async fn release_pool_leg(&self, pool: &str, id: &str, ran: Ran) {
+        match self.protocol.pool_release(pool, id, ran == Ran::No).await {
             Ok(_) => self.pool_freed.notify_waiters(),
             Err(e) => {
                 tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it")

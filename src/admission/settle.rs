@@ -5,6 +5,7 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use super::lease::Leases;
+use super::reserve::Ran;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
 use crate::config::Policy;
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome};
@@ -97,7 +98,7 @@ impl<S: Store> Admission<S> {
         if let Some(pool) = r.pool
             && outcome != CommitOutcome::NotFound
         {
-            self.release_pool_leg(pool, reservation_id).await;
+            self.release_pool_leg(pool, reservation_id, Ran::Maybe).await;
         }
         Ok(outcome)
     }
@@ -167,7 +168,7 @@ impl<S: Store> Admission<S> {
                     }
                 }
                 // Settled (perhaps expired by this very call): its pool leg goes too.
-                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id).await,
+                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id, Ran::Maybe).await,
                 // The owner renews the pool leg when it applies the renewal.
                 RenewOutcome::NotFound | RenewOutcome::Forwarded => {}
             }
@@ -204,7 +205,7 @@ impl<S: Store> Admission<S> {
         if let Some(pool) = r.pool
             && outcome != ReleaseOutcome::NotFound
         {
-            self.release_pool_leg(pool, reservation_id).await;
+            self.release_pool_leg(pool, reservation_id, Ran::Maybe).await;
         }
         Ok(outcome)
     }

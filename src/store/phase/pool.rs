@@ -30,7 +30,7 @@ pub(crate) const RESERVE_ARGV: [&str; 19] = [
 ];
 
 /// `pool_release.lua`'s `ARGV`.
-pub(crate) const RELEASE_ARGV: [&str; 1] = ["reservation id"];
+pub(crate) const RELEASE_ARGV: [&str; 2] = ["reservation id", "unused"];
 
 /// `pool_renew.lua`'s `ARGV`, in order.
 pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
@@ -203,11 +203,14 @@ impl<S: Store> Protocol<S> {
         })
     }
 
-    /// Takes a hold off its pool; `false` when the pool did not hold it. Idempotent.
-    pub async fn pool_release(&self, pool: &str, id: &str) -> Result<bool, StoreError> {
+    /// Takes a hold (or a place in its queue) off its pool; `false` when the pool did not hold it.
+    /// `unused`: its request never reached the backend, so its queue's finish tag is taken back too.
+    /// Idempotent.
+    pub async fn pool_release(&self, pool: &str, id: &str, unused: bool) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_release;
         let mut a = Argv::new("pool_release", &RELEASE_ARGV, 0);
         a.push("reservation id", id.to_string());
+        a.push("unused", if unused { "1" } else { "0" }.to_string());
         let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         Fields::of(script, &reply)?.flag(0)
     }

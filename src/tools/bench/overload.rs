@@ -20,7 +20,8 @@
 //!   over all tokens generated;
 //! - utilisation: the simulator's slots in use, sampled every 50 ms over the cell;
 //! - Jain's index of the standard tenants' tokens, each over its max-min fair share of what the tier
-//!   got (water-filled over what each offered, by weight): 1 when every tenant got its fair share;
+//!   got (water-filled by weight over what each wanted: the tokens it was served, and its refused
+//!   requests at the mean output): 1 when every tenant got its fair share;
 //! - in the weighted cell, the heavier tenant's tokens over the lighter's (its weight ratio is 2).
 
 // Measurement arithmetic: float casts round a figure for display or a schedule.
@@ -271,7 +272,15 @@ fn figures(
     let late: u64 = reports.iter().map(|r| r.late_tokens).sum();
     let served: Vec<f64> = tier.iter().map(|(t, _)| by(t).output_tokens as f64).collect();
     let weights: Vec<f64> = tier.iter().map(|(_, w)| *w).collect();
-    let demand: Vec<f64> = tier.iter().map(|(t, _)| by(t).sent as f64 * mean_output).collect();
+    // What each wanted: the tokens it was served, and its refused requests at the mean output (a
+    // tenant served every request got all it wanted, whatever its outputs' lengths came to).
+    let demand: Vec<f64> = tier
+        .iter()
+        .map(|(t, _)| {
+            let r = by(t);
+            r.output_tokens as f64 + r.sent.saturating_sub(r.admitted) as f64 * mean_output
+        })
+        .collect();
     let fair = fair_shares(served.iter().sum(), &demand, &weights);
     let relative: Vec<f64> = served.iter().zip(&fair).map(|(s, f)| if *f > 0.0 { s / f } else { 1.0 }).collect();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
