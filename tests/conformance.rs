@@ -1452,12 +1452,11 @@ mod scenarios {
 
     /// The tenant's finish tag at the critical tier, as the queue reads it: its own, or the tier's
     /// virtual time when that is later (or it has none).
-    async fn finish_tag<S: Store>(h: &Harness<S>) -> u64 {
+    async fn finish_tag<S: Store>(h: &Harness<S>) -> f64 {
         let (tags, state) = (keys::pool_tags(&h.pool, Priority::Critical), keys::pool_state(&h.pool));
         let views = h.inspect(vec![tags.clone(), state.clone()]).await;
-        let virtual_time = views[&state].fields.get("vcritical").map_or(0, |v| v.parse::<u64>().unwrap());
-        let own = views[&tags].fields.get(&h.tenant).map_or(0, |v| v.parse::<f64>().unwrap() as u64);
-        own.max(virtual_time)
+        let read = |v: Option<&String>| v.map_or(0.0, |v| v.parse::<f64>().unwrap());
+        read(views[&tags].fields.get(&h.tenant)).max(read(views[&state].fields.get("vcritical")))
     }
 
     /// A request the pool admits but its tenant refuses (here its concurrency) never reaches the
@@ -1466,7 +1465,7 @@ mod scenarios {
     pub async fn a_request_its_tenant_refuses_is_not_counted_as_served<S: Store>(h: Harness<S>) {
         admitted(&pool_try(&h, false).await);
         let served = finish_tag(&h).await;
-        assert_eq!(served, 1_100, "one request of 1,100 ms at weight 1");
+        assert_eq!(served, 1_100.0, "one request of 1,100 ms at weight 1");
         let d = pool_try(&h, false).await;
         assert_eq!(denied(&d).reason, Reason::Concurrency, "{d:?}");
         assert_eq!(h.pool_load().await, (1, 1100));
