@@ -25,8 +25,8 @@
 -- ARGV[15] tenant                     ARGV[16] the tenant's weight in its tier (thousandths)
 -- ARGV[17] where the pool queues: backend (admitted requests queue at the backend) | tollgate
 --          (a request that cannot start at once waits here for a slot, in order)
--- ARGV[18] queueing in tollgate: how long (ms) the caller may still wait for its slot
--- ARGV[19] queueing in tollgate: how long (ms) a waiting entry lives without its caller's next call
+-- ARGV[18] how long the caller may still wait for its slot (ms), queueing in tollgate
+-- ARGV[19] waiter TTL: how long (ms) a waiting place lives without its caller's next call
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run

@@ -279,3 +279,41 @@ fn queries_name_only_exported_series(exposition: &str) {
         }
     }
 }
+
+/// A request that waited in tollgate for a pool's slot: the wait is its own histogram, by tier and
+/// outcome, and the decision's duration leaves it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_a_slot_is_measured_apart_from_the_decision() {
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let policy = format!(
+        "server:\n  admin_listen: {admin}\n\
+         pools:\n  gpu: {{ max_sequences: 1, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 5000, queue: tollgate }}\n\
+         models:\n  m: {{ max_output_tokens: 100, pool: gpu }}\n\
+         tenants:\n  acme:\n    limits: {{ tokens_per_minute: 60000 }}\n"
+    );
+    let t = Tollgate::start(&policy);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    let first = client.reserve(reserve("acme", 10, 10)).await.unwrap().into_inner();
+    assert!(first.admitted, "{first:?}");
+    let mut second = client.clone();
+    let waiting = tokio::spawn(async move { second.reserve(reserve("acme", 10, 10)).await.unwrap().into_inner() });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiting.is_finished(), "the second request waits for the one slot");
+    let c = CommitRequest {
+        reservation_id: first.reservation_id,
+        prompt_tokens: 10,
+        completion_tokens: 10,
+        ..Default::default()
+    };
+    client.commit(c).await.unwrap();
+    assert!(waiting.await.unwrap().admitted);
+
+    let s = scrape(admin);
+    let waits = "tollgate_pool_wait_seconds_count{outcome=\"admitted\",tier=\"standard\"}";
+    assert_eq!(value(&s, waits), 1.0, "{}", dump(&s));
+    let waited = value(&s, "tollgate_pool_wait_seconds_sum{outcome=\"admitted\",tier=\"standard\"}");
+    assert!(waited >= 0.25, "{waited}");
+    assert_eq!(value(&s, "tollgate_decision_duration_seconds_count{outcome=\"admitted\"}"), 2.0);
+    let decided = value(&s, "tollgate_decision_duration_seconds_sum{outcome=\"admitted\"}");
+    assert!(decided < 0.2, "the decisions took {decided} s without the wait");
+}

@@ -70,8 +70,8 @@ impl<S: Store> Admission<S> {
     pub async fn reserve(self: &Arc<Self>, a: &Attributes) -> Decision {
         let start = std::time::Instant::now();
         let policy = self.policy();
-        let decision = self.decide(&policy, a).await;
-        self.record(&policy, a, &decision, start.elapsed());
+        let (decision, waited) = self.decide(&policy, a).await;
+        self.record(&policy, a, &decision, start.elapsed(), waited);
         decision
     }
 
@@ -84,13 +84,21 @@ impl<S: Store> Admission<S> {
             Ok(_) => Decision::Unmetered(Unmetered::Free),
             Err(denial) => Decision::Denied(denial),
         };
-        self.record(&policy, a, &decision, start.elapsed());
+        self.record(&policy, a, &decision, start.elapsed(), Duration::ZERO);
         decision
     }
 
     /// Counts a decision, under labels drawn from bounded sets: the tenant's label, a model the
-    /// policy serves (any other name a client sent is `other`), the tier, the reason.
-    pub(super) fn record(&self, policy: &Policy, a: &Attributes, decision: &Decision, took: std::time::Duration) {
+    /// policy serves (any other name a client sent is `other`), the tier, the reason. `took`: from
+    /// the call's arrival to its answer; `waited`: the part of it spent waiting for a pool's slot.
+    pub(super) fn record(
+        &self,
+        policy: &Policy,
+        a: &Attributes,
+        decision: &Decision,
+        took: Duration,
+        waited: Duration,
+    ) {
         if !self.metrics.enabled() {
             return;
         }
@@ -114,32 +122,33 @@ impl<S: Store> Admission<S> {
             Decision::Unmetered(_) => (Outcome::Unmetered, "ok"),
             Decision::Denied(d) => (Outcome::Denied, d.reason.code()),
         };
-        self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took });
+        self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took, waited });
     }
 
-    pub(super) async fn decide(self: &Arc<Self>, policy: &Arc<Policy>, a: &Attributes) -> Decision {
+    /// The decision, and how long it waited for a pool's slot.
+    pub(super) async fn decide(self: &Arc<Self>, policy: &Arc<Policy>, a: &Attributes) -> (Decision, Duration) {
         let plan = match self.plan(policy, a) {
             Ok(plan) => plan,
-            Err(denial) => return Decision::Denied(denial),
+            Err(denial) => return (Decision::Denied(denial), Duration::ZERO),
         };
         // A lease hit decides here, from memory: no store call, no task, nothing to cancel.
         if let (Some(leases), true, None) = (&self.leases, plan.leased, &plan.pool) {
             let t = leases.tenant(&plan.tenant, &plan.tp);
             match leases.try_admit(&t, &plan.ask()) {
                 Local::Miss => {}
-                local => return self.leased_decision(&plan, local),
+                local => return (self.leased_decision(&plan, local), Duration::ZERO),
             }
         }
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
         self.tasks.spawn(async move {
-            let mut tidy = Tidy::default();
-            let decided = this.hold(&plan, &mut tidy, || answer.is_closed()).await;
-            let sent = answer.send(decided);
+            let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
+            let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
+            let sent = answer.send((decided, waited));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
             this.tidy(&plan, tidy).await;
-            if let Err(Decision::Admitted(undelivered)) = sent
+            if let Err((Decision::Admitted(undelivered), _)) = sent
                 && !undelivered.replayed
             {
                 tracing::debug!(reservation = %undelivered.reservation_id, "nobody received the hold; releasing it");
@@ -147,15 +156,22 @@ impl<S: Store> Admission<S> {
             }
         });
         decision.await.unwrap_or_else(|_| {
-            Decision::Denied(Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision"))
+            let ended = Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision");
+            (Decision::Denied(ended), Duration::ZERO)
         })
     }
 
     /// Both legs. `gone` says whether the caller has stopped waiting for the answer (a request
-    /// waiting for a slot then gives its place up).
-    pub(super) async fn hold(&self, plan: &Plan, tidy: &mut Tidy, gone: impl Fn() -> bool) -> Decision {
+    /// waiting for a slot then gives its place up); `waited` is set to how long it waited.
+    pub(super) async fn hold(
+        &self,
+        plan: &Plan,
+        tidy: &mut Tidy,
+        waited: &mut Duration,
+        gone: impl Fn() -> bool,
+    ) -> Decision {
         let forecast = match &plan.pool {
-            Some(leg) => match self.pool_leg(plan, leg, gone).await {
+            Some(leg) => match self.pool_leg(plan, leg, waited, gone).await {
                 Ok(forecast) => Some(forecast),
                 Err(denial) if denial.reason == Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
@@ -236,6 +252,7 @@ impl<S: Store> Admission<S> {
         &self,
         plan: &Plan,
         leg: &PoolLeg,
+        waited: &mut Duration,
         gone: impl Fn() -> bool,
     ) -> Result<Forecast, Denial> {
         let pool = &leg.pool;
@@ -263,9 +280,15 @@ impl<S: Store> Admission<S> {
             wait_ms: may_wait,
             waiter_ttl_ms: WAITER_TTL_MS,
         };
+        let mut told_to_wait: Option<std::time::Instant> = None;
         let outcome = loop {
             let outcome = self.protocol.pool_reserve(&call).await;
+            if let Some(since) = told_to_wait {
+                *waited = since.elapsed();
+            }
             let Ok(PoolOutcome::Waiting { start_delay_ms }) = outcome else { break outcome };
+            // The wait counts from the first answer that said "wait" to the last answer.
+            let since = *told_to_wait.get_or_insert_with(std::time::Instant::now);
             let pause = Duration::from_millis((start_delay_ms / 4).clamp(POLL_MIN_MS, POLL_MAX_MS));
             tokio::select! {
                 () = self.pool_freed.notified() => {}
@@ -273,13 +296,14 @@ impl<S: Store> Admission<S> {
             }
             if gone() {
                 // Its place in the queue is given up now, not when the place's TTL runs out.
+                *waited = since.elapsed();
                 self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
                 return Err(Denial::now(Reason::QueueFull, "the caller stopped waiting for a slot"));
             }
-            let waited = u64::try_from(waiting_since.elapsed().as_millis()).unwrap_or(u64::MAX);
-            call.wait_ms = may_wait.saturating_sub(waited);
+            let so_far = u64::try_from(waiting_since.elapsed().as_millis()).unwrap_or(u64::MAX);
+            call.wait_ms = may_wait.saturating_sub(so_far);
             // The deadline runs while the request waits.
-            call.deadline_ms = plan.deadline_ms.map(|d| d.saturating_sub(waited).max(1));
+            call.deadline_ms = plan.deadline_ms.map(|d| d.saturating_sub(so_far).max(1));
         };
         match outcome {
             Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {

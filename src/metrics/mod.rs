@@ -27,6 +27,10 @@ pub const OTHER_TENANT: &str = "other";
 const LATENCY_BUCKETS: [f64; 14] =
     [0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 
+/// Waits for a pool's slot, in seconds: a slot comes in milliseconds to seconds, and Envoy's
+/// ext_authz timeout (5 s as shipped) bounds the wait.
+const WAIT_BUCKETS: [f64; 11] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
 /// The GenAI semantic conventions' advice for `gen_ai.client.token.usage`.
 const TOKEN_BUCKETS: [f64; 14] = [
     1.0,
@@ -97,7 +101,10 @@ pub struct Decided<'a> {
     pub outcome: Outcome,
     /// `ok` for an admission, else the denial's (or, in shadow, the would-be denial's) reason code.
     pub reason: &'static str,
+    /// From the call's arrival to its answer, and the part of it spent waiting for a slot of a
+    /// pool that queues in tollgate.
     pub took: Duration,
+    pub waited: Duration,
 }
 
 /// The instruments. Cheap to clone (each is a handle); a [`Metrics::disabled`] set records nothing.
@@ -105,6 +112,7 @@ pub struct Decided<'a> {
 pub struct Metrics {
     decisions: Counter<u64>,
     decision_duration: Histogram<f64>,
+    pool_wait: Histogram<f64>,
     degraded: Counter<u64>,
     tokens: Counter<u64>,
     cost: Counter<u64>,
@@ -268,9 +276,15 @@ impl Metrics {
                 .build(),
             decision_duration: meter
                 .f64_histogram("tollgate.decision.duration")
-                .with_description("Time to decide, from the request's arrival to its answer")
+                .with_description("Time to decide, from the request's arrival to its answer, less any wait for a pool's slot")
                 .with_unit("s")
                 .with_boundaries(LATENCY_BUCKETS.to_vec())
+                .build(),
+            pool_wait: meter
+                .f64_histogram("tollgate.pool.wait")
+                .with_description("Time a request waited in tollgate for a slot of a pool that queues here, by tier and outcome")
+                .with_unit("s")
+                .with_boundaries(WAIT_BUCKETS.to_vec())
                 .build(),
             degraded: meter
                 .u64_counter("tollgate.degraded.decisions")
@@ -407,7 +421,11 @@ impl Metrics {
             attributes.push(KeyValue::new("gen_ai.request.model", model.to_string()));
         }
         self.decisions.add(1, &attributes);
-        self.decision_duration.record(d.took.as_secs_f64(), &[KeyValue::new("outcome", d.outcome.as_str())]);
+        let outcome = KeyValue::new("outcome", d.outcome.as_str());
+        self.decision_duration.record(d.took.saturating_sub(d.waited).as_secs_f64(), std::slice::from_ref(&outcome));
+        if !d.waited.is_zero() {
+            self.pool_wait.record(d.waited.as_secs_f64(), &[outcome, KeyValue::new("tier", d.tier)]);
+        }
     }
 
     /// A decision the tenant's store-down mode made.
