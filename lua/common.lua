@@ -970,7 +970,7 @@ end
 -- idle pool has no contention to remember. `keys`: the pool scripts' KEYS (state, holds, leases,
 -- waiting, finish tags of each tier); `n`: the holds it has now.
 local function pool_forget_if_idle(keys, n)
-  if n == 0 and (not keys[4] or redis.call('HLEN', keys[4]) == 0) then
+  if n == 0 and redis.call('HLEN', keys[4]) == 0 then
     local all = redis.call('HGETALL', keys[1])
     for i = 1, #all, 2 do
       local f = string.sub(all[i], 1, 1)
@@ -994,7 +994,7 @@ local function pool_drop(keys, id, unused)
   local state, holds, leases = keys[1], keys[2], keys[3]
   local h = redis.call('HGET', holds, id)
   redis.call('ZREM', leases, id)
-  if keys[4] and redis.call('HDEL', keys[4], id) == 1 and not h then
+  if redis.call('HDEL', keys[4], id) == 1 and not h then
     -- The last one waiting for an empty pool leaves.
     pool_forget_if_idle(keys, tonumber(redis.call('HGET', state, 'n')) or 0)
   end
@@ -1007,7 +1007,7 @@ local function pool_drop(keys, id, unused)
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)
   end
-  if unused and parts[5] and keys[5] then
+  if unused and parts[5] then
     local tags, tenant = keys[5 + TIER_RANK[parts[3]]], parts[4]
     local tag = tonumber(redis.call('ZSCORE', tags, tenant))
     if tag then

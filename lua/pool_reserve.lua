@@ -102,11 +102,16 @@ end
 local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local resume = tonumber(v[6]) or 0
-if now < resume then
+-- A refusal: this request's place, if it had one, is given up (and a pool left with nobody
+-- forgets, as pool_drop's does).
+local function refuse(reason, retry, delay)
   if redis.call('HDEL', waiting, id) == 1 then
     pool_forget_if_idle(KEYS, n)
   end
-  return { 0, 'throttled', resume - now, 0 }
+  return { 0, reason, retry, delay }
+end
+if now < resume then
+  return refuse('throttled', resume - now, 0)
 end
 local share = pool_share(v[4], v[5], recover, now)
 if share < 1 then
@@ -176,12 +181,6 @@ if in_tollgate then
         (e.arrival < me.arrival or (e.arrival == me.arrival and e.id < id)))) then
       before, before_work = before + 1, before_work + e.work
     end
-  end
-  local function refuse(reason, retry, delay)
-    if redis.call('HDEL', waiting, id) == 1 then
-      pool_forget_if_idle(KEYS, n)
-    end
-    return { 0, reason, retry, delay }
   end
   -- More KV than its tier may ever hold: no wait would help.
   if tier_kv > 0 and kv > tier_kv then

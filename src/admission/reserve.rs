@@ -237,8 +237,7 @@ impl<S: Store> Admission<S> {
             self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
-            self.protocol.pool_release(pool, id, true).await?;
-            self.pool_freed.notify_waiters();
+            self.give_pool_leg_back(pool, id, Ran::No).await?;
         }
         Ok(())
     }
@@ -280,27 +279,21 @@ impl<S: Store> Admission<S> {
             wait_ms: may_wait,
             waiter_ttl_ms: WAITER_TTL_MS,
         };
-        let mut told_to_wait: Option<std::time::Instant> = None;
         let outcome = loop {
             let outcome = self.protocol.pool_reserve(&call).await;
-            if let Some(since) = told_to_wait {
-                *waited = since.elapsed();
-            }
             let Ok(PoolOutcome::Waiting { start_delay_ms }) = outcome else { break outcome };
-            // The wait counts from the first answer that said "wait" to the last answer.
-            let since = *told_to_wait.get_or_insert_with(std::time::Instant::now);
             let pause = Duration::from_millis((start_delay_ms / 4).clamp(POLL_MIN_MS, POLL_MAX_MS));
             tokio::select! {
                 () = self.pool_freed.notified() => {}
                 () = tokio::time::sleep(pause) => {}
             }
+            *waited = waiting_since.elapsed();
             if gone() {
                 // Its place in the queue is given up now, not when the place's TTL runs out.
-                *waited = since.elapsed();
                 self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
                 return Err(Denial::now(Reason::QueueFull, "the caller stopped waiting for a slot"));
             }
-            let so_far = u64::try_from(waiting_since.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let so_far = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
             call.wait_ms = may_wait.saturating_sub(so_far);
             // The deadline runs while the request waits.
             call.deadline_ms = plan.deadline_ms.map(|d| d.saturating_sub(so_far).max(1));
@@ -487,12 +480,17 @@ impl<S: Store> Admission<S> {
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
     pub(super) async fn release_pool_leg(&self, pool: &str, id: &str, ran: Ran) {
-        match self.protocol.pool_release(pool, id, ran == Ran::No).await {
-            Ok(_) => self.pool_freed.notify_waiters(),
-            Err(e) => {
-                tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it")
-            }
+        if let Err(e) = self.give_pool_leg_back(pool, id, ran).await {
+            tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it");
         }
+    }
+
+    /// Takes a pool leg (or its place in the pool's queue) off the pool, and wakes this replica's
+    /// requests waiting for a slot.
+    async fn give_pool_leg_back(&self, pool: &str, id: &str, ran: Ran) -> Result<(), StoreError> {
+        self.protocol.pool_release(pool, id, ran == Ran::No).await?;
+        self.pool_freed.notify_waiters();
+        Ok(())
     }
 }
 
