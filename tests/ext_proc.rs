@@ -583,3 +583,69 @@ async fn a_live_stream_frees_its_pool_work_as_it_generates() {
     let v = gpu_status(&stack).await;
     assert_eq!((v.holds, v.work_ms), (0, 0), "the commit took the rest off");
 }
+
+/// The hold's prompt part learns the backend's tokenizer: the backend counts a prompt token every
+/// 2 bytes of text where the policy says 4 bytes of body, so the first holds are half the prompt;
+/// once a dozen responses have reported their counts, a prompt is held at least in full and at
+/// most a tenth above it. A model told to keep its ratio keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_prompt_estimate_learns_bytes_per_token_from_reported_counts() {
+    let policy = "models:\n  sim: { max_output_tokens: 4096, bytes_per_token: 4 }\n\
+                  \x20 fixed: { max_output_tokens: 4096, bytes_per_token: 4, learn_bytes_per_token: false }\n\
+                  tenants:\n  acme:\n    limits: { max_concurrency: 100 }\n";
+    let tollgate = Tollgate::start(policy);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let config = SimConfig {
+        decode_tokens_per_second: 100_000.0,
+        prefill_tokens_per_second: 1_000_000.0,
+        bytes_per_token: 2.0,
+        tollgate: None,
+        ..SimConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(backend::serve(listener, config, shutdown.clone(), std::sync::Arc::new(SimStats::default())));
+    let envoy = Envoy::start(tollgate.addr, port);
+    let mut client = AdmissionClient::connect(tollgate.endpoint()).await.unwrap();
+    // (held prompt, reported prompt) of one request of `text_bytes` to `model`, once settled.
+    let mut ask = async |model: &str, text_bytes: usize| {
+        let body = format!(
+            r#"{{"model":"{model}","max_tokens":100,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "x".repeat(text_bytes)
+        );
+        let r = post(envoy.port, CHAT, &[TENANT], body).await;
+        assert_eq!(r.status, 200, "{r:?}\n{}", tollgate.log());
+        let id = r.header("x-sim-reservation").unwrap().to_string();
+        let reported = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        let start = Instant::now();
+        let c = loop {
+            let repeat = CommitRequest { reservation_id: id.clone(), prompt_tokens: 1, ..Default::default() };
+            let c = client.commit(repeat).await.unwrap().into_inner();
+            if c.duplicate || start.elapsed() > Duration::from_secs(5) {
+                break c;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(c.duplicate, "the response's commit never came: {c:?}\n{}", tollgate.log());
+        (c.reserved_tokens - 100, reported)
+    };
+    let (held, reported) = ask("sim", 2000).await;
+    assert_eq!(reported, 1000);
+    assert!((500..560).contains(&held), "the policy's ratio first: {held}");
+    for i in 0..12 {
+        ask("sim", 1000 + 200 * i).await;
+    }
+    for text_bytes in [800, 2000, 4000] {
+        let (held, reported) = ask("sim", text_bytes).await;
+        assert!(
+            held >= reported && held * 10 <= reported * 11,
+            "{text_bytes} bytes of text: {held} held for {reported}"
+        );
+    }
+    for i in 0..12 {
+        ask("fixed", 1000 + 200 * i).await;
+    }
+    let (held, _) = ask("fixed", 2000).await;
+    assert!((500..560).contains(&held), "a model that keeps its ratio: {held}");
+    shutdown.cancel();
+}

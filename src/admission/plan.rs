@@ -79,7 +79,12 @@ impl<S> Admission<S> {
             ));
         }
 
-        let prompt = bounded_prompt(a.prompt, model)?;
+        let bytes_per_token = if model.learn_bytes_per_token {
+            self.fleet.bytes_per_token(tenant, model_name, model.bytes_per_token)
+        } else {
+            model.bytes_per_token
+        };
+        let prompt = bounded_prompt(a.prompt, model, bytes_per_token)?;
         let ceiling = if a.input_only {
             0
         } else {
@@ -199,8 +204,13 @@ impl<S> Admission<S> {
     }
 }
 
-/// Prompt tokens to hold, or a refusal when a count or size is past what tollgate accepts.
-pub(super) fn bounded_prompt(size: PromptSize, model: &crate::config::ModelPolicy) -> Result<u64, Denial> {
+/// Prompt tokens to hold (a body's at `bytes_per_token`), or a refusal when a count or size is
+/// past what tollgate accepts.
+pub(super) fn bounded_prompt(
+    size: PromptSize,
+    model: &crate::config::ModelPolicy,
+    bytes_per_token: f64,
+) -> Result<u64, Denial> {
     let too_large = |what: &str, value: u64, max: u64| {
         Denial::now(Reason::InvalidRequest, format!("{what} {value} is above the maximum of {max}"))
     };
@@ -209,7 +219,7 @@ pub(super) fn bounded_prompt(size: PromptSize, model: &crate::config::ModelPolic
         PromptSize::Bytes(b) if b > MAX_PROMPT_BYTES => return Err(too_large("body size", b, MAX_PROMPT_BYTES)),
         _ => {}
     }
-    let tokens = estimate::prompt_tokens(size, model);
+    let tokens = estimate::prompt_tokens(size, model, bytes_per_token);
     if tokens > MAX_TOKEN_COUNT {
         return Err(too_large("estimated prompt tokens", tokens, MAX_TOKEN_COUNT));
     }

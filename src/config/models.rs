@@ -13,6 +13,9 @@ pub struct ModelPolicy {
     pub max_output_tokens: u64,
     /// Body bytes per prompt token, for the prompt estimate.
     pub bytes_per_token: f64,
+    /// Learn the ratio per tenant from the prompt counts responses report, starting from (and
+    /// bounded by) `bytes_per_token`.
+    pub learn_bytes_per_token: bool,
     /// The longest prompt the model takes: held for a request whose size cannot be known (a
     /// chunked body Envoy cut short, with no `content-length`).
     pub max_prompt_tokens: u64,

@@ -147,6 +147,9 @@ pub(super) struct RawModel {
     pub pool: Option<String>,
     #[serde(default = "default_bytes_per_token")]
     pub bytes_per_token: f64,
+    /// Learn bytes per prompt token from the counts responses report.
+    #[serde(default = "yes")]
+    pub learn_bytes_per_token: bool,
     #[serde(default = "default_max_prompt_tokens")]
     pub max_prompt_tokens: u64,
     pub price: Option<RawPrice>,

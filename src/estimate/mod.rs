@@ -9,20 +9,20 @@ use crate::config::ModelPolicy;
 pub enum PromptSize {
     /// Counted by the caller (the Admission/Reserve API).
     Tokens(u64),
-    /// Body bytes (the larger of the bytes Envoy sent and `content-length`), converted with the
-    /// model's bytes-per-token ratio. The whole body is counted, JSON included: an overestimate,
-    /// which commit reconciles.
+    /// Body bytes (the larger of the bytes Envoy sent and `content-length`), converted with a
+    /// bytes-per-token ratio: the model's, or the one its responses taught
+    /// (`admission::fleet::prompts`). Commit reconciles the estimate either way.
     Bytes(u64),
     /// Not known: Envoy sent the first bytes of a body that has no `content-length` (chunked). The
     /// model's longest prompt is held, never the few KiB that were seen.
     Unknown,
 }
 
-/// Estimated prompt tokens.
-pub fn prompt_tokens(size: PromptSize, model: &ModelPolicy) -> u64 {
+/// Estimated prompt tokens, a body's at `bytes_per_token` (positive).
+pub fn prompt_tokens(size: PromptSize, model: &ModelPolicy, bytes_per_token: f64) -> u64 {
     match size {
         PromptSize::Tokens(n) => n,
-        PromptSize::Bytes(b) => bytes_to_tokens(b, model.bytes_per_token),
+        PromptSize::Bytes(b) => bytes_to_tokens(b, bytes_per_token),
         PromptSize::Unknown => model.max_prompt_tokens,
     }
 }
@@ -49,14 +49,16 @@ mod tests {
             max_output_tokens: 512,
             bytes_per_token: 4.0,
             max_prompt_tokens: 1000,
+            learn_bytes_per_token: true,
             pool: None,
             price: None,
             token_weights: Default::default(),
         };
-        assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m), 3);
-        assert_eq!(prompt_tokens(PromptSize::Tokens(7), &m), 7);
+        assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m, 4.0), 3);
+        assert_eq!(prompt_tokens(PromptSize::Bytes(9), &m, 2.5), 4);
+        assert_eq!(prompt_tokens(PromptSize::Tokens(7), &m, 4.0), 7);
         assert_eq!(output_reservation(None, &m), 512);
         assert_eq!(output_reservation(Some(10), &m), 10);
-        assert_eq!(prompt_tokens(PromptSize::Unknown, &m), 1000);
+        assert_eq!(prompt_tokens(PromptSize::Unknown, &m, 4.0), 1000);
     }
 }

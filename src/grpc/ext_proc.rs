@@ -135,6 +135,9 @@ struct Exchange {
     caller_commits: bool,
     /// The request generates nothing (an embedding, by its path).
     input_only: bool,
+    /// The request body's size (`content-length`; none for a compressed body, whose size says
+    /// nothing of its tokens): with a reported prompt count, it teaches the prompt estimate.
+    prompt_bytes: Option<u64>,
     status: Option<u16>,
     meter: Option<Meter>,
     /// On tokio's clock, which the renewal timer sleeps on.
@@ -190,6 +193,7 @@ impl Exchange {
             renew_every: None,
             caller_commits: false,
             input_only: false,
+            prompt_bytes: None,
             status: None,
             meter: None,
             last_renewal: tokio::time::Instant::now(),
@@ -217,6 +221,9 @@ impl Exchange {
             Phase::RequestHeaders(h) => {
                 let headers = h.headers.unwrap_or_default();
                 self.input_only = header(&headers, ":path").is_some_and(|p| api::endpoint(p).work == Work::Embed);
+                self.prompt_bytes = header(&headers, headers::CONTENT_LENGTH)
+                    .filter(|_| header(&headers, headers::CONTENT_ENCODING).is_none())
+                    .and_then(|v| v.trim().parse().ok());
                 if self.reservation.is_none() {
                     self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
                     self.forecast = header(&headers, headers::FORECAST).and_then(headers::parse_forecast);
@@ -343,6 +350,11 @@ impl Exchange {
                     if timing != Timing::default() {
                         admission.observed(id, model, timing);
                     }
+                }
+                if let (Some(model), Some(bytes), Measured::Exact { prompt, .. }) =
+                    (&self.model, self.prompt_bytes, measured)
+                {
+                    admission.observed_prompt(id, model, bytes, prompt);
                 }
                 commit(admission, id, measured, ending).await;
             }

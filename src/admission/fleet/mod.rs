@@ -1,5 +1,6 @@
 //! What this replica has learned of the fleet from the responses it watched: each pool's speeds,
-//! per model it serves ([`speeds`]), and each tenant's output lengths per model ([`lengths`]).
+//! per model it serves ([`speeds`]), each tenant's output lengths per model ([`lengths`]), and how
+//! many body bytes its prompt tokens take ([`prompts`]).
 //! Capacity admission predicts a request's slot time from these rather than from the policy's
 //! figures alone, which stay the priors (and the bounds: a learned speed stays within
 //! [`speeds::BOUND`] of the policy's).
@@ -7,10 +8,12 @@
 //! In memory and per replica: every replica watches a share of the same fleet's responses and
 //! learns the same speeds from it, so nothing needs sharing; a restarted replica starts again from
 //! the policy and is calibrated within seconds of traffic. Bounded: speeds are kept only for the
-//! policy's own pools and models, and lengths for at most [`MAX_LENGTHS`] tenants, of the policy's models (past
-//! that all are forgotten and learned again, as the output estimates are).
+//! policy's own pools and models, and lengths and prompt ratios for at most [`MAX_TENANTS`] tenants,
+//! of the policy's models (past that all are forgotten and learned again, as the output estimates
+//! are).
 
 pub mod lengths;
+pub mod prompts;
 pub mod speeds;
 
 use std::collections::HashMap;
@@ -18,10 +21,16 @@ use std::sync::{PoisonError, RwLock};
 
 use crate::config::PoolPolicy;
 use lengths::Lengths;
+use prompts::PromptBytes;
 use speeds::Rate;
 
-/// Tenants whose output lengths are kept (each for the policy's models it uses).
-pub const MAX_LENGTHS: usize = 20_000;
+/// Tenants whose output lengths and prompt ratios are kept (each for the policy's models it uses).
+pub const MAX_TENANTS: usize = 20_000;
+
+/// A learned prompt ratio stays within this factor of the model's `bytes_per_token`, either way:
+/// a tenant of image prompts (many bytes, few tokens) or of server-side templates (the reverse)
+/// moves its holds, it does not empty them.
+pub const PROMPT_BOUND: f64 = 4.0;
 
 /// The quantile of a tenant's output lengths a request is assumed to reach when its own finish is
 /// judged against its deadline: the pool holds the mean (what a queue drains on average), the
@@ -97,10 +106,50 @@ pub struct Timing {
 pub struct Fleet {
     /// Pool, then model.
     speeds: RwLock<HashMap<String, HashMap<String, Speeds>>>,
+    lengths: ByTenant<Lengths>,
+    prompts: ByTenant<PromptBytes>,
+}
+
+/// Something learned per tenant and model, and of every tenant's together per model (for a
+/// tenant not yet seen enough); for at most [`MAX_TENANTS`] tenants.
+#[derive(Debug)]
+struct ByTenant<T> {
     /// Tenant, then model.
-    lengths: RwLock<HashMap<String, HashMap<String, Lengths>>>,
-    /// Every tenant's together, by model: for a tenant not yet seen enough.
-    model_lengths: RwLock<HashMap<String, Lengths>>,
+    tenants: RwLock<HashMap<String, HashMap<String, T>>>,
+    models: RwLock<HashMap<String, T>>,
+}
+
+impl<T> Default for ByTenant<T> {
+    fn default() -> Self {
+        ByTenant { tenants: RwLock::default(), models: RwLock::default() }
+    }
+}
+
+impl<T: Default> ByTenant<T> {
+    /// Teaches `tenant`'s and the model's: `learn` runs on each.
+    fn observe(&self, tenant: &str, model: &str, learn: impl Fn(&mut T)) {
+        let mut tenants = self.tenants.write().unwrap_or_else(PoisonError::into_inner);
+        if tenants.len() >= MAX_TENANTS && !tenants.contains_key(tenant) {
+            tenants.clear();
+        }
+        learn(entry(&mut tenants, tenant, model, T::default));
+        drop(tenants);
+        let mut models = self.models.write().unwrap_or_else(PoisonError::into_inner);
+        match models.get_mut(model) {
+            Some(t) => learn(t),
+            None => learn(models.entry(model.to_string()).or_default()),
+        }
+    }
+
+    /// What `read` makes of `tenant`'s, once it says something; until then, of every tenant's.
+    fn read<R>(&self, tenant: &str, model: &str, read: impl Fn(&T) -> Option<R>) -> Option<R> {
+        let tenants = self.tenants.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(known) = tenants.get(tenant).and_then(|m| m.get(model)).and_then(&read) {
+            return Some(known);
+        }
+        drop(tenants);
+        self.models.read().unwrap_or_else(PoisonError::into_inner).get(model).and_then(read)
+    }
 }
 
 /// The entry under `a` then `b`, made if missing (names are allocated only then).
@@ -170,30 +219,32 @@ impl Fleet {
 
     /// One output length of `tenant`'s requests to `model` (one of the policy's: the caller checked).
     pub fn observe_length(&self, tenant: &str, model: &str, output: u64) {
-        let mut lengths = self.lengths.write().unwrap_or_else(PoisonError::into_inner);
-        if lengths.len() >= MAX_LENGTHS && !lengths.contains_key(tenant) {
-            lengths.clear();
-        }
-        entry(&mut lengths, tenant, model, Lengths::default).observe(output);
-        drop(lengths);
-        let mut models = self.model_lengths.write().unwrap_or_else(PoisonError::into_inner);
-        match models.get_mut(model) {
-            Some(l) => l.observe(output),
-            None => models.entry(model.to_string()).or_default().observe(output),
-        }
+        self.lengths.observe(tenant, model, |l| l.observe(output));
     }
 
     /// The output `tenant`'s requests to `model` have: (the mean, for the pool's work; the
     /// [`DEADLINE_QUANTILE`], for a request's own finish), once enough were seen; until then,
     /// every tenant's to the model, once enough of those were.
     pub fn output(&self, tenant: &str, model: &str) -> Option<(u64, u64)> {
-        let of = |l: &Lengths| Some((l.mean()?, l.quantile(DEADLINE_QUANTILE)?));
-        let lengths = self.lengths.read().unwrap_or_else(PoisonError::into_inner);
-        if let Some(known) = lengths.get(tenant).and_then(|m| m.get(model)).and_then(of) {
-            return Some(known);
+        self.lengths.read(tenant, model, |l| Some((l.mean()?, l.quantile(DEADLINE_QUANTILE)?)))
+    }
+
+    /// One request of `tenant`'s to `model` (one of the policy's: the caller checked): its body
+    /// was `bytes` long, and its response reported `tokens` prompt tokens.
+    pub fn observe_prompt(&self, tenant: &str, model: &str, bytes: u64, tokens: u64) {
+        if bytes > 0 && tokens > 0 {
+            self.prompts.observe(tenant, model, |p| p.observe(bytes, tokens));
         }
-        drop(lengths);
-        self.model_lengths.read().unwrap_or_else(PoisonError::into_inner).get(model).and_then(of)
+    }
+
+    /// Body bytes per prompt token for `tenant`'s requests to `model` (a low quantile of what
+    /// was seen: [`prompts::QUANTILE`]), within [`PROMPT_BOUND`] of the model's
+    /// `bytes_per_token`; until enough were seen, every tenant's to the model; until then, the
+    /// model's own.
+    pub fn bytes_per_token(&self, tenant: &str, model: &str, policy: f64) -> f64 {
+        self.prompts
+            .read(tenant, model, PromptBytes::bytes_per_token)
+            .map_or(policy, |learned| learned.clamp(policy / PROMPT_BOUND, policy * PROMPT_BOUND))
     }
 }
 
@@ -214,6 +265,39 @@ mod tests {
             fleet.observe_length("b", "m", 10);
         }
         assert_eq!(fleet.output("b", "m"), Some((10, 12)), "its own, once it has enough");
+    }
+
+    #[test]
+    fn the_prompt_ratio_is_the_tenants_then_every_tenants_then_the_policys_and_bounded() {
+        let fleet = Fleet::default();
+        assert!((fleet.bytes_per_token("a", "m", 4.0) - 4.0).abs() < f64::EPSILON, "nothing seen: the policy's");
+        for _ in 0..prompts::MIN_SAMPLES {
+            fleet.observe_prompt("a", "m", 600, 100);
+        }
+        let a = fleet.bytes_per_token("a", "m", 4.0);
+        assert!((5.5..=6.0).contains(&a), "{a}");
+        assert!((fleet.bytes_per_token("b", "m", 4.0) - a).abs() < f64::EPSILON, "b has none of its own yet");
+        assert!((fleet.bytes_per_token("b", "other", 4.0) - 4.0).abs() < f64::EPSILON);
+        for _ in 0..prompts::MIN_SAMPLES {
+            fleet.observe_prompt("b", "m", 100_000, 100);
+        }
+        assert!((fleet.bytes_per_token("b", "m", 4.0) - 16.0).abs() < f64::EPSILON, "at most 4x the policy's");
+        fleet.observe_prompt("c", "m", 0, 100);
+        fleet.observe_prompt("c", "m", 100, 0);
+        assert!(fleet.prompts.tenants.read().unwrap().get("c").is_none(), "nothing to learn from");
+    }
+
+    #[test]
+    fn past_max_tenants_every_tenant_is_forgotten() {
+        let fleet = Fleet::default();
+        for t in 0..MAX_TENANTS {
+            fleet.observe_length(&format!("t{t}"), "m", 10);
+        }
+        assert_eq!(fleet.lengths.tenants.read().unwrap().len(), MAX_TENANTS);
+        fleet.observe_length("t0", "m", 10);
+        assert_eq!(fleet.lengths.tenants.read().unwrap().len(), MAX_TENANTS, "a known tenant adds none");
+        fleet.observe_length("new", "m", 10);
+        assert_eq!(fleet.lengths.tenants.read().unwrap().len(), 1, "a new one past the bound starts again");
     }
 
     #[test]

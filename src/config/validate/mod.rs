@@ -249,6 +249,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             ModelPolicy {
                 max_output_tokens: m.max_output_tokens,
                 bytes_per_token: m.bytes_per_token,
+                learn_bytes_per_token: m.learn_bytes_per_token,
                 max_prompt_tokens: m.max_prompt_tokens,
                 pool: m.pool,
                 price,
