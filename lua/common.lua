@@ -1,5 +1,7 @@
--- common.lua: helpers shared by every phase. scripts.rs prepends this file to each phase script, so
--- each phase is still one script, run atomically, and the helpers exist once.
+-- common.lua: helpers shared by every phase. scripts.rs puts this file at the top of the
+-- protocol's function library (on Redis: run once, when the library loads, so nothing at its top
+-- level may call a library function) and before each phase script (the embedded store), so each
+-- phase is still one atomic call, and the helpers exist once.
 --
 -- Reservation record (a hash, one per reservation, key built by keys.rs):
 --   st  state: reserved | committed | released | expired | late_committed
@@ -227,9 +229,10 @@ local PERIODS = { 'h', 'd', 'w', 'm' }
 local PERIOD_MARKERS = { h = 'h', d = 'd', w = 'w', m = 'mo' }
 local MEASURES = { 'u', 'c', 'p', 'g' }
 local COUNTERS = {}
-for _, p in ipairs(PERIODS) do
-  for _, k in ipairs(MEASURES) do
-    COUNTERS[#COUNTERS + 1] = p .. k
+-- (Numeric loops: this runs when Redis loads the library, where no library function exists.)
+for i = 1, #PERIODS do
+  for j = 1, #MEASURES do
+    COUNTERS[#COUNTERS + 1] = PERIODS[i] .. MEASURES[j]
   end
 end
 local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
@@ -656,10 +659,8 @@ local SETTLED_CODES = { committed = 'c', late_committed = 'l', released = 'r' }
 -- How a hold's request ended (src/hold/outcome.rs, `Ending`), one letter in a settled entry.
 local ENDINGS = { c = 'completed', m = 'metered', h = 'as_held', l = 'client_left', r = 'upstream_refused',
   e = 'upstream_error', g = 'released', x = 'expired' }
-local ENDING_CODES = {}
-for code, name in pairs(ENDINGS) do
-  ENDING_CODES[name] = code
-end
+local ENDING_CODES = { completed = 'c', metered = 'm', as_held = 'h', client_left = 'l', upstream_refused = 'r',
+  upstream_error = 'e', released = 'g', expired = 'x' }
 
 -- A hold's field in its tenant's settled bucket: the last 80 of its id's 128 random bits, the 20
 -- hex digits before the replica's '@' or the end (the tenant is the bucket's; the random part

@@ -23,6 +23,11 @@ impl<S: Store> Protocol<S> {
         Ok(Protocol { store, scripts })
     }
 
+    /// The scripts it runs.
+    pub fn scripts(&self) -> &Scripts {
+        &self.scripts
+    }
+
     /// The store the scripts run on (tests look at its keys directly).
     pub fn store(&self) -> &S {
         &self.store

@@ -1,14 +1,15 @@
-//! Redis and Redis Cluster through fred. Scripts are loaded at start (`SCRIPT LOAD` on every
-//! primary, so a broken script fails the start) and called by SHA, reloading on `NOSCRIPT` (a
-//! restarted or failed-over node has an empty script cache).
+//! Redis and Redis Cluster through fred. The protocol's phases are a function library, loaded at
+//! start (`FUNCTION LOAD` on every primary, so a broken one fails the start) and called by
+//! `FCALL`; other scripts are loaded by `SCRIPT LOAD` and called by SHA. Either is loaded again
+//! when a node says it has neither (a restarted node without persistence, a new primary, a flush).
 
 use std::time::Duration;
 
 use std::sync::Arc;
 
 use fred::prelude::{
-    ClientLike, Config, ConnectionConfig, EventInterface, LuaInterface, Options, PerformanceConfig, ReconnectPolicy,
-    ServerConfig,
+    ClientLike, Config, ConnectionConfig, EventInterface, FunctionInterface, LuaInterface, Options, PerformanceConfig,
+    ReconnectPolicy, ServerConfig,
 };
 use fred::types::Value;
 use fred::types::scan::ScanType;
@@ -149,22 +150,36 @@ impl RedisStore {
 
 impl Store for RedisStore {
     async fn load(&self, script: &Script) -> Result<(), StoreError> {
-        self.client
-            .script_load_cluster::<Value, _>(&*script.source)
-            .await
-            .map(|_| ())
-            .map_err(|e| store_error(script, e))
+        match &script.function {
+            // (Its code names the library with its hash: loading it again replaces it with itself.)
+            Some(f) => self.client.function_load_cluster::<Value, _>(true, f.library.code.as_str()).await,
+            None => self.client.script_load_cluster::<Value, _>(&*script.source).await,
+        }
+        .map(|_| ())
+        .map_err(|e| match e.details() {
+            // A setting, not a passing fault: the start fails, saying why.
+            d if d.contains("unknown command") => StoreError::Script {
+                script: script.name,
+                message: format!("Redis 7.0 or later is needed (FUNCTION LOAD): {d}"),
+            },
+            _ => store_error(script, e),
+        })
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
         let lost = self.lost.notified();
         let call = async {
             let client = self.client.with_options(&self.calls);
-            let first = client.evalsha::<Value, _, _, _>(&*script.sha1, keys.clone(), args.clone()).await;
-            match first {
-                Err(e) if e.details().starts_with("NOSCRIPT") => {
+            let run = |keys, args| async {
+                match &script.function {
+                    Some(f) => client.fcall::<Value, _, _, _>(&*f.name, keys, args).await,
+                    None => client.evalsha::<Value, _, _, _>(&*script.sha1, keys, args).await,
+                }
+            };
+            match run(keys.clone(), args.clone()).await {
+                Err(e) if not_loaded(&e) => {
                     self.load(script).await?;
-                    client.evalsha::<Value, _, _, _>(&*script.sha1, keys, args).await
+                    run(keys, args).await
                 }
                 other => other,
             }
@@ -175,6 +190,12 @@ impl Store for RedisStore {
             () = lost => Err(StoreError::Unavailable(format!("{}: the connection to Redis was lost", script.name))),
         }
     }
+}
+
+/// The node has not got the script (`NOSCRIPT`) or the function (`Function not found`).
+fn not_loaded(e: &fred::error::Error) -> bool {
+    let d = e.details();
+    d.starts_with("NOSCRIPT") || d.contains("Function not found")
 }
 
 fn describe(target: &RedisTarget) -> String {

@@ -229,7 +229,7 @@ pub async fn run_with(options: &BenchOptions, control: Arc<Control>) -> Result<R
     Ok(report)
 }
 
-/// Script calls (`EVAL`, `EVALSHA`) a Redis has served, from `INFO commandstats`.
+/// Script and function calls (`EVAL`, `EVALSHA`, `FCALL`) a Redis has served, from `INFO commandstats`.
 async fn store_calls(url: &str) -> Result<u64, BenchError> {
     use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
     use fred::interfaces::ClientLike;
@@ -247,7 +247,7 @@ async fn store_calls(url: &str) -> Result<u64, BenchError> {
             .and_then(|n| n.parse::<u64>().ok())
             .unwrap_or(0)
     };
-    Ok(calls("evalsha") + calls("eval"))
+    Ok(calls("fcall") + calls("evalsha") + calls("eval"))
 }
 
 /// `max_request_bytes` of the ext_authz filter in envoy/envoy.yaml.
