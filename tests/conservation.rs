@@ -91,16 +91,23 @@ async fn window<S: Store>(r: &Harness<S>, ending: bool) {
     panic!("no window went through once the faults were off");
 }
 
-/// The run, on `replicas` of one tenant whose store fails as the test set it up to; `calm` turns
-/// the faults off.
-async fn books_balance<S: Store + Clone>(replicas: &[Harness<S>], seed: u64, calm: impl Fn()) -> Run {
+/// The run, on `replicas` of one tenant whose store fails as the test set it up to; `at_op` is
+/// told each operation's number before it runs (to change the faults at one), `calm` turns the
+/// faults off.
+async fn books_balance<S: Store + Clone>(
+    replicas: &[Harness<S>],
+    seed: u64,
+    at_op: impl Fn(usize),
+    calm: impl Fn(),
+) -> Run {
     let stop = tokio_util::sync::CancellationToken::new();
     let workers: Vec<_> = replicas.iter().filter_map(|r| r.admission.run_retries(stop.clone())).collect();
     let n = replicas.len() as u64;
     let rng = support::rng::Seeded::new(seed);
     let mut holds: Vec<Hold> = Vec::new();
     let mut run = Run::default();
-    for _ in 0..OPS {
+    for op in 0..OPS {
+        at_op(op);
         let live: Vec<usize> = (0..holds.len()).filter(|&i| !holds[i].settled).collect();
         let pick = |rng: &support::rng::Seeded| live.get(rng.below(live.len() as u64) as usize).copied();
         match rng.below(10) {
@@ -187,18 +194,13 @@ async fn the_books_balance_through_a_proxy_that_cuts_connections() {
     let own = RedisStore::connect(&RedisTarget::Single(proxy.url()), options).await.unwrap();
     let second = first.wrapped(|_| own).await;
     proxy.cut_after_scripts(200);
-    let run = {
-        let replicas = [first, second];
-        let holding = async {
-            // A stretch of held replies, well inside the run.
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            proxy.hold_replies(400);
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            proxy.hold_replies(0);
-        };
-        let (run, ()) = tokio::join!(books_balance(&replicas, 0x5eed, || proxy.calm()), holding);
-        run
+    // A stretch of held replies, well inside the run: three operations (each past its timeout).
+    let stretch = |op: usize| match op {
+        100 => proxy.hold_replies(400),
+        103 => proxy.hold_replies(0),
+        _ => {}
     };
+    let run = books_balance(&[first, second], 0x5eed, stretch, || proxy.calm()).await;
     assert!(proxy.cuts() >= 5, "the proxy cut {} connections: not a fault test", proxy.cuts());
     eprintln!("{run:?}; {} connections cut", proxy.cuts());
 }
@@ -227,7 +229,8 @@ async fn the_books_balance_through_proxies_on_a_cluster() {
     for proxy in &cluster.proxies {
         proxy.cut_after_scripts(200);
     }
-    let run = books_balance(&[first, second], 0xc105, || cluster.proxies.iter().for_each(FaultProxy::calm)).await;
+    let run =
+        books_balance(&[first, second], 0xc105, |_| {}, || cluster.proxies.iter().for_each(FaultProxy::calm)).await;
     let cuts: u32 = cluster.proxies.iter().map(FaultProxy::cuts).sum();
     assert!(cuts >= 5, "the proxies cut {cuts} connections: not a fault test");
     eprintln!("{run:?}; {cuts} connections cut");
@@ -246,7 +249,7 @@ where
         let first = h.wrapped(|s| Chaos::new(s, 150, seed)).await;
         let chaos = first.admission.protocol().store().clone();
         let second = first.wrapped(|s| s).await;
-        let run = books_balance(&[first, second], seed, || chaos.calm()).await;
+        let run = books_balance(&[first, second], seed, |_| {}, || chaos.calm()).await;
         assert!(chaos.failed() > 10, "{} calls failed: not a fault test ({run:?})", chaos.failed());
         eprintln!("seed {seed:#x}: {run:?}; {} calls failed", chaos.failed());
     }

@@ -1,6 +1,8 @@
 //! Two tollgate processes sharing one Redis (then one Redis Cluster) never over-admit: with a
 //! budget that admits exactly K holds and hundreds of concurrent reserves from both, exactly K are
-//! admitted. This is the property one-script-per-phase exists for.
+//! admitted. This is the property one-script-per-phase exists for. The tenant fails closed, so a
+//! call the store did not answer in time (a loaded machine) is refused, never admitted by a
+//! replica's local share: what is admitted is what the store admitted.
 
 mod support;
 
@@ -16,7 +18,7 @@ const PER_REPLICA: usize = 150;
 async fn exactly_k_admitted(backend: Backend) {
     let tenant = support::unique_tenant("shared");
     let policy = format!(
-        "{}\nmodels:\n  m:\n    max_output_tokens: 512\ntenants:\n  {tenant}:\n    limits: {{ tokens_per_minute: 1, burst_tokens: {} }}\n",
+        "{}\nmodels:\n  m:\n    max_output_tokens: 512\ntenants:\n  {tenant}:\n    on_store_error: fail_closed\n    limits: {{ tokens_per_minute: 1, burst_tokens: {} }}\n",
         backend.store_yaml(),
         K * 100
     );
@@ -40,16 +42,21 @@ async fn exactly_k_admitted(backend: Backend) {
         }
     }
     let replies = join_all(calls).await;
-    let mut admitted = 0;
+    let (mut admitted, mut unanswered) = (0, 0);
     for reply in replies {
         let reply = reply.unwrap_or_else(|e| panic!("reserve failed: {e}\n{}", replicas[0].log()));
-        if reply.admitted {
-            admitted += 1;
-        } else {
-            assert_eq!(reply.reason, "token_rate", "{reply:?}");
+        match (reply.admitted, reply.reason.as_str()) {
+            (true, _) => admitted += 1,
+            (false, "store_unavailable") => unanswered += 1,
+            (false, reason) => assert_eq!(reason, "token_rate", "{reply:?}"),
         }
     }
-    assert_eq!(admitted, K, "two replicas, {} concurrent reserves", 2 * PER_REPLICA);
+    assert!(admitted <= K, "two replicas, {} concurrent reserves: {admitted} admitted", 2 * PER_REPLICA);
+    // Every K-th hold is admitted unless the store did not answer a reserve that would have been.
+    assert!(admitted + unanswered >= K, "{admitted} admitted, {unanswered} unanswered");
+    if unanswered == 0 {
+        assert_eq!(admitted, K, "two replicas, {} concurrent reserves", 2 * PER_REPLICA);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,8 @@ use super::procs::{OwnRedis, free_port, redis_cli, wait_for_cluster};
 /// What the proxy does to the traffic, changed at any time.
 #[derive(Default)]
 struct Faults {
-    /// Per mille of chunks carrying a script call (`EVALSHA`) after which the connection is cut.
+    /// Per mille of chunks carrying a script call (`FCALL`, `EVALSHA`) after which the connection
+    /// is cut.
     cut_per_mille: AtomicU32,
     /// Replies are held this long before they are forwarded (0: at once).
     hold_ms: AtomicU64,
@@ -124,7 +125,9 @@ async fn proxy(client: TcpStream, server: TcpStream, faults: &Faults) {
             };
             faults.wait_while_paused().await;
             let chunk = &buf[..n];
-            let script = chunk.windows(7).any(|w| w.eq_ignore_ascii_case(b"EVALSHA"));
+            let script = [&b"FCALL"[..], b"EVALSHA"]
+                .iter()
+                .any(|call| chunk.windows(call.len()).any(|w| w.eq_ignore_ascii_case(call)));
             if server_wr.write_all(chunk).await.is_err() {
                 return;
             }
