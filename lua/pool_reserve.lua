@@ -102,12 +102,11 @@ end
 local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local resume = tonumber(v[6]) or 0
--- A refusal: this request's place, if it had one, is given up (and a pool left with nobody
--- forgets, as pool_drop's does).
+-- A refusal: this request's place, if it had one, is given up; and a pool left with nobody (its
+-- place gone, or expired places read away) forgets, as pool_drop's does.
 local function refuse(reason, retry, delay)
-  if redis.call('HDEL', waiting, id) == 1 then
-    pool_forget_if_idle(KEYS, n)
-  end
+  redis.call('HDEL', waiting, id)
+  pool_forget_if_idle(KEYS, n)
   return { 0, reason, retry, delay }
 end
 if now < resume then

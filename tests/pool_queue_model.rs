@@ -108,9 +108,11 @@ impl Model {
         self.holds.values().map(|h| h.3).sum()
     }
 
-    /// A place given up by a refusal: a pool left with nothing forgets.
+    /// A refusal: its place, if it had one, is given up; a pool left with nothing (that place
+    /// gone, or expired places read away) forgets.
     fn give_up_place(&mut self, id: &str) {
-        if self.waiting.remove(id).is_some() && self.holds.is_empty() && self.waiting.is_empty() {
+        self.waiting.remove(id);
+        if self.holds.is_empty() && self.waiting.is_empty() {
             self.forget();
         }
     }
