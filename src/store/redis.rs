@@ -59,6 +59,9 @@ pub struct RedisStore {
     /// Told whenever a connection ends: a call still waiting then (written to it, or queued while
     /// the client noticed) fails at once rather than waiting out the reconnect.
     lost: Arc<tokio::sync::Notify>,
+    /// The function libraries this store has loaded: every phase names the same library, which
+    /// the start loads once, not once per phase (a node that lost it is given it again by `eval`).
+    libraries: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -103,7 +106,12 @@ impl RedisStore {
                     notify.notify_waiters();
                     async { Ok(()) }
                 });
-                Ok(RedisStore { client, calls: Options { fail_fast: true, ..Options::default() }, lost })
+                Ok(RedisStore {
+                    client,
+                    calls: Options { fail_fast: true, ..Options::default() },
+                    lost,
+                    libraries: Arc::default(),
+                })
             }
             Ok(Err(e)) => {
                 let _ = client.quit().await;
@@ -150,20 +158,16 @@ impl RedisStore {
 
 impl Store for RedisStore {
     async fn load(&self, script: &Script) -> Result<(), StoreError> {
-        match &script.function {
-            // (Its code names the library with its hash: loading it again replaces it with itself.)
-            Some(f) => self.client.function_load_cluster::<Value, _>(true, f.library.code.as_str()).await,
-            None => self.client.script_load_cluster::<Value, _>(&*script.source).await,
+        if let Some(f) = &script.function
+            && self.libraries.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&f.library.name)
+        {
+            return Ok(());
         }
-        .map(|_| ())
-        .map_err(|e| match e.details() {
-            // A setting, not a passing fault: the start fails, saying why.
-            d if d.contains("unknown command") => StoreError::Script {
-                script: script.name,
-                message: format!("Redis 7.0 or later is needed (FUNCTION LOAD): {d}"),
-            },
-            _ => store_error(script, e),
-        })
+        self.load_again(script).await?;
+        if let Some(f) = &script.function {
+            self.libraries.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(f.library.name.clone());
+        }
+        Ok(())
     }
 
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
@@ -178,7 +182,7 @@ impl Store for RedisStore {
             };
             match run(keys.clone(), args.clone()).await {
                 Err(e) if not_loaded(&e) => {
-                    self.load(script).await?;
+                    self.load_again(script).await?;
                     run(keys, args).await
                 }
                 other => other,
@@ -189,6 +193,26 @@ impl Store for RedisStore {
             value = call => Ok(to_reply(value?)),
             () = lost => Err(StoreError::Unavailable(format!("{}: the connection to Redis was lost", script.name))),
         }
+    }
+}
+
+impl RedisStore {
+    /// Loads `script` (its library, for a phase) on every primary, whether or not it was before.
+    async fn load_again(&self, script: &Script) -> Result<(), StoreError> {
+        match &script.function {
+            // (Its code names the library with its hash: loading it again replaces it with itself.)
+            Some(f) => self.client.function_load_cluster::<Value, _>(true, f.library.code.as_str()).await,
+            None => self.client.script_load_cluster::<Value, _>(&*script.source).await,
+        }
+        .map(|_| ())
+        .map_err(|e| match e.details() {
+            // A setting, not a passing fault: the start fails, saying why.
+            d if d.contains("unknown command") => StoreError::Script {
+                script: script.name,
+                message: format!("Redis 7.0 or later is needed (FUNCTION LOAD): {d}"),
+            },
+            _ => store_error(script, e),
+        })
     }
 }
 
