@@ -79,14 +79,15 @@ if metered or ARGV[2] == '' then
   read, written, reasoning = nil, nil, nil
 end
 local used, cost, used_in, used_out = charged_for(r, prompt, output, read or 0, written or 0, reasoning or 0)
+local slots = 0
 if r.sl == '1' then
-  free_slots(keys)
+  slots = 1
 end
 local had = charged_of(r)
 local now_at = periods_at(now, tonumber(ARGV[13]) or r.zo)
 settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), periods_of(r.dy, r.hr), now_at,
-  now, r.kc)
-keep_alive(keys, leases, holds, r.it)
+  now, r.kc, slots)
+keep_scopes(keys, r.it)
 
 local state = 'committed'
 if r.st == 'expired' then
@@ -110,10 +111,12 @@ elseif metered then
 elseif ARGV[2] == '' then
   usage = 'held'
 end
-local entry = ledger_entry(id, r, state, usage, used, cost, ending)
-entry.prompt, entry.output = prompt, output
-entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
-ledger_append(ledger, r.lg, entry, now)
+if r.lg and r.lg ~= '' then
+  local entry = ledger_entry(id, r, state, usage, used, cost, ending)
+  entry.prompt, entry.output = prompt, output
+  entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
+  ledger_append(ledger, r.lg, entry, now)
+end
 if r.ok and r.ok ~= '' and window > 0 and not metered then
   learn(r.ok, output, used, overrun, tonumber(r.oq), window, estimate_ttl)
 end

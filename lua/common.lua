@@ -140,18 +140,16 @@ local function split(s)
   return out
 end
 
-local RECORD_FIELDS = { 'st', 'h', 'ch', 'sl', 'le', 'at', 'dy', 'ks', 'xp', 'ik', 'rt', 'us', 'rf',
-  'ok', 'oq', 'it', 'oh', 'es', 'mx', 'md', 'tn', 'ur', 'tr', 'ra', 'lg', 'pi', 'po', 'hc', 'cc', 'cw', 'hr', 'zo', 'kc' }
-
--- Reads a record into a table; returns nil when it does not exist.
+-- Reads a record into a table; returns nil when it does not exist. (One HGETALL: a record has
+-- only the fields its hold uses, and naming every field it might have costs Redis more.)
 local function load(rk)
-  local v = redis.call('HMGET', rk, unpack(RECORD_FIELDS))
-  if not v[1] then
-    return nil
-  end
+  local v = redis.call('HGETALL', rk)
   local r = {}
-  for i, f in ipairs(RECORD_FIELDS) do
-    r[f] = v[i]
+  for i = 1, #v, 2 do
+    r[v[i]] = v[i + 1]
+  end
+  if not r.st then
+    return nil
   end
   r.h = tonumber(r.h)
   r.ch = tonumber(r.ch)
@@ -168,10 +166,13 @@ local function load(rk)
   r.cc = tonumber(r.cc) or 0
   -- Weighted tokens: weights in thousandths of a whole token, prices; without 'cw', a cached
   -- token is an input token and a reasoning token an output token.
-  local cw = split(r.cw or '')
-  r.wr, r.ww = tonumber(cw[1]) or 1000, tonumber(cw[2]) or 1000
-  r.pr, r.pw = tonumber(cw[3]) or r.pi, tonumber(cw[4]) or r.pi
-  r.wt, r.pt = tonumber(cw[5]) or 1000, tonumber(cw[6]) or r.po
+  r.wr, r.ww, r.pr, r.pw, r.wt, r.pt = 1000, 1000, r.pi, r.pi, 1000, r.po
+  if r.cw then
+    local cw = split(r.cw)
+    r.wr, r.ww = tonumber(cw[1]) or 1000, tonumber(cw[2]) or 1000
+    r.pr, r.pw = tonumber(cw[3]) or r.pi, tonumber(cw[4]) or r.pi
+    r.wt, r.pt = tonumber(cw[5]) or 1000, tonumber(cw[6]) or r.po
+  end
   return r
 end
 
@@ -210,8 +211,11 @@ end
 -- many holds (a scope, a lease index, a holds hash, a pool's) keeps the TTL its longest-lived hold
 -- needs, so a reload that shortens the lease or the idle TTL leaves the holds made before it their
 -- own terms. (A key without a TTL gets one; a missing key is left missing.)
+-- (One call where the key has a TTL shorter than `ms`, as every key tollgate writes has from the
+-- call that made it: GT lengthens a TTL and never gives one, so a key without any is given its
+-- first after PTTL tells.)
 local function keep_for(key, ms)
-  if redis.call('PTTL', key) < ms then
+  if redis.call('PEXPIRE', key, ms, 'GT') == 0 and redis.call('PTTL', key) == -1 then
     redis.call('PEXPIRE', key, ms)
   end
 end
@@ -228,11 +232,17 @@ local HOUR_MS = 3600000
 local PERIODS = { 'h', 'd', 'w', 'm' }
 local PERIOD_MARKERS = { h = 'h', d = 'd', w = 'w', m = 'mo' }
 local MEASURES = { 'u', 'c', 'p', 'g' }
-local COUNTERS = {}
+-- Every counter, in this order wherever order shows (which budget a refusal names); each
+-- counter's period and measure; and the counters of each period by measure (COUNTER_OF.d.u = 'du').
+local COUNTERS, PERIOD_OF, MEASURE_OF, COUNTER_OF = {}, {}, {}, {}
 -- (Numeric loops: this runs when Redis loads the library, where no library function exists.)
 for i = 1, #PERIODS do
+  local p = PERIODS[i]
+  COUNTER_OF[p] = {}
   for j = 1, #MEASURES do
-    COUNTERS[#COUNTERS + 1] = PERIODS[i] .. MEASURES[j]
+    local c = p .. MEASURES[j]
+    COUNTERS[#COUNTERS + 1] = c
+    PERIOD_OF[c], MEASURE_OF[c], COUNTER_OF[p][MEASURES[j]] = p, MEASURES[j], c
   end
 end
 local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
@@ -334,9 +344,9 @@ local function scope_limits(args, b)
   }
   for mark, c, n in string.gmatch(args[b + 10], '(~?)(%a%a):(%d+)') do
     if mark == '~' then
-      l.soft[c] = tonumber(n)
+      l.soft[c], l.any_soft = tonumber(n), true
     else
-      l.budgets[c] = tonumber(n)
+      l.budgets[c], l.any_budget = tonumber(n), true
     end
   end
   return l
@@ -362,23 +372,21 @@ local function read_scope(key, l, now, at)
     s.r = refilled(f.r, f.rt, s.rcap, s.rrate, now)
   end
   s.c = tonumber(f.c) or 0
-  -- Every counter the scope counts: its budgets, ALWAYS, and what its hash has counted.
-  s.used = {}
-  local function count(c)
-    local p = string.sub(c, 1, 1)
-    if at[p] and tonumber(f[PERIOD_MARKERS[p]]) == at[p] then
-      s.used[c] = tonumber(f[c]) or 0
-    else
+  -- Which periods the hash counts already (its marker is the current one: `current`), and every
+  -- counter the scope counts: ALWAYS, its budgets, and what its hash has counted.
+  s.f, s.used, s.current = f, {}, {}
+  for i = 1, #PERIODS do
+    local p = PERIODS[i]
+    s.current[p] = at[p] ~= nil and tonumber(f[PERIOD_MARKERS[p]]) == at[p]
+  end
+  for i = 1, #COUNTERS do
+    local c = COUNTERS[i]
+    if IS_ALWAYS[c] or l.budgets[c] or l.soft[c] or f[c] then
       s.used[c] = 0
+      if s.current[PERIOD_OF[c]] then
+        s.used[c] = tonumber(f[c]) or 0
+      end
     end
-  end
-  for _, c in ipairs(COUNTERS) do
-    if l.budgets[c] or l.soft[c] or f[c] then
-      count(c)
-    end
-  end
-  for _, c in ipairs(ALWAYS) do
-    count(c)
   end
   return s
 end
@@ -409,10 +417,14 @@ local function check_scope(s, n, requests, slots, leases, wait_cap, now, at, off
     end
     deny('concurrency', ms)
   end
-  for _, c in ipairs(COUNTERS) do
-    local limit, amount = s.l.budgets[c] or 0, n[string.sub(c, 2, 2)]
+  if not s.l.any_budget then
+    return
+  end
+  for i = 1, #COUNTERS do
+    local c = COUNTERS[i]
+    local limit, amount = s.l.budgets[c] or 0, n[MEASURE_OF[c]]
     if limit > 0 and amount > 0 and s.used[c] + amount > limit then
-      deny('budget:' .. c, period_ends(string.sub(c, 1, 1), at, now, offset))
+      deny('budget:' .. c, period_ends(PERIOD_OF[c], at, now, offset))
     end
   end
 end
@@ -424,7 +436,7 @@ local function beyond_budgets(s, n)
     return true
   end
   for c, limit in pairs(s.l.budgets) do
-    if limit > 0 and n[string.sub(c, 2, 2)] > limit then
+    if limit > 0 and n[MEASURE_OF[c]] > limit then
       return true
     end
   end
@@ -435,49 +447,83 @@ end
 -- {counter, ms until its period ends}, or {} when none is.
 local function soft_passed(scopes, n, now, at, offset)
   for _, s in ipairs(scopes) do
-    for _, c in ipairs(COUNTERS) do
-      local limit = s.l.soft[c]
-      if limit and s.used[c] + n[string.sub(c, 2, 2)] > limit then
-        return { c, period_ends(string.sub(c, 1, 1), at, now, offset) }
+    if s.l.any_soft then
+      for i = 1, #COUNTERS do
+        local c = COUNTERS[i]
+        local limit = s.l.soft[c]
+        if limit and s.used[c] + n[MEASURE_OF[c]] > limit then
+          return { c, period_ends(PERIOD_OF[c], at, now, offset) }
+        end
       end
     end
   end
   return {}
 end
 
+-- A token bucket's fields in a scope hash, by the measure it counts: its level, last refill (ms),
+-- capacity and refill per ms.
+local TOKEN_FIELDS = { 'u', 't', 'tt', 'tc', 'tr' }
+local PROMPT_FIELDS = { 'p', 'pt', 'ptt', 'ptc', 'ptr' }
+local OUTPUT_FIELDS = { 'g', 'gt', 'gtt', 'gtc', 'gtr' }
+
+-- Appends to `f` (`k` entries so far; returns the count after) the fields that take `amount` from a
+-- bucket at `level` (refilled to `now`) with capacity `cap` and refill `rate` write, `stored` the
+-- scope's fields as read: its level and time when it moves or its terms changed, its terms then.
+local function put_bucket(f, k, stored, fields, level, cap, rate, amount, now)
+  local changed = tonumber(stored[fields[4]]) ~= cap or tonumber(stored[fields[5]]) ~= rate
+  if amount ~= 0 or changed then
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], math.max(level - amount, -cap), fields[3], now, k + 4
+  end
+  if changed then
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[4], cap, fields[5], rate, k + 4
+  end
+  return k
+end
+
 -- Takes `n` ({u, c, p, g}), `requests` and `slots` from scope `s` (as read_scope left it, in the
--- periods of `at`) and keeps the scope alive for `idle` ms.
+-- periods of `at`) and keeps the scope alive for `idle` ms. Writes only what moves, and the slots
+-- count (always there once a scope has taken): a counter that counts more, every counter of a
+-- period that starts now (with its marker: one left unwritten would count on from the period
+-- before), a bucket taken from (refilled to now first, so leaving one untaken unwritten refills it
+-- just the same), and a bucket's terms when a reload changed them.
 local function take(s, n, requests, slots, at, now, idle)
-  local f = { 'c', s.c + slots }
-  local function put(...)
-    for _, v in ipairs({ ... }) do
-      f[#f + 1] = v
+  local f, k = {}, 0
+  if slots ~= 0 or not s.f.c then
+    f[1], f[2], k = 'c', s.c + slots, 2
+  end
+  local starts = nil
+  for c, used in pairs(s.used) do
+    local p, amount = PERIOD_OF[c], n[MEASURE_OF[c]]
+    if not s.current[p] then
+      starts = starts or {}
+      starts[p] = true
+    end
+    if amount ~= 0 or not s.current[p] then
+      f[k + 1], f[k + 2], k = c, used + amount, k + 2
     end
   end
-  local marked = {}
-  for c, used in pairs(s.used) do
-    local p = string.sub(c, 1, 1)
-    put(c, used + n[string.sub(c, 2, 2)])
-    if not marked[p] then
-      marked[p] = true
-      put(PERIOD_MARKERS[p], at[p])
+  if starts then
+    for p in pairs(starts) do
+      f[k + 1], f[k + 2], k = PERIOD_MARKERS[p], at[p], k + 2
     end
   end
   -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
   -- debt, never below minus the capacity, as with adjust below.
   if s.tcap > 0 then
-    put('t', math.max(s.t - n.u, -s.tcap), 'tt', now, 'tc', s.tcap, 'tr', s.trate)
+    k = put_bucket(f, k, s.f, TOKEN_FIELDS, s.t, s.tcap, s.trate, n.u, now)
   end
   if s.pcap > 0 then
-    put('pt', math.max(s.pt - n.p, -s.pcap), 'ptt', now, 'ptc', s.pcap, 'ptr', s.prate)
+    k = put_bucket(f, k, s.f, PROMPT_FIELDS, s.pt, s.pcap, s.prate, n.p, now)
   end
   if s.gcap > 0 then
-    put('gt', math.max(s.gt - n.g, -s.gcap), 'gtt', now, 'gtc', s.gcap, 'gtr', s.grate)
+    k = put_bucket(f, k, s.f, OUTPUT_FIELDS, s.gt, s.gcap, s.grate, n.g, now)
   end
-  if s.rcap > 0 then
-    put('r', math.max(s.r - requests, -s.rcap), 'rt', now)
+  if s.rcap > 0 and requests ~= 0 then
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', math.max(s.r - requests, -s.rcap), 'rt', now, k + 4
   end
-  redis.call('HSET', s.key, unpack(f))
+  if k > 0 then
+    redis.call('HSET', s.key, unpack(f))
+  end
   keep_for(s.key, idle)
 end
 
@@ -512,82 +558,97 @@ local function side_headroom(scopes, prompt, output)
   return { irem, ilim, ireset, orem, olim, oreset }
 end
 
--- The buckets adjust moves, by the measure they count: the level's field; `<field>t` is its last
--- refill, `<field>c` its capacity and `<field>r` its refill per ms (as take writes them).
-local BUCKETS = { u = 't', p = 'pt', g = 'gt' }
+-- The buckets adjust moves (fields as TOKEN_FIELDS).
+local BUCKET_FIELDS = { TOKEN_FIELDS, PROMPT_FIELDS, OUTPUT_FIELDS }
 
--- Moves each scope by `n` ({u, c, p, g}: debt when positive, a refund when negative), one read
--- and one write a scope. A bucket moves from its level now: refilled first, so a full bucket's
--- refill (which it could not hold) never pays debt; never above its capacity, never below minus
--- it. A period's counters move when they count the period `hold_at` (a refund: what the hold was
--- charged to, given back only while it is current, and only to the counters `kc` says it charged:
--- see charged_counters) or `now_at` (debt: the current one) names; debt in a new period starts
--- its count, and debt for a period older than the one counted (a zone's offset that moved since)
--- counts in the newer one: a marker never goes back. Only counters the scope has move, and a
--- scope hash that has expired (idle longer than its TTL) is not recreated: an idle bucket is
--- full anyway.
-local function adjust(keys, n, hold_at, now_at, now, kc)
-  local allowed = refundable(kc)
+-- Moves each scope by `n` ({u, c, p, g}: debt when positive, a refund when negative) and frees
+-- `slots` concurrency slots there (nil: none), one read and one write a scope. A bucket moves from
+-- its level now: refilled first, so a full bucket's refill (which it could not hold) never pays
+-- debt; never above its capacity, never below minus it. A period's counters move when they count
+-- the period `hold_at` (a refund: what the hold was charged to, given back only while it is
+-- current, and only to the counters `kc` says it charged: see charged_counters) or `now_at`
+-- (debt: the current one) names; debt in a new period starts its count, and debt for a period
+-- older than the one counted (a zone's offset that moved since) counts in the newer one: a
+-- marker never goes back. Only counters the scope has move, and a scope hash that has expired
+-- (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
+local function adjust(keys, n, hold_at, now_at, now, kc, slots)
+  slots = slots or 0
+  local moves = n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0
+  local allowed = nil
+  if moves and kc and kc ~= '' then
+    allowed = refundable(kc)
+  end
   for i, k in ipairs(keys) do
-    local may_refund = allowed[i] or IS_ALWAYS
-    local f = fields_of(k)
-    local w = {}
-    for m, b in pairs(BUCKETS) do
-      local cap = tonumber(f[b .. 'c'])
-      if n[m] ~= 0 and f[b] and cap then
-        local level = refilled(f[b], f[b .. 't'], cap, tonumber(f[b .. 'r']) or 0, now) - n[m]
-        w[#w + 1], w[#w + 2], w[#w + 3], w[#w + 4] = b, math.max(-cap, math.min(cap, level)), b .. 't', now
+    local w, nw = {}, 0
+    if not moves then
+      -- Only slots: one field read, one written.
+      local c = tonumber(redis.call('HGET', k, 'c'))
+      if c and c > 0 then
+        w[1], w[2], nw = 'c', math.max(0, c - slots), 2
       end
-    end
-    for _, p in ipairs(PERIODS) do
-      local marker = PERIOD_MARKERS[p]
-      local u = { at = tonumber(f[marker]) }
-      for _, m in ipairs(MEASURES) do
-        u[m] = tonumber(f[p .. m])
+    else
+      local may_refund = (allowed and allowed[i]) or IS_ALWAYS
+      local f = fields_of(k)
+      local c = tonumber(f.c)
+      if slots > 0 and c and c > 0 then
+        w[1], w[2], nw = 'c', math.max(0, c - slots), 2
       end
-      local moved = false
-      for _, m in ipairs(MEASURES) do
-        local amount, at = n[m], now_at[p]
-        if amount < 0 then
-          at = hold_at[p]
+      for j = 1, #BUCKET_FIELDS do
+        local b = BUCKET_FIELDS[j]
+        local amount, cap = n[b[1]], tonumber(f[b[4]])
+        if amount ~= 0 and f[b[2]] and cap then
+          local level = refilled(f[b[2]], f[b[3]], cap, tonumber(f[b[5]]) or 0, now) - amount
+          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], math.max(-cap, math.min(cap, level)), b[3], now, nw + 4
         end
-        if amount < 0 and not may_refund[p .. m] then
-          at = nil
-        end
-        if u.at and u[m] and amount ~= 0 and at then
-          if u.at == at or (amount > 0 and at < u.at) then
-            u[m], moved = math.max(0, u[m] + amount), true
-          elseif amount > 0 then
-            for _, other in ipairs(MEASURES) do
-              if u[other] then
-                u[other] = 0
+      end
+      for j = 1, #PERIODS do
+        local p = PERIODS[j]
+        local marker, names = PERIOD_MARKERS[p], COUNTER_OF[p]
+        local u = { at = tonumber(f[marker]) }
+        -- (A period the hash has no marker for counts nothing here.)
+        if u.at then
+          for x = 1, #MEASURES do
+            local m = MEASURES[x]
+            u[m] = tonumber(f[names[m]])
+          end
+          local moved = false
+          for x = 1, #MEASURES do
+            local m = MEASURES[x]
+            local amount, at = n[m], now_at[p]
+            if amount < 0 then
+              at = hold_at[p]
+            end
+            if amount < 0 and not may_refund[names[m]] then
+              at = nil
+            end
+            if u[m] and amount ~= 0 and at then
+              if u.at == at or (amount > 0 and at < u.at) then
+                u[m], moved = math.max(0, u[m] + amount), true
+              elseif amount > 0 then
+                for y = 1, #MEASURES do
+                  local other = MEASURES[y]
+                  if u[other] then
+                    u[other] = 0
+                  end
+                end
+                u.at, u[m], moved = at, amount, true
               end
             end
-            u.at, u[m], moved = at, amount, true
           end
-        end
-      end
-      if moved then
-        w[#w + 1], w[#w + 2] = marker, u.at
-        for _, m in ipairs(MEASURES) do
-          if u[m] then
-            w[#w + 1], w[#w + 2] = p .. m, u[m]
+          if moved then
+            w[nw + 1], w[nw + 2], nw = marker, u.at, nw + 2
+            for x = 1, #MEASURES do
+              local m = MEASURES[x]
+              if u[m] then
+                w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
+              end
+            end
           end
         end
       end
     end
-    if #w > 0 then
+    if nw > 0 then
       redis.call('HSET', k, unpack(w))
-    end
-  end
-end
-
--- Frees the concurrency slot a hold occupies in each of its scopes.
-local function free_slots(keys)
-  for _, k in ipairs(keys) do
-    local c = tonumber(redis.call('HGET', k, 'c'))
-    if c and c > 0 then
-      redis.call('HSET', k, 'c', c - 1)
     end
   end
 end
@@ -598,10 +659,12 @@ local function amounts(u, c, p, g)
 end
 
 -- Gives `n` ({u, c, p, g}) back: to each bucket, and to the periods of `hold_at` while they are
--- the current ones, in the counters `kc` says the hold charged.
-local function refund(keys, n, hold_at, now, kc)
+-- the current ones, in the counters `kc` says the hold charged; and frees `slots` slots (nil: none).
+local function refund(keys, n, hold_at, now, kc, slots)
   if n.u > 0 or n.c > 0 or n.p > 0 or n.g > 0 then
-    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now, kc)
+    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now, kc, slots)
+  elseif slots and slots > 0 then
+    adjust(keys, amounts(0, 0, 0, 0), hold_at, hold_at, now, kc, slots)
   end
 end
 
@@ -615,10 +678,10 @@ end
 
 -- Moves a settled hold from what it has charged to what it should, `n` the differences: each a
 -- refund to the hold's own periods (`hold_at`) when negative, a charge to the current ones
--- (`now_at`) when positive.
-local function settle(keys, n, hold_at, now_at, now, kc)
-  if n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0 then
-    adjust(keys, n, hold_at, now_at, now, kc)
+-- (`now_at`) when positive; and frees `slots` slots (nil: none).
+local function settle(keys, n, hold_at, now_at, now, kc, slots)
+  if n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0 or (slots and slots > 0) then
+    adjust(keys, n, hold_at, now_at, now, kc, slots)
   end
 end
 
@@ -631,15 +694,25 @@ local function charged_of(r)
   return amounts(r.ch, r.cc, r.ch - output, output)
 end
 
--- Keeps a live hold's keys alive for another idle TTL: every scope it counts in, the lease index
--- and the holds hash. A renewed stream may outlive many TTLs; its slot must not vanish with them.
-local function keep_alive(keys, leases, holds, idle)
+-- Keeps scope hashes alive for another idle TTL (nil: as they are), as a call that moves them.
+local function keep_scopes(keys, idle)
   if not idle then
     return
   end
   for _, k in ipairs(keys) do
     keep_for(k, idle)
   end
+end
+
+-- Keeps a live hold's keys alive for another idle TTL: every scope it counts in, the lease index
+-- and the holds hash. A renewed stream may outlive many TTLs; its slot must not vanish with them.
+-- (A hold that settles needs only its scopes kept: the index and the holds hash keep the TTL the
+-- holds still in them were given.)
+local function keep_alive(keys, leases, holds, idle)
+  if not idle then
+    return
+  end
+  keep_scopes(keys, idle)
   keep_for(leases, idle)
   keep_for(holds, idle)
 end
@@ -782,11 +855,11 @@ end
 -- Missing usage is not zero usage, so charge is the default policy. Returns the tokens and cost
 -- still charged.
 local function settle_expired(keys, charged, hold_at, policy, now, kc)
-  free_slots(keys)
   if policy == 'refund' then
-    refund(keys, charged, hold_at, now, kc)
+    refund(keys, charged, hold_at, now, kc, 1)
     return 0, 0
   end
+  adjust(keys, amounts(0, 0, 0, 0), hold_at, hold_at, now, kc, 1)
   return charged.u, charged.c
 end
 
@@ -806,7 +879,9 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   if r.ch == 0 then
     usage = 'none'
   end
-  ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc, 'expired'), now)
+  if ledger and r.lg and r.lg ~= '' then
+    ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc, 'expired'), now)
+  end
 end
 
 -- Settles the lease of a replica that stopped renewing it (it died, or lost the store for a whole

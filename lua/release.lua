@@ -34,10 +34,11 @@ if not r then
 end
 
 local keys = split(r.ks)
-free_slots(keys)
-refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc)
-keep_alive(keys, leases, holds, r.it)
+refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc, 1)
+keep_scopes(keys, r.it)
 close(id, r, leases, holds)
 file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0, ending)
-ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0, ending), now)
+if r.lg and r.lg ~= '' then
+  ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0, ending), now)
+end
 return { 'released', r.ch, 0 }

@@ -85,8 +85,9 @@ local id = ARGV[1]
 local prefix = ARGV[2]
 local prompt = tonumber(ARGV[3])
 local lease = tonumber(ARGV[4])
-local idle = tonumber(ARGV[5])
-local late_commit_wait = tonumber(ARGV[6])
+-- (Values written as they came are kept as the strings they came as: Redis would format a number again.)
+local idle = ARGV[5]
+local late_commit_wait = ARGV[6]
 local policy = ARGV[7]
 local batch = tonumber(ARGV[8])
 local key_use = ARGV[9]
@@ -262,9 +263,13 @@ if min_samples > 0 then
   learn_into = KEYS[4]
 end
 local ks = table.concat(names, ' ')
-local record = { 'st', 'reserved', 'h', hold, 'ch', hold, 'sl', 1, 'le', expiry, 'at', attempts, 'dy', at.d, 'ks', ks,
-  'xp', policy, 'ik', ik, 'rt', late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output, 'es', estimated,
-  'md', model }
+local held, output_held, estimate_flag = string.format('%d', hold), ARGV[12], '0'
+if estimated == 1 then
+  output_held, estimate_flag = output, '1'
+end
+local record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d, 'ks', ks,
+  'xp', policy, 'ik', ik, 'rt', late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output_held,
+  'es', estimate_flag, 'md', model }
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
 -- record without them reads as free: see load).
 local function also(...)

@@ -54,6 +54,18 @@ ensure_sdks() {
   export SDK_PYTHON
 }
 
+# oha, the HTTP load generator the Envoy benchmarks drive (open loop, latency corrected), from
+# crates.io when it is not on the PATH or in cargo's bin; sets OHA_BIN.
+ensure_oha() {
+  OHA_BIN=$(command -v oha || true)
+  [ -n "$OHA_BIN" ] || OHA_BIN=${CARGO_HOME:-$HOME/.cargo}/bin/oha
+  if [ ! -x "$OHA_BIN" ]; then
+    echo "installing oha from crates.io (cargo install --locked oha)" >&2
+    env -u CARGO_TARGET_DIR cargo install --locked --quiet oha
+  fi
+  export OHA_BIN
+}
+
 # Prints N free TCP ports on 127.0.0.1, one per line.
 free_ports() {
   python3 - "$1" <<'PY'

@@ -36,8 +36,9 @@ pub enum Command {
     /// Open-loop HTTP load of interactive, standard and batch requests through Envoy; prints
     /// admitted, denied by reason, and p50/p99 per class.
     SimLoad(SimLoadArgs),
-    /// The floor of this machine for `bench`: a gRPC server on tollgate's stack that answers every
-    /// Check and Commit with OK and does no work.
+    /// The floor of this machine for `bench` and `scripts/bench-envoy`: a gRPC server on tollgate's
+    /// stack that answers every Check and Commit with OK, reads ext_proc streams to their end, and
+    /// does no work.
     BenchFloor {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,

@@ -19,8 +19,10 @@ struct Faults {
     /// Per mille of chunks carrying a script call (`FCALL`, `EVALSHA`) after which the connection
     /// is cut.
     cut_per_mille: AtomicU32,
-    /// Replies are held this long before they are forwarded (0: at once).
+    /// Replies are held this long before they are forwarded (0: at once)...
     hold_ms: AtomicU64,
+    /// ...while any of this many are left to hold.
+    holds_left: AtomicU32,
     /// Nothing is forwarded either way while set.
     paused: AtomicBool,
     /// Connections cut so far.
@@ -83,8 +85,10 @@ impl FaultProxy {
         self.faults.cut_per_mille.store(per_mille, Ordering::Relaxed);
     }
 
-    /// Holds every reply back this long (0: none).
-    pub fn hold_replies(&self, ms: u64) {
+    /// Holds the next `count` replies back `ms` each (then none): a stretch that ends by itself,
+    /// however many calls the test makes into it.
+    pub fn hold_replies(&self, ms: u64, count: u32) {
+        self.faults.holds_left.store(count, Ordering::Relaxed);
         self.faults.hold_ms.store(ms, Ordering::Relaxed);
     }
 
@@ -96,7 +100,7 @@ impl FaultProxy {
     /// No faults from now on.
     pub fn calm(&self) {
         self.cut_after_scripts(0);
-        self.hold_replies(0);
+        self.hold_replies(0, 0);
         self.pause(false);
     }
 
@@ -148,7 +152,8 @@ async fn proxy(client: TcpStream, server: TcpStream, faults: &Faults) {
             };
             faults.wait_while_paused().await;
             let hold = faults.hold_ms.load(Ordering::Relaxed);
-            if hold > 0 {
+            let counted = faults.holds_left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+            if hold > 0 && counted.is_ok() {
                 tokio::time::sleep(Duration::from_millis(hold)).await;
             }
             if client_wr.write_all(&buf[..n]).await.is_err() {

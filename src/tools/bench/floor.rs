@@ -1,17 +1,25 @@
 //! `tollgate bench-floor`: the floor of this machine. A gRPC server on the same stack as tollgate's
 //! (tonic, the same server settings, TCP_NODELAY) that answers every Check with OK and a
-//! reservation id, and every Commit with OK, doing no work at all. `tollgate bench` against it
-//! measures what the load generator, the kernel and the gRPC stack cost here, so that tollgate's own
-//! share of a figure is measured, not guessed.
+//! reservation id, and every Commit with OK, and reads every ext_proc stream to its end answering
+//! nothing (Envoy's shipped filter observes: it waits for no answer), doing no work at all.
+//! `tollgate bench` against it measures what the load generator, the kernel and the gRPC stack cost
+//! here, and `scripts/bench-envoy` what Envoy's two filters cost with nothing behind them, so that
+//! tollgate's own share of a figure is measured, not guessed.
 
+use std::pin::Pin;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::auth::v3::authorization_server::{Authorization, AuthorizationServer};
 use envoy_types::pb::envoy::service::auth::v3::{CheckRequest, CheckResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::net::TcpListener;
+use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::admission::{Admitted, Decision};
 use crate::grpc::response::check_response;
@@ -42,6 +50,23 @@ impl Authorization for Floor {
             forecast: None,
         });
         Ok(Response::new(check_response(&admitted, &[], crate::llm::api::Family::OpenAi)))
+    }
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Floor {
+    type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+    /// Reads the stream to its end and answers nothing, as an observer is answered.
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let drained = futures_util::stream::unfold(request.into_inner(), |mut inbound| async move {
+            while let Ok(Some(_)) = inbound.message().await {}
+            None
+        });
+        Ok(Response::new(Box::pin(drained)))
     }
 }
 
@@ -85,6 +110,7 @@ pub async fn serve(listener: TcpListener, shutdown: CancellationToken) -> Result
         .load_shed(true)
         .add_service(AuthorizationServer::new(Floor))
         .add_service(AdmissionServer::new(Floor))
+        .add_service(ExternalProcessorServer::new(Floor))
         .serve_with_incoming_shutdown(crate::grpc::server::incoming(listener), shutdown.cancelled_owned())
         .await
 }

@@ -1,7 +1,7 @@
 //! An in-memory keyspace that implements just the Redis commands tollgate's scripts call, with
 //! Redis's semantics for them (lazy and incremental expiry, `WRONGTYPE`, nil as absence).
 //!
-//! Commands (sorted sets in `zsets`, streams in `streams`): TIME, TYPE, GET, SET (PX), DEL, PEXPIRE, PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
+//! Commands (sorted sets in `zsets`, streams in `streams`): TIME, TYPE, GET, SET (PX), DEL, PEXPIRE (NX XX GT LT), PTTL, HGET, HMGET, HSET, HDEL, HINCRBY, HGETALL, HLEN, ZADD,
 //! ZREM, ZSCORE, ZRANGE (WITHSCORES), ZRANGEBYSCORE (LIMIT), XADD (MAXLEN, `*` ids), XTRIM (MINID), XLEN,
 //! XRANGE. Anything else is an error, so a script that starts using a new command fails its
 //! conformance test on the embedded store at once.
@@ -262,9 +262,25 @@ impl Keyspace {
                 Ok(Resp::Int(n))
             }
             "PEXPIRE" => {
-                arity(a, 2)?;
+                if a.len() != 2 && a.len() != 3 {
+                    return Err(arity_error());
+                }
                 let ms = int_arg(&a[1])?;
-                if self.live(now, &a[0]).is_none() {
+                let Some(current) = self.live(now, &a[0]).map(|e| e.expires_at) else {
+                    return Ok(Resp::Int(0));
+                };
+                let at = now.saturating_add(ms.max(0).unsigned_abs());
+                // NX | XX | GT | LT, as Redis 7 reads them: a key without a TTL counts as
+                // expiring never, so GT leaves it so and LT gives it one.
+                let applies = match a.get(2).map(|c| c.to_ascii_uppercase()).as_deref() {
+                    None => true,
+                    Some(b"NX") => current.is_none(),
+                    Some(b"XX") => current.is_some(),
+                    Some(b"GT") => current.is_some_and(|current| at > current),
+                    Some(b"LT") => current.is_none_or(|current| at < current),
+                    Some(_) => return Err("ERR Unsupported option".into()),
+                };
+                if !applies {
                     return Ok(Resp::Int(0));
                 }
                 if ms <= 0 {

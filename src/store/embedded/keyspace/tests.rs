@@ -129,3 +129,25 @@ fn room_is_made_from_evictable_keys_soonest_to_expire_first() {
     assert_eq!(ks.len(), 2, "only the unevictable keys are left");
     assert_eq!(ks.used(), ks.recount());
 }
+
+#[test]
+fn pexpire_conditions_follow_redis() {
+    let mut ks = Keyspace::default();
+    let ttl = |ks: &mut Keyspace| cmd(ks, 0, &["PTTL", "h"]);
+    cmd(&mut ks, 0, &["HSET", "h", "f", "v"]).unwrap();
+    // No TTL counts as never expiring: GT and XX leave it so, NX and LT give it one.
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "100", "GT"]), Ok(Resp::Int(0)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "100", "XX"]), Ok(Resp::Int(0)));
+    assert_eq!(ttl(&mut ks), Ok(Resp::Int(-1)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "100", "nx"]), Ok(Resp::Int(1)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "500", "NX"]), Ok(Resp::Int(0)));
+    // GT only lengthens, LT only shortens.
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "50", "GT"]), Ok(Resp::Int(0)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "200", "GT"]), Ok(Resp::Int(1)));
+    assert_eq!(ttl(&mut ks), Ok(Resp::Int(200)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "300", "LT"]), Ok(Resp::Int(0)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "h", "150", "LT"]), Ok(Resp::Int(1)));
+    assert_eq!(ttl(&mut ks), Ok(Resp::Int(150)));
+    assert_eq!(cmd(&mut ks, 0, &["PEXPIRE", "missing", "100", "NX"]), Ok(Resp::Int(0)));
+    assert!(cmd(&mut ks, 0, &["PEXPIRE", "h", "100", "SOON"]).is_err());
+}
