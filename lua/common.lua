@@ -468,13 +468,10 @@ local OUTPUT_FIELDS = { 'g', 'gt', 'gtt', 'gtc', 'gtr' }
 
 -- Appends to `f` (`k` entries so far; returns the count after) the fields that take `amount` from a
 -- bucket at `level` (refilled to `now`) with capacity `cap` and refill `rate` write, `stored` the
--- scope's fields as read: its level and time when it moves or its terms changed, its terms then.
+-- scope's fields as read: its level and time, and its terms when a reload changed them.
 local function put_bucket(f, k, stored, fields, level, cap, rate, amount, now)
-  local changed = tonumber(stored[fields[4]]) ~= cap or tonumber(stored[fields[5]]) ~= rate
-  if amount ~= 0 or changed then
-    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], math.max(level - amount, -cap), fields[3], now, k + 4
-  end
-  if changed then
+  f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], math.max(level - amount, -cap), fields[3], now, k + 4
+  if tonumber(stored[fields[4]]) ~= cap or tonumber(stored[fields[5]]) ~= rate then
     f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[4], cap, fields[5], rate, k + 4
   end
   return k
@@ -484,8 +481,8 @@ end
 -- periods of `at`) and keeps the scope alive for `idle` ms. Writes only what moves, and the slots
 -- count (always there once a scope has taken): a counter that counts more, every counter of a
 -- period that starts now (with its marker: one left unwritten would count on from the period
--- before), a bucket taken from (refilled to now first, so leaving one untaken unwritten refills it
--- just the same), and a bucket's terms when a reload changed them.
+-- before), its buckets refilled to now and taken from, and a bucket's terms when a reload changed
+-- them.
 local function take(s, n, requests, slots, at, now, idle)
   local f, k = {}, 0
   if slots ~= 0 or not s.f.c then
@@ -518,7 +515,7 @@ local function take(s, n, requests, slots, at, now, idle)
   if s.gcap > 0 then
     k = put_bucket(f, k, s.f, OUTPUT_FIELDS, s.gt, s.gcap, s.grate, n.g, now)
   end
-  if s.rcap > 0 and requests ~= 0 then
+  if s.rcap > 0 then
     f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', math.max(s.r - requests, -s.rcap), 'rt', now, k + 4
   end
   if k > 0 then
