@@ -19,12 +19,14 @@
 // any bound, so the crate's token-arithmetic lint does not apply here.
 #![allow(clippy::arithmetic_side_effects)]
 
+mod args;
 mod streams;
 mod zsets;
 
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap};
 
+use args::{arity, arity_error, bound_arg, float_arg, int_arg, positive, wrongtype};
 use streams::Stream;
 use zsets::ZSet;
 
@@ -540,45 +542,6 @@ fn value_bytes(value: &Value) -> usize {
 #[allow(clippy::cast_possible_truncation)] // a whole number under 1e17 fits an i64 exactly
 pub fn format_number(n: f64) -> String {
     if n.fract() == 0.0 && n.abs() < 1e17 { format!("{}", n as i64) } else { format!("{n}") }
-}
-
-fn arity(a: &[Vec<u8>], n: usize) -> Result<(), String> {
-    if a.len() == n { Ok(()) } else { Err(arity_error()) }
-}
-
-fn arity_error() -> String {
-    "ERR wrong number of arguments".into()
-}
-
-fn wrongtype() -> String {
-    "WRONGTYPE Operation against a key holding the wrong kind of value".into()
-}
-
-fn int_arg(v: &[u8]) -> Result<i64, String> {
-    std::str::from_utf8(v)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| "ERR value is not an integer or out of range".into())
-}
-
-fn positive(n: i64) -> Result<u64, String> {
-    u64::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| "ERR invalid expire time".into())
-}
-
-fn float_arg(v: &[u8]) -> Result<f64, String> {
-    std::str::from_utf8(v)
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|f| !f.is_nan())
-        .ok_or_else(|| "ERR value is not a valid float".into())
-}
-
-fn bound_arg(v: &[u8]) -> Result<f64, String> {
-    match v {
-        b"-inf" => Ok(f64::NEG_INFINITY),
-        b"+inf" | b"inf" => Ok(f64::INFINITY),
-        _ => float_arg(v).map_err(|_| "ERR min or max is not a float".into()),
-    }
 }
 
 #[cfg(test)]
