@@ -14,6 +14,7 @@ use envoy_types::pb::envoy::service::auth::v3::{CheckRequest, CheckResponse};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::net::TcpListener;
 use tokio_stream::Stream;
@@ -57,16 +58,33 @@ impl Authorization for Floor {
 impl ExternalProcessor for Floor {
     type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
-    /// Reads the stream to its end and answers nothing, as an observer is answered.
+    /// Reads the stream until the response ends and answers nothing, as an observer is answered,
+    /// then closes it as tollgate does: a stream left for Envoy to close waits out the filter's
+    /// `deferred_close_timeout`, which costs Envoy a timer and a tenth of a second of open stream.
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let drained = futures_util::stream::unfold(request.into_inner(), |mut inbound| async move {
-            while let Ok(Some(_)) = inbound.message().await {}
+            while let Ok(Some(message)) = inbound.message().await {
+                if response_ended(&message) {
+                    break;
+                }
+            }
             None
         });
         Ok(Response::new(Box::pin(drained)))
+    }
+}
+
+/// The message that ends the response: its headers or a body chunk with `end_of_stream`, or its
+/// trailers.
+fn response_ended(message: &ProcessingRequest) -> bool {
+    match &message.request {
+        Some(Phase::ResponseHeaders(h)) => h.end_of_stream,
+        Some(Phase::ResponseBody(b)) => b.end_of_stream,
+        Some(Phase::ResponseTrailers(_)) => true,
+        _ => false,
     }
 }
 
