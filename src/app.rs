@@ -151,7 +151,22 @@ async fn serve_admission<S: Store>(
     let health = listeners.health.as_ref().and_then(|l| l.local_addr().ok());
     let admin_addr = listeners.admin.as_ref().and_then(|l| l.local_addr().ok());
     let tls = policy.server.tls.as_ref().map_or_else(|| "plaintext".to_string(), |t| t.describe());
-    tracing::info!(?addr, ?health, admin = ?admin_addr, %tls, store = ?policy.store.choice, "tollgate serving");
+    // The effective configuration in one line, the same fields in text and JSON.
+    tracing::info!(
+        listen = %addr.map_or_else(|| "?".to_string(), |a| a.to_string()),
+        health = %health.map_or_else(|| "off".to_string(), |a| a.to_string()),
+        admin = %admin_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
+        %tls,
+        store = %policy.store_address(),
+        on_store_error = %policy.store_down_modes(),
+        leasing = %policy.leasing_terms(),
+        policy_version = %policy.version,
+        tenants = policy.tenants.len(),
+        plans = policy.plans.len(),
+        models = policy.models.len(),
+        pools = policy.pools.len(),
+        "tollgate serving"
+    );
     // Lease windows, heartbeats and the admin port run until the server has drained; the policy
     // file is watched until shutdown (no reload while draining). One tracker holds them all, so
     // the drain ends only when every one of them has.

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use tollgate::cli::{Cli, Command};
+use tollgate::config::{LogFormat, Policy};
 use tollgate::tools::run;
 
 /// mimalloc: a decision allocates (gRPC frames, headers, protobuf messages, Lua values) and glibc's
@@ -39,10 +40,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let log_format = cli.log_format.map(LogFormat::from);
     runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => {
-                let _telemetry = match tollgate::telemetry::init(&args.log, args.otlp_endpoint.as_deref()) {
+                let format = log_format.or_else(|| Policy::log_format_in(&args.config)).unwrap_or_default();
+                let _telemetry = match tollgate::telemetry::init(&args.log, format, args.otlp_endpoint.as_deref()) {
                     Ok(t) => t,
                     Err(e) => {
                         eprintln!("tollgate: {e}");
@@ -53,24 +56,27 @@ fn main() -> ExitCode {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
                         tracing::error!("{e}");
-                        eprintln!("tollgate: {e}");
+                        // (A JSON log stays JSON to its last line: the error is in it.)
+                        if format == LogFormat::Text {
+                            eprintln!("tollgate: {e}");
+                        }
                         ExitCode::FAILURE
                     }
                 }
             }
             Command::Bench(args) => run::bench(*args).await,
             Command::SimBackend(args) => {
-                let _telemetry = tollgate::telemetry::init("info", None);
+                let _telemetry = tollgate::telemetry::init("info", log_format.unwrap_or_default(), None);
                 run::sim_backend(args).await
             }
             Command::SimLoad(args) => run::sim_load(args).await,
             Command::BenchFloor { listen } => run::bench_floor(listen).await,
             Command::Inject(args) => {
-                let _telemetry = tollgate::telemetry::init("info", None);
+                let _telemetry = tollgate::telemetry::init("info", log_format.unwrap_or_default(), None);
                 run::inject(args).await
             }
             Command::Ledger(args) => {
-                let _telemetry = tollgate::telemetry::init("warn", None);
+                let _telemetry = tollgate::telemetry::init("warn", log_format.unwrap_or_default(), None);
                 run::ledger(args).await
             }
             // Answered above, without a runtime.

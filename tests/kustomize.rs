@@ -19,7 +19,7 @@ fn render(overlay: &str) -> Vec<Value> {
     let text = String::from_utf8(out.stdout).unwrap();
     let files = support::procs::TempDir::new("kustomize");
     support::procs::kube_validate(&[files.write(&format!("{overlay}.yaml"), &text).as_path()]);
-    serde_yaml::Deserializer::from_str(&text).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect()
+    support::kube::documents(&text)
 }
 
 fn find<'a>(docs: &'a [Value], kind: &str, prefix: &str) -> Option<&'a Value> {
@@ -30,13 +30,7 @@ fn find<'a>(docs: &'a [Value], kind: &str, prefix: &str) -> Option<&'a Value> {
 /// the Envoy bootstrap they mount.
 fn parts(docs: &[Value]) -> (&Value, Policy, String) {
     let deployment = find(docs, "Deployment", "inference").expect("the inference Deployment");
-    let volumes = deployment["spec"]["template"]["spec"]["volumes"].as_sequence().unwrap();
-    let mounted = |volume: &str| {
-        let name = volumes.iter().find(|v| v["name"] == volume).unwrap()["configMap"]["name"].as_str().unwrap();
-        find(docs, "ConfigMap", name).unwrap_or_else(|| panic!("the pods mount {name}, which is not rendered"))
-    };
-    let policy = Policy::parse("rendered", mounted("policy")["data"]["policy.yaml"].as_str().unwrap()).unwrap();
-    let envoy = mounted("envoy-config")["data"]["envoy.yaml"].as_str().unwrap().to_string();
+    let (policy, envoy) = support::kube::mounted(docs, deployment);
     (deployment, policy, envoy)
 }
 

@@ -32,6 +32,7 @@ pub mod fleet;
 mod lease;
 mod leasing;
 mod local;
+pub mod log;
 mod plan;
 mod pools;
 mod reserve;

@@ -38,6 +38,7 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 
 use super::lease::Local;
+use super::log::{self, StoreMode};
 use super::plan::{Plan, PoolLeg};
 use super::retry::Settlement;
 use super::{
@@ -70,8 +71,10 @@ impl<S: Store> Admission<S> {
     pub async fn reserve(self: &Arc<Self>, a: &Attributes) -> Decision {
         let start = std::time::Instant::now();
         let policy = self.policy();
-        let (decision, waited) = self.decide(&policy, a).await;
-        self.record(&policy, a, &decision, start.elapsed(), waited);
+        let (decision, waited, store) = self.decide(&policy, a).await;
+        let took = start.elapsed();
+        self.record(&policy, a, &decision, took, waited);
+        log::decision(&policy, a, &decision, store, took);
         decision
     }
 
@@ -84,7 +87,9 @@ impl<S: Store> Admission<S> {
             Ok(_) => Decision::Unmetered(Unmetered::Free),
             Err(denial) => Decision::Denied(denial),
         };
-        self.record(&policy, a, &decision, start.elapsed(), Duration::ZERO);
+        let took = start.elapsed();
+        self.record(&policy, a, &decision, took, Duration::ZERO);
+        log::decision(&policy, a, &decision, StoreMode::None, took);
         decision
     }
 
@@ -125,30 +130,36 @@ impl<S: Store> Admission<S> {
         self.metrics.decided(&Decided { tenant, model, tier: tier.as_str(), outcome, reason, took, waited });
     }
 
-    /// The decision, and how long it waited for a pool's slot.
-    pub(super) async fn decide(self: &Arc<Self>, policy: &Arc<Policy>, a: &Attributes) -> (Decision, Duration) {
+    /// The decision, how long it waited for a pool's slot, and where it was made.
+    pub(super) async fn decide(
+        self: &Arc<Self>,
+        policy: &Arc<Policy>,
+        a: &Attributes,
+    ) -> (Decision, Duration, StoreMode) {
         let plan = match self.plan(policy, a) {
             Ok(plan) => plan,
-            Err(denial) => return (Decision::Denied(denial), Duration::ZERO),
+            Err(denial) => return (Decision::Denied(denial), Duration::ZERO, StoreMode::None),
         };
         // A lease hit decides here, from memory: no store call, no task, nothing to cancel.
         if let (Some(leases), true, None) = (&self.leases, plan.leased, &plan.pool) {
             let t = leases.tenant(&plan.tenant, &plan.tp);
             match leases.try_admit(&t, &plan.ask()) {
                 Local::Miss => {}
-                local => return (self.leased_decision(&plan, local), Duration::ZERO),
+                local => return (self.leased_decision(&plan, local), Duration::ZERO, StoreMode::Lease),
             }
         }
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
+        let unreachable = StoreMode::Unreachable(plan.tp.on_store_error);
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
-            let sent = answer.send((decided, waited));
+            let store = if tidy.store_failed { unreachable } else { StoreMode::Store };
+            let sent = answer.send((decided, waited, store));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
             this.tidy(&plan, tidy).await;
-            if let Err((Decision::Admitted(undelivered), _)) = sent
+            if let Err((Decision::Admitted(undelivered), _, _)) = sent
                 && !undelivered.replayed
             {
                 tracing::debug!(reservation = %undelivered.reservation_id, "nobody received the hold; releasing it");
@@ -157,7 +168,7 @@ impl<S: Store> Admission<S> {
         });
         decision.await.unwrap_or_else(|_| {
             let ended = Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision");
-            (Decision::Denied(ended), Duration::ZERO)
+            (Decision::Denied(ended), Duration::ZERO, unreachable)
         })
     }
 
@@ -176,6 +187,7 @@ impl<S: Store> Admission<S> {
                 Err(denial) if denial.reason == Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
                     tidy.pool_leg = true;
+                    tidy.store_failed = true;
                     return self.on_store_error(plan, denial);
                 }
                 Err(denial) => return Decision::Denied(denial),
@@ -526,7 +538,7 @@ pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {
 /// decision waits on a failing store once, never twice.
 #[derive(Debug, Default)]
 pub(super) struct Tidy {
-    /// A store call of the tenant leg failed.
+    /// A store call failed: the tenant's `on_store_error` decided.
     pub(super) store_failed: bool,
     /// Release the tenant leg's hold: its reserve failed, and may have run all the same.
     pub(super) hold: bool,

@@ -164,6 +164,29 @@ pub struct ServerSettings {
     pub drain_timeout: Duration,
     /// TLS on `listen` (not on `health_listen`, which probes reach in plaintext).
     pub tls: Option<TlsSettings>,
+    /// How log lines are written (`server.log_format`; `serve --log-format` wins). Read at start.
+    pub log_format: LogFormat,
+}
+
+/// How tollgate writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// One line of text per event, coloured only on a terminal and never with `NO_COLOR` set.
+    #[default]
+    Text,
+    /// One JSON object per line, the event's fields at its top level, for a log pipeline to index.
+    Json,
+}
+
+impl LogFormat {
+    /// As the policy and the command line spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
 }
 
 impl ServerSettings {
@@ -416,6 +439,15 @@ impl Policy {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { file: file.clone(), source })?;
         Policy::parse(&file, &text)
+    }
+
+    /// `server.log_format` as the file at `path` sets it, read before the log is set up (and so
+    /// before the policy is loaded); `None` when it says nothing or cannot be read, which the
+    /// load that follows then reports.
+    pub fn log_format_in(path: &Path) -> Option<LogFormat> {
+        let text = std::fs::read_to_string(path).ok()?;
+        let policy: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
+        serde_yaml::from_value(policy.get("server")?.get("log_format")?.clone()).ok()
     }
 
     /// Parses and validates policy text; `file` names it in errors.

@@ -74,6 +74,7 @@ pub(super) struct RawServer {
     pub budget_admins: Vec<String>,
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,
+    pub log_format: Option<super::LogFormat>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]

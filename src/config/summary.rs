@@ -4,6 +4,42 @@ use super::budget::Measure;
 use super::{Limits, Money, Policy, StoreChoice};
 
 impl Policy {
+    /// The store, as a log line or `check-config` may show it: a password in a Redis URL is
+    /// replaced by `***`.
+    pub fn store_address(&self) -> String {
+        match &self.store.choice {
+            StoreChoice::Embedded => "embedded".to_string(),
+            StoreChoice::Redis { url } => format!("redis {}", without_password(url)),
+            StoreChoice::Cluster { nodes } => {
+                let nodes: Vec<_> = nodes.iter().map(|n| without_password(n)).collect();
+                format!("redis cluster {}", nodes.join(","))
+            }
+        }
+    }
+
+    /// What every tenant, plan and the default tenant do when the store cannot be reached, each
+    /// mode once, comma-separated (`none` for a policy with no tenant at all).
+    pub fn store_down_modes(&self) -> String {
+        let mut modes: Vec<_> = self
+            .tenants
+            .values()
+            .chain(self.plans.values())
+            .chain(self.default_tenant.iter())
+            .map(|t| t.on_store_error.as_str())
+            .collect();
+        modes.sort_unstable();
+        modes.dedup();
+        if modes.is_empty() { "none".to_string() } else { modes.join(",") }
+    }
+
+    /// Leasing as one phrase: `off`, or its window and share.
+    pub fn leasing_terms(&self) -> String {
+        match &self.leasing {
+            None => "off".to_string(),
+            Some(l) => format!("window {} ms, slices up to {:.0}% of a scope", l.window_ms, l.max_share * 100.0),
+        }
+    }
+
     /// A few lines saying what the policy enforces, for `check-config`.
     pub fn summary(&self) -> String {
         let b = &self.store.breaker;
@@ -18,8 +54,7 @@ impl Policy {
             StoreChoice::Embedded => {
                 format!("embedded (single replica), capped at {} MB", self.store.max_memory_bytes >> 20)
             }
-            StoreChoice::Redis { url } => format!("redis {url}{guarded}"),
-            StoreChoice::Cluster { nodes } => format!("redis cluster {}{guarded}", nodes.join(",")),
+            _ => format!("{}{guarded}", self.store_address()),
         };
         let mut names: Vec<_> = self.tenants.keys().cloned().collect();
         names.sort();
@@ -59,12 +94,8 @@ impl Policy {
                 "  metrics: http://{admin}/metrics; series of their own for {labelled}, the rest as other\n"
             ));
         }
-        if let Some(l) = &self.leasing {
-            out.push_str(&format!(
-                "  leasing: window {} ms, slices up to {:.0}% of a scope\n",
-                l.window_ms,
-                l.max_share * 100.0
-            ));
+        if self.leasing.is_some() {
+            out.push_str(&format!("  leasing: {}\n", self.leasing_terms()));
         }
         if let Some(l) = &self.ledger {
             let kept = match &l.file {
@@ -122,5 +153,32 @@ impl Limits {
             });
         }
         if parts.is_empty() { "no limits".into() } else { parts.join(", ") }
+    }
+}
+
+/// A Redis URL (or `host:port`) with the password in its user info, if any, replaced by `***`.
+fn without_password(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (s, r));
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_string();
+    };
+    let user = rest[..at].split_once(':').map_or("", |(user, _)| user);
+    let user = if rest[..at].contains(':') { format!("{user}:***") } else { "***".to_string() };
+    let scheme = if scheme.is_empty() { String::new() } else { format!("{scheme}://") };
+    format!("{scheme}{user}@{}", &rest[at + 1..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_password;
+
+    #[test]
+    fn a_password_never_reaches_the_log() {
+        assert_eq!(without_password("redis://127.0.0.1:6379/0"), "redis://127.0.0.1:6379/0");
+        assert_eq!(without_password("redis://:s3cret@redis:6379"), "redis://:***@redis:6379");
+        assert_eq!(without_password("rediss://app:s3cret@redis:6380/1"), "rediss://app:***@redis:6380/1");
+        assert_eq!(without_password("redis://s3cret@redis"), "redis://***@redis");
+        assert_eq!(without_password("10.0.0.1:7000"), "10.0.0.1:7000");
     }
 }

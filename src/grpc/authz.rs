@@ -36,6 +36,7 @@ impl<S> AuthzService<S> {
 impl<S: Store> Authorization for AuthzService<S> {
     #[tracing::instrument(name = "check", skip_all, fields(tenant, reason))]
     async fn check(&self, request: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
+        let arrived = std::time::Instant::now();
         let policy = self.admission.policy();
         let identity = IdentityHeaders::of(&policy.server);
         let own = own_headers(request.get_ref());
@@ -58,7 +59,7 @@ impl<S: Store> Authorization for AuthzService<S> {
                 d
             }
             Err(denial) => {
-                tracing::debug!(reason = denial.reason.code(), message = %denial.message, "check refused before reserve");
+                crate::admission::log::refused_unread(&denial, arrived.elapsed());
                 Decision::Denied(denial)
             }
         };
@@ -66,28 +67,13 @@ impl<S: Store> Authorization for AuthzService<S> {
     }
 }
 
+/// The call's span names its tenant and, for a refusal, the reason (the decision's own log line
+/// is written by admission, `admission::log`).
 fn log_decision(a: &Attributes, d: &Decision) {
     let span = tracing::Span::current();
     span.record("tenant", a.tenant.as_deref());
     if let Decision::Denied(no) = d {
         span.record("reason", no.reason.code());
-    }
-    match d {
-        Decision::Admitted(ok) => tracing::debug!(
-            tenant = a.tenant.as_deref(),
-            reservation = %ok.reservation_id,
-            tokens = ok.reserved_tokens,
-            "admitted"
-        ),
-        Decision::Unmetered(why) => {
-            tracing::debug!(tenant = a.tenant.as_deref(), why = why.code(), "admitted unmetered")
-        }
-        Decision::Denied(no) => tracing::debug!(
-            tenant = a.tenant.as_deref(),
-            reason = no.reason.code(),
-            retry_after_ms = no.retry_after_ms,
-            "denied"
-        ),
     }
 }
 

@@ -257,7 +257,7 @@ fn tollgate_container(o: &Options) -> Value {
         "name: {TOLLGATE}
 image: {image}
 restartPolicy: Always
-args: [serve, --config, /etc/tollgate/policy.yaml, --listen, '127.0.0.1:{GRPC_PORT}', --health-listen, '0.0.0.0:{HEALTH_PORT}']
+args: [serve, --config, /etc/tollgate/policy.yaml, --listen, '127.0.0.1:{GRPC_PORT}', --health-listen, '0.0.0.0:{HEALTH_PORT}', --log-format, json]
 ports:
   - {{ name: tollgate-health, containerPort: {HEALTH_PORT} }}
 startupProbe: {{ grpc: {{ port: {HEALTH_PORT} }}, periodSeconds: 1, failureThreshold: 30 }}

@@ -11,6 +11,7 @@
 pub mod certs;
 pub mod checks;
 pub mod faults;
+pub mod kube;
 pub mod model;
 pub mod procs;
 pub mod proxy;

@@ -100,11 +100,16 @@ impl Tollgate {
     pub fn start_in(dir: TempDir, config: &Path, extra: &[&str]) -> Tollgate {
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
+        // (`--log info` unless the test gives its own filter.)
+        let filter: &[&str] = if extra.contains(&"--log") { &[] } else { &["--log", "info"] };
         let mut child = Command::new(tollgate_bin())
             .args(["serve", "--config"])
             .arg(config)
-            .args(["--listen", &addr.to_string(), "--log", "info"])
+            .args(["--listen", &addr.to_string()])
+            .args(filter)
             .args(extra)
+            .env_remove("TOLLGATE_LOG_FORMAT")
+            .env_remove("NO_COLOR")
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(Stdio::null())
             .stderr(log)

@@ -116,6 +116,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         budget_admins,
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
+        log_format: raw.server.log_format.unwrap_or_default(),
     };
 
     let choice = match (raw.store.redis_url, raw.store.redis_cluster) {
