@@ -90,6 +90,7 @@ fn every_workload_gets_both_sidecars_and_nothing_else_changes() {
         let args: Vec<&str> = tollgate["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
         assert_eq!(&args[..3], ["serve", "--config", "/etc/tollgate/policy.yaml"]);
         assert!(args.windows(2).any(|w| w == ["--health-listen", "0.0.0.0:50052"]), "{args:?}");
+        assert!(args.windows(2).any(|w| w == ["--log-format", "json"]), "a log pipeline reads JSON: {args:?}");
         let volume = spec["volumes"].as_sequence().unwrap().iter().find(|v| v["name"] == "tollgate-policy").unwrap();
         assert_eq!(volume["configMap"]["name"], "tollgate-policy");
         assert_eq!(pod(a)["metadata"]["annotations"]["tollgate.io/injected"], env!("CARGO_PKG_VERSION"));

@@ -46,6 +46,8 @@ fn the_embedded_overlay_runs_one_replica_that_is_replaced_not_doubled() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let tollgate = &deployment["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!((tollgate["name"].as_str(), tollgate["restartPolicy"].as_str()), (Some("tollgate"), Some("Always")));
+    let args: Vec<&str> = tollgate["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert!(args.windows(2).any(|w| w == ["--log-format", "json"]), "a log pipeline reads JSON: {args:?}");
     assert_eq!(deployment["metadata"]["labels"]["app.kubernetes.io/part-of"], "tollgate");
 }
 
