@@ -165,6 +165,7 @@ async fn serve_admission<S: Store>(
         plans = policy.plans.len(),
         models = policy.models.len(),
         pools = policy.pools.len(),
+        worker_threads = tokio::runtime::Handle::current().metrics().num_workers(),
         "tollgate serving"
     );
     // Lease windows, heartbeats and the admin port run until the server has drained; the policy

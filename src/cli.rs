@@ -62,6 +62,9 @@ pub enum Command {
     BenchFloor {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,
+        /// The runtime's worker threads, as `serve --worker-threads`.
+        #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+        worker_threads: u16,
     },
     /// Add tollgate and its Envoy to the pods of Kubernetes workloads (Deployment, StatefulSet,
     /// DaemonSet, ReplicaSet, Job, Pod) read from a file or stdin; write the YAML to stdout.
@@ -92,13 +95,16 @@ pub struct ServeArgs {
     /// Log filter, as for RUST_LOG.
     #[arg(long, default_value = "info")]
     pub log: String,
+    /// The runtime's worker threads (1-64); without it the policy's server.worker_threads, else 1.
+    #[arg(long, env = "TOLLGATE_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub worker_threads: Option<u16>,
 }
 
 impl ServeArgs {
     /// What `serve` runs with: the flags that override the policy become a function applied to
     /// every policy loaded, the first and each one reloaded.
     pub fn options(self) -> ServeOptions {
-        let ServeArgs { config, listen, health_listen, tls, otlp_endpoint, log: _ } = self;
+        let ServeArgs { config, listen, health_listen, tls, otlp_endpoint, log: _, worker_threads: _ } = self;
         let adjust: crate::reload::Adjust = Arc::new(move |p: &mut Policy| {
             if health_listen.is_some() {
                 p.server.health_listen = health_listen;

@@ -33,7 +33,20 @@ fn main() -> ExitCode {
             }
         };
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    // A sidecar's runtime: one worker unless told otherwise (docs/BENCHMARKS.md, "Runtime shape").
+    // The tools keep tokio's default, a worker per core.
+    match &cli.command {
+        Command::Serve(args) => {
+            let policy = || Policy::server_setting_in::<u16>(&args.config, "worker_threads");
+            builder.worker_threads(usize::from(args.worker_threads.or_else(policy).unwrap_or(1)).clamp(1, 64));
+        }
+        Command::BenchFloor { worker_threads, .. } => {
+            builder.worker_threads(usize::from(*worker_threads));
+        }
+        _ => {}
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tollgate: cannot start the runtime: {e}");
@@ -44,7 +57,8 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => {
-                let format = log_format.or_else(|| Policy::log_format_in(&args.config)).unwrap_or_default();
+                let format =
+                    log_format.or_else(|| Policy::server_setting_in(&args.config, "log_format")).unwrap_or_default();
                 let _telemetry = match tollgate::telemetry::init(&args.log, format, args.otlp_endpoint.as_deref()) {
                     Ok(t) => t,
                     Err(e) => {
@@ -70,7 +84,7 @@ fn main() -> ExitCode {
                 run::sim_backend(args).await
             }
             Command::SimLoad(args) => run::sim_load(args).await,
-            Command::BenchFloor { listen } => run::bench_floor(listen).await,
+            Command::BenchFloor { listen, .. } => run::bench_floor(listen).await,
             Command::Inject(args) => {
                 let _telemetry = tollgate::telemetry::init("info", log_format.unwrap_or_default(), None);
                 run::inject(args).await

@@ -53,6 +53,43 @@ fn sigint_exits_cleanly_too() {
     assert!(t.log().contains("SIGINT: draining"), "{}", t.log());
 }
 
+/// The runtime's worker threads of a running tollgate, as its start line states them.
+fn workers(t: &Tollgate) -> usize {
+    for _ in 0..250 {
+        if let Some(line) = t.log().lines().find(|l| l.contains("tollgate serving")) {
+            let (_, after) = line.split_once("worker_threads=").unwrap_or_else(|| panic!("{line}"));
+            return after.split_whitespace().next().unwrap().parse().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("no start line:\n{}", t.log());
+}
+
+/// One worker by default (a sidecar beside Envoy); the policy's server.worker_threads, and the
+/// flag over it; a count outside 1..=64 stops the start naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runtime_has_one_worker_unless_told_otherwise() {
+    let t = Tollgate::start(MODELS);
+    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+    reserve_one(&mut client).await;
+    assert_eq!(workers(&t), 1);
+    let policy = format!("server:\n  worker_threads: 3\n{MODELS}");
+    assert_eq!(workers(&Tollgate::start(&policy)), 3);
+    assert_eq!(workers(&Tollgate::start_with(&policy, &["--worker-threads", "2"])), 2);
+
+    let dir = TempDir::new("startup");
+    let config = dir.write("policy.yaml", &format!("server:\n  worker_threads: 0\n{MODELS}"));
+    let out = tollgate_cmd(&["check-config", config.to_str().unwrap()], Duration::from_secs(10));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("server.worker_threads"), "{stderr}");
+    let out = tollgate_cmd(
+        &["serve", "--config", config.to_str().unwrap(), "--worker-threads", "65"],
+        Duration::from_secs(10),
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--worker-threads"), "{stderr}");
+}
+
 /// Traces are exported only when an endpoint is configured; a collector that is not there does
 /// not stop admission or shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

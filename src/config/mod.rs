@@ -166,6 +166,10 @@ pub struct ServerSettings {
     pub tls: Option<TlsSettings>,
     /// How log lines are written (`server.log_format`; `serve --log-format` wins). Read at start.
     pub log_format: LogFormat,
+    /// The runtime's worker threads (`server.worker_threads`; `serve --worker-threads` wins):
+    /// one by default, as a sidecar beside Envoy (docs/BENCHMARKS.md: a second worker costs more
+    /// in wake-ups than it adds). Read at start.
+    pub worker_threads: usize,
 }
 
 /// How tollgate writes its log lines.
@@ -441,13 +445,13 @@ impl Policy {
         Policy::parse(&file, &text)
     }
 
-    /// `server.log_format` as the file at `path` sets it, read before the log is set up (and so
-    /// before the policy is loaded); `None` when it says nothing or cannot be read, which the
-    /// load that follows then reports.
-    pub fn log_format_in(path: &Path) -> Option<LogFormat> {
+    /// A `server` setting as the file at `path` sets it, read before the runtime and the log are
+    /// set up (and so before the policy is loaded): `log_format`, `worker_threads`. `None` when
+    /// it says nothing or cannot be read, which the load that follows then reports.
+    pub fn server_setting_in<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> Option<T> {
         let text = std::fs::read_to_string(path).ok()?;
         let policy: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
-        serde_yaml::from_value(policy.get("server")?.get("log_format")?.clone()).ok()
+        serde_yaml::from_value(policy.get("server")?.get(name)?.clone()).ok()
     }
 
     /// Parses and validates policy text; `file` names it in errors.

@@ -75,6 +75,7 @@ pub(super) struct RawServer {
     pub drain_timeout_ms: Option<u64>,
     pub tls: Option<RawTls>,
     pub log_format: Option<super::LogFormat>,
+    pub worker_threads: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]

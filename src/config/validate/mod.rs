@@ -117,6 +117,10 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         drain_timeout: Duration::from_millis(raw.server.drain_timeout_ms.unwrap_or(5_000)),
         tls: raw.server.tls.map(tls).transpose()?,
         log_format: raw.server.log_format.unwrap_or_default(),
+        worker_threads: match raw.server.worker_threads.unwrap_or(1) {
+            n @ 1..=64 => usize::try_from(n).unwrap_or(1),
+            n => return Err(problem("server.worker_threads", format!("{n} is outside 1..=64"))),
+        },
     };
 
     let choice = match (raw.store.redis_url, raw.store.redis_cluster) {
