@@ -18,23 +18,7 @@ pub struct Cli {
     /// How log lines are written: text (coloured only on a terminal, never with NO_COLOR set) or
     /// json (one object a line). For `serve`, the policy's server.log_format when not given here.
     #[arg(long, global = true, env = "TOLLGATE_LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormatArg>,
-}
-
-/// `--log-format`'s values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormatArg {
-    Text,
-    Json,
-}
-
-impl From<LogFormatArg> for LogFormat {
-    fn from(f: LogFormatArg) -> LogFormat {
-        match f {
-            LogFormatArg::Text => LogFormat::Text,
-            LogFormatArg::Json => LogFormat::Json,
-        }
-    }
+    pub log_format: Option<LogFormat>,
 }
 
 #[derive(Debug, Subcommand)]

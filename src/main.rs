@@ -53,7 +53,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let log_format = cli.log_format.map(LogFormat::from);
+    let log_format = cli.log_format;
     runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => {

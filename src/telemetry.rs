@@ -7,7 +7,7 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use std::io::IsTerminal;
 use tracing_subscriber::{EnvFilter, fmt, layer::SubscriberExt, util::SubscriberInitExt};
 
-pub use crate::config::LogFormat;
+use crate::config::LogFormat;
 
 /// Flushes exported spans when dropped.
 #[derive(Debug)]
@@ -20,7 +20,7 @@ impl Drop for Telemetry {
         if let Some(provider) = self.provider.take()
             && let Err(e) = provider.shutdown()
         {
-            eprintln!("tollgate: flushing traces failed: {e}");
+            tracing::warn!(error = %e, "flushing traces failed");
         }
     }
 }

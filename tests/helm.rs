@@ -179,13 +179,27 @@ fn the_policy_comes_from_the_values() {
         "large numbers stay numbers"
     );
     assert_eq!(policy.server.log_format, LogFormat::Text, "the policy's own default");
+    // The addresses the pod relies on, though the values' policy named none.
+    let port = |a: Option<std::net::SocketAddr>| a.map(|a| a.port());
+    assert_eq!(policy.server.listen.to_string(), "127.0.0.1:50051", "Envoy's bootstrap calls it");
+    assert_eq!(port(policy.server.health_listen), Some(50052), "the probes call it");
+    assert_eq!(port(policy.server.admin_listen), Some(9090), "Prometheus scrapes it");
     let args = strings(&deployment["spec"]["template"]["spec"]["initContainers"][0]["args"]);
     assert!(args.windows(2).any(|w| w == ["--log-format", "text"]), "{args:?}");
 }
 
 #[test]
 fn the_injector_installs_when_asked_and_calls_its_own_service() {
-    let docs = render(&["--set", "injector.enabled=true", "--namespace", "llm"]);
+    let docs = render(&[
+        "--set",
+        "injector.enabled=true",
+        "--set",
+        "image.tollgate=registry.corp/tollgate:0.1.0",
+        "--set",
+        "image.envoy=registry.corp/envoy:v1.40.0",
+        "--namespace",
+        "llm",
+    ]);
     let config = find(&docs, "MutatingWebhookConfiguration", "demo-tollgate-injector").expect("the webhook");
     let service = find(&docs, "Service", "demo-tollgate-injector").expect("its Service");
     let deployment = find(&docs, "Deployment", "demo-tollgate-injector").expect("the injector");
@@ -207,6 +221,22 @@ fn the_injector_installs_when_asked_and_calls_its_own_service() {
     let args = strings(&deployment["spec"]["template"]["spec"]["containers"][0]["args"]);
     assert_eq!(&args[..2], ["inject", "--serve"]);
     assert!(args.contains(&"--log-format=json"), "{args:?}");
+    assert!(args.contains(&"--image=registry.corp/tollgate:0.1.0"), "it injects the release's images: {args:?}");
+    assert!(args.contains(&"--envoy-image=registry.corp/envoy:v1.40.0"), "{args:?}");
+    // Every object in the release's namespace, and none of its pods injected by it.
+    for d in &docs {
+        if d["kind"] != "MutatingWebhookConfiguration" {
+            assert_eq!(d["metadata"]["namespace"], "llm", "{}", d["metadata"]["name"].as_str().unwrap());
+        }
+        if let Some(labels) = d["spec"]["template"]["metadata"]["labels"].as_mapping() {
+            assert_eq!(labels.get("tollgate.io/inject").and_then(Value::as_str), Some("disabled"), "{d:?}");
+        }
+    }
+    // cert-manager's objects have no schema here: their fields are checked one by one.
+    let issuer = find(&docs, "Issuer", "demo-tollgate-injector-selfsigned").expect("the issuer");
+    assert!(issuer["spec"]["selfSigned"].is_mapping());
+    assert_eq!(certificate["spec"]["issuerRef"]["name"], issuer["metadata"]["name"]);
+    assert_eq!(certificate["spec"]["issuerRef"]["kind"], "Issuer");
 
     // The webhook wired as deploy/webhook.yaml wires it, names aside.
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/webhook.yaml")).unwrap();
@@ -237,4 +267,25 @@ fn values_the_chart_cannot_mean_are_refused_naming_them() {
     }
     let refused = helm(&["--set-json", r#"policy={"store":{"redis_url":"redis://r:6379"}}"#]).unwrap_err();
     assert!(refused.contains("store: embedded, but the policy names a Redis"), "{refused}");
+    let refused = helm(&["--set-json", r#"policy={"server":{"health_listen":"0.0.0.0:9999"}}"#]).unwrap_err();
+    assert!(refused.contains("policy.server.health_listen must be 0.0.0.0:50052"), "{refused}");
+}
+
+/// As a subchart (Helm hands it `global`), and on the nodes an inference server needs.
+#[test]
+fn it_renders_as_a_subchart_and_places_its_pods() {
+    let docs = render(&[
+        "--set",
+        "global.imageRegistry=registry.corp",
+        "--set",
+        "nodeSelector.pool=gpu",
+        "--set-json",
+        r#"tolerations=[{"key":"nvidia.com/gpu","operator":"Exists","effect":"NoSchedule"}]"#,
+        "--set-json",
+        r#"imagePullSecrets=[{"name":"corp"}]"#,
+    ]);
+    let spec = &find(&docs, "Deployment", "demo-tollgate").unwrap()["spec"]["template"]["spec"];
+    assert_eq!(spec["nodeSelector"]["pool"], "gpu");
+    assert_eq!(spec["tolerations"][0]["key"], "nvidia.com/gpu");
+    assert_eq!(spec["imagePullSecrets"][0]["name"], "corp");
 }

@@ -33,6 +33,19 @@ fn an_unreachable_redis_fails_the_start() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("cannot connect to Redis at redis://127.0.0.1:{port}")), "{stderr}");
+
+    // A password in the URL never reaches the log, in either format.
+    let policy = dir.write(
+        "secret.yaml",
+        &format!("store:\n  redis_url: redis://app:s3cret@127.0.0.1:{port}\n  connect_timeout_ms: 1000\n{MODELS}"),
+    );
+    for format in ["text", "json"] {
+        let args = ["serve", "--config", policy.to_str().unwrap(), "--listen", "127.0.0.1:0", "--log-format", format];
+        let out = tollgate_cmd(&args, Duration::from_secs(20));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains("redis://app:***@127.0.0.1"), "{stderr}");
+        assert!(!stderr.contains("s3cret"), "{stderr}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

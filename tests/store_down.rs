@@ -23,7 +23,7 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
         "store:\n  redis_url: redis://127.0.0.1:{}\n  command_timeout_ms: 200\nmodels:\n  m: {{ max_output_tokens: 10 }}\ntenants:\n  acme: {{ on_store_error: fail_closed }}\n  open: {{ on_store_error: fail_open }}\n",
         redis.port
     );
-    let t = Tollgate::start(&policy);
+    let t = Tollgate::start_with(&policy, &["--log-format", "json", "--log", "info,decision=debug"]);
     let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
     assert!(client.reserve(reserve()).await.unwrap().into_inner().admitted);
 
@@ -38,6 +38,19 @@ async fn a_lost_redis_fails_closed_with_503_and_recovers() {
     let open = client.reserve(ReserveRequest { tenant: "open".into(), ..reserve() }).await.unwrap().into_inner();
     assert!(open.admitted && open.unmetered, "a fail_open tenant is admitted unmetered: {open:?}");
     assert_eq!(open.reservation_id, "", "with nothing to commit");
+    // Each decision's log line says which store-down mode made it.
+    let decided = |tenant: &str, mode: &str, outcome: &str| {
+        t.log().lines().any(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap();
+            line["target"] == "decision"
+                && line["tenant"] == tenant
+                && line["store_mode"] == mode
+                && line["outcome"] == outcome
+        })
+    };
+    assert!(decided("acme", "store", "admitted"), "{}", t.log());
+    assert!(decided("acme", "fail_closed", "denied"), "{}", t.log());
+    assert!(decided("open", "fail_open", "unmetered"), "{}", t.log());
 
     let _back = OwnRedis::start(port);
     admitted_again(&mut client, &t, Duration::from_secs(15), Duration::from_millis(100)).await;

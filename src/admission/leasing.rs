@@ -23,12 +23,18 @@ impl<S: Store> Admission<S> {
         let t = leases.tenant(&plan.tenant, &plan.tp);
         match leases.try_admit(&t, &ask) {
             Local::Miss => {}
-            local => return self.leased_decision(plan, local),
+            local => {
+                tidy.from_lease = true;
+                return self.leased_decision(plan, local);
+            }
         }
         let (t, _one_call) = leases.one_call(&plan.tenant, &plan.tp).await;
         match leases.try_admit(&t, &ask) {
             Local::Miss => {}
-            local => return self.leased_decision(plan, local),
+            local => {
+                tidy.from_lease = true;
+                return self.leased_decision(plan, local);
+            }
         }
         // The replica's lease record sits in the tenant's lease index: if it dies, a sweeper
         // settles it. Noted before the call, which may run though its answer is lost.

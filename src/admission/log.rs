@@ -1,6 +1,6 @@
 //! One log line per decision, for operators to search: at debug level under the target
 //! `decision`, so `--log info,decision=debug` turns it on without the rest of the debug output.
-//! Its field names are stable (README, "Logs"): `tenant`, `user`, `model`, `outcome`,
+//! Its field names are stable (docs/operations.md, "Logs"): `tenant`, `user`, `model`, `outcome`,
 //! `reason`, `reservation_id`, `reserved_tokens`, `retry_after_ms`, `store_mode`, `latency_ms`.
 
 use std::time::Duration;
@@ -19,7 +19,7 @@ pub enum StoreMode {
     Unreachable(OnStoreError),
     /// Without the store: a request that costs nothing, or one refused before any limit was read
     /// (no tenant, an unknown model).
-    None,
+    NotNeeded,
 }
 
 impl StoreMode {
@@ -29,13 +29,13 @@ impl StoreMode {
             StoreMode::Store => "store",
             StoreMode::Lease => "lease",
             StoreMode::Unreachable(mode) => mode.as_str(),
-            StoreMode::None => "none",
+            StoreMode::NotNeeded => "none",
         }
     }
 }
 
 /// Writes the decision's line (when the filter lets `decision` debug lines through).
-pub(super) fn decision(policy: &Policy, a: &Attributes, decision: &Decision, store: StoreMode, took: Duration) {
+pub fn decision(policy: &Policy, a: &Attributes, decision: &Decision, store: StoreMode, took: Duration) {
     if !tracing::enabled!(target: "decision", tracing::Level::DEBUG) {
         return;
     }
@@ -66,16 +66,16 @@ pub(super) fn decision(policy: &Policy, a: &Attributes, decision: &Decision, sto
     );
 }
 
-/// Writes the line of a request refused before admission read it (no tenant, a body that is not
-/// JSON): nothing is known of it but the reason.
+/// Writes the line of a request refused before admission could read it (a body that is not JSON,
+/// a header that is not UTF-8 or too long): nothing is known of it but the reason, and why.
 pub fn refused_unread(denial: &Denial, took: Duration) {
     tracing::debug!(
         target: "decision",
         outcome = "denied",
         reason = denial.reason.code(),
-        store_mode = StoreMode::None.as_str(),
+        store_mode = StoreMode::NotNeeded.as_str(),
         latency_ms = millis(took),
-        message = %denial.message,
+        detail = %denial.message,
         "decision"
     );
 }

@@ -89,7 +89,7 @@ impl<S: Store> Admission<S> {
         };
         let took = start.elapsed();
         self.record(&policy, a, &decision, took, Duration::ZERO);
-        log::decision(&policy, a, &decision, StoreMode::None, took);
+        log::decision(&policy, a, &decision, StoreMode::NotNeeded, took);
         decision
     }
 
@@ -138,7 +138,7 @@ impl<S: Store> Admission<S> {
     ) -> (Decision, Duration, StoreMode) {
         let plan = match self.plan(policy, a) {
             Ok(plan) => plan,
-            Err(denial) => return (Decision::Denied(denial), Duration::ZERO, StoreMode::None),
+            Err(denial) => return (Decision::Denied(denial), Duration::ZERO, StoreMode::NotNeeded),
         };
         // A lease hit decides here, from memory: no store call, no task, nothing to cancel.
         if let (Some(leases), true, None) = (&self.leases, plan.leased, &plan.pool) {
@@ -154,7 +154,11 @@ impl<S: Store> Admission<S> {
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
-            let store = if tidy.store_failed { unreachable } else { StoreMode::Store };
+            let store = match (tidy.store_failed, tidy.from_lease) {
+                (true, _) => unreachable,
+                (false, true) => StoreMode::Lease,
+                (false, false) => StoreMode::Store,
+            };
             let sent = answer.send((decided, waited, store));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
@@ -168,7 +172,7 @@ impl<S: Store> Admission<S> {
         });
         decision.await.unwrap_or_else(|_| {
             let ended = Denial::now(Reason::StoreUnavailable, "the reserve task ended without a decision");
-            (Decision::Denied(ended), Duration::ZERO, unreachable)
+            (Decision::Denied(ended), Duration::ZERO, StoreMode::Store)
         })
     }
 
@@ -540,6 +544,9 @@ pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {
 pub(super) struct Tidy {
     /// A store call failed: the tenant's `on_store_error` decided.
     pub(super) store_failed: bool,
+    /// This replica's slices decided without a store call of the request's own (after waiting,
+    /// perhaps, for another request's lease call).
+    pub(super) from_lease: bool,
     /// Release the tenant leg's hold: its reserve failed, and may have run all the same.
     pub(super) hold: bool,
     /// Release the pool leg's hold: its call failed, or the tenant leg's did.

@@ -21,6 +21,7 @@ pub use models::{
     TokenWeights, UpstreamThrottle,
 };
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
+pub use summary::without_password;
 pub use validate::MAX_TOKEN_COUNT;
 pub use zone::Zone;
 
@@ -173,7 +174,7 @@ pub struct ServerSettings {
 }
 
 /// How tollgate writes its log lines.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum LogFormat {
     /// One line of text per event, coloured only on a terminal and never with `NO_COLOR` set.
@@ -181,16 +182,6 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line, the event's fields at its top level, for a log pipeline to index.
     Json,
-}
-
-impl LogFormat {
-    /// As the policy and the command line spell it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LogFormat::Text => "text",
-            LogFormat::Json => "json",
-        }
-    }
 }
 
 impl ServerSettings {

@@ -156,17 +156,20 @@ impl Limits {
     }
 }
 
-/// A Redis URL (or `host:port`) with the password in its user info, if any, replaced by `***`.
-fn without_password(url: &str) -> String {
+/// A Redis URL (or `host:port`) with the password in its user info, if any, replaced by `***`:
+/// what a log line, an error or `check-config` may show of it.
+pub fn without_password(url: &str) -> String {
     let (scheme, rest) = url.split_once("://").map_or(("", url), |(s, r)| (s, r));
     let authority_end = rest.find('/').unwrap_or(rest.len());
     let Some(at) = rest[..authority_end].rfind('@') else {
         return url.to_string();
     };
-    let user = rest[..at].split_once(':').map_or("", |(user, _)| user);
-    let user = if rest[..at].contains(':') { format!("{user}:***") } else { "***".to_string() };
+    let hidden = match rest[..at].split_once(':') {
+        Some((user, _)) => format!("{user}:***"),
+        None => "***".to_string(),
+    };
     let scheme = if scheme.is_empty() { String::new() } else { format!("{scheme}://") };
-    format!("{scheme}{user}@{}", &rest[at + 1..])
+    format!("{scheme}{hidden}@{}", &rest[at + 1..])
 }
 
 #[cfg(test)]

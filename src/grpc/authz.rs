@@ -11,6 +11,7 @@ use envoy_types::pb::envoy::service::auth::v3::{
 use tonic::{Request, Response, Status};
 
 use super::response::check_response;
+use crate::admission::log::{self, StoreMode};
 use crate::admission::{Admission, Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Reason};
 use crate::config::{Priority, ServerSettings};
 use crate::estimate::PromptSize;
@@ -47,19 +48,23 @@ impl<S: Store> Authorization for AuthzService<S> {
                 let d = match endpoint.work {
                     Work::CountTokens => self.admission.pass_free(&a),
                     Work::Generate | Work::Embed => self.admission.reserve(&a).await,
-                    Work::Unknown => Decision::Denied(Denial::now(
-                        Reason::InvalidRequest,
-                        format!(
-                            "tollgate does not read the API at {}",
-                            http(request.get_ref()).map_or("", |h| h.path.as_str())
-                        ),
-                    )),
+                    Work::Unknown => {
+                        let d = Decision::Denied(Denial::now(
+                            Reason::InvalidRequest,
+                            format!(
+                                "tollgate does not read the API at {}",
+                                http(request.get_ref()).map_or("", |h| h.path.as_str())
+                            ),
+                        ));
+                        log::decision(&policy, &a, &d, StoreMode::NotNeeded, arrived.elapsed());
+                        d
+                    }
                 };
                 log_decision(&a, &d);
                 d
             }
             Err(denial) => {
-                crate::admission::log::refused_unread(&denial, arrived.elapsed());
+                log::refused_unread(&denial, arrived.elapsed());
                 Decision::Denied(denial)
             }
         };

@@ -75,9 +75,9 @@ impl RedisStore {
     /// an unreachable Redis at start is an error, not a silent retry loop.
     pub async fn connect(target: &RedisTarget, options: RedisOptions) -> Result<Self, StoreError> {
         let config = match target {
-            RedisTarget::Single(url) => {
-                Config::from_url(url).map_err(|e| StoreError::Unavailable(format!("bad Redis URL {url:?}: {e}")))?
-            }
+            RedisTarget::Single(url) => Config::from_url(url).map_err(|e| {
+                StoreError::Unavailable(format!("bad Redis URL {:?}: {e}", crate::config::without_password(url)))
+            })?,
             RedisTarget::Cluster(nodes) => {
                 let mut hosts = Vec::with_capacity(nodes.len());
                 for node in nodes {
@@ -224,8 +224,11 @@ fn not_loaded(e: &fred::error::Error) -> bool {
 
 fn describe(target: &RedisTarget) -> String {
     match target {
-        RedisTarget::Single(url) => url.clone(),
-        RedisTarget::Cluster(nodes) => format!("cluster {}", nodes.join(",")),
+        RedisTarget::Single(url) => crate::config::without_password(url),
+        RedisTarget::Cluster(nodes) => {
+            let nodes: Vec<_> = nodes.iter().map(|n| crate::config::without_password(n)).collect();
+            format!("cluster {}", nodes.join(","))
+        }
     }
 }
 

@@ -109,6 +109,7 @@ impl Tollgate {
             .args(filter)
             .args(extra)
             .env_remove("TOLLGATE_LOG_FORMAT")
+            .env_remove("RUST_LOG")
             .env_remove("NO_COLOR")
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(Stdio::null())

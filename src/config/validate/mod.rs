@@ -129,7 +129,8 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         }
         (Some(url), None) => {
             if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-                return Err(problem("store.redis_url", format!("{url:?} is not a redis:// URL")));
+                let shown = super::without_password(&url);
+                return Err(problem("store.redis_url", format!("{shown:?} is not a redis:// URL")));
             }
             StoreChoice::Redis { url }
         }

@@ -7,6 +7,13 @@
 {{- end -}}
 {{- end -}}
 
+{{/* On every pod the chart runs: the injector webhook leaves them alone (they carry tollgate
+already, or need none), whatever their namespace's label says. */}}
+{{- define "tollgate.podLabels" -}}
+{{ include "tollgate.labels" . }}
+tollgate.io/inject: disabled
+{{- end -}}
+
 {{- define "tollgate.labels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -41,6 +48,17 @@ values choose. */}}
 {{- if not $policy -}}
 {{- $policy = .Files.Get "files/policy.yaml" | fromYaml -}}
 {{- end -}}
+{{/* The addresses the pod spec relies on: Envoy's bootstrap calls 127.0.0.1:50051, the probes
+50052, Prometheus 9090. A policy that leaves them out gets them; one that names others is refused. */}}
+{{- $server := default dict $policy.server -}}
+{{- range $field, $address := dict "listen" "127.0.0.1:50051" "health_listen" "0.0.0.0:50052" "admin_listen" "0.0.0.0:9090" -}}
+{{- if not (hasKey $server $field) -}}
+{{- $_ := set $server $field $address -}}
+{{- else if ne (index $server $field) $address -}}
+{{- fail (printf "policy.server.%s must be %s (or left out): the pod's Envoy, probes and scrape rely on it" $field $address) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $policy "server" $server -}}
 {{- if eq .Values.store "redis" -}}
 {{- if not (hasKey $policy "store") -}}
 {{- $_ := set $policy "store" (dict "redis_url" (include "tollgate.redisUrl" .) "command_timeout_ms" 250) -}}
