@@ -34,7 +34,7 @@ fn main() -> ExitCode {
         };
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    // A sidecar's runtime: one worker unless told otherwise (docs/BENCHMARKS.md, "Runtime shape").
+    // A sidecar's runtime: one worker unless told otherwise (docs/BENCHMARKS.md, "One worker, by default").
     // The tools keep tokio's default, a worker per core.
     match &cli.command {
         Command::Serve(args) => {
