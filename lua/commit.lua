@@ -111,7 +111,7 @@ elseif metered then
 elseif ARGV[2] == '' then
   usage = 'held'
 end
-if r.lg and r.lg ~= '' then
+if has_ledger(r) then
   local entry = ledger_entry(id, r, state, usage, used, cost, ending)
   entry.prompt, entry.output = prompt, output
   entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning

@@ -558,6 +558,16 @@ end
 -- The buckets adjust moves (fields as TOKEN_FIELDS).
 local BUCKET_FIELDS = { TOKEN_FIELDS, PROMPT_FIELDS, OUTPUT_FIELDS }
 
+-- Gives `slots` back to a scope holding `c` (never below zero): the write, first in `w`, and how
+-- many of `w`'s places it fills (none when nothing is given back or the scope counts none).
+local function free_slots(w, c, slots)
+  if slots > 0 and c and c > 0 then
+    w[1], w[2] = 'c', math.max(0, c - slots)
+    return 2
+  end
+  return 0
+end
+
 -- Moves each scope by `n` ({u, c, p, g}: debt when positive, a refund when negative) and frees
 -- `slots` concurrency slots there (nil: none), one read and one write a scope. A bucket moves from
 -- its level now: refilled first, so a full bucket's refill (which it could not hold) never pays
@@ -579,17 +589,11 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots)
     local w, nw = {}, 0
     if not moves then
       -- Only slots: one field read, one written.
-      local c = tonumber(redis.call('HGET', k, 'c'))
-      if c and c > 0 then
-        w[1], w[2], nw = 'c', math.max(0, c - slots), 2
-      end
+      nw = free_slots(w, tonumber(redis.call('HGET', k, 'c')), slots)
     else
       local may_refund = (allowed and allowed[i]) or IS_ALWAYS
       local f = fields_of(k)
-      local c = tonumber(f.c)
-      if slots > 0 and c and c > 0 then
-        w[1], w[2], nw = 'c', math.max(0, c - slots), 2
-      end
+      nw = free_slots(w, tonumber(f.c), slots)
       for j = 1, #BUCKET_FIELDS do
         local b = BUCKET_FIELDS[j]
         local amount, cap = n[b[1]], tonumber(f[b[4]])
@@ -841,6 +845,12 @@ local function ledger_append(stream, terms, e, now)
     'reserved_at_ms', e.reserved_at or '', 'settled_at_ms', now, 'ending', e.ending or '' }, now)
 end
 
+-- Whether the hold's record names ledger terms: it was made where a ledger keeps settled holds (a
+-- record made without one, or by a version before the ledger, has none).
+local function has_ledger(r)
+  return r.lg ~= nil and r.lg ~= ''
+end
+
 -- The ledger entry of a hold settled from its record.
 local function ledger_entry(id, r, outcome, usage, charged, cost, ending)
   return { id = id, tenant = r.tn, user = r.ur, model = r.md, tier = r.tr, outcome = outcome, usage = usage,
@@ -876,7 +886,7 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   if r.ch == 0 then
     usage = 'none'
   end
-  if ledger and r.lg and r.lg ~= '' then
+  if ledger and has_ledger(r) then
     ledger_append(ledger, r.lg, ledger_entry(id, r, 'expired', usage, r.ch, r.cc, 'expired'), now)
   end
 end

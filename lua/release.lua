@@ -38,7 +38,7 @@ refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc, 1)
 keep_scopes(keys, r.it)
 close(id, r, leases, holds)
 file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0, ending)
-if r.lg and r.lg ~= '' then
+if has_ledger(r) then
   ledger_append(ledger, r.lg, ledger_entry(id, r, 'released', 'none', 0, 0, ending), now)
 end
 return { 'released', r.ch, 0 }
