@@ -52,6 +52,8 @@ pub fn init(log_filter: &str, format: LogFormat, otlp_endpoint: Option<&str>) ->
             (Some(fmt::layer().with_writer(std::io::stderr).with_target(false).with_ansi(colour)), None)
         }
         LogFormat::Json => {
+            // A panic is a log line too, so the log stays JSON to its last line.
+            std::panic::set_hook(Box::new(|panic| tracing::error!(panic = %panic, "panicked")));
             let json = fmt::layer()
                 .json()
                 .flatten_event(true)

@@ -160,6 +160,25 @@ fn a_redis_you_run_replaces_the_releases_own() {
     assert!(docs.iter().all(|d| d["kind"] != "StatefulSet"), "no Redis of its own");
     let refused = helm(&["--set", "store=redis", "--set", "redis.deploy=false"]).unwrap_err();
     assert!(refused.contains("needs redis.url"), "{refused}");
+
+    // What the install prints shows no password.
+    let helm_bin = std::env::var("TOLLGATE_TEST_HELM").unwrap();
+    let out = Command::new(helm_bin)
+        .args(["install", "--dry-run=client", "demo"])
+        .arg(chart())
+        .args([
+            "--set",
+            "store=redis",
+            "--set",
+            "redis.deploy=false",
+            "--set",
+            "redis.url=redis://app:s3cret@cache:6379",
+        ])
+        .output()
+        .expect("helm runs");
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let notes = printed.split_once("NOTES:").map(|(_, notes)| notes).unwrap_or_else(|| panic!("{printed}"));
+    assert!(notes.contains("redis://app:***@cache:6379") && !notes.contains("s3cret"), "{notes}");
 }
 
 #[test]
