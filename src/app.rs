@@ -47,6 +47,8 @@ pub enum RunError {
 pub struct ServeOptions {
     /// The policy file, watched for changes.
     pub config: PathBuf,
+    /// The file as read at start (before the runtime, whose workers and log format it may set).
+    pub loaded: Result<Policy, ConfigError>,
     /// In place of `server.listen`.
     pub listen: Option<SocketAddr>,
     /// What the command line changes in every policy loaded (the health port, the TLS flags).
@@ -57,8 +59,8 @@ pub struct ServeOptions {
 
 /// `tollgate serve`: loads the policy, binds every port, and serves until SIGTERM or SIGINT.
 pub async fn run(options: ServeOptions) -> Result<(), RunError> {
-    let ServeOptions { config, listen, adjust, otlp_endpoint } = options;
-    let mut policy = Policy::load(&config)?;
+    let ServeOptions { config, loaded, listen, adjust, otlp_endpoint } = options;
+    let mut policy = loaded?;
     adjust(&mut policy)?;
     let policy = Arc::new(policy);
     let shutdown = CancellationToken::new();

@@ -85,9 +85,10 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// What `serve` runs with: the flags that override the policy become a function applied to
-    /// every policy loaded, the first and each one reloaded.
-    pub fn options(self) -> ServeOptions {
+    /// What `serve` runs with, given its policy file as read at start: the flags that override
+    /// the policy become a function applied to every policy loaded, the first and each one
+    /// reloaded.
+    pub fn options(self, loaded: Result<Policy, ConfigError>) -> ServeOptions {
         let ServeArgs { config, listen, health_listen, tls, otlp_endpoint, log: _, worker_threads: _ } = self;
         let adjust: crate::reload::Adjust = Arc::new(move |p: &mut Policy| {
             if health_listen.is_some() {
@@ -95,7 +96,7 @@ impl ServeArgs {
             }
             tls.apply(p)
         });
-        ServeOptions { config, listen, adjust, otlp_endpoint }
+        ServeOptions { config, loaded, listen, adjust, otlp_endpoint }
     }
 }
 

@@ -33,13 +33,21 @@ fn main() -> ExitCode {
             }
         };
     }
+    // `serve` reads its policy before the runtime and the log exist, since the policy may set
+    // both; a policy that does not load is reported once the log is set up.
+    let loaded = match &cli.command {
+        Command::Serve(args) => Some(Policy::load(&args.config)),
+        _ => None,
+    };
+    let server = loaded.as_ref().and_then(|l| l.as_ref().ok()).map(|p| &p.server);
+    let log_format = cli.log_format.or(server.map(|s| s.log_format)).unwrap_or_default();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     // A sidecar's runtime: one worker unless told otherwise (docs/BENCHMARKS.md, "One worker, by default").
     // The tools keep tokio's default, a worker per core.
     match &cli.command {
         Command::Serve(args) => {
-            let policy = || Policy::server_setting_in::<u16>(&args.config, "worker_threads");
-            builder.worker_threads(usize::from(args.worker_threads.or_else(policy).unwrap_or(1)).clamp(1, 64));
+            let policy = server.map_or(1, |s| s.worker_threads);
+            builder.worker_threads(args.worker_threads.map_or(policy, usize::from));
         }
         Command::BenchFloor { worker_threads, .. } => {
             builder.worker_threads(usize::from(*worker_threads));
@@ -53,25 +61,23 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let log_format = cli.log_format;
     runtime.block_on(async move {
         match cli.command {
             Command::Serve(args) => {
-                let format =
-                    log_format.or_else(|| Policy::server_setting_in(&args.config, "log_format")).unwrap_or_default();
-                let _telemetry = match tollgate::telemetry::init(&args.log, format, args.otlp_endpoint.as_deref()) {
+                let _telemetry = match tollgate::telemetry::init(&args.log, log_format, args.otlp_endpoint.as_deref()) {
                     Ok(t) => t,
                     Err(e) => {
                         eprintln!("tollgate: {e}");
                         return ExitCode::FAILURE;
                     }
                 };
-                match tollgate::app::run(args.options()).await {
+                let loaded = loaded.unwrap_or_else(|| Policy::load(&args.config));
+                match tollgate::app::run(args.options(loaded)).await {
                     Ok(()) => ExitCode::SUCCESS,
                     Err(e) => {
                         tracing::error!("{e}");
                         // (A JSON log stays JSON to its last line: the error is in it.)
-                        if format == LogFormat::Text {
+                        if log_format == LogFormat::Text {
                             eprintln!("tollgate: {e}");
                         }
                         ExitCode::FAILURE
@@ -80,17 +86,17 @@ fn main() -> ExitCode {
             }
             Command::Bench(args) => run::bench(*args).await,
             Command::SimBackend(args) => {
-                let _telemetry = tollgate::telemetry::init("info", log_format.unwrap_or_default(), None);
+                let _telemetry = tollgate::telemetry::init("info", log_format, None);
                 run::sim_backend(args).await
             }
             Command::SimLoad(args) => run::sim_load(args).await,
             Command::BenchFloor { listen, .. } => run::bench_floor(listen).await,
             Command::Inject(args) => {
-                let _telemetry = tollgate::telemetry::init("info", log_format.unwrap_or_default(), None);
+                let _telemetry = tollgate::telemetry::init("info", log_format, None);
                 run::inject(args).await
             }
             Command::Ledger(args) => {
-                let _telemetry = tollgate::telemetry::init("warn", log_format.unwrap_or_default(), None);
+                let _telemetry = tollgate::telemetry::init("warn", log_format, None);
                 run::ledger(args).await
             }
             // Answered above, without a runtime.

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::Command;
 
 use serde_yaml::Value;
+use support::kube::strings;
 use tollgate::config::{LogFormat, Policy, StoreChoice};
 
 fn chart() -> std::path::PathBuf {
@@ -38,10 +39,6 @@ fn render(args: &[&str]) -> Vec<Value> {
 
 fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
     docs.iter().find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
-}
-
-fn strings(v: &Value) -> Vec<&str> {
-    v.as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect()
 }
 
 /// The inference Deployment, the policy its pods mount, and the Envoy bootstrap they mount.
@@ -307,4 +304,15 @@ fn it_renders_as_a_subchart_and_places_its_pods() {
     assert_eq!(spec["nodeSelector"]["pool"], "gpu");
     assert_eq!(spec["tolerations"][0]["key"], "nvidia.com/gpu");
     assert_eq!(spec["imagePullSecrets"][0]["name"], "corp");
+}
+
+/// Envoy reads its bootstrap at start only, so the pods carry a digest of it: a new bootstrap
+/// is a new pod template, which rolls the pods.
+#[test]
+fn a_new_envoy_bootstrap_rolls_the_pods() {
+    use sha2::Digest;
+    let docs = render(&[]);
+    let (deployment, _, envoy) = parts(&docs);
+    let digest: String = sha2::Sha256::digest(envoy.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(deployment["spec"]["template"]["metadata"]["annotations"]["checksum/envoy"], digest.as_str());
 }

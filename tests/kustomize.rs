@@ -46,7 +46,7 @@ fn the_embedded_overlay_runs_one_replica_that_is_replaced_not_doubled() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let tollgate = &deployment["spec"]["template"]["spec"]["initContainers"][0];
     assert_eq!((tollgate["name"].as_str(), tollgate["restartPolicy"].as_str()), (Some("tollgate"), Some("Always")));
-    let args: Vec<&str> = tollgate["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let args = support::kube::strings(&tollgate["args"]);
     assert!(args.windows(2).any(|w| w == ["--log-format", "json"]), "a log pipeline reads JSON: {args:?}");
     assert_eq!(deployment["metadata"]["labels"]["app.kubernetes.io/part-of"], "tollgate");
 }
@@ -65,8 +65,7 @@ fn the_redis_overlay_runs_replicas_that_share_its_redis() {
     assert!(policy.ledger.is_some(), "the Redis overlay keeps a usage ledger");
     let reader = find(&docs, "Deployment", "tollgate-ledger").expect("the ledger reader");
     let spec = &reader["spec"]["template"]["spec"];
-    let args: Vec<&str> =
-        spec["containers"][0]["args"].as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    let args = support::kube::strings(&spec["containers"][0]["args"]);
     assert_eq!(&args[..3], ["ledger", "--config", "/etc/tollgate/policy.yaml"]);
     assert!(!args.contains(&"--once"), "it keeps reading");
     let mounted = |d: &Value| {

@@ -150,16 +150,10 @@ impl<S: Store> Admission<S> {
         }
         let (answer, decision) = oneshot::channel();
         let this = Arc::clone(self);
-        let unreachable = StoreMode::Unreachable(plan.tp.on_store_error);
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
-            let store = match (tidy.store_failed, tidy.from_lease) {
-                (true, _) => unreachable,
-                (false, true) => StoreMode::Lease,
-                (false, false) => StoreMode::Store,
-            };
-            let sent = answer.send((decided, waited, store));
+            let sent = answer.send((decided, waited, tidy.store_mode(&plan)));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
             this.tidy(&plan, tidy).await;
@@ -551,4 +545,15 @@ pub(super) struct Tidy {
     pub(super) hold: bool,
     /// Release the pool leg's hold: its call failed, or the tenant leg's did.
     pub(super) pool_leg: bool,
+}
+
+impl Tidy {
+    /// Where the decision was made, as its log line says it.
+    fn store_mode(&self, plan: &Plan) -> StoreMode {
+        match (self.store_failed, self.from_lease) {
+            (true, _) => StoreMode::Unreachable(plan.tp.on_store_error),
+            (false, true) => StoreMode::Lease,
+            (false, false) => StoreMode::Store,
+        }
+    }
 }

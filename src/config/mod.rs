@@ -436,15 +436,6 @@ impl Policy {
         Policy::parse(&file, &text)
     }
 
-    /// A `server` setting as the file at `path` sets it, read before the runtime and the log are
-    /// set up (and so before the policy is loaded): `log_format`, `worker_threads`. `None` when
-    /// it says nothing or cannot be read, which the load that follows then reports.
-    pub fn server_setting_in<T: serde::de::DeserializeOwned>(path: &Path, name: &str) -> Option<T> {
-        let text = std::fs::read_to_string(path).ok()?;
-        let policy: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
-        serde_yaml::from_value(policy.get("server")?.get(name)?.clone()).ok()
-    }
-
     /// Parses and validates policy text; `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Policy, ConfigError> {
         let raw: raw::RawPolicy = serde_yaml::from_str(text)

@@ -60,7 +60,7 @@ impl<S: Store> Authorization for AuthzService<S> {
                         d
                     }
                 };
-                log_decision(&a, &d);
+                record_on_span(&a, &d);
                 d
             }
             Err(denial) => {
@@ -74,7 +74,7 @@ impl<S: Store> Authorization for AuthzService<S> {
 
 /// The call's span names its tenant and, for a refusal, the reason (the decision's own log line
 /// is written by admission, `admission::log`).
-fn log_decision(a: &Attributes, d: &Decision) {
+fn record_on_span(a: &Attributes, d: &Decision) {
     let span = tracing::Span::current();
     span.record("tenant", a.tenant.as_deref());
     if let Decision::Denied(no) = d {

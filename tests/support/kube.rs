@@ -11,6 +11,11 @@ pub fn documents(text: &str) -> Vec<Value> {
         .collect()
 }
 
+/// A YAML list of strings (a container's `args`, a certificate's `dnsNames`).
+pub fn strings(v: &Value) -> Vec<&str> {
+    v.as_sequence().unwrap().iter().map(|a| a.as_str().unwrap()).collect()
+}
+
 /// The policy a Deployment's pods mount (volume `policy`) and the Envoy bootstrap they mount
 /// (volume `envoy-config`), read from the ConfigMaps rendered beside it: a pod that mounts a
 /// ConfigMap which is not rendered fails the test.
