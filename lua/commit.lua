@@ -85,9 +85,10 @@ if r.sl == '1' then
 end
 local had = charged_of(r)
 local now_at = periods_at(now, tonumber(ARGV[13]) or r.zo)
-settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), periods_of(r.dy, r.hr), now_at,
-  now, r.kc, slots)
-keep_scopes(keys, r.it)
+if not settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), periods_of(r.dy, r.hr),
+  now_at, now, r.kc, slots, r.it) then
+  keep_scopes(keys, r.it)
+end
 
 local state = 'committed'
 if r.st == 'expired' then

@@ -214,10 +214,29 @@ end
 -- (One call where the key has a TTL shorter than `ms`, as every key tollgate writes has from the
 -- call that made it: GT lengthens a TTL and never gives one, so a key without any is given its
 -- first after PTTL tells.)
-local function keep_for(key, ms)
-  if redis.call('PEXPIRE', key, ms, 'GT') == 0 and redis.call('PTTL', key) == -1 then
+-- `fresh`: the key was likely made by this call, so has no TTL yet: asking NX first makes that
+-- one call too (either order is right for any key; the hint only saves calls).
+local function keep_for(key, ms, fresh)
+  if fresh then
+    if redis.call('PEXPIRE', key, ms, 'NX') == 0 then
+      redis.call('PEXPIRE', key, ms, 'GT')
+    end
+  elseif redis.call('PEXPIRE', key, ms, 'GT') == 0 and redis.call('PTTL', key) == -1 then
     redis.call('PEXPIRE', key, ms)
   end
+end
+
+-- A scope hash keeps its TTL lazily. Its field `kx` is a time before which it cannot expire (the
+-- TTL a call last gave it, which no call shortens); a write that needs it alive for `idle` ms
+-- more lengthens the TTL only when `kx` falls short, and then by a sixteenth more, so a busy
+-- scope's TTL is set about once in every sixteenth of its idle time rather than at every call.
+-- The new `kx` to write, or nil when the one it has will do.
+local function lasting(kx, idle, now)
+  local until_ms = tonumber(kx)
+  if until_ms and until_ms >= now + idle then
+    return nil
+  end
+  return now + idle + math.floor(idle / 16)
 end
 
 -- Period budgets. A scope counts usage per calendar period (h hour, d day, w week from Monday,
@@ -518,10 +537,16 @@ local function take(s, n, requests, slots, at, now, idle)
   if s.rcap > 0 then
     f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', math.max(s.r - requests, -s.rcap), 'rt', now, k + 4
   end
+  local kx = lasting(s.f.kx, tonumber(idle), now)
+  if kx then
+    f[k + 1], f[k + 2], k = 'kx', kx, k + 2
+  end
   if k > 0 then
     redis.call('HSET', s.key, unpack(f))
   end
-  keep_for(s.key, idle)
+  if kx then
+    keep_for(s.key, kx - now, next(s.f) == nil)
+  end
 end
 
 -- The scope with the least left in one kind of bucket after taking `take` (level, capacity and
@@ -578,22 +603,24 @@ end
 -- older than the one counted (a zone's offset that moved since) counts in the newer one: a
 -- marker never goes back. Only counters the scope has move, and a scope hash that has expired
 -- (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
-local function adjust(keys, n, hold_at, now_at, now, kc, slots)
+local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
   slots = slots or 0
+  idle = tonumber(idle)
   local moves = n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0
   local allowed = nil
   if moves and kc and kc ~= '' then
     allowed = refundable(kc)
   end
   for i, k in ipairs(keys) do
-    local w, nw = {}, 0
+    local w, nw, kx = {}, 0, nil
     if not moves then
       -- Only slots: one field read, one written.
-      nw = free_slots(w, tonumber(redis.call('HGET', k, 'c')), slots)
+      local f = redis.call('HMGET', k, 'c', 'kx')
+      nw, kx = free_slots(w, tonumber(f[1]), slots), f[2]
     else
       local may_refund = (allowed and allowed[i]) or IS_ALWAYS
       local f = fields_of(k)
-      nw = free_slots(w, tonumber(f.c), slots)
+      nw, kx = free_slots(w, tonumber(f.c), slots), f.kx
       for j = 1, #BUCKET_FIELDS do
         local b = BUCKET_FIELDS[j]
         local amount, cap = n[b[1]], tonumber(f[b[4]])
@@ -606,13 +633,13 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots)
         local p = PERIODS[j]
         local marker, names = PERIOD_MARKERS[p], COUNTER_OF[p]
         local u = { at = tonumber(f[marker]) }
+        local was, moved = u.at, {}
         -- (A period the hash has no marker for counts nothing here.)
         if u.at then
           for x = 1, #MEASURES do
             local m = MEASURES[x]
             u[m] = tonumber(f[names[m]])
           end
-          local moved = false
           for x = 1, #MEASURES do
             local m = MEASURES[x]
             local amount, at = n[m], now_at[p]
@@ -624,32 +651,41 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots)
             end
             if u[m] and amount ~= 0 and at then
               if u.at == at or (amount > 0 and at < u.at) then
-                u[m], moved = math.max(0, u[m] + amount), true
+                u[m], moved[m] = math.max(0, u[m] + amount), true
               elseif amount > 0 then
                 for y = 1, #MEASURES do
                   local other = MEASURES[y]
                   if u[other] then
-                    u[other] = 0
+                    u[other], moved[other] = 0, true
                   end
                 end
-                u.at, u[m], moved = at, amount, true
+                u.at, u[m], moved[m] = at, amount, true
               end
             end
           end
-          if moved then
+          -- (Only what moved is written: the marker when a new period starts, and its counters.)
+          if u.at ~= was then
             w[nw + 1], w[nw + 2], nw = marker, u.at, nw + 2
-            for x = 1, #MEASURES do
-              local m = MEASURES[x]
-              if u[m] then
-                w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
-              end
+          end
+          for x = 1, #MEASURES do
+            local m = MEASURES[x]
+            if moved[m] then
+              w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
             end
           end
         end
       end
     end
+    -- A hash that has expired is not made again for its TTL's sake: only a write keeps it.
+    local until_ms = idle and lasting(kx, idle, now)
+    if until_ms and nw > 0 then
+      w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
+    end
     if nw > 0 then
       redis.call('HSET', k, unpack(w))
+    end
+    if until_ms then
+      keep_for(k, until_ms - now)
     end
   end
 end
@@ -661,12 +697,16 @@ end
 
 -- Gives `n` ({u, c, p, g}) back: to each bucket, and to the periods of `hold_at` while they are
 -- the current ones, in the counters `kc` says the hold charged; and frees `slots` slots (nil: none).
-local function refund(keys, n, hold_at, now, kc, slots)
+-- With `idle`, keeps each scope it writes alive that long (see lasting). True when it wrote.
+local function refund(keys, n, hold_at, now, kc, slots, idle)
   if n.u > 0 or n.c > 0 or n.p > 0 or n.g > 0 then
-    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now, kc, slots)
+    adjust(keys, amounts(-n.u, -n.c, -n.p, -n.g), hold_at, hold_at, now, kc, slots, idle)
   elseif slots and slots > 0 then
-    adjust(keys, amounts(0, 0, 0, 0), hold_at, hold_at, now, kc, slots)
+    adjust(keys, amounts(0, 0, 0, 0), hold_at, hold_at, now, kc, slots, idle)
+  else
+    return false
   end
+  return true
 end
 
 -- Charges `n` beyond the hold as debt, to the periods of `now_at`: a bucket may go negative, down
@@ -679,11 +719,14 @@ end
 
 -- Moves a settled hold from what it has charged to what it should, `n` the differences: each a
 -- refund to the hold's own periods (`hold_at`) when negative, a charge to the current ones
--- (`now_at`) when positive; and frees `slots` slots (nil: none).
-local function settle(keys, n, hold_at, now_at, now, kc, slots)
+-- (`now_at`) when positive; and frees `slots` slots (nil: none). With `idle`, keeps each scope
+-- it writes alive that long (see lasting). True when it wrote.
+local function settle(keys, n, hold_at, now_at, now, kc, slots, idle)
   if n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0 or (slots and slots > 0) then
-    adjust(keys, n, hold_at, now_at, now, kc, slots)
+    adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
+    return true
   end
+  return false
 end
 
 -- What a hold's record has charged, by measure: all it held, or nothing once an expiry refunded it.

@@ -34,8 +34,9 @@ if not r then
 end
 
 local keys = split(r.ks)
-refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc, 1)
-keep_scopes(keys, r.it)
+if not refund(keys, charged_of(r), periods_of(r.dy, r.hr), now, r.kc, 1, r.it) then
+  keep_scopes(keys, r.it)
+end
 close(id, r, leases, holds)
 file_settled(rk, id, r, settled, now, 'released', r.ch, 0, 0, ending)
 if has_ledger(r) then

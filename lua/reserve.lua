@@ -298,8 +298,11 @@ if kc ~= '' then
 end
 redis.call('HSET', KEYS[2], unpack(record))
 redis.call('PEXPIRE', KEYS[2], idle)
+-- (A tenant with no live hold before this one has an empty lease index and holds hash: no key,
+-- so this call makes both.)
+local first = scopes[1].c == 0
 redis.call('ZADD', leases, expiry, id)
-keep_for(leases, idle)
+keep_for(leases, idle, first)
 redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
 local sided = false
 for _, s in ipairs(scopes) do
@@ -312,7 +315,7 @@ if kc ~= '' or sided then
   end
   redis.call('HSET', holds, id .. '+', string.format('%d %d %s', output, hour, kc))
 end
-keep_for(holds, idle)
+keep_for(holds, idle, first)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
 return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse,

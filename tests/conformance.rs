@@ -416,6 +416,29 @@ mod scenarios {
         }
     }
 
+    /// A busy scope's TTL is set about once in every sixteenth of its idle TTL, not at every call
+    /// (see `lasting` in lua/common.lua), and a call that writes it never leaves it less than the
+    /// idle TTL to live.
+    pub async fn a_busy_scope_sets_its_ttl_once_in_a_while<S: Store>(h: Harness<S>) {
+        if !h.exact_time() {
+            return; // Reads TTLs to the millisecond.
+        }
+        let idle = i64::try_from(h.admission.policy().tenants[&h.tenant].idle_ttl_ms).unwrap();
+        let (scope, slack) = (keys::tenant_scope(&h.tenant), idle / 16);
+        let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        assert_eq!(h.scope(&scope).await.unwrap().pttl, idle + slack);
+        h.advance(slack.unsigned_abs() / 2).await;
+        h.admission.commit(&id, 1, 1).await.unwrap();
+        assert_eq!(h.scope(&scope).await.unwrap().pttl, idle + slack - slack / 2, "not set again within a sixteenth");
+        h.advance((slack - slack / 2 + 1).unsigned_abs()).await;
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(
+            h.scope(&scope).await.unwrap().pttl,
+            idle + slack,
+            "set again once it would fall short of the idle TTL"
+        );
+    }
+
     /// A hold once committed or released leaves no record: one entry of its tenant's settled
     /// bucket, the last 20 hex digits of its id and a short value, answers a repeated commit,
     /// release or renew with the first result for at least the retention, and is gone after twice
@@ -927,7 +950,8 @@ mod scenarios {
             assert_eq!(h.admission.renew(id, 0).await.unwrap().state(), "reserved");
         }
         let after = h.scope(&user).await.unwrap().pttl;
-        assert!(after > before - 50, "renew refreshed the user scope's TTL: {before} -> {after}");
+        let idle = i64::try_from(h.admission.policy().tenants[&h.tenant].idle_ttl_ms).unwrap();
+        assert!(after >= idle - 50, "the user scope lives its idle TTL past a renew: {before} -> {after} of {idle}");
         if h.exact_time() {
             // Past the scope's idle TTL (about 61 s), renewing every 250 ms.
             for _ in 0..300 {
@@ -1551,6 +1575,7 @@ macro_rules! conformance {
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(a_busy_scope_sets_its_ttl_once_in_a_while, BUCKET);
             scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);
             scenario!(an_expired_hold_waits_its_time_for_a_late_commit, LEASE_REFUND);
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);
