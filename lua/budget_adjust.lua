@@ -29,7 +29,7 @@ local scope, done, ledger = KEYS[1], KEYS[2], KEYS[3]
 local counter, credit, reset = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local fingerprint, remember, idle = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 
-local first = redis.call('HMGET', done, 'fp', 'before', 'after')
+local first = call('HMGET', done, 'fp', 'before', 'after')
 if first[1] then
   if first[1] ~= fingerprint then
     return { 'conflict', 0, 0 }
@@ -53,15 +53,15 @@ else
     end
   end
 end
-local after = math.max(0, before - credit)
+local after = max(0, before - credit)
 if reset then
   after = 0
 end
 w[#w + 1], w[#w + 2] = counter, after
-redis.call('HSET', scope, unpack(w))
+call('HSET', scope, unpack(w))
 keep_for(scope, idle)
-redis.call('HSET', done, 'fp', fingerprint, 'before', before, 'after', after)
-redis.call('PEXPIRE', done, remember)
+call('HSET', done, 'fp', fingerprint, 'before', before, 'after', after)
+call('PEXPIRE', done, remember)
 
 local e = {}
 for v in string.gmatch(ARGV[8] .. '\t', '([^\t]*)\t') do

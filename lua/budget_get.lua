@@ -29,15 +29,15 @@ local FIRST_ARG = 4
 local held = {}
 local flat = {}
 if ARGV[1] == '1' then
-  flat = redis.call('HGETALL', KEYS[1])
+  flat = call('HGETALL', KEYS[1])
 end
 -- One live hold's entry: what it holds in the current periods, by scope and counter.
 local function count_held(id, entry)
   local e = split(entry)
   local tokens, day, cost = tonumber(e[1]), tonumber(e[2]), tonumber(e[4]) or 0
-  local r = redis.call('HMGET', ARGV[2] .. id, 'oh', 'hr')
+  local r = call('HMGET', ARGV[2] .. id, 'oh', 'hr')
   -- (A hold whose record is gone is counted whole as prompt: its output part is unknown.)
-  local output = math.min(tokens, tonumber(r[1]) or 0)
+  local output = min(tokens, tonumber(r[1]) or 0)
   local n = amounts(tokens, cost, tokens - output, output)
   local hold_at = periods_of(day, tonumber(r[2]))
   for j = 5, #e do
@@ -65,7 +65,7 @@ local function bucket(level, cap, rate)
   if cap <= 0 then
     return 0, 0
   end
-  return math.floor(level), math.ceil(math.max(0, cap - level) / rate)
+  return floor(level), ceil(max(0, cap - level) / rate)
 end
 
 local out = {}

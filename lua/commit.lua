@@ -57,13 +57,13 @@ if not r then
 end
 if r.st == 'committed' or r.st == 'late_committed' then
   local us = tonumber(r.us)
-  return { r.st, 1, us, r.h, math.max(0, r.h - us), math.max(0, us - r.h), tonumber(r.mx) or 0, r.md or '',
+  return { r.st, 1, us, r.h, max(0, r.h - us), max(0, us - r.h), tonumber(r.mx) or 0, r.md or '',
     tonumber(r.oh) or -1, r.cc, r.en or '' }
 end
 if r.st == 'released' then
   return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1, 0, r.en or '' }
 end
-local output_held = math.min(r.h, tonumber(r.oh) or 0)
+local output_held = min(r.h, tonumber(r.oh) or 0)
 local prompt = tonumber(ARGV[2]) or (r.h - output_held)
 local output = tonumber(ARGV[3]) or output_held
 
@@ -94,8 +94,8 @@ local state = 'committed'
 if r.st == 'expired' then
   state = 'late_committed'
 end
-local refunded = math.max(0, r.h - used)
-local overrun = math.max(0, used - r.h)
+local refunded = max(0, r.h - used)
+local overrun = max(0, used - r.h)
 local mx = 0
 if metered then
   mx = 1

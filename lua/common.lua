@@ -89,17 +89,31 @@
 -- A reservation id appears once, or twice when a commit came after its lease: then the
 -- late_committed entry supersedes the expired one.
 
+-- The standard functions the phases call most, as locals. Redis gives a function's calls the
+-- standard globals only through the metatable of an empty globals table (a global named in a call
+-- costs a missed lookup, a metamethod and a second lookup), and runs a library's top level with
+-- none of them in reach: so they are bound when a phase is called (scripts.rs puts `bind()` first).
+local function standard()
+  return redis.call, tonumber, ipairs, pairs, unpack, math.floor, math.max, math.min, math.ceil
+end
+local call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil
+local function bind()
+  if not call then
+    call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil = standard()
+  end
+end
+
 local DAY_MS = 86400000
 
 -- The UTC calendar month of a day number (days since 1970-01-01), as year x 12 + month - 1; and
 -- the day number a month starts on. (Days from and to the civil calendar, after H. Hinnant.)
 local function month_of(day)
   local z = day + 719468
-  local era = math.floor(z / 146097)
+  local era = floor(z / 146097)
   local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
+  local yoe = floor((doe - floor(doe / 1460) + floor(doe / 36524) - floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + floor(yoe / 4) - floor(yoe / 100))
+  local mp = floor((5 * doy + 2) / 153)
   local m = mp + 3
   if mp >= 10 then
     m = mp - 9
@@ -112,24 +126,24 @@ local function month_of(day)
 end
 
 local function month_start(month)
-  local y, m = math.floor(month / 12), month % 12 + 1
+  local y, m = floor(month / 12), month % 12 + 1
   if m <= 2 then
     y = y - 1
   end
-  local era = math.floor(y / 400)
+  local era = floor(y / 400)
   local yoe = y - era * 400
   local mp = m + 9
   if m > 2 then
     mp = m - 3
   end
-  local doy = math.floor((153 * mp + 2) / 5)
-  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  local doy = floor((153 * mp + 2) / 5)
+  local doe = yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + doy
   return era * 146097 + doe - 719468
 end
 
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local t = call('TIME')
+  return tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
 end
 
 local function split(s)
@@ -143,7 +157,7 @@ end
 -- Reads a record into a table; returns nil when it does not exist. (One HGETALL: a record has
 -- only the fields its hold uses, and naming every field it might have costs Redis more.)
 local function load(rk)
-  local v = redis.call('HGETALL', rk)
+  local v = call('HGETALL', rk)
   local r = {}
   for i = 1, #v, 2 do
     r[v[i]] = v[i + 1]
@@ -183,13 +197,13 @@ end
 -- at the output. src/hold/charge.rs's `charge` is the same arithmetic. Exact in doubles: counts
 -- are at most 1e9, weights 1e4, prices 1e6 nanos.
 local function charged_for(r, prompt, output, read, written, reasoning)
-  read = math.min(read, prompt)
-  written = math.min(written, prompt - read)
+  read = min(read, prompt)
+  written = min(written, prompt - read)
   local plain = prompt - read - written
-  reasoning = math.min(reasoning, output)
+  reasoning = min(reasoning, output)
   local answer = output - reasoning
   local function weighted(n, w)
-    return math.floor((n * w + 999) / 1000)
+    return floor((n * w + 999) / 1000)
   end
   local input = plain + weighted(read, r.wr) + weighted(written, r.ww)
   local output_tokens = answer + weighted(reasoning, r.wt)
@@ -204,7 +218,7 @@ local function refilled(level, at, cap, rate, now)
   if level == nil then
     return cap
   end
-  return math.min(cap, level + rate * math.max(0, now - tonumber(at)))
+  return min(cap, level + rate * max(0, now - tonumber(at)))
 end
 
 -- Keeps `key` alive for at least `ms` more, never for less than it already has: a key that holds
@@ -218,11 +232,11 @@ end
 -- one call too (either order is right for any key; the hint only saves calls).
 local function keep_for(key, ms, fresh)
   if fresh then
-    if redis.call('PEXPIRE', key, ms, 'NX') == 0 then
-      redis.call('PEXPIRE', key, ms, 'GT')
+    if call('PEXPIRE', key, ms, 'NX') == 0 then
+      call('PEXPIRE', key, ms, 'GT')
     end
-  elseif redis.call('PEXPIRE', key, ms, 'GT') == 0 and redis.call('PTTL', key) == -1 then
-    redis.call('PEXPIRE', key, ms)
+  elseif call('PEXPIRE', key, ms, 'GT') == 0 and call('PTTL', key) == -1 then
+    call('PEXPIRE', key, ms)
   end
 end
 
@@ -236,7 +250,7 @@ local function lasting(kx, idle, now)
   if until_ms and until_ms >= now + idle then
     return nil
   end
-  return now + idle + math.floor(idle / 16)
+  return now + idle + floor(idle / 16)
 end
 
 -- Period budgets. A scope counts usage per calendar period (h hour, d day, w week from Monday,
@@ -308,13 +322,13 @@ end
 -- The hour, day, week and month numbers of `day` (and `hour`, when known) in a zone: the periods
 -- a hold charged. (Week 0 began on Monday 1969-12-29.)
 local function periods_of(day, hour)
-  return { h = hour, d = day, w = math.floor((day + 3) / 7), m = month_of(day) }
+  return { h = hour, d = day, w = floor((day + 3) / 7), m = month_of(day) }
 end
 
 -- The periods `now` falls in, in the zone `offset` minutes east of UTC.
 local function periods_at(now, offset)
   local t = now + offset * 60000
-  return periods_of(math.floor(t / DAY_MS), math.floor(t / HOUR_MS))
+  return periods_of(floor(t / DAY_MS), floor(t / HOUR_MS))
 end
 
 -- Ms from `now` until period `p` of `at` (numbered in the zone `offset` minutes east) ends.
@@ -334,7 +348,7 @@ end
 
 -- A hash as a table of its fields.
 local function fields_of(key)
-  local flat = redis.call('HGETALL', key)
+  local flat = call('HGETALL', key)
   local f = {}
   for i = 1, #flat, 2 do
     f[flat[i]] = flat[i + 1]
@@ -429,10 +443,10 @@ local function check_scope(s, n, requests, slots, leases, wait_cap, now, at, off
   end
   if s.cmax > 0 and slots > 0 and s.c + slots > s.cmax then
     -- A slot frees at the latest when the oldest lease runs out; usually sooner, by a commit.
-    local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+    local first = call('ZRANGE', leases, 0, 0, 'WITHSCORES')
     local ms = wait_cap
     if first[2] then
-      ms = math.min(ms, tonumber(first[2]) - now)
+      ms = min(ms, tonumber(first[2]) - now)
     end
     deny('concurrency', ms)
   end
@@ -489,7 +503,7 @@ local OUTPUT_FIELDS = { 'g', 'gt', 'gtt', 'gtc', 'gtr' }
 -- bucket at `level` (refilled to `now`) with capacity `cap` and refill `rate` write, `stored` the
 -- scope's fields as read: its level and time, and its terms when a reload changed them.
 local function put_bucket(f, k, stored, fields, level, cap, rate, amount, now)
-  f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], math.max(level - amount, -cap), fields[3], now, k + 4
+  f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], max(level - amount, -cap), fields[3], now, k + 4
   if tonumber(stored[fields[4]]) ~= cap or tonumber(stored[fields[5]]) ~= rate then
     f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[4], cap, fields[5], rate, k + 4
   end
@@ -535,14 +549,14 @@ local function take(s, n, requests, slots, at, now, idle)
     k = put_bucket(f, k, s.f, OUTPUT_FIELDS, s.gt, s.gcap, s.grate, n.g, now)
   end
   if s.rcap > 0 then
-    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', math.max(s.r - requests, -s.rcap), 'rt', now, k + 4
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', max(s.r - requests, -s.rcap), 'rt', now, k + 4
   end
   local kx = lasting(s.f.kx, tonumber(idle), now)
   if kx then
     f[k + 1], f[k + 2], k = 'kx', kx, k + 2
   end
   if k > 0 then
-    redis.call('HSET', s.key, unpack(f))
+    call('HSET', s.key, unpack(f))
   end
   if kx then
     keep_for(s.key, kx - now, next(s.f) == nil)
@@ -556,12 +570,12 @@ local function tightest(scopes, level, cap, rate, take)
   local rem, lim, reset = -1, -1, -1
   for _, s in ipairs(scopes) do
     if s[cap] > 0 and (rem == -1 or s[level] - take < rem) then
-      rem = math.max(0, s[level] - take)
+      rem = max(0, s[level] - take)
       lim = s[cap]
-      reset = math.ceil((s[cap] - rem) / s[rate])
+      reset = ceil((s[cap] - rem) / s[rate])
     end
   end
-  return math.floor(rem), lim, reset
+  return floor(rem), lim, reset
 end
 
 -- The tightest token and request windows after taking `take_tokens` and `take_requests`, for
@@ -587,7 +601,7 @@ local BUCKET_FIELDS = { TOKEN_FIELDS, PROMPT_FIELDS, OUTPUT_FIELDS }
 -- many of `w`'s places it fills (none when nothing is given back or the scope counts none).
 local function free_slots(w, c, slots)
   if slots > 0 and c and c > 0 then
-    w[1], w[2] = 'c', math.max(0, c - slots)
+    w[1], w[2] = 'c', max(0, c - slots)
     return 2
   end
   return 0
@@ -615,7 +629,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     local w, nw, kx = {}, 0, nil
     if not moves then
       -- Only slots: one field read, one written.
-      local f = redis.call('HMGET', k, 'c', 'kx')
+      local f = call('HMGET', k, 'c', 'kx')
       nw, kx = free_slots(w, tonumber(f[1]), slots), f[2]
     else
       local may_refund = (allowed and allowed[i]) or IS_ALWAYS
@@ -626,7 +640,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
         local amount, cap = n[b[1]], tonumber(f[b[4]])
         if amount ~= 0 and f[b[2]] and cap then
           local level = refilled(f[b[2]], f[b[3]], cap, tonumber(f[b[5]]) or 0, now) - amount
-          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], math.max(-cap, math.min(cap, level)), b[3], now, nw + 4
+          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], max(-cap, min(cap, level)), b[3], now, nw + 4
         end
       end
       for j = 1, #PERIODS do
@@ -651,7 +665,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
             end
             if u[m] and amount ~= 0 and at then
               if u.at == at or (amount > 0 and at < u.at) then
-                u[m], moved[m] = math.max(0, u[m] + amount), true
+                u[m], moved[m] = max(0, u[m] + amount), true
               elseif amount > 0 then
                 for y = 1, #MEASURES do
                   local other = MEASURES[y]
@@ -682,7 +696,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
       w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
     end
     if nw > 0 then
-      redis.call('HSET', k, unpack(w))
+      call('HSET', k, unpack(w))
     end
     if until_ms then
       keep_for(k, until_ms - now)
@@ -733,7 +747,7 @@ end
 local function charged_of(r)
   local output = 0
   if r.ch > 0 then
-    output = math.min(r.ch, tonumber(r.oh) or 0)
+    output = min(r.ch, tonumber(r.oh) or 0)
   end
   return amounts(r.ch, r.cc, r.ch - output, output)
 end
@@ -764,10 +778,10 @@ end
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer
 -- pointing at it (the key keeps counting attempts until its own TTL).
 local function close(id, r, leases, holds)
-  redis.call('ZREM', leases, id)
-  redis.call('HDEL', holds, id, id .. '+')
-  if r.ik and r.ik ~= '' and redis.call('HGET', r.ik, 'id') == id then
-    redis.call('HDEL', r.ik, 'id')
+  call('ZREM', leases, id)
+  call('HDEL', holds, id, id .. '+')
+  if r.ik and r.ik ~= '' and call('HGET', r.ik, 'id') == id then
+    call('HDEL', r.ik, 'id')
   end
 end
 
@@ -810,7 +824,7 @@ end
 -- does not imply it (implied_ending): most holds add nothing, and the entry keeps the form every
 -- tollgate reads.
 local function file_settled(rk, id, r, settled, now, state, result, cost, metered, ending)
-  local period = math.floor(now / settled.retention)
+  local period = floor(now / settled.retention)
   local bucket = settled.prefix .. period
   local attempts = r.at or 1
   if r.es == '1' then
@@ -818,27 +832,27 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
   end
   local field = settled_field(id)
   local expires = (period + 2) * settled.retention - now
-  redis.call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
+  call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
     metered, r.h, attempts, tonumber(r.oh) or -1, result, cost))
-  redis.call('PEXPIRE', bucket, expires)
+  call('PEXPIRE', bucket, expires)
   if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
-    redis.call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
-    redis.call('PEXPIRE', bucket .. 'e', expires)
+    call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
+    call('PEXPIRE', bucket .. 'e', expires)
   end
-  redis.call('DEL', rk)
+  call('DEL', rk)
 end
 
 -- A settled hold as file_settled filed it, read as load reads a record (st h at oh es mx, and us
 -- and cc, or rf; md empty; en how its request ended), or nil when neither bucket a repeat looks
 -- in has it.
 local function load_settled(id, settled, now)
-  local period = math.floor(now / settled.retention)
+  local period = floor(now / settled.retention)
   local field = settled_field(id)
   local bucket = settled.prefix .. period
-  local v = redis.call('HGET', bucket, field)
+  local v = call('HGET', bucket, field)
   if not v then
     bucket = settled.prefix .. (period - 1)
-    v = redis.call('HGET', bucket, field)
+    v = call('HGET', bucket, field)
   end
   if not v then
     return nil
@@ -847,7 +861,7 @@ local function load_settled(id, settled, now)
     string.match(v, '^(%a)(%d) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+) (%-?%d+)$')
   local r = { st = SETTLED_STATES[code], h = tonumber(h), at = math.abs(tonumber(at)), oh = oh, md = '',
     mx = metered, cc = tonumber(cost), es = '0' }
-  r.en = ENDINGS[redis.call('HGET', bucket .. 'e', field) or ''] or implied_ending(r.st, metered)
+  r.en = ENDINGS[call('HGET', bucket .. 'e', field) or ''] or implied_ending(r.st, metered)
   if tonumber(at) < 0 then
     r.es = '1'
   end
@@ -873,9 +887,9 @@ local function ledger_write(stream, terms, fields, now)
   end
   local t = split(terms)
   local max_len, retention = t[1], tonumber(t[2])
-  redis.call('XADD', stream, 'MAXLEN', '~', max_len, '*', unpack(fields))
-  redis.call('XTRIM', stream, 'MINID', '~', math.max(0, now - retention))
-  redis.call('PEXPIRE', stream, retention)
+  call('XADD', stream, 'MAXLEN', '~', max_len, '*', unpack(fields))
+  call('XTRIM', stream, 'MINID', '~', max(0, now - retention))
+  call('PEXPIRE', stream, retention)
 end
 
 -- Appends one settled hold to the tenant's ledger `stream` (see ledger_write).
@@ -922,8 +936,8 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   end
   r.st = 'expired'
   r.sl = '0'
-  redis.call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
-  redis.call('PEXPIRE', rk, r.rt)
+  call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
+  call('PEXPIRE', rk, r.rt)
   close(id, r, leases, holds)
   local usage = 'held'
   if r.ch == 0 then
@@ -938,17 +952,17 @@ end
 -- lease): the concurrency slots it held are freed. Its tokens and request permits stay charged:
 -- what its in-flight requests used is unknown, and missing usage is not zero usage.
 local function settle_lease(rk, leases, member)
-  local flat = redis.call('HGETALL', rk)
+  local flat = call('HGETALL', rk)
   for i = 1, #flat, 2 do
     if flat[i] ~= '@' then
-      local c = tonumber(redis.call('HGET', flat[i], 'c'))
+      local c = tonumber(call('HGET', flat[i], 'c'))
       if c then
-        redis.call('HSET', flat[i], 'c', math.max(0, c - tonumber(flat[i + 1])))
+        call('HSET', flat[i], 'c', max(0, c - tonumber(flat[i + 1])))
       end
     end
   end
-  redis.call('DEL', rk)
-  redis.call('ZREM', leases, member)
+  call('DEL', rk)
+  call('ZREM', leases, member)
 end
 
 -- Settles one expired hold from its record, or from the holds hash when the record ran out of TTL
@@ -960,7 +974,7 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
     expire(rk, due, r, leases, holds, now, ledger.key)
     return true
   end
-  local entry = redis.call('HGET', holds, due)
+  local entry = call('HGET', holds, due)
   local settled = false
   if entry and not r then
     local e = split(entry)
@@ -975,12 +989,12 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
     end
     -- Its detail, where the hold has one: its output part, hour and what it charged beside
     -- ALWAYS (see reserve.lua).
-    local d = split(redis.call('HGET', holds, due .. '+') or '')
+    local d = split(call('HGET', holds, due .. '+') or '')
     local tokens, output, hour = tonumber(e[1]), tonumber(d[1]) or 0, tonumber(d[2])
     if hour == -1 then
       hour = nil
     end
-    output = math.min(tokens, output)
+    output = min(tokens, output)
     local charged, cost_left = settle_expired(keys, amounts(tokens, cost, tokens - output, output),
       periods_of(tonumber(e[2]), hour), e[3], now, d[3])
     local usage = 'held'
@@ -991,8 +1005,8 @@ local function sweep_hold(rk, due, leases, holds, now, ledger)
       reserved = e[1], charged = charged, cost = cost_left, reserved_cost = cost, ending = 'expired' }, now)
     settled = true
   end
-  redis.call('ZREM', leases, due)
-  redis.call('HDEL', holds, due, due .. '+')
+  call('ZREM', leases, due)
+  call('HDEL', holds, due, due .. '+')
   return settled
 end
 
@@ -1002,7 +1016,7 @@ end
 -- the tenant's ledger, for the holds settled without a record.
 local function sweep(leases, holds, prefix, batch, now, ledger)
   local settled = {}
-  for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
+  for _, due in ipairs(call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
     if string.sub(due, 1, 1) == '@' then
       settle_lease(prefix .. due, leases, due)
     elseif sweep_hold(prefix .. due, due, leases, holds, now, ledger) then
@@ -1042,7 +1056,7 @@ local function pool_share(share, at, recover, now)
   if not share then
     return 1
   end
-  return math.min(1, share + recover * math.max(0, now - tonumber(at)))
+  return min(1, share + recover * max(0, now - tonumber(at)))
 end
 
 -- Fair shares within a tier (pool state hash fields; weights in thousandths):
@@ -1052,7 +1066,7 @@ end
 -- A hold's entry in the holds hash names its tier and tenant ("<work> <kv> <tier> <tenant>"), so
 -- whatever takes it off the pool takes it off its tenant's share too.
 local function fair_read(state, tier, tenant, weight)
-  local v = redis.call('HMGET', state, 'f' .. tier, 'f' .. tier .. ':' .. tenant)
+  local v = call('HMGET', state, 'f' .. tier, 'f' .. tier .. ':' .. tenant)
   local t, m = split(v[1] or '0 0'), split(v[2] or ('0 ' .. weight .. ' 0'))
   return tonumber(t[1]), tonumber(t[2]), tonumber(m[1]), tonumber(m[2]), tonumber(m[3])
 end
@@ -1067,18 +1081,18 @@ local function fair_add(state, tier, tenant, weight, work, holds)
   elseif mh > 0 and weight > 0 and weight ~= w then
     ws, w = ws - w + weight, weight
   end
-  mw, mh, tw = math.max(0, mw + work), mh + holds, math.max(0, tw + work)
+  mw, mh, tw = max(0, mw + work), mh + holds, max(0, tw + work)
   local mine = 'f' .. tier .. ':' .. tenant
   if mh <= 0 then
-    redis.call('HDEL', state, mine)
-    ws = math.max(0, ws - w)
+    call('HDEL', state, mine)
+    ws = max(0, ws - w)
   else
-    redis.call('HSET', state, mine, string.format('%d %d %d', mw, w, mh))
+    call('HSET', state, mine, string.format('%d %d %d', mw, w, mh))
   end
   if tw == 0 and ws == 0 then
-    redis.call('HDEL', state, 'f' .. tier)
+    call('HDEL', state, 'f' .. tier)
   else
-    redis.call('HSET', state, 'f' .. tier, string.format('%d %d', tw, ws))
+    call('HSET', state, 'f' .. tier, string.format('%d %d', tw, ws))
   end
 end
 
@@ -1087,7 +1101,7 @@ end
 local TIER_RANK = { critical = 0, standard = 1, sheddable = 2 }
 
 local function cost_of(work, weight)
-  return math.ceil(work * 1000 / math.max(1, weight))
+  return ceil(work * 1000 / max(1, weight))
 end
 
 -- An empty pool with nobody waiting drops every fair share field, its virtual times and its
@@ -1096,16 +1110,16 @@ end
 -- idle pool has no contention to remember. `keys`: the pool scripts' KEYS (state, holds, leases,
 -- waiting, finish tags of each tier); `n`: the holds it has now.
 local function pool_forget_if_idle(keys, n)
-  if n == 0 and redis.call('HLEN', keys[4]) == 0 then
-    local all = redis.call('HGETALL', keys[1])
+  if n == 0 and call('HLEN', keys[4]) == 0 then
+    local all = call('HGETALL', keys[1])
     for i = 1, #all, 2 do
       local f = string.sub(all[i], 1, 1)
       if f == 'f' or f == 'v' then
-        redis.call('HDEL', keys[1], all[i])
+        call('HDEL', keys[1], all[i])
       end
     end
     for i = 5, #keys do
-      redis.call('DEL', keys[i])
+      call('DEL', keys[i])
     end
   end
 end
@@ -1118,38 +1132,38 @@ end
 -- is taken back: its tenant is not queued as if served.
 local function pool_drop(keys, id, unused)
   local state, holds, leases = keys[1], keys[2], keys[3]
-  local h = redis.call('HGET', holds, id)
-  redis.call('ZREM', leases, id)
-  if redis.call('HDEL', keys[4], id) == 1 and not h then
+  local h = call('HGET', holds, id)
+  call('ZREM', leases, id)
+  if call('HDEL', keys[4], id) == 1 and not h then
     -- The last one waiting for an empty pool leaves.
-    pool_forget_if_idle(keys, tonumber(redis.call('HGET', state, 'n')) or 0)
+    pool_forget_if_idle(keys, tonumber(call('HGET', state, 'n')) or 0)
   end
   if not h then
     return nil
   end
   local parts = split(h)
   local work, kv = tonumber(parts[1]), tonumber(parts[2])
-  redis.call('HDEL', holds, id)
+  call('HDEL', holds, id)
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)
   end
   if unused and parts[5] then
     local tags, tenant = keys[5 + TIER_RANK[parts[3]]], parts[4]
-    local tag = tonumber(redis.call('ZSCORE', tags, tenant))
+    local tag = tonumber(call('ZSCORE', tags, tenant))
     if tag then
-      local virtual = tonumber(redis.call('HGET', state, 'v' .. parts[3])) or 0
+      local virtual = tonumber(call('HGET', state, 'v' .. parts[3])) or 0
       local back = tag - tonumber(parts[5])
       if back > virtual then
-        redis.call('ZADD', tags, back, tenant)
+        call('ZADD', tags, back, tenant)
       else
-        redis.call('ZREM', tags, tenant)
+        call('ZREM', tags, tenant)
       end
     end
   end
-  local v = redis.call('HMGET', state, 'n', 'w', 'kv')
-  local n = math.max(0, (tonumber(v[1]) or 0) - 1)
-  redis.call('HSET', state, 'n', n, 'w', math.max(0, (tonumber(v[2]) or 0) - work), 'kv',
-    math.max(0, (tonumber(v[3]) or 0) - kv))
+  local v = call('HMGET', state, 'n', 'w', 'kv')
+  local n = max(0, (tonumber(v[1]) or 0) - 1)
+  call('HSET', state, 'n', n, 'w', max(0, (tonumber(v[2]) or 0) - work), 'kv',
+    max(0, (tonumber(v[3]) or 0) - kv))
   pool_forget_if_idle(keys, n)
   return work
 end
@@ -1170,11 +1184,11 @@ end
 -- the virtual time and are dropped.
 -- The waiting hash's live entries (expired ones removed), parsed.
 local function waiters_of(waiting, now)
-  local all, live = redis.call('HGETALL', waiting), {}
+  local all, live = call('HGETALL', waiting), {}
   for i = 1, #all, 2 do
     local p = split(all[i + 1])
     if tonumber(p[5]) <= now then
-      redis.call('HDEL', waiting, all[i])
+      call('HDEL', waiting, all[i])
     else
       live[#live + 1] = { id = all[i], rank = tonumber(p[1]), tenant = p[2], work = tonumber(p[3]),
         arrival = tonumber(p[4]), weight = tonumber(p[6]) }
@@ -1196,7 +1210,7 @@ local function start_tags(entries, tags, virtual)
   for _, e in ipairs(entries) do
     local s = next_start[e.tenant]
     if not s then
-      s = math.max(virtual, tonumber(redis.call('ZSCORE', tags, e.tenant)) or virtual)
+      s = max(virtual, tonumber(call('ZSCORE', tags, e.tenant)) or virtual)
     end
     e.start = s
     next_start[e.tenant] = s + cost_of(e.work, e.weight)
@@ -1216,13 +1230,13 @@ local function bucket_of(tokens)
   if tokens <= 1 then
     return 0
   end
-  return math.ceil(math.log(tokens) / math.log(GROWTH) - 1e-9)
+  return ceil(math.log(tokens) / math.log(GROWTH) - 1e-9)
 end
 
 -- The quantile from every bucket: the first bucket, in order, at which the samples so far reach
 -- quantile x n. Halves every bucket first when n has passed the window. Returns n.
 local function recompute(key, n, quantile, window)
-  local flat = redis.call('HGETALL', key)
+  local flat = call('HGETALL', key)
   local buckets = {}
   for i = 1, #flat, 2 do
     if string.sub(flat[i], 1, 1) == 'b' then
@@ -1232,15 +1246,15 @@ local function recompute(key, n, quantile, window)
   if n > window then
     n = 0
     for _, b in ipairs(buckets) do
-      b[2] = math.floor(b[2] / 2)
+      b[2] = floor(b[2] / 2)
       if b[2] == 0 then
-        redis.call('HDEL', key, 'b' .. b[1])
+        call('HDEL', key, 'b' .. b[1])
       else
-        redis.call('HSET', key, 'b' .. b[1], b[2])
+        call('HSET', key, 'b' .. b[1], b[2])
       end
       n = n + b[2]
     end
-    redis.call('HSET', key, 'n', n)
+    call('HSET', key, 'n', n)
   end
   table.sort(buckets, function(x, y)
     return x[1] < y[1]
@@ -1248,12 +1262,12 @@ local function recompute(key, n, quantile, window)
   local need, seen, q, qb = quantile * n, 0, 1, 0
   for _, b in ipairs(buckets) do
     seen = seen + b[2]
-    q, qb = math.ceil(GROWTH ^ b[1] - 1e-9), b[1]
+    q, qb = ceil(GROWTH ^ b[1] - 1e-9), b[1]
     if seen >= need then
       break
     end
   end
-  redis.call('HSET', key, 'q', q, 'qb', qb, 'qc', seen)
+  call('HSET', key, 'q', q, 'qb', qb, 'qc', seen)
 end
 
 -- Teaches the estimate one output length. A sample moves the quantile only when the samples
@@ -1262,12 +1276,12 @@ end
 -- very value a recomputation would give.
 local function learn(key, output, used, overrun, quantile, window, ttl)
   local b = bucket_of(output)
-  local in_b = redis.call('HINCRBY', key, 'b' .. b, 1)
-  local n = redis.call('HINCRBY', key, 'n', 1)
-  redis.call('HINCRBY', key, 'us', used)
-  redis.call('HINCRBY', key, 'ov', overrun)
-  redis.call('PEXPIRE', key, ttl)
-  local at = redis.call('HMGET', key, 'qb', 'qc')
+  local in_b = call('HINCRBY', key, 'b' .. b, 1)
+  local n = call('HINCRBY', key, 'n', 1)
+  call('HINCRBY', key, 'us', used)
+  call('HINCRBY', key, 'ov', overrun)
+  call('PEXPIRE', key, ttl)
+  local at = call('HMGET', key, 'qb', 'qc')
   local qb, qc = tonumber(at[1]), tonumber(at[2])
   if n <= window and qb and qc then
     if b <= qb then
@@ -1275,11 +1289,11 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
     end
     local in_qb = in_b
     if b ~= qb then
-      in_qb = tonumber(redis.call('HGET', key, 'b' .. qb)) or 0
+      in_qb = tonumber(call('HGET', key, 'b' .. qb)) or 0
     end
     local need = quantile * n
     if in_qb > 0 and qc >= need and qc - in_qb < need then
-      redis.call('HSET', key, 'qc', qc)
+      call('HSET', key, 'qc', qc)
       return
     end
   end

@@ -8,10 +8,10 @@
 -- Reply: the replicas heard within that time, this one included.
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+call('ZADD', KEYS[1], now, ARGV[1])
+local gone = call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 for _, replica in ipairs(gone) do
-  redis.call('ZREM', KEYS[1], replica)
+  call('ZREM', KEYS[1], replica)
 end
-redis.call('PEXPIRE', KEYS[1], ttl)
-return #redis.call('ZRANGE', KEYS[1], 0, -1)
+call('PEXPIRE', KEYS[1], ttl)
+return #call('ZRANGE', KEYS[1], 0, -1)

@@ -97,7 +97,7 @@ local function least_left(limits)
   local have = nil
   for _, l in ipairs(limits) do
     if l[1] > 0 then
-      have = math.min(have or math.huge, l[2])
+      have = min(have or math.huge, l[2])
     end
   end
   return have
@@ -106,7 +106,7 @@ end
 -- 0. A re-send of the last call: its answer again, and nothing changed. An older call still (a
 -- first sending that arrived after its re-send was answered and the replica moved on) changes
 -- nothing either: nobody waits for its answer.
-local last = redis.call('HMGET', last_call, 'sq', 'out', 'dy', 'sw', 'op')
+local last = call('HMGET', last_call, 'sq', 'out', 'dy', 'sw', 'op')
 if tonumber(last[1]) and tonumber(seq) < tonumber(last[1]) then
   error('lease: call ' .. seq .. ' is older than the last one answered (' .. last[1] .. ')')
 end
@@ -136,9 +136,9 @@ end
 -- (A hold without a record is entered under no terms: leasing runs without a ledger.)
 local swept = sweep(leases, holds, prefix, batch, now, { key = KEYS[5], terms = '' })
 -- Handed over: kept below with this call's answer, for a re-send of it.
-local ops = redis.call('HGETALL', forwarded)
+local ops = call('HGETALL', forwarded)
 if #ops > 0 then
-  redis.call('DEL', forwarded)
+  call('DEL', forwarded)
 end
 
 -- 1. Returns.
@@ -160,14 +160,14 @@ for i = 1, n do
   refund({ key }, amounts(earlier_tokens, earlier_cost, 0, 0), periods_of(earlier_day), now)
   charge({ key }, amounts(charge_tokens, charge_cost, 0, 0), at, now)
   if back_requests > 0 and a[2] > 0 then
-    local v = redis.call('HMGET', key, 'r', 'rt')
+    local v = call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
-    redis.call('HSET', key, 'r', math.min(a[2], level + back_requests), 'rt', now)
+    call('HSET', key, 'r', min(a[2], level + back_requests), 'rt', now)
   end
-  local had = tonumber(redis.call('HGET', record, key)) or 0
+  local had = tonumber(call('HGET', record, key)) or 0
   if had ~= held then
-    local c = tonumber(redis.call('HGET', key, 'c')) or 0
-    redis.call('HSET', key, 'c', math.max(0, c - had + held))
+    local c = tonumber(call('HGET', key, 'c')) or 0
+    call('HSET', key, 'c', max(0, c - had + held))
   end
 end
 
@@ -178,7 +178,7 @@ for i = 1, n do
   local s = scopes[i]
   local a = args[i]
   check_scope(s, amounts(a[20], a[21], 0, 0), a[22], a[23], leases, wait_cap, now, at, 0, function(why, ms)
-    ms = math.max(1, math.ceil(ms))
+    ms = max(1, ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms
     end
@@ -194,7 +194,7 @@ for i, s in ipairs(scopes) do
   if reason == '' then
     local need_tokens, need_cost, need_requests, need_slots = a[20], a[21], a[22], a[23]
     local want_tokens, want_cost, want_requests, want_slots = a[24], a[25], a[26], a[27]
-    local left = { u = { { s.tcap, math.floor(s.t or 0) } }, c = {} }
+    local left = { u = { { s.tcap, floor(s.t or 0) } }, c = {} }
     for c, limit in pairs(s.l.budgets) do
       local by = left[string.sub(c, 2, 2)]
       if by then
@@ -203,17 +203,17 @@ for i, s in ipairs(scopes) do
     end
     local have = least_left(left.u)
     if have then
-      tokens = math.max(need_tokens, math.min(want_tokens, have))
+      tokens = max(need_tokens, min(want_tokens, have))
     end
     have = least_left(left.c)
     if have then
-      cost = math.max(need_cost, math.min(want_cost, have))
+      cost = max(need_cost, min(want_cost, have))
     end
     if s.rcap > 0 then
-      requests = math.max(need_requests, math.min(want_requests, math.floor(s.r)))
+      requests = max(need_requests, min(want_requests, floor(s.r)))
     end
     if s.cmax > 0 then
-      taken = math.max(need_slots, math.min(want_slots, s.cmax - s.c))
+      taken = max(need_slots, min(want_slots, s.cmax - s.c))
     end
     take(s, amounts(tokens, cost, 0, 0), requests, taken, at, now, idle)
   end
@@ -226,19 +226,19 @@ local holding = false
 for i = 1, n do
   local key = KEYS[FIRST_SCOPE + i - 1]
   if slots[i] > 0 then
-    redis.call('HSET', record, key, slots[i])
+    call('HSET', record, key, slots[i])
     holding = true
   else
-    redis.call('HDEL', record, key)
+    call('HDEL', record, key)
   end
 end
-if ending and not holding and redis.call('HLEN', record) <= 1 then
-  redis.call('DEL', record)
-  redis.call('ZREM', leases, member)
+if ending and not holding and call('HLEN', record) <= 1 then
+  call('DEL', record)
+  call('ZREM', leases, member)
 else
-  redis.call('HSET', record, '@', 1)
-  redis.call('PEXPIRE', record, idle)
-  redis.call('ZADD', leases, now + lease, member)
+  call('HSET', record, '@', 1)
+  call('PEXPIRE', record, idle)
+  call('ZADD', leases, now + lease, member)
   keep_for(leases, idle)
 end
 
@@ -273,9 +273,9 @@ if reason == '' then
 else
   out = 'refused ' .. reason .. ' ' .. where .. ' ' .. wait
 end
-redis.call('HSET', last_call, 'sq', seq, 'out', out, 'dy', today, 'sw', table.concat(swept, ' '), 'op',
+call('HSET', last_call, 'sq', seq, 'out', out, 'dy', today, 'sw', table.concat(swept, ' '), 'op',
   table.concat(ops, '\n'))
-redis.call('PEXPIRE', last_call, idle)
+call('PEXPIRE', last_call, idle)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
 local ok = 1

@@ -18,13 +18,13 @@ local ops = KEYS[1]
 local id = ARGV[1]
 local op = ARGV[2]
 
-if not redis.call('HGET', KEYS[2], '@') then
+if not call('HGET', KEYS[2], '@') then
   return 'gone'
 end
-local earlier = redis.call('HGET', ops, id)
+local earlier = call('HGET', ops, id)
 if earlier and string.sub(earlier, 1, 5) ~= 'renew' then
   return 'forwarded'
 end
-redis.call('HSET', ops, id, op)
+call('HSET', ops, id, op)
 keep_for(ops, tonumber(ARGV[3]))
 return 'forwarded'

@@ -13,7 +13,7 @@
 
 local state, holds, id = KEYS[1], KEYS[2], ARGV[1]
 local left = tonumber(ARGV[2])
-local h = redis.call('HGET', holds, id)
+local h = call('HGET', holds, id)
 if not h then
   return { 0, 0 }
 end
@@ -22,10 +22,10 @@ local work = tonumber(parts[1])
 if left >= work then
   return { 1, work }
 end
-local w = tonumber(redis.call('HGET', state, 'w')) or 0
-redis.call('HSET', state, 'w', math.max(0, w - (work - left)))
+local w = tonumber(call('HGET', state, 'w')) or 0
+call('HSET', state, 'w', max(0, w - (work - left)))
 parts[1] = string.format('%d', left)
-redis.call('HSET', holds, id, table.concat(parts, ' '))
+call('HSET', holds, id, table.concat(parts, ' '))
 if parts[4] then
   fair_add(state, parts[3], parts[4], 0, left - work, 0)
 end

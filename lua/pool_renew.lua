@@ -5,10 +5,10 @@
 --
 -- Reply: 1 when renewed; 0 when the pool does not hold it (nothing changes).
 
-if not redis.call('HGET', KEYS[2], ARGV[1]) then
+if not call('HGET', KEYS[2], ARGV[1]) then
   return 0
 end
-redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
+call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
 for _, k in ipairs(KEYS) do
   keep_for(k, tonumber(ARGV[3]))
 end

@@ -87,25 +87,25 @@ local tags = KEYS[5 + rank]
 local now = now_ms()
 
 -- 0. A re-sent call: this id already holds its work.
-if redis.call('HGET', holds, id) then
-  redis.call('HDEL', waiting, id)
-  local v = redis.call('HMGET', state, 'n', 'w')
+if call('HGET', holds, id) then
+  call('HDEL', waiting, id)
+  local v = call('HMGET', state, 'n', 'w')
   return { 1, 0, tonumber(v[1]) or 0, tonumber(v[2]) or 0 }
 end
 
 -- 1. Expiry: holds whose lease ran out leave the pool, a bounded batch at a time.
-for _, due in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
+for _, due in ipairs(call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
   pool_drop(KEYS, due)
 end
 
 -- 2. Predict; nothing is written yet.
-local v = redis.call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
+local v = call('HMGET', state, 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local resume = tonumber(v[6]) or 0
 -- A refusal: this request's place, if it had one, is given up; and a pool left with nobody (its
 -- place gone, or expired places read away) forgets, as pool_drop's does.
 local function refuse(reason, retry, delay)
-  redis.call('HDEL', waiting, id)
+  call('HDEL', waiting, id)
   pool_forget_if_idle(KEYS, n)
   return { 0, reason, retry, delay }
 end
@@ -114,15 +114,15 @@ if now < resume then
 end
 local share = pool_share(v[4], v[5], recover, now)
 if share < 1 then
-  slots = math.max(1, math.floor(slots * share))
-  tier_slots = math.max(1, math.floor(tier_slots * share))
+  slots = max(1, floor(slots * share))
+  tier_slots = max(1, floor(tier_slots * share))
 end
 
 local function start_delay(over_slots)
   if n < over_slots then
     return 0
   end
-  return math.ceil(w / over_slots)
+  return ceil(w / over_slots)
 end
 
 -- Holds this request's work: its tenant's share first (it reads before it writes, so nothing is
@@ -130,25 +130,25 @@ end
 -- virtual time (`start`: its start tag).
 local function hold(delay, start)
   fair_add(state, tier, tenant, weight, work, 1)
-  redis.call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
+  call('HSET', state, 'n', n + 1, 'w', w + work, 'kv', used_kv + kv)
   -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
   -- pool exactly as it came.
-  redis.call('ZADD', leases, now + lease, id)
+  call('ZADD', leases, now + lease, id)
   if not start then
-    redis.call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
+    call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
   else
     -- Its cost too: a release of a request that never ran takes it back off the tag.
     local cost = cost_of(work, weight)
-    redis.call('HSET', holds, id, string.format('%d %d %s %s %d', work, kv, tier, tenant, cost))
-    redis.call('HDEL', waiting, id)
+    call('HSET', holds, id, string.format('%d %d %s %s %d', work, kv, tier, tenant, cost))
+    call('HDEL', waiting, id)
     local finish_tag = start + cost
-    local had = tonumber(redis.call('ZSCORE', tags, tenant)) or 0
-    redis.call('ZADD', tags, math.max(had, finish_tag), tenant)
-    local virtual = tonumber(redis.call('HGET', state, 'v' .. tier)) or 0
+    local had = tonumber(call('ZSCORE', tags, tenant)) or 0
+    call('ZADD', tags, max(had, finish_tag), tenant)
+    local virtual = tonumber(call('HGET', state, 'v' .. tier)) or 0
     if start > virtual then
-      redis.call('HSET', state, 'v' .. tier, start)
-      for _, t in ipairs(redis.call('ZRANGEBYSCORE', tags, '-inf', start, 'LIMIT', 0, batch)) do
-        redis.call('ZREM', tags, t)
+      call('HSET', state, 'v' .. tier, start)
+      for _, t in ipairs(call('ZRANGEBYSCORE', tags, '-inf', start, 'LIMIT', 0, batch)) do
+        call('ZREM', tags, t)
       end
     end
   end
@@ -162,7 +162,7 @@ if in_tollgate then
   -- Who waits before this request: every live entry of a higher tier, and each of its own tier
   -- with an earlier start tag (then arrival, then id).
   -- Its place, unless it lapsed (its caller did not ask again in time): then it starts anew.
-  local mine = split(redis.call('HGET', waiting, id) or '')
+  local mine = split(call('HGET', waiting, id) or '')
   local kept = mine[5] and tonumber(mine[5]) > now
   local me = { id = id, rank = rank, tenant = tenant, work = work, weight = weight,
     arrival = kept and tonumber(mine[4]) or now }
@@ -174,7 +174,7 @@ if in_tollgate then
       same[#same + 1] = e
     end
   end
-  start_tags(same, tags, tonumber(redis.call('HGET', state, 'v' .. tier)) or 0)
+  start_tags(same, tags, tonumber(call('HGET', state, 'v' .. tier)) or 0)
   for _, e in ipairs(same) do
     if e ~= me and (e.start < me.start or (e.start == me.start and
         (e.arrival < me.arrival or (e.arrival == me.arrival and e.id < id)))) then
@@ -188,9 +188,9 @@ if in_tollgate then
   local starts = n + before < tier_slots and (tier_kv == 0 or used_kv + kv <= tier_kv)
   local delay = 0
   if not starts then
-    local ends = math.max(1, n + before - tier_slots + 1)
+    local ends = max(1, n + before - tier_slots + 1)
     local per = n > 0 and w / n or work
-    delay = math.ceil(ends * per / slots)
+    delay = ceil(ends * per / slots)
   end
   if deadline > 0 and delay + finish > deadline then
     return refuse('deadline', 0, delay)
@@ -201,7 +201,7 @@ if in_tollgate then
   if delay > wait or wait <= 0 then
     return refuse('queue_full', delay, delay)
   end
-  redis.call('HSET', waiting, id,
+  call('HSET', waiting, id,
     string.format('%d %s %d %d %d %d', rank, tenant, work, me.arrival, now + waiter_ttl, weight))
   keep_for(waiting, idle)
   return { 2, delay, n, w + before_work }
@@ -213,18 +213,18 @@ if deadline > 0 and delay + finish > deadline then
 end
 if start_delay(tier_slots) > max_delay then
   -- Until the pool, draining at its full rate, is down to what this tier may queue behind.
-  return { 0, 'queue_full', math.max(1, math.ceil((w - max_delay * tier_slots) / slots)), delay }
+  return { 0, 'queue_full', max(1, ceil((w - max_delay * tier_slots) / slots)), delay }
 end
 if n >= tier_slots then
   local tier_work, weights, mine, my_weight, my_holds = fair_read(state, tier, tenant, weight)
   if my_holds > 0 then
-    local fair = my_weight / math.max(weights, my_weight) * (tier_work + work)
+    local fair = my_weight / max(weights, my_weight) * (tier_work + work)
     if mine + work > fair then
-      return { 0, 'fair_share', math.max(1, math.ceil((mine + work - fair) / tier_slots)), delay }
+      return { 0, 'fair_share', max(1, ceil((mine + work - fair) / tier_slots)), delay }
     end
   end
 end
 if tier_kv > 0 and used_kv + kv > tier_kv then
-  return { 0, 'queue_full', math.max(1, math.ceil(w / slots)), delay }
+  return { 0, 'queue_full', max(1, ceil(w / slots)), delay }
 end
 return hold(delay, nil)

@@ -6,7 +6,7 @@
 -- Reply: {holds, work (ms), KV tokens, share in thousandths, ms until admission resumes}
 
 local now = now_ms()
-local v = redis.call('HMGET', KEYS[1], 'n', 'w', 'kv', 'tf', 'tt', 'tu')
+local v = call('HMGET', KEYS[1], 'n', 'w', 'kv', 'tf', 'tt', 'tu')
 local share = pool_share(v[4], v[5], tonumber(ARGV[1]), now)
-return { tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, math.floor(share * 1000),
-  math.max(0, (tonumber(v[6]) or 0) - now) }
+return { tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0, floor(share * 1000),
+  max(0, (tonumber(v[6]) or 0) - now) }

@@ -23,14 +23,14 @@ local cooldown = tonumber(ARGV[5])
 local idle = tonumber(ARGV[6])
 
 local now = now_ms()
-local v = redis.call('HMGET', state, 'tf', 'tt', 'td', 'tu')
+local v = call('HMGET', state, 'tf', 'tt', 'td', 'tu')
 local share = pool_share(v[1], v[2], recover, now)
 local last = tonumber(v[3])
 if not last or now - last >= cooldown then
-  share = math.max(lowest, share * decrease)
+  share = max(lowest, share * decrease)
   last = now
 end
-local resume = math.max(tonumber(v[4]) or 0, now + retry_after)
-redis.call('HSET', state, 'tf', share, 'tt', now, 'td', last, 'tu', resume)
+local resume = max(tonumber(v[4]) or 0, now + retry_after)
+call('HSET', state, 'tf', share, 'tt', now, 'td', last, 'tu', resume)
 keep_for(state, idle)
-return { math.floor(share * 1000), resume - now }
+return { floor(share * 1000), resume - now }

@@ -34,11 +34,11 @@ if not r then
 end
 
 local expiry = now + lease
-redis.call('HSET', rk, 'le', expiry)
-redis.call('PEXPIRE', rk, idle)
-redis.call('ZADD', leases, expiry, id)
+call('HSET', rk, 'le', expiry)
+call('PEXPIRE', rk, idle)
+call('ZADD', leases, expiry, id)
 keep_alive(split(r.ks), leases, holds, idle)
 if r.ik ~= '' then
-  redis.call('PEXPIRE', r.ik, lease)
+  call('PEXPIRE', r.ik, lease)
 end
 return { 'reserved', lease }

@@ -114,12 +114,12 @@ local at = periods_at(now, offset)
 -- nothing, not even the sweep: it answers as the first run did, below, even when the hold has
 -- settled since. (A new id has no record: one field tells, before the whole record is read.)
 local mine = nil
-if redis.call('HGET', KEYS[2], 'st') then
+if call('HGET', KEYS[2], 'st') then
   mine = load(KEYS[2])
 else
   mine = load_settled(id, settled, now)
 end
-local resent = mine ~= nil or (key_use ~= '' and redis.call('HGET', KEYS[3], 'lc') == id)
+local resent = mine ~= nil or (key_use ~= '' and call('HGET', KEYS[3], 'lc') == id)
 
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
 local swept = {}
@@ -141,7 +141,7 @@ local function budget_left(taken)
     left[i] = -1
     local budget = s.l.budgets.du or 0
     if budget > 0 then
-      left[i] = math.max(0, budget - s.used.du - taken)
+      left[i] = max(0, budget - s.used.du - taken)
     end
   end
   return left
@@ -169,7 +169,7 @@ end
 -- `same` mode returns the key's live hold, charging nothing new.
 local attempts = 1
 if key_use ~= '' then
-  local k = redis.call('HMGET', KEYS[3], 'fp', 'n', 'id', 'lc')
+  local k = call('HMGET', KEYS[3], 'fp', 'n', 'id', 'lc')
   if k[1] then
     if k[1] ~= fingerprint then
       return refuse('conflict')
@@ -184,7 +184,7 @@ if key_use ~= '' then
         if made >= attempt_limit then
           return refuse('attempts')
         end
-        redis.call('HSET', KEYS[3], 'n', made + 1, 'lc', id)
+        call('HSET', KEYS[3], 'n', made + 1, 'lc', id)
         return again(k[3], r, made + 1, 1)
       end
     end
@@ -199,10 +199,10 @@ end
 -- estimate for this model has enough samples, its quantile (never above the ceiling).
 local output, estimated = ceiling, 0
 if min_samples > 0 then
-  local e = redis.call('HMGET', KEYS[4], 'n', 'q')
+  local e = call('HMGET', KEYS[4], 'n', 'q')
   local samples, q = tonumber(e[1]) or 0, tonumber(e[2])
   if samples >= min_samples and q then
-    output, estimated = math.max(1, math.min(ceiling, q)), 1
+    output, estimated = max(1, min(ceiling, q)), 1
   end
 end
 local hold = prompt + output
@@ -222,7 +222,7 @@ end
 -- 6. Decide. Every failing limit is considered; the one that frees last is the reason.
 local reason, where, wait = nil, 0, -1
 local function deny(why, i, ms)
-  ms = math.max(1, math.ceil(ms))
+  ms = max(1, ceil(ms))
   if ms > wait then
     reason, where, wait = why, i, ms
   end
@@ -255,8 +255,8 @@ local expiry = now + lease
 local ik = ''
 if key_use ~= '' then
   ik = KEYS[3]
-  redis.call('HSET', ik, 'fp', fingerprint, 'n', attempts, 'id', id, 'lc', id)
-  redis.call('PEXPIRE', ik, lease)
+  call('HSET', ik, 'fp', fingerprint, 'n', attempts, 'id', id, 'lc', id)
+  call('PEXPIRE', ik, lease)
 end
 local learn_into = ''
 if min_samples > 0 then
@@ -296,14 +296,14 @@ local kc = charged_counters(scopes)
 if kc ~= '' then
   also('kc', kc)
 end
-redis.call('HSET', KEYS[2], unpack(record))
-redis.call('PEXPIRE', KEYS[2], idle)
+call('HSET', KEYS[2], unpack(record))
+call('PEXPIRE', KEYS[2], idle)
 -- (A tenant with no live hold before this one has an empty lease index and holds hash: no key,
 -- so this call makes both.)
 local first = scopes[1].c == 0
-redis.call('ZADD', leases, expiry, id)
+call('ZADD', leases, expiry, id)
 keep_for(leases, idle, first)
-redis.call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
+call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
 local sided = false
 for _, s in ipairs(scopes) do
   sided = sided or s.pcap > 0 or s.gcap > 0
@@ -313,7 +313,7 @@ if kc ~= '' or sided then
   if hourly then
     hour = at.h
   end
-  redis.call('HSET', holds, id .. '+', string.format('%d %d %s', output, hour, kc))
+  call('HSET', holds, id .. '+', string.format('%d %d %s', output, hour, kc))
 end
 keep_for(holds, idle, first)
 

@@ -20,7 +20,7 @@ local leases, holds = KEYS[1], KEYS[2]
 local now = now_ms()
 local settled = sweep(leases, holds, ARGV[1], tonumber(ARGV[2]), now,
   { key = KEYS[3], terms = ARGV[3], tenant = ARGV[4] })
-local first = redis.call('ZRANGE', leases, 0, 0, 'WITHSCORES')
+local first = call('ZRANGE', leases, 0, 0, 'WITHSCORES')
 local next_due = -1
 if #first == 2 then
   next_due = tonumber(first[2])

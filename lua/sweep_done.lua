@@ -14,13 +14,13 @@
 
 local shard, tenant = KEYS[1], ARGV[1]
 local claimed, next_due = tonumber(ARGV[2]), tonumber(ARGV[3])
-local cur = tonumber(redis.call('ZSCORE', shard, tenant))
+local cur = tonumber(call('ZSCORE', shard, tenant))
 if cur ~= claimed then
   return 0
 end
 if next_due < 0 then
-  redis.call('ZREM', shard, tenant)
+  call('ZREM', shard, tenant)
   return 1
 end
-redis.call('ZADD', shard, next_due, tenant)
+call('ZADD', shard, next_due, tenant)
 return 0

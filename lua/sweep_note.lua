@@ -21,11 +21,11 @@ local now = now_ms()
 local n = 0
 for i = 2, #ARGV, 2 do
   local due = now + tonumber(ARGV[i + 1])
-  local cur = tonumber(redis.call('ZSCORE', shard, ARGV[i]))
+  local cur = tonumber(call('ZSCORE', shard, ARGV[i]))
   if not cur or cur < due then
-    redis.call('ZADD', shard, due, ARGV[i])
+    call('ZADD', shard, due, ARGV[i])
   else
-    redis.call('ZADD', shard, cur + 1, ARGV[i])
+    call('ZADD', shard, cur + 1, ARGV[i])
   end
   n = n + 1
 end

@@ -12,8 +12,8 @@ local shard = KEYS[1]
 local now = now_ms()
 local claim = now + tonumber(ARGV[2])
 local taken = {}
-for _, tenant in ipairs(redis.call('ZRANGEBYSCORE', shard, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))) do
-  redis.call('ZADD', shard, claim, tenant)
+for _, tenant in ipairs(call('ZRANGEBYSCORE', shard, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))) do
+  call('ZADD', shard, claim, tenant)
   taken[#taken + 1] = tenant
   taken[#taken + 1] = claim
 end

@@ -17,7 +17,7 @@ fn probe() -> Script {
     Script::new(
         "learn_probe",
         format!(
-            "{}\nlearn(KEYS[1], tonumber(ARGV[1]), 0, 0, tonumber(ARGV[2]), tonumber(ARGV[3]), 600000)\n\
+            "{}\nbind()\nlearn(KEYS[1], tonumber(ARGV[1]), 0, 0, tonumber(ARGV[2]), tonumber(ARGV[3]), 600000)\n\
              return redis.call('HGETALL', KEYS[1])",
             include_str!("../lua/common.lua")
         ),

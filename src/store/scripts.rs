@@ -85,7 +85,7 @@ fn library() -> Arc<Library> {
     let mut code = format!("#!lua name={name}\n{COMMON}\n");
     for (phase, body) in PHASES {
         code.push_str(&format!(
-            "redis.register_function('{}', function(KEYS, ARGV)\n{body}\nend)\n",
+            "redis.register_function('{}', function(KEYS, ARGV)\nbind()\n{body}\nend)\n",
             function_name(phase, version)
         ));
     }
@@ -128,7 +128,7 @@ impl Scripts {
         let phase = |name: &'static str| {
             let (_, body) = PHASES.iter().find(|(n, _)| *n == name).expect("a phase of PHASES");
             let function = Function { name: function_name(name, &version).into(), library: Arc::clone(&library) };
-            Script { function: Some(function), ..Script::new(name, format!("{COMMON}\n{body}")) }
+            Script { function: Some(function), ..Script::new(name, format!("{COMMON}\nbind()\n{body}")) }
         };
         Scripts {
             reserve: phase("reserve"),
