@@ -48,6 +48,11 @@ pub async fn serve<S: Store>(
     drain: Duration,
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
+    // Every service says SERVING before a probe can ask (its listener already accepts: a probe
+    // that came first was answered "service not registered").
+    health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
+    health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
+    health.set_serving::<ExternalProcessorServer<ExtProcService<S>>>().await;
     // Health alone, on its own address: probes reach it, nothing else does.
     let health_only = health_listener.map(|listener| {
         let server = Server::builder()
@@ -55,9 +60,6 @@ pub async fn serve<S: Store>(
             .serve_with_incoming_shutdown(incoming(listener), shutdown.clone().cancelled_owned());
         tokio::spawn(server)
     });
-    health.set_serving::<AuthorizationServer<AuthzService<S>>>().await;
-    health.set_serving::<AdmissionServer<AdmissionService<S>>>().await;
-    health.set_serving::<ExternalProcessorServer<ExtProcService<S>>>().await;
 
     let reflection = || {
         tonic_reflection::server::Builder::configure()
