@@ -73,22 +73,27 @@ const PHASES: [(&str, &str); 20] = [
     ("budget_adjust", include_str!("../../lua/budget_adjust.lua")),
 ];
 
+/// What every phase runs first, in the library and on the embedded store: common.lua's `bind()`.
+const PROLOGUE: &str = "bind()\n";
+
+/// Stands for the library's version in its code until the code is hashed.
+const VERSION_MARK: &str = "@version@";
+
 /// The library of `PHASES`: the helpers at its top (run once, at load: so they may only define,
 /// not call the standard library), then each phase registered as a function of `(KEYS, ARGV)`.
+/// Its version is the hash of all of that, wrapping included, so any change to what Redis runs
+/// names a new library, and replicas of two versions never replace each other's.
 fn library() -> Arc<Library> {
-    let mut all = String::from(COMMON);
-    for (_, body) in PHASES {
-        all.push_str(body);
-    }
-    let version = &fred::util::sha1_hash(&all)[..12];
-    let name = format!("tollgate_{version}");
-    let mut code = format!("#!lua name={name}\n{COMMON}\n");
+    let mut code = format!("{COMMON}\n");
     for (phase, body) in PHASES {
         code.push_str(&format!(
-            "redis.register_function('{}', function(KEYS, ARGV)\nbind()\n{body}\nend)\n",
-            function_name(phase, version)
+            "redis.register_function('{}', function(KEYS, ARGV)\n{PROLOGUE}{body}\nend)\n",
+            function_name(phase, VERSION_MARK)
         ));
     }
+    let version = &fred::util::sha1_hash(&code)[..12];
+    let name = format!("tollgate_{version}");
+    let code = format!("#!lua name={name}\n{}", code.replace(VERSION_MARK, version));
     Arc::new(Library { name, code })
 }
 
@@ -128,7 +133,7 @@ impl Scripts {
         let phase = |name: &'static str| {
             let (_, body) = PHASES.iter().find(|(n, _)| *n == name).expect("a phase of PHASES");
             let function = Function { name: function_name(name, &version).into(), library: Arc::clone(&library) };
-            Script { function: Some(function), ..Script::new(name, format!("{COMMON}\nbind()\n{body}")) }
+            Script { function: Some(function), ..Script::new(name, format!("{COMMON}\n{PROLOGUE}{body}")) }
         };
         Scripts {
             reserve: phase("reserve"),
@@ -205,5 +210,8 @@ mod tests {
             assert!(library.code.contains(&format!("redis.register_function('{}', ", f.name)));
             assert!(script.source.starts_with(COMMON), "{}: the embedded store's script has the helpers", script.name);
         }
+        // The name covers every byte Redis runs, the wrapping of each phase included.
+        let code = library.code.split_once('\n').unwrap().1.replace(version, VERSION_MARK);
+        assert_eq!(&fred::util::sha1_hash(&code)[..12], version);
     }
 }
