@@ -1568,6 +1568,10 @@ macro_rules! conformance {
             scenario!(hourly_and_weekly_budgets_turn_on_their_boundaries, HOURLY_WEEKLY);
             scenario!(a_zone_ahead_of_utc_turns_the_day_at_its_midnight, TOKYO);
             scenario!(a_zone_behind_utc_turns_the_week_at_its_midnight, NEW_YORK);
+            scenario!(a_zone_behind_utc_turns_the_day_at_its_midnight, LOS_ANGELES);
+            scenario!(a_zone_ahead_of_utc_turns_the_week_at_its_midnight, KOLKATA);
+            scenario!(the_other_windows_of_each_side_hold_and_correct, OTHER_SIDES);
+            scenario!(budgets_in_money_turn_by_the_hour_and_the_week, MONEY_HOURLY_WEEKLY);
             scenario!(past_a_soft_budget_a_request_is_admitted_marked_and_demoted, &soft_policy());
             scenario!(a_budget_a_reload_adds_is_not_credited_by_older_holds, DAY_ONLY);
             scenario!(debt_in_an_earlier_period_than_the_counted_one_is_kept, DAY_ONLY);

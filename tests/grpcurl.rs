@@ -194,3 +194,92 @@ fn grpcurl_adjusts_and_reads_a_weekly_output_budget() {
     let resets: u64 = week["resetsInMs"].as_str().unwrap().parse().unwrap();
     assert!(resets > 0 && resets <= 7 * 86_400_000, "{out}");
 }
+
+/// The README's Adjust as it is written, then Get on a user's and a model's scopes, and Check at
+/// exactly what Get says is left: admitted, and one token more refused. Each adjustment is in the
+/// ledger, naming who asked (`loopback`: grpcurl on the host) and why.
+#[test]
+fn grpcurl_gets_and_adjusts_every_scope_and_check_finds_what_get_said() {
+    let dir = support::procs::TempDir::new("grpcurl-ledger");
+    let ledger = dir.0.join("ledger.jsonl");
+    let policy = format!(
+        "server:\n  budget_admins: [loopback]\nledger:\n  file: {}\nmodels:\n  m: {{ max_output_tokens: 512 }}\n  \
+         n: {{ max_output_tokens: 512 }}\ntenants:\n  acme:\n    limits: {{ tokens_per_day: 100000 }}\n    \
+         default_user: {{ tokens_per_day: 2000 }}\n    models: {{ n: {{ tokens_per_day: 3000 }} }}\n",
+        ledger.display()
+    );
+    let t = Tollgate::start(&policy);
+    let adjust = |body: &str| -> serde_json::Value {
+        serde_json::from_str(&run(&t, &["-d", body, "tollgate.v1.Budgets/Adjust"])).unwrap()
+    };
+    let debit =
+        r#"{"tenant":"acme","budget":"tokens_per_day","amount":-60000,"request_id":"ops-0","reason":"a day's batch"}"#;
+    assert_eq!(adjust(debit)["countedAfter"], "60000");
+    // The README's command, word for word.
+    let readme = r#"{"tenant":"acme","budget":"tokens_per_day","amount":50000,
+    "request_id":"ticket-4411","reason":"refund a failed batch"}"#;
+    let reply = adjust(readme);
+    assert_eq!((&reply["state"], &reply["countedAfter"]), (&"adjusted".into(), &"10000".into()), "{reply}");
+    let user = r#"{"tenant":"acme","user":"alice","budget":"tokens_per_day","amount":-1500,"request_id":"u-1","reason":"carried over"}"#;
+    assert_eq!(adjust(user)["countedAfter"], "1500");
+
+    let get = run(&t, &["-d", r#"{"tenant":"acme","user":"alice","model":"n"}"#, "tollgate.v1.Budgets/Get"]);
+    let reply: serde_json::Value = serde_json::from_str(&get).unwrap();
+    let day = |scope: &str| -> (u64, u64) {
+        let s = reply["scopes"].as_array().unwrap().iter().find(|s| s["scope"] == scope);
+        let limit = &s.unwrap_or_else(|| panic!("no {scope} scope: {get}"))["limits"][0];
+        assert_eq!(limit["name"], "tokens_per_day", "{get}");
+        // (proto3's JSON leaves a zero out.)
+        let number = |f: &str| limit[f].as_str().map_or(0, |v| v.parse::<u64>().unwrap());
+        (number("used"), number("remaining"))
+    };
+    assert_eq!([day("tenant"), day("user alice"), day("model n")], [(10_000, 90_000), (1500, 500), (0, 3000)], "{get}");
+
+    // Alice asks for model n: the user's 500 left is the tightest. A Check holding exactly 500 is
+    // admitted (the body at 4 bytes a token, plus max_tokens); one more token is refused.
+    let check = |max_tokens: usize| -> serde_json::Value {
+        let body = format!(r#"{{"model":"n","max_tokens":{max_tokens},"messages":[]}}"#);
+        let request = serde_json::json!({
+            "attributes": {"request": {"http": {
+                "method": "POST",
+                "path": "/v1/chat/completions",
+                "headers": {"x-tenant-id": "acme", "x-user-id": "alice", "content-type": "application/json"},
+                "body": body
+            }}}
+        });
+        serde_json::from_str(&run(&t, &["-d", &request.to_string(), "envoy.service.auth.v3.Authorization/Check"]))
+            .unwrap()
+    };
+    let prompt = r#"{"model":"n","max_tokens":490,"messages":[]}"#.len().div_ceil(4);
+    let exact = check(500 - prompt);
+    assert!(exact["okResponse"].is_object(), "{exact}");
+    let over = check(1);
+    assert_eq!(over["deniedResponse"]["status"]["code"], "TooManyRequests", "{over}");
+    assert!(over.to_string().contains("daily token budget of scope user"), "{over}");
+
+    // The ledger: each adjustment once, who asked and why (its numbers are JSON numbers).
+    let read = || -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(&ledger).unwrap_or_default();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let adjusted = |entries: &[serde_json::Value]| entries.iter().filter(|e| e["outcome"] == "adjusted").count();
+    let start = std::time::Instant::now();
+    let mut entries = read();
+    while adjusted(&entries) < 3 && start.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        entries = read();
+    }
+    assert_eq!(adjusted(&entries), 3, "{entries:#?}");
+    let entry = entries.iter().find(|e| e["id"] == "adjust:ticket-4411").expect("the README's adjustment");
+    for (field, value) in [
+        ("budget", serde_json::json!("tokens_per_day")),
+        ("counted_before", serde_json::json!(60_000)),
+        ("counted_after", serde_json::json!(10_000)),
+        ("adjusted_by", serde_json::json!("loopback")),
+        ("reason", serde_json::json!("refund a failed batch")),
+    ] {
+        assert_eq!(entry[field], value, "{field} of {entry}");
+    }
+    let alice = entries.iter().find(|e| e["id"] == "adjust:u-1").expect("the user's adjustment");
+    assert_eq!((&alice["user"], &alice["counted_after"]), (&"alice".into(), &1500.into()), "{alice}");
+}

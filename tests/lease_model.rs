@@ -3,8 +3,9 @@
 //! sizes on random replicas and users; commits (up to half again beyond the hold: debt) and
 //! releases at the owner or at another replica (forwarded); renewals; lease windows; clock jumps
 //! past refills and leases; reloads that cut the tenant's burst and restore it (and give one user
-//! a budget leasing does not decide from slices, so that its requests go to the store beside the
-//! leased ones, and take it away again); replicas that
+//! a limit leasing does not decide from slices, so that its requests go to the store beside the
+//! leased ones, and take it away again: an hour's budget of output tokens, a bucket of input
+//! tokens or a week's budget, one of them a case); replicas that
 //! stall (no decision, window or call for up to 9 s, past their lease) and replicas that die
 //! without giving their slices back; half the cases start 20 s before midnight and cross it; in
 //! half, store calls that fail at random (a tenth run and lose their reply, a tenth never arrive),
@@ -128,9 +129,13 @@ fn op() -> impl Strategy<Value = Op> {
 /// Where a case's clock starts: mid-day, or 20 s before the day's turn.
 const STARTS: [u64; 2] = [support::CLOCK_START_MS, support::CLOCK_START_MS + 12 * 3_600_000 - 20_000];
 
-/// The policy. `tight` also gives user u0 an hour's output budget, which leasing does not decide
-/// from slices: while it holds, u0's requests are decided at the store, beside the leased ones.
-fn policy(tenant: &str, share: f64, refund: bool, tight: bool) -> String {
+/// What `tight` gives user u0 beside its slices' limits, by a case's `aside`: a limit leasing does
+/// not decide from slices (an hour's output budget, a bucket of input tokens, a week's budget),
+/// so that while it holds u0's requests are decided at the store, beside the leased ones.
+const ASIDES: [&str; 3] = ["output_tokens_per_hour: 20000", "input_tokens_per_minute: 1500", "tokens_per_week: 30000"];
+
+/// The policy: `tight` also gives user u0 the limit `ASIDES[aside]`.
+fn policy(tenant: &str, share: f64, refund: bool, tight: bool, aside: usize) -> String {
     let expired = if refund { "    expired_usage: refund\n" } else { "" };
     let limits = |(tpm, burst, rpm, c): (u64, u64, u64, u64), budget: Option<&str>| {
         let budget = budget.map_or(String::new(), |b| format!(", {b}"));
@@ -143,7 +148,7 @@ fn policy(tenant: &str, share: f64, refund: bool, tight: bool) -> String {
          models:\n  m: {{ max_output_tokens: 1000, bytes_per_token: 4 }}\n\
          tenants:\n  {tenant}:\n    lease_ttl_ms: {LEASE_MS}\n{expired}    limits: {}\n    users:\n      u0: {}\n",
         limits(tenant_limits(tight), Some(&format!("tokens_per_day: {BUDGET}"))),
-        limits(USER, tight.then_some("output_tokens_per_hour: 20000")),
+        limits(USER, tight.then_some(ASIDES[aside])),
     )
 }
 
@@ -289,8 +294,8 @@ struct World {
     /// Per store day, tokens admitted and not refunded, debt included, and of which debt (usage
     /// beyond holds, charged to the day it was reported on).
     usage: BTreeMap<u64, (u64, u64)>,
-    /// The policy's text, for reloads.
-    share_and_refund: (f64, bool),
+    /// The policy's text, for reloads: the share, `expired_usage: refund`, and which of `ASIDES`.
+    terms: (f64, bool, usize),
     /// Until when (the case's clock) each replica is stalled; `u64::MAX`: dead.
     stalled_until: [u64; REPLICAS],
     /// What a dead replica took to its grave: refunds settled there since its last window, the
@@ -312,11 +317,11 @@ struct World {
 }
 
 impl World {
-    async fn new(share: f64, faults: Option<u64>, refund: bool, start: u64) -> World {
+    async fn new(share: f64, faults: Option<u64>, refund: bool, start: u64, aside: usize) -> World {
         let tenant = support::unique_tenant("l");
         let clock = ManualClock::new(start);
         let store = EmbeddedStore::with_clock(Arc::new(clock.clone())).expect("embedded store");
-        let policy = Policy::parse("lease-model.yaml", &policy(&tenant, share, refund, false)).expect("policy");
+        let policy = Policy::parse("lease-model.yaml", &policy(&tenant, share, refund, false, aside)).expect("policy");
         let chaos = Chaos::new(store, if faults.is_some() { 100 } else { 0 }, faults.unwrap_or(1));
         let first = Harness::from_parts(chaos.clone(), policy, tenant, String::new(), Some(clock.clone())).await;
         let mut replicas = vec![];
@@ -336,7 +341,7 @@ impl World {
             tenant: Bucket::new(TENANT),
             user: Bucket::new(USER),
             usage: BTreeMap::new(),
-            share_and_refund: (share, refund),
+            terms: (share, refund, aside),
             stalled_until: [0; REPLICAS],
             lost_refunds: 0,
             lost_debt: 0,
@@ -629,8 +634,8 @@ impl World {
             Op::Tick { replica } => self.tick(replica).await,
             Op::Advance { ms } => self.advance(ms).await,
             Op::Reload { tight } => {
-                let (share, refund) = self.share_and_refund;
-                let text = policy(self.tenant_name(), share, refund, tight);
+                let (share, refund, aside) = self.terms;
+                let text = policy(self.tenant_name(), share, refund, tight, aside);
                 let new = Policy::parse("lease-model.yaml", &text).expect("reloaded policy");
                 for r in &self.replicas {
                     r.admission.reload(new.clone());
@@ -1032,12 +1037,12 @@ async fn run_with(share: f64, ops: Vec<Op>, faults: Option<u64>) {
 
 /// `refund`: the tenant's expired holds give their tokens back.
 async fn run_in(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool) {
-    run_world(World::new(share, faults, refund, STARTS[0]).await, ops).await;
+    run_world(World::new(share, faults, refund, STARTS[0], 0).await, ops).await;
 }
 
 /// A random case.
-async fn run_random(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool, start: u64) {
-    run_world(World::new(share, faults, refund, start).await, ops).await;
+async fn run_random(share: f64, ops: Vec<Op>, faults: Option<u64>, refund: bool, start: u64, aside: usize) {
+    run_world(World::new(share, faults, refund, start, aside).await, ops).await;
 }
 
 async fn run_world(mut w: World, ops: Vec<Op>) {
@@ -1056,8 +1061,9 @@ proptest! {
         faults in prop::option::of(any::<u64>()),
         refund in any::<bool>(),
         start in prop::sample::select(STARTS.to_vec()),
+        aside in 0..ASIDES.len(),
     ) {
-        runtime().block_on(run_random(share, ops, faults, refund, start));
+        runtime().block_on(run_random(share, ops, faults, refund, start, aside));
     }
 }
 

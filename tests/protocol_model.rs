@@ -5,9 +5,9 @@
 //! lost reply); calls whose reply is lost or that never arrive, through a replica behind a circuit
 //! breaker that opens (a reserve nobody received is given back, at once or through the retry
 //! queue; a settlement sent again counts once); budgets of input and output tokens apart, of
-//! hours and weeks, buckets of one side, one tenant's periods twelve hours ahead of UTC; clock
-//! jumps past leases and refills, across an hour's, a day's, a week's and a month's turn, in UTC
-//! and in that zone; tenants gone quiet past every key's TTL (their holds swept, every key
+//! hours and weeks, buckets of one side, money by the hour, the day, the week and the month, one
+//! tenant's periods twelve hours ahead of UTC and the other's five hours behind; clock jumps past
+//! leases and refills, across an hour's, a day's, a week's and a month's turn, in both zones; tenants gone quiet past every key's TTL (their holds swept, every key
 //! expired, the next reserve afresh); reloads that tighten and loosen a tenant's limits and
 //! shorten its lease mid-sequence (holds made before keep their terms). After every step the store's reply must equal
 //! the model's, and the store's counters the model's: every scope's holds in flight, token,
@@ -172,8 +172,8 @@ fn policy(
             } else {
                 "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, input_tokens_per_minute: 600, input_tokens_per_hour: 3000 }",
-            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000 }",
+            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.004, input_tokens_per_minute: 600, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.012 }",
             "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500, output_tokens_per_minute: 900, input_tokens_per_month: 1200 }",
         )
     } else {
@@ -184,8 +184,8 @@ fn policy(
             } else {
                 "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, input_tokens_per_hour: 3000 }",
-            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000 }",
+            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.004, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.012 }",
             "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500, input_tokens_per_month: 1200 }",
         )
     };
@@ -194,7 +194,7 @@ fn policy(
         "{store}\nledger:\n  max_len: 100000\n  retention_ms: 31622400000\n{file}defaults:\n  {defaults}\nmodels:\n  m: {{ max_output_tokens: 400, pool: {pool}, price: {{ input_per_million: 1, output_per_million: 4 }} }}\n  \
          n: {{ max_output_tokens: 400, price: {{ input_per_million: 0.5, output_per_million: 2.125 }} }}\n\
          pools:\n  {pool}: {{ max_sequences: 3, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 8000, calibrate: false }}\n\
-         tenants:\n  {a}:\n    time_zone: '+12:00'\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    expired_usage: refund\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
+         tenants:\n  {a}:\n    time_zone: '+12:00'\n{a_lease}    limits: {a_limits}\n    default_user: {a_user}\n  {b}:\n    time_zone: '-05:00'\n    expired_usage: refund\n    soft_limits: {{ tokens_per_day: 1500 }}\n    limits: {b_limits}\n    models: {{ n: {b_model} }}\n"
     )
 }
 
@@ -209,7 +209,7 @@ fn model_of(policy: &Policy, tenants: &[String; 2], pool: &str) -> Model {
                     lease_ms: tp.lease_ttl_ms,
                     expired_usage: tp.expired_usage,
                     zone_offset_min: i64::from(tp.zone.offset_minutes_at(0)),
-                    tenant: model::Limits::from(&tp.limits),
+                    tenant: model::Limits { soft: tp.soft, ..model::Limits::from(&tp.limits) },
                     user: tp.default_user.as_ref().map(model::Limits::from),
                     model_n: tp.models.get("n").map(model::Limits::from),
                 },
@@ -261,6 +261,10 @@ struct World<S> {
     /// counters that held it have run out since.
     ledger_before_idle: BTreeMap<String, (u64, u64)>,
     idles: usize,
+    /// What each replica that hears reserves' answers (`h`, then `twice`) last heard of each
+    /// tenant's soft budgets: until when (store clock) it is past one, and so demotes the
+    /// tenant's requests a tier. (The lossy replica hears no admission.)
+    soft_seen: [BTreeMap<String, u64>; 2],
 }
 
 impl<S: Store + Clone> World<S> {
@@ -327,8 +331,21 @@ impl<S: Store + Clone> World<S> {
                 other => return Box::pin(self.step(other, i)).await,
             },
             Op::Reserve { .. } => {
-                let (ask, attributes, twice) = self.ask(op).expect("a reserve");
+                let (mut ask, attributes, twice) = self.ask(op).expect("a reserve");
+                // Past a soft budget, as this replica last heard: a tier lower.
+                let seen = &mut self.soft_seen[usize::from(twice)];
+                if seen.get(&ask.tenant).is_some_and(|&until| until > now) {
+                    ask.priority = ask.priority.demoted();
+                }
                 let expected = self.model.reserve(&ask, now, twice);
+                if matches!(expected, Decision::Admitted(_))
+                    && self.model.rules[&ask.tenant].tenant.soft.iter().any(|&n| n > 0)
+                {
+                    match self.model.last_soft_ends_ms {
+                        Some(ms) => seen.insert(ask.tenant.clone(), now + ms),
+                        None => seen.remove(&ask.tenant),
+                    };
+                }
                 let got = if twice {
                     self.twice.admission.reserve(&attributes).await
                 } else {
@@ -777,8 +794,8 @@ fn same_decision(got: &Decision, expected: &Decision, exact: bool, at: &str) {
                 assert_eq!(g.reservation_id, e.reservation_id, "{at}: the replayed hold");
             }
             assert_eq!(
-                (g.reserved_tokens, g.attempts, g.replayed),
-                (e.reserved_tokens, e.attempts, e.replayed),
+                (g.reserved_tokens, g.attempts, g.replayed, g.soft_limit, g.tier),
+                (e.reserved_tokens, e.attempts, e.replayed, e.soft_limit, e.tier),
                 "{at}: {g:?} vs {e:?}"
             );
             if exact {
@@ -853,6 +870,7 @@ async fn world_on<S: Store + Clone>(
         first_day,
         ledger_before_idle: BTreeMap::new(),
         idles: 0,
+        soft_seen: [BTreeMap::new(), BTreeMap::new()],
     }
 }
 
@@ -978,5 +996,40 @@ fn a_resent_reserve_does_not_sweep_again() {
     let mut ops: Vec<Op> = (0..6).map(|_| reserve(false, false)).collect();
     ops.push(Op::Advance { ms: 1000 });
     ops.push(reserve(false, true));
+    runtime().block_on(run(Backend::Embedded, ops));
+}
+
+/// Tenant b past its soft budget (1,500 tokens a day): the hold that crosses it is marked at its
+/// own tier, and the replica that heard so demotes b's next pooled request a tier, while the
+/// replica that re-sends (a replica of its own) has heard nothing yet; the model says each.
+#[test]
+fn a_soft_budget_marks_and_each_replica_demotes_by_what_it_heard() {
+    let b = |prompt, max_tokens, twice| Op::Reserve {
+        tenant: 1,
+        user: None,
+        pooled: true,
+        prompt,
+        max_tokens,
+        priority: 2,
+        deadline_ms: None,
+        key: None,
+        twice,
+    };
+    let commit = |hold| Op::Commit { hold, prompt: 300, output: 400, twice: false };
+    let ops = vec![
+        b(300, 400, false),
+        commit(0),
+        Op::Advance { ms: 10_000 },
+        b(300, 400, false),
+        commit(1),
+        Op::Advance { ms: 10_000 },
+        // 2,100 of the day's soft 1,500: marked.
+        b(300, 400, false),
+        commit(2),
+        // Demoted here; not by the re-sending replica, until it hears.
+        b(0, 50, false),
+        b(0, 50, true),
+        b(0, 50, true),
+    ];
     runtime().block_on(run(Backend::Embedded, ops));
 }

@@ -109,6 +109,19 @@ async fn refused_for_budget(family: &str, model: &str) -> Value {
     call
 }
 
+/// A spent budget's retry hints, as OpenAI's and Anthropic's SDKs read them: `x-should-retry:
+/// false` (their SDKs do not retry it) and a `retry-after` at the day's end (the policy's days are
+/// UTC's), which the OpenAI SDK, told to retry, would not wait for anyway (past two minutes).
+fn hints_the_days_end(refused: &Value) {
+    let rate = &refused["rate"];
+    assert_eq!(rate["x-should-retry"], "false", "{refused}");
+    let wait: u64 =
+        rate["retry-after"].as_str().unwrap_or_else(|| panic!("no retry-after: {refused}")).parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let to_midnight = 86_400 - now % 86_400;
+    assert!(wait.abs_diff(to_midnight) <= 5, "retry-after {wait} s, midnight UTC in {to_midnight} s: {refused}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gemini_through_google_genai() {
     admitted_tightly_and_charged_exactly("gemini", &["generate", "stream"]).await;
@@ -177,6 +190,7 @@ async fn openai_through_the_openai_sdk() {
         (&"RateLimitError".into(), &429.into(), &"insufficient_quota".into(), &"budget".into()),
         "{r}"
     );
+    hints_the_days_end(&r);
     let (admitted, refused) = refused_for_rate("openai").await;
     assert_eq!(admitted["rate"]["x-ratelimit-remaining-requests"], "0", "{admitted}");
     assert_eq!((&refused["type"], &refused["code"]), (&"rate_limit_error".into(), &"request_rate".into()), "{refused}");
@@ -192,6 +206,7 @@ async fn anthropic_through_the_anthropic_sdk() {
         (&"RateLimitError".into(), &429.into(), &"rate_limit_error".into()),
         "{r}"
     );
+    hints_the_days_end(&r);
     // Anthropic's own rate-limit headers, beside OpenAI's: the admitted call's requests and
     // tokens windows; the refusal's tokens window (a refusal tells the tightest token window).
     let (admitted, refused) = refused_for_rate("anthropic").await;

@@ -45,7 +45,7 @@ pub const UNMETERED: &str = "x-tollgate-unmetered";
 pub const SHADOW: &str = "x-tollgate-shadow";
 /// Upstream and to the client: the tenant's soft budget the request is past (`tokens_per_day`);
 /// admitted all the same, and one tier lower in its pool. An Envoy route may match it to send the
-/// request to a cheaper backend (ext_authz's `clear_route_cache`; envoy/soft-limits.yaml).
+/// request to a cheaper backend (ext_authz's `clear_route_cache`; envoy/envoy.yaml's economy route).
 pub const SOFT_LIMIT: &str = "x-tollgate-soft-limit";
 /// Upstream: the model the hold was made for, which the commit from the response meters by. On
 /// a request, set by a trusted filter (never a client), it names the model when the body cannot:

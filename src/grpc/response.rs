@@ -107,6 +107,9 @@ fn denied(d: &Denial, family: Family) -> CheckResponse {
         Some(ms) => {
             headers.push(header(headers::RETRY_AFTER, retry_after_seconds(ms).to_string()));
             headers.push(header(headers::RETRY_AFTER_MS, ms.to_string()));
+            if ms > LONG_WAIT_MS {
+                headers.push(header(headers::SHOULD_RETRY, "false".to_string()));
+            }
         }
         None if !d.reason.retryable() => headers.push(header(headers::SHOULD_RETRY, "false".to_string())),
         None => {}
@@ -129,6 +132,11 @@ fn denied(d: &Denial, family: Family) -> CheckResponse {
         ..Default::default()
     }
 }
+
+/// A wait past which a refusal also says `x-should-retry: false`: no SDK's own retry should wait
+/// for it (a budget spent until midnight). The OpenAI SDK gives up on a `retry-after` past two
+/// minutes by itself; Anthropic's would retry at once, twice, and be refused twice.
+const LONG_WAIT_MS: u64 = 120_000;
 
 /// `retry-after` is whole seconds, rounded up, never 0 (0 would invite an immediate retry).
 pub fn retry_after_seconds(ms: u64) -> u64 {
@@ -230,12 +238,28 @@ mod tests {
             if reason.retryable() {
                 assert_eq!(get("retry-after"), Some("2"), "{reason:?}: 1500 ms rounds up to 2 s");
                 assert_eq!(get("retry-after-ms"), Some("1500"));
+                assert_eq!(get("x-should-retry"), None, "{reason:?}: a short wait is for the SDK to retry");
             } else {
                 assert_eq!(get("retry-after"), None, "{reason:?}");
                 assert_eq!(get("x-should-retry"), Some("false"), "{reason:?}");
             }
             let body: serde_json::Value = serde_json::from_str(&denied.body).unwrap();
             assert_eq!(body["error"]["code"], reason.code());
+        }
+    }
+
+    /// A budget spent for hours: the wait, and no retry by the SDK now; two minutes is still a
+    /// wait an SDK may take.
+    #[test]
+    fn a_long_wait_says_not_to_retry_now() {
+        for (ms, should_retry) in [(120_000, None), (120_001, Some("false")), (3_600_000, Some("false"))] {
+            let d = Denial { retry_after_ms: Some(ms), ..Denial::now(Reason::Budget, "spent") };
+            for family in [Family::OpenAi, Family::Anthropic] {
+                let h = headers(&check_response(&Decision::Denied(d.clone()), &[], family));
+                let get = |k: &str| h.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
+                assert_eq!(get("retry-after-ms"), Some(ms.to_string().as_str()));
+                assert_eq!(get("x-should-retry"), should_retry, "{ms} ms");
+            }
         }
     }
 

@@ -395,10 +395,13 @@ impl Metrics {
         seen.insert((pool.to_string(), model.to_string()), (prefill, decode));
     }
 
-    /// The tenants whose budgets have series of their own: the policy's labelled tenants.
+    /// The tenants whose budgets have series of their own: the policy's labelled tenants, and the
+    /// unlisted ones that have a series of their own (`metrics.unlisted_tenants`; a tenant admitted
+    /// under a plan its token names, or the default one).
     pub fn budget_tenants(&self) -> Vec<String> {
         let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
-        labels.named.iter().cloned().collect()
+        let unlisted = labels.unlisted.read().unwrap_or_else(PoisonError::into_inner);
+        labels.named.iter().chain(unlisted.iter()).cloned().collect()
     }
 
     /// A reload was tried: `ok`, or `error` when the new file was refused.

@@ -19,6 +19,18 @@ pub const TOKYO: &str =
     "time_zone: '+09:00'\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
 /// A week's tokens in New York (five hours behind UTC in November), by the zone's name.
 pub const NEW_YORK: &str = "time_zone: America/New_York\nlimits:\n  tokens_per_week: 1000\n";
+/// A day's tokens eight hours behind UTC (Los Angeles in winter), and a month's.
+pub const LOS_ANGELES: &str = "time_zone: America/Los_Angeles\nlease_ttl_ms: 86400000\nlimits:\n  \
+    tokens_per_day: 1000\n  tokens_per_month: 1800\n";
+/// A week's tokens five and a half hours ahead of UTC.
+pub const KOLKATA: &str = "time_zone: Asia/Kolkata\nlimits:\n  tokens_per_week: 1000\n";
+/// The sides' other windows: output tokens a minute, input tokens an hour, output tokens a month.
+pub const OTHER_SIDES: &str = "lease_ttl_ms: 86400000\nlimits:\n  output_tokens_per_minute: 600\n  \
+    input_tokens_per_hour: 2000\n  output_tokens_per_month: 3000\n";
+/// Money by the hour and by the week (the harness's model: 1,000 nanos an input token, 3,000 an
+/// output token).
+pub const MONEY_HOURLY_WEEKLY: &str =
+    "lease_ttl_ms: 86400000\nlimits:\n  cost_per_hour: 0.001\n  cost_per_week: 0.0015\n";
 
 /// Ms from now until period `p` turns in a zone `offset` minutes east of UTC, by the clock the
 /// store reads.
@@ -140,45 +152,148 @@ pub async fn hourly_and_weekly_budgets_turn_on_their_boundaries<S: Store>(h: Har
 /// Nine hours ahead of UTC, the day turns at 15:00 UTC and so does the month; a hold of the old
 /// local day released after the turn does not refund the new one.
 pub async fn a_zone_ahead_of_utc_turns_the_day_at_its_midnight<S: Store>(h: Harness<S>) {
+    // 21:00 in Tokyo on 29 November: three hours to midnight.
+    the_day_and_the_month_turn_at_local_midnight(h, 9 * 60, 3 * HOUR).await;
+}
+
+/// Eight hours behind UTC, the day turns at 08:00 UTC and so does the month.
+pub async fn a_zone_behind_utc_turns_the_day_at_its_midnight<S: Store>(h: Harness<S>) {
+    // 04:00 in Los Angeles on 29 November: twenty hours to midnight.
+    the_day_and_the_month_turn_at_local_midnight(h, -8 * 60, 20 * HOUR).await;
+}
+
+/// A day's budget of 1,000 and a month's of 1,800 in a zone `offset` minutes east of UTC, whose
+/// midnight is `to_midnight` ms after the manual clock's start (29 November): the day turns at
+/// local midnight, the month two days later (1 December); a hold of the old day released after
+/// the turn gives back to the month, not to the new day.
+async fn the_day_and_the_month_turn_at_local_midnight<S: Store>(h: Harness<S>, offset: i64, to_midnight: u64) {
     let yesterday = admitted(&h.reserve(0, 900).await).reservation_id.clone();
     let no = denied(&h.reserve(0, 200).await).clone();
     assert!(no.message.contains("daily token budget"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 9 * 60, Period::Day);
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), offset, Period::Day);
     if !h.exact_time() {
         return;
     }
-    // 21:00 in Tokyo on 29 November: three hours to midnight.
-    assert_eq!(no.retry_after_ms, Some(3 * HOUR));
-    h.advance(3 * HOUR).await;
+    assert_eq!(no.retry_after_ms, Some(to_midnight));
+    h.advance(to_midnight).await;
     admitted(&h.reserve(0, 800).await);
     // 30 November there: the day has 200 left, the month 100.
     let no = denied(&h.reserve(0, 150).await).clone();
     assert!(no.message.contains("monthly token budget"), "{no:?}");
-    assert_eq!(no.retry_after_ms, Some(DAY), "1 December, 00:00 in Tokyo");
+    assert_eq!(no.retry_after_ms, Some(DAY), "1 December, 00:00 in the zone");
     // Yesterday's hold released: back to the month, not to the new day.
     h.admission.release(&yesterday).await.unwrap();
     let scope = h.tenant_scope().await;
     assert_eq!((scope.num("du"), scope.num("mu")), (800.0, 800.0));
     admitted(&h.reserve(0, 150).await);
-    h.advance(DAY).await;
+    h.advance(DAY - 1).await;
+    assert_eq!(denied(&h.reserve(0, 1000).await).reason, Reason::Budget, "still November there");
+    h.advance(1).await;
     admitted(&h.reserve(0, 1000).await);
 }
 
 /// Behind UTC, by the zone's name: New York's week turns on Monday at 05:00 UTC in November.
 pub async fn a_zone_behind_utc_turns_the_week_at_its_midnight<S: Store>(h: Harness<S>) {
+    // Sunday 07:00 in New York: 17 hours to Monday.
+    the_week_turns_at_local_midnight(h, -5 * 60, 17 * HOUR).await;
+}
+
+/// Ahead of UTC by five and a half hours: Kolkata's week turns on Sunday at 18:30 UTC.
+pub async fn a_zone_ahead_of_utc_turns_the_week_at_its_midnight<S: Store>(h: Harness<S>) {
+    // Sunday 17:30 in Kolkata: six and a half hours to Monday.
+    the_week_turns_at_local_midnight(h, 5 * 60 + 30, 13 * HOUR / 2).await;
+}
+
+/// A week's budget of 1,000 in a zone `offset` minutes east of UTC whose Monday begins
+/// `to_monday` ms after the manual clock's start (Sunday 29 November, 12:00 UTC).
+async fn the_week_turns_at_local_midnight<S: Store>(h: Harness<S>, offset: i64, to_monday: u64) {
     admitted(&h.reserve(0, 900).await);
     let no = denied(&h.reserve(0, 200).await).clone();
     assert!(no.message.contains("weekly token budget"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), -5 * 60, Period::Week);
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), offset, Period::Week);
     if !h.exact_time() {
         return;
     }
-    // Sunday 07:00 in New York: 17 hours to Monday.
-    assert_eq!(no.retry_after_ms, Some(17 * HOUR));
-    h.advance(17 * HOUR - 1).await;
+    assert_eq!(no.retry_after_ms, Some(to_monday));
+    h.advance(to_monday - 1).await;
     assert_eq!(denied(&h.reserve(0, 200).await).reason, Reason::Budget, "still Sunday there");
     h.advance(1).await;
     admitted(&h.reserve(0, 1000).await);
+}
+
+/// The sides' other windows: a bucket of output tokens refuses a large max_tokens while input is
+/// plentiful, an hour's input budget refuses a long prompt and turns on the hour, and a month's
+/// output budget takes an overrun as debt and refuses until the month turns.
+pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harness<S>) {
+    let first = admitted(&h.reserve(1500, 500).await).reservation_id.clone();
+    let no = denied(&h.reserve(0, 200).await).clone();
+    assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
+    assert!(no.message.contains("output token rate limit of scope tenant"), "{no:?}");
+    // 100 short at 10 a second.
+    let wait = no.retry_after_ms.unwrap();
+    assert!((9_000..=10_000).contains(&wait), "{wait}");
+    let no = denied(&h.reserve(600, 10).await).clone();
+    assert_eq!(no.reason, Reason::Budget);
+    assert!(no.message.contains("hourly input token budget of scope tenant"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+
+    // 1,500 in and 100 out: 400 back to the output bucket and the month; the input stands.
+    h.admission.commit(&first, 1500, 100).await.unwrap();
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Month), (100, 0));
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (1500, 0));
+    let states = tollgate::grpc::budgets::limit_states(&scopes[0]);
+    let names: Vec<&str> = states.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["output_tokens_per_minute", "input_tokens_per_hour", "output_tokens_per_month"]);
+    let second = admitted(&h.reserve(400, 500).await).reservation_id.clone();
+    // 2,900 out of a hold of 500: debt on the output side, the month past its 3,000.
+    h.admission.commit(&second, 400, 2900).await.unwrap();
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Month), (3000, 0));
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (1900, 0));
+    let no = denied(&h.reserve(0, 1).await).clone();
+    assert!(no.message.contains("monthly output token budget of scope tenant"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Month);
+    if !h.exact_time() {
+        return;
+    }
+    // The hour turns: the input budget is whole again, and only the month refuses.
+    h.advance(to_turn(&h, 0, Period::Hour)).await;
+    let no = denied(&h.reserve(2000, 1).await).clone();
+    assert!(no.message.contains("monthly output token budget"), "{no:?}");
+    h.advance(to_turn(&h, 0, Period::Month)).await;
+    admitted(&h.reserve(2000, 600).await);
+}
+
+/// Money by the hour and the week: the hour refuses first and turns on the hour; the week, which
+/// frees last, is the reason once both refuse, until Monday.
+pub async fn budgets_in_money_turn_by_the_hour_and_the_week<S: Store>(h: Harness<S>) {
+    // 100 in and 200 out: 700,000 nanos held.
+    let first = admitted(&h.reserve(100, 200).await).reservation_id.clone();
+    let no = denied(&h.reserve(100, 200).await).clone();
+    assert!(no.message.contains("hourly cost budget of scope tenant"), "{no:?}");
+    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+    let c = h.admission.commit(&first, 100, 50).await.unwrap();
+    assert_eq!(c.usage().unwrap().cost_nanos, 250_000);
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Cost, Period::Hour), (250_000, 0));
+    assert_eq!(period_use(&scopes, Measure::Cost, Period::Week), (250_000, 0));
+    if !h.exact_time() {
+        return;
+    }
+    // Sunday 13:00: a new hour, the same week.
+    h.advance(HOUR).await;
+    let second = admitted(&h.reserve(100, 200).await).reservation_id.clone();
+    h.admission.commit(&second, 100, 200).await.unwrap();
+    // 700,000 more would pass the hour's 1,000,000 and the week's 1,500,000: the week frees last.
+    let no = denied(&h.reserve(100, 200).await).clone();
+    assert!(no.message.contains("weekly cost budget of scope tenant"), "{no:?}");
+    assert_eq!(no.retry_after_ms, Some(11 * HOUR), "to Monday 00:00 UTC");
+    admitted(&h.reserve(10, 10).await);
+    h.advance(11 * HOUR).await;
+    admitted(&h.reserve(100, 200).await);
+    let scope = h.tenant_scope().await;
+    assert_eq!((scope.num("hc"), scope.num("wc")), (700_000.0, 700_000.0));
 }
 
 /// A day's tokens only, and holds that outlive the reloads below.

@@ -36,6 +36,9 @@ pub struct Limits {
     pub output_per_ms: f64,
     /// Period budgets by [`BudgetKey::index`] (money in nanos).
     pub budgets: [u64; 16],
+    /// Soft budgets, the same way (a tenant's scope alone has them): past one a request is
+    /// admitted all the same, and marked.
+    pub soft: [u64; 16],
 }
 
 impl Limits {
@@ -57,6 +60,7 @@ impl From<&tollgate::config::Limits> for Limits {
             output_capacity: l.output_tokens_per_minute.unwrap_or(0),
             output_per_ms: l.output_tokens_per_minute.unwrap_or(0) as f64 / 60_000.0,
             budgets: std::array::from_fn(|i| BudgetKey::all().nth(i).and_then(|k| l.budget(k)).unwrap_or(0)),
+            soft: [0; 16],
         }
     }
 }
@@ -289,6 +293,9 @@ pub struct Model {
     pub prices: BTreeMap<String, (u64, u64)>,
     /// Calls made, for a replay's "last call" identity.
     calls: u64,
+    /// The last admission's soft budget passed: ms until its period ends (what a replica
+    /// remembers to demote the tenant's next requests by); `None` when it passed none.
+    pub last_soft_ends_ms: Option<u64>,
 }
 
 /// The model's answer to a reserve: the decision, and for an admission that made a new hold, a
@@ -349,6 +356,7 @@ impl Model {
             pool: Pool::default(),
             prices: BTreeMap::new(),
             calls: 0,
+            last_soft_ends_ms: None,
         }
     }
 
@@ -766,7 +774,9 @@ impl Model {
                     input: side_level(s.input, l.input_capacity, l.input_per_ms, now),
                     output: side_level(s.output, l.output_capacity, l.output_per_ms, now),
                     used: BudgetKey::all()
-                        .filter(|k| l.budget(*k) > 0 || s.counts.contains_key(k) || ALWAYS.contains(k))
+                        .filter(|k| {
+                            l.budget(*k) > 0 || l.soft[k.index()] > 0 || s.counts.contains_key(k) || ALWAYS.contains(k)
+                        })
                         .map(|k| {
                             let current = at.get(k.period).is_some_and(|p| s.markers.get(&k.period) == Some(&p));
                             (k, if current { s.counts.get(&k).copied().unwrap_or(0) } else { 0 })
@@ -786,6 +796,19 @@ impl Model {
             let output = tightest(reads.iter().map(|s| (s.output, s.l.output_capacity, s.l.output_per_ms)), output);
             (input, output)
         };
+        // The first soft budget (scopes in order, counters in common.lua's order) that taking
+        // `taken` more leaves passed, and ms until its period ends.
+        let soft_passed = |taken: &Amounts| {
+            reads.iter().find_map(|s| {
+                BudgetKey::all().find_map(|k| {
+                    let limit = s.l.soft[k.index()];
+                    let used = s.used.get(&k).copied().unwrap_or(0) as i64;
+                    (limit > 0 && used + taken.of(k.measure) > limit as i64)
+                        .then(|| (k, at.ends(k.period, now, offset).ceil() as u64))
+                })
+            })
+        };
+        self.last_soft_ends_ms = None;
         let refuse = |reason: Reason| {
             Decision::Denied(Denial {
                 retry_after_ms: None,
@@ -819,6 +842,8 @@ impl Model {
                     entry.last_call = Some(call);
                     let (tokens, requests) = headroom(0.0, 0.0);
                     let (input, output) = sides(0.0, 0.0);
+                    let soft = soft_passed(&Amounts::default());
+                    self.last_soft_ends_ms = soft.map(|(_, ms)| ms);
                     return Decision::Admitted(Admitted {
                         reservation_id: latest,
                         model: ask.model.clone(),
@@ -828,7 +853,7 @@ impl Model {
                         headroom: tollgate::hold::Headroom { tokens, requests, sides: None }
                             .with_sides(tollgate::hold::Sides { input, output }),
                         shadow: None,
-                        soft_limit: None,
+                        soft_limit: soft.map(|(k, _)| k),
                         tier: ask.priority,
                         forecast: None,
                     });
@@ -894,6 +919,8 @@ impl Model {
         }
 
         // Hold.
+        let soft = soft_passed(&n);
+        self.last_soft_ends_ms = soft.map(|(_, ms)| ms);
         let mut hourly = false;
         for s in &reads {
             let scope = self.scopes.entry(s.key.clone()).or_default();
@@ -978,7 +1005,7 @@ impl Model {
             headroom: tollgate::hold::Headroom { tokens, requests, sides: None }
                 .with_sides(tollgate::hold::Sides { input, output }),
             shadow: None,
-            soft_limit: None,
+            soft_limit: soft.map(|(k, _)| k),
             tier: ask.priority,
             forecast: None,
         })
