@@ -1251,7 +1251,7 @@ fn regression_a_release_applied_before_a_commit_of_the_same_hold_handed_over_aft
         Op::Advance { ms: 1 },
         Op::Advance { ms: 4999 },
     ];
-    runtime().block_on(run_random(0.1, ops, Some(8_393_230_269_657_374_578), false, STARTS[0]));
+    runtime().block_on(run_random(0.1, ops, Some(8_393_230_269_657_374_578), false, STARTS[0], 0));
 }
 
 /// The owner's commit of a store hold under a leased id: the first call ran but its reply was
@@ -1296,7 +1296,7 @@ fn regression_a_commit_whose_reply_was_lost_is_answered_as_its_own_duplicate() {
         Op::Advance { ms: 2000 },
         Op::Commit { hold: 1_212_274_177_729_416_001, replica: 1, per_mille: 0 },
     ];
-    runtime().block_on(run_random(0.1, ops, Some(17_753_354_234_723_082_508), false, STARTS[0]));
+    runtime().block_on(run_random(0.1, ops, Some(17_753_354_234_723_082_508), false, STARTS[0], 0));
 }
 
 /// Every replica draws a full slice (share 0.1 of 2,000) and commits it whole; two seconds later a
