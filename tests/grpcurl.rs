@@ -220,7 +220,12 @@ fn grpcurl_gets_and_adjusts_every_scope_and_check_finds_what_get_said() {
     "request_id":"ticket-4411","reason":"refund a failed batch"}"#;
     let reply = adjust(readme);
     assert_eq!((&reply["state"], &reply["countedAfter"]), (&"adjusted".into(), &"10000".into()), "{reply}");
-    let user = r#"{"tenant":"acme","user":"alice","budget":"tokens_per_day","amount":-1500,"request_id":"u-1","reason":"carried over"}"#;
+    let user = serde_json::json!({
+        "tenant": "acme", "user": "alice", "budget": "tokens_per_day", "amount": -1500,
+        "request_id": "u-1", "reason": "carried over",
+    })
+    .to_string();
+    let user = user.as_str();
     assert_eq!(adjust(user)["countedAfter"], "1500");
 
     let get = run(&t, &["-d", r#"{"tenant":"acme","user":"alice","model":"n"}"#, "tollgate.v1.Budgets/Get"]);
@@ -251,11 +256,12 @@ fn grpcurl_gets_and_adjusts_every_scope_and_check_finds_what_get_said() {
             .unwrap()
     };
     let prompt = r#"{"model":"n","max_tokens":490,"messages":[]}"#.len().div_ceil(4);
-    let exact = check(500 - prompt);
-    assert!(exact["okResponse"].is_object(), "{exact}");
-    let over = check(1);
+    let over = check(501 - prompt);
     assert_eq!(over["deniedResponse"]["status"]["code"], "TooManyRequests", "{over}");
     assert!(over.to_string().contains("daily token budget of scope user"), "{over}");
+    let exact = check(500 - prompt);
+    assert!(exact["okResponse"].is_object(), "{exact}");
+    assert!(check(1)["deniedResponse"].is_object(), "the user's day is spent");
 
     // The ledger: each adjustment once, who asked and why (its numbers are JSON numbers).
     let read = || -> Vec<serde_json::Value> {

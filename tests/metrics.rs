@@ -165,39 +165,43 @@ async fn a_scrape_counts_what_happened() {
     assert!(status.contains("404"), "{status}");
 }
 
-/// A tenant the policy does not list, admitted under the default plan, has its remaining-budget
-/// gauges once it has a series of its own (`metrics.unlisted_tenants`); one folded into "other"
-/// has none, and neither has "other".
+/// A tenant the policy does not list, admitted under the plan its token names (or, where the
+/// policy reads no plan header, under `default_tenant`), has its remaining-budget gauges once it
+/// has a series of its own (`metrics.unlisted_tenants`); one folded into "other" has none, and
+/// neither has "other".
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unlisted_tenant_with_a_series_of_its_own_has_budget_gauges() {
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    let policy = format!(
-        "server:\n  admin_listen: {admin}\nmetrics:\n  budget_poll_ms: 100\n  unlisted_tenants: 1\n\
-         models:\n  m: {{ max_output_tokens: 100 }}\n\
-         default_tenant:\n  limits: {{ tokens_per_day: 5000 }}\n"
-    );
-    let t = Tollgate::start(&policy);
-    let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
-    for tenant in ["newco", "later"] {
-        let r = client.reserve(reserve(tenant, 10, 90)).await.unwrap().into_inner();
-        assert!(r.admitted, "{tenant}: {r:?}");
-    }
-    let start = Instant::now();
-    let s = loop {
-        let s = scrape(admin);
-        let series = "tollgate_budget_remaining{budget=\"tokens_per_day\",tenant=\"newco\"}";
-        if s.get(series).is_some_and(|&left| left == 4900.0) {
-            break s;
+    let under_plan = "  plan_header: x-tollgate-plan\nplans:\n  team:\n    limits: { tokens_per_day: 5000 }\n";
+    let under_default = "default_tenant:\n  limits: { tokens_per_day: 5000 }\n";
+    for (terms, plan) in [(under_plan, "team"), (under_default, "")] {
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let policy = format!(
+            "server:\n  admin_listen: {admin}\n{terms}metrics:\n  budget_poll_ms: 100\n  unlisted_tenants: 1\n\
+             models:\n  m: {{ max_output_tokens: 100 }}\n"
+        );
+        let t = Tollgate::start(&policy);
+        let mut client = AdmissionClient::connect(t.endpoint()).await.unwrap();
+        for tenant in ["newco", "later"] {
+            let r = client.reserve(ReserveRequest { plan: plan.into(), ..reserve(tenant, 10, 90) }).await.unwrap();
+            assert!(r.get_ref().admitted, "{tenant}: {r:?}");
         }
-        assert!(start.elapsed() < Duration::from_secs(10), "no budget gauge for newco:\n{}\n{}", dump(&s), t.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert_eq!(value(&s, "tollgate_budget_limit{budget=\"tokens_per_day\",tenant=\"newco\"}"), 5000.0);
-    assert!(
-        !s.keys().any(|k| k.starts_with("tollgate_budget_") && (k.contains("later") || k.contains("\"other\""))),
-        "a folded tenant has budget gauges:\n{}",
-        dump(&s)
-    );
+        let start = Instant::now();
+        let s = loop {
+            let s = scrape(admin);
+            let series = "tollgate_budget_remaining{budget=\"tokens_per_day\",tenant=\"newco\"}";
+            if s.get(series).is_some_and(|&left| left == 4900.0) {
+                break s;
+            }
+            assert!(start.elapsed() < Duration::from_secs(10), "no gauge for newco:\n{}\n{}", dump(&s), t.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(value(&s, "tollgate_budget_limit{budget=\"tokens_per_day\",tenant=\"newco\"}"), 5000.0);
+        assert!(
+            !s.keys().any(|k| k.starts_with("tollgate_budget_") && (k.contains("later") || k.contains("\"other\""))),
+            "a folded tenant has budget gauges:\n{}",
+            dump(&s)
+        );
+    }
 }
 
 /// With Redis gone, each decision the tenants' modes make is counted as degraded, the store's

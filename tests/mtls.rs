@@ -302,12 +302,15 @@ fn only_a_budget_admins_certificate_may_adjust() {
     let pki = Pki::new();
     const OPS_ID: &str = "spiffe://cluster.local/ns/ops/sa/finance";
     let ops = pki.ca.client(&pki.dir, "ops", OPS_ID);
+    let ledger = pki.dir.0.join("ledger.jsonl");
     let policy = format!(
         "server:\n  budget_admins: [\"{OPS_ID}\"]\n  tls:\n    cert: {}\n    key: {}\n    client_ca: {}\n    allowed_clients: [\"{ENVOY_ID}\", \"{OPS_ID}\"]\n\
+         ledger:\n  file: {}\n\
          models:\n  m: {{ max_output_tokens: 64 }}\ntenants:\n  acme:\n    limits: {{ tokens_per_day: 1000 }}\n",
         pki.server.cert(),
         pki.server.key(),
-        pki.ca.cert()
+        pki.ca.cert(),
+        ledger.display()
     );
     let tollgate = Tollgate::start(&policy);
     let adjust = r#"{"tenant":"acme","budget":"tokens_per_day","amount":-10,"request_id":"fin-1","reason":"a test"}"#;
@@ -317,4 +320,19 @@ fn only_a_budget_admins_certificate_may_adjust() {
     let by_ops = grpcurl_tls(tollgate.addr, &pki.ca.cert, Some(&ops), &["-d", adjust, "tollgate.v1.Budgets/Adjust"]);
     assert!(by_ops.status.success() && text(&by_ops).contains("\"adjusted\""), "{}", text(&by_ops));
     assert!(tollgate.log().contains(OPS_ID), "the log says who adjusted:\n{}", tollgate.log());
+    // The ledger names the certificate's identity.
+    let start = std::time::Instant::now();
+    let entry = loop {
+        let text = std::fs::read_to_string(&ledger).unwrap_or_default();
+        let found = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|e| e["id"] == "adjust:fin-1");
+        if let Some(entry) = found {
+            break entry;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "not in the ledger: {text}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!((&entry["adjusted_by"], &entry["reason"]), (&OPS_ID.into(), &"a test".into()), "{entry}");
 }

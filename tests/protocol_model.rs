@@ -6,17 +6,19 @@
 //! breaker that opens (a reserve nobody received is given back, at once or through the retry
 //! queue; a settlement sent again counts once); budgets of input and output tokens apart, of
 //! hours and weeks, buckets of one side, money by the hour, the day, the week and the month, one
-//! tenant's periods twelve hours ahead of UTC and the other's five hours behind; clock jumps past
-//! leases and refills, across an hour's, a day's, a week's and a month's turn, in both zones; tenants gone quiet past every key's TTL (their holds swept, every key
+//! tenant's periods twelve hours ahead of UTC and the other's five hours behind, with a soft
+//! budget (its admissions marked, its next pooled requests demoted by each replica that heard);
+//! clock jumps past leases and refills, across an hour's, a day's, a week's and a month's turn in
+//! each tenant's zone; tenants gone quiet past every key's TTL (their holds swept, every key
 //! expired, the next reserve afresh); reloads that tighten and loosen a tenant's limits and
-//! shorten its lease mid-sequence (holds made before keep their terms). After every step the store's reply must equal
-//! the model's, and the store's counters the model's: every scope's holds in flight, token,
-//! request and side levels and every period's counters, the pool's holds and work. At the end every live hold is released,
-//! or (half the cases) left abandoned, its tenant quiet, until the background sweeper settles it
-//! after its lease; then every slot and every unit of pool work must be back; and the usage
-//! ledger must hold every
-//! hold made, each once (or expired, then late-committed), its entries charging together exactly
-//! the day usage the counters charged (on the embedded store, its ledger file too).
+//! shorten its lease mid-sequence (holds made before keep their terms). After every step the
+//! store's reply must equal the model's, and the store's counters the model's: every scope's holds
+//! in flight, token, request and side levels and every period's counters, the pool's holds and
+//! work. At the end every live hold is released, or (half the cases) left abandoned, its tenant
+//! quiet, until the background sweeper settles it after its lease; then every slot and every unit
+//! of pool work must be back; and the usage ledger must hold every hold made, each once (or
+//! expired, then late-committed), its entries charging together exactly the day usage the
+//! counters charged (on the embedded store, its ledger file too).
 //!
 //! A thousand cases a run on the embedded store with its manual clock, where every number must
 //! agree exactly. A shorter run on Redis and on the Cluster, whose clock is the server's own:
@@ -172,8 +174,8 @@ fn policy(
             } else {
                 "{ tokens_per_minute: 60000, burst_tokens: 2000, requests_per_minute: 600, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.004, input_tokens_per_minute: 600, input_tokens_per_hour: 3000 }",
-            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.012 }",
+            "{ tokens_per_minute: 30000, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.002, input_tokens_per_minute: 600, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 6000, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.006 }",
             "{ tokens_per_minute: 3000, burst_tokens: 800, tokens_per_month: 1500, output_tokens_per_minute: 900, input_tokens_per_month: 1200 }",
         )
     } else {
@@ -184,8 +186,8 @@ fn policy(
             } else {
                 "{ tokens_per_minute: 2, burst_tokens: 2000, max_concurrency: 4, cost_per_day: 0.006, output_tokens_per_day: 4000 }"
             },
-            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.004, input_tokens_per_hour: 3000 }",
-            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.012 }",
+            "{ tokens_per_minute: 1, burst_tokens: 1000, max_concurrency: 2, cost_per_month: 0.003, cost_per_hour: 0.002, input_tokens_per_hour: 3000 }",
+            "{ tokens_per_minute: 2, burst_tokens: 1500, tokens_per_day: 3000, tokens_per_month: 20000, tokens_per_hour: 2500, output_tokens_per_week: 5000, cost_per_week: 0.006 }",
             "{ tokens_per_minute: 1, burst_tokens: 800, tokens_per_month: 1500, input_tokens_per_month: 1200 }",
         )
     };
@@ -333,14 +335,14 @@ impl<S: Store + Clone> World<S> {
             Op::Reserve { .. } => {
                 let (mut ask, attributes, twice) = self.ask(op).expect("a reserve");
                 // Past a soft budget, as this replica last heard: a tier lower.
+                // (As `soft_tier`: only a tenant with soft budgets is demoted.)
+                let soft = self.model.rules[&ask.tenant].tenant.soft.iter().any(|&n| n > 0);
                 let seen = &mut self.soft_seen[usize::from(twice)];
-                if seen.get(&ask.tenant).is_some_and(|&until| until > now) {
+                if soft && seen.get(&ask.tenant).is_some_and(|&until| until > now) {
                     ask.priority = ask.priority.demoted();
                 }
                 let expected = self.model.reserve(&ask, now, twice);
-                if matches!(expected, Decision::Admitted(_))
-                    && self.model.rules[&ask.tenant].tenant.soft.iter().any(|&n| n > 0)
-                {
+                if soft && matches!(expected, Decision::Admitted(_)) {
                     match self.model.last_soft_ends_ms {
                         Some(ms) => seen.insert(ask.tenant.clone(), now + ms),
                         None => seen.remove(&ask.tenant),
@@ -890,14 +892,16 @@ impl Drop for StopOnDrop {
     }
 }
 
-/// Where a case's clock starts: mid-day, 20 s before a day's turn (and a week's: Sunday into
-/// Monday), 20 s before a month's (the turn of 2026-11-30 into 2026-12-01, UTC); and 20 s before
-/// noon UTC on Sunday, which is midnight into Monday for tenant a, twelve hours ahead.
-const STARTS: [u64; 4] = [
+/// Where a case's clock starts (the manual clock's start is Sunday 2026-11-29, 12:00 UTC): mid-day;
+/// and 20 s before each tenant's turns in its zone: tenant a's (twelve hours ahead) day and week
+/// at noon UTC on Sunday, its month (into 1 December) a day later; tenant b's (five hours behind)
+/// day and week at 05:00 UTC on Monday, its month at 05:00 UTC on 1 December.
+const STARTS: [u64; 5] = [
     support::CLOCK_START_MS,
-    support::CLOCK_START_MS + 12 * 3_600_000 - 20_000,
-    support::CLOCK_START_MS + 36 * 3_600_000 - 20_000,
     support::CLOCK_START_MS - 20_000,
+    support::CLOCK_START_MS + 24 * 3_600_000 - 20_000,
+    support::CLOCK_START_MS + 17 * 3_600_000 - 20_000,
+    support::CLOCK_START_MS + 41 * 3_600_000 - 20_000,
 ];
 
 async fn run(backend: Backend, ops: Vec<Op>) {

@@ -158,16 +158,28 @@ impl<S: Store> Admission<S> {
     }
 
     async fn read_budget_gauges(&self) {
-        for tenant in self.metrics.budget_tenants() {
+        let policy = self.policy();
+        let tenants = self.metrics.budget_tenants();
+        for tenant in &tenants {
+            // An unlisted tenant admitted under a plan its token named has that plan's limits only
+            // while this replica remembers the plan: otherwise its counters would be shown against
+            // another plan's limits.
+            let forgotten = !policy.tenants.contains_key(tenant)
+                && policy.server.plan_header.is_some()
+                && self.claims.plan_of(tenant).is_none();
+            if forgotten {
+                self.metrics.budgets_read(tenant, None);
+                continue;
+            }
             // What is left is all the gauges show: the tenant's live holds are not read.
-            let scopes = match self.read_budgets(&tenant, None, None, false).await {
+            let scopes = match self.read_budgets(tenant, None, None, false).await {
                 Ok(scopes) => scopes,
                 Err(AdmissionError::Store(e)) => {
                     tracing::debug!(error = %e, tenant, "reading budgets for the gauges failed; keeping the last");
                     continue;
                 }
                 Err(_) => {
-                    self.metrics.budgets_read(&tenant, None);
+                    self.metrics.budgets_read(tenant, None);
                     continue;
                 }
             };
@@ -183,7 +195,8 @@ impl<S: Store> Admission<S> {
                     Some((b.name(), limit, remaining, seconds(used.ends_in_ms)))
                 })
                 .collect();
-            self.metrics.budgets_read(&tenant, (!levels.is_empty()).then_some(levels));
+            self.metrics.budgets_read(tenant, (!levels.is_empty()).then_some(levels));
         }
+        self.metrics.keep_budgets_of(&tenants);
     }
 }

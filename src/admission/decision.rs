@@ -139,10 +139,23 @@ pub struct Denial {
     pub headroom: Headroom,
 }
 
+/// A wait past which a refusal tells clients not to retry by themselves (`x-should-retry: false`):
+/// the OpenAI SDK's own limit, past which it gives up; Anthropic's would sleep through any wait,
+/// a budget spent until midnight included.
+pub const LONG_WAIT_MS: u64 = 120_000;
+
 impl Denial {
     /// A refusal decided before the store was asked: no wait, no headroom.
     pub fn now(reason: Reason, message: impl Into<String>) -> Self {
         Denial { reason, message: message.into(), retry_after_ms: None, headroom: Headroom::default() }
+    }
+
+    /// Whether a client should retry by itself: the reason allows it, and its wait is one an SDK
+    /// may sleep through (at most [`LONG_WAIT_MS`]). A concurrency wait is only an upper bound (a
+    /// commit usually frees a slot sooner), so it never says not to.
+    pub fn should_retry(&self) -> bool {
+        self.reason.retryable()
+            && (self.reason == Reason::Concurrency || self.retry_after_ms.is_none_or(|ms| ms <= LONG_WAIT_MS))
     }
 }
 

@@ -102,7 +102,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     reason: d.reason.code().to_string(),
                     http_status: u32::from(d.reason.http_status()),
                     retry_after_ms: d.retry_after_ms.unwrap_or(0),
-                    should_retry: d.reason.retryable(),
+                    should_retry: d.should_retry(),
                     message: d.message,
                     remaining_tokens: tokens.map_or(-1, |w| w.remaining),
                     limit_tokens: tokens.map_or(0, |w| w.limit),

@@ -103,16 +103,12 @@ fn denied(d: &Denial, family: Family) -> CheckResponse {
         header(REASON, d.reason.code().to_string()),
         header(headers::CONTENT_TYPE, "application/json".to_string()),
     ];
-    match d.retry_after_ms {
-        Some(ms) => {
-            headers.push(header(headers::RETRY_AFTER, retry_after_seconds(ms).to_string()));
-            headers.push(header(headers::RETRY_AFTER_MS, ms.to_string()));
-            if ms > LONG_WAIT_MS {
-                headers.push(header(headers::SHOULD_RETRY, "false".to_string()));
-            }
-        }
-        None if !d.reason.retryable() => headers.push(header(headers::SHOULD_RETRY, "false".to_string())),
-        None => {}
+    if let Some(ms) = d.retry_after_ms {
+        headers.push(header(headers::RETRY_AFTER, retry_after_seconds(ms).to_string()));
+        headers.push(header(headers::RETRY_AFTER_MS, ms.to_string()));
+    }
+    if !d.should_retry() {
+        headers.push(header(headers::SHOULD_RETRY, "false".to_string()));
     }
     headers.extend(rate_limit_headers(&d.headroom, family));
     if let Some((name, value)) = shaped.header {
@@ -132,11 +128,6 @@ fn denied(d: &Denial, family: Family) -> CheckResponse {
         ..Default::default()
     }
 }
-
-/// A wait past which a refusal also says `x-should-retry: false`: no SDK's own retry should wait
-/// for it (a budget spent until midnight). The OpenAI SDK gives up on a `retry-after` past two
-/// minutes by itself; Anthropic's would retry at once, twice, and be refused twice.
-const LONG_WAIT_MS: u64 = 120_000;
 
 /// `retry-after` is whole seconds, rounded up, never 0 (0 would invite an immediate retry).
 pub fn retry_after_seconds(ms: u64) -> u64 {
@@ -249,16 +240,23 @@ mod tests {
     }
 
     /// A budget spent for hours: the wait, and no retry by the SDK now; two minutes is still a
-    /// wait an SDK may take.
+    /// wait an SDK may take, and a concurrency wait (an upper bound) always is.
     #[test]
     fn a_long_wait_says_not_to_retry_now() {
-        for (ms, should_retry) in [(120_000, None), (120_001, Some("false")), (3_600_000, Some("false"))] {
-            let d = Denial { retry_after_ms: Some(ms), ..Denial::now(Reason::Budget, "spent") };
+        let cases = [
+            (Reason::Budget, 120_000, None),
+            (Reason::Budget, 120_001, Some("false")),
+            (Reason::TokenRate, 3_600_000, Some("false")),
+            (Reason::Concurrency, 3_600_000, None),
+        ];
+        for (reason, ms, should_retry) in cases {
+            let d = Denial { retry_after_ms: Some(ms), ..Denial::now(reason, "spent") };
+            assert_eq!(d.should_retry(), should_retry.is_none(), "{reason:?} {ms} ms");
             for family in [Family::OpenAi, Family::Anthropic] {
                 let h = headers(&check_response(&Decision::Denied(d.clone()), &[], family));
                 let get = |k: &str| h.iter().find(|(key, _)| key == k).map(|(_, v)| v.as_str());
                 assert_eq!(get("retry-after-ms"), Some(ms.to_string().as_str()));
-                assert_eq!(get("x-should-retry"), should_retry, "{ms} ms");
+                assert_eq!(get("x-should-retry"), should_retry, "{reason:?} {ms} ms");
             }
         }
     }

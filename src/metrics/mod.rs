@@ -401,7 +401,16 @@ impl Metrics {
     pub fn budget_tenants(&self) -> Vec<String> {
         let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
         let unlisted = labels.unlisted.read().unwrap_or_else(PoisonError::into_inner);
-        labels.named.iter().chain(unlisted.iter()).cloned().collect()
+        // (Those seen before a reload to `unlisted_tenants: 0` are "other" now.)
+        let unlisted = unlisted.iter().filter(|t| labels.most_unlisted > 0 && !labels.named.contains(*t));
+        labels.named.iter().chain(unlisted).cloned().collect()
+    }
+
+    /// Forgets the budget gauges of every tenant but `tenants` (those that no longer have a
+    /// series of their own).
+    pub fn keep_budgets_of(&self, tenants: &[String]) {
+        let mut seen = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
+        seen.retain(|tenant, _| tenants.contains(tenant));
     }
 
     /// A reload was tried: `ok`, or `error` when the new file was refused.

@@ -16,7 +16,7 @@ pub const SIDES: &str = "limits:\n  input_tokens_per_minute: 600\n  output_token
 pub const HOURLY_WEEKLY: &str = "lease_ttl_ms: 86400000\nlimits:\n  tokens_per_hour: 1000\n  tokens_per_week: 1500\n";
 /// A day's tokens nine hours ahead of UTC, and a month's.
 pub const TOKYO: &str =
-    "time_zone: '+09:00'\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
+    "time_zone: Asia/Tokyo\nlease_ttl_ms: 86400000\nlimits:\n  tokens_per_day: 1000\n  tokens_per_month: 1800\n";
 /// A week's tokens in New York (five hours behind UTC in November), by the zone's name.
 pub const NEW_YORK: &str = "time_zone: America/New_York\nlimits:\n  tokens_per_week: 1000\n";
 /// A day's tokens eight hours behind UTC (Los Angeles in winter), and a month's.
@@ -55,8 +55,15 @@ fn to_turn<S: Store>(h: &Harness<S>, offset: i64, p: Period) -> u64 {
 }
 
 /// The wait a budget refusal gave: exactly the turn on the manual clock, within seconds of it on
-/// a real one.
+/// a real one. (`offset`: the zone's on the manual clock's date; on a real one, the tenant's zone
+/// says what it is today, daylight saving and all.)
 fn waits_for_turn<S: Store>(h: &Harness<S>, wait: u64, offset: i64, p: Period) {
+    let offset = if h.exact_time() {
+        offset
+    } else {
+        let now = tollgate::store::clock::SystemClock.now_ms();
+        i64::from(h.admission.policy().tenants[&h.tenant].zone.offset_minutes_at(now))
+    };
     let expected = to_turn(h, offset, p);
     if h.exact_time() {
         assert_eq!(wait, expected, "{p:?} at {offset} min");
@@ -246,10 +253,10 @@ pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harnes
     let names: Vec<&str> = states.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["output_tokens_per_minute", "input_tokens_per_hour", "output_tokens_per_month"]);
     let second = admitted(&h.reserve(400, 500).await).reservation_id.clone();
-    // 2,900 out of a hold of 500: debt on the output side, the month past its 3,000.
-    h.admission.commit(&second, 400, 2900).await.unwrap();
+    // 2,901 out of a hold of 500: debt on the output side, the month past its 3,000.
+    h.admission.commit(&second, 400, 2901).await.unwrap();
     let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Output, Period::Month), (3000, 0));
+    assert_eq!(period_use(&scopes, Measure::Output, Period::Month), (3001, 0));
     assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (1900, 0));
     let no = denied(&h.reserve(0, 1).await).clone();
     assert!(no.message.contains("monthly output token budget of scope tenant"), "{no:?}");
@@ -259,6 +266,8 @@ pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harnes
     }
     // The hour turns: the input budget is whole again, and only the month refuses.
     h.advance(to_turn(&h, 0, Period::Hour)).await;
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (0, 0));
     let no = denied(&h.reserve(2000, 1).await).clone();
     assert!(no.message.contains("monthly output token budget"), "{no:?}");
     h.advance(to_turn(&h, 0, Period::Month)).await;
@@ -285,6 +294,9 @@ pub async fn budgets_in_money_turn_by_the_hour_and_the_week<S: Store>(h: Harness
     h.advance(HOUR).await;
     let second = admitted(&h.reserve(100, 200).await).reservation_id.clone();
     h.admission.commit(&second, 100, 200).await.unwrap();
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    assert_eq!(period_use(&scopes, Measure::Cost, Period::Hour), (700_000, 0), "a new hour");
+    assert_eq!(period_use(&scopes, Measure::Cost, Period::Week), (950_000, 0), "the same week");
     // 700,000 more would pass the hour's 1,000,000 and the week's 1,500,000: the week frees last.
     let no = denied(&h.reserve(100, 200).await).clone();
     assert!(no.message.contains("weekly cost budget of scope tenant"), "{no:?}");

@@ -628,6 +628,7 @@ impl Model {
 
     fn reserve_as(&mut self, ask: &Ask, now: u64, twice: bool, delivered: bool) -> Decision {
         self.calls += 1;
+        self.last_soft_ends_ms = None;
         let call = self.calls;
         let scopes = self.scope_keys(ask);
         if let Some(refused) = self.never_fits(ask, &scopes) {
