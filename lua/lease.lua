@@ -141,8 +141,10 @@ if #ops > 0 then
   call('DEL', forwarded)
 end
 
--- 1. Returns.
+-- 1. Returns. (`touched`: the scopes a write here may have made again, had they run out of their
+-- TTL while the replica was away.)
 local args = {}
+local touched = {}
 for i = 1, n do
   local key = KEYS[FIRST_SCOPE + i - 1]
   local b = FIRST_ARG + (i - 1) * PER_SCOPE
@@ -163,11 +165,13 @@ for i = 1, n do
     local v = call('HMGET', key, 'r', 'rt')
     local level = refilled(v[1], v[2], a[2], a[3], now)
     call('HSET', key, 'r', min(a[2], level + back_requests), 'rt', now)
+    touched[i] = key
   end
   local had = tonumber(call('HGET', record, key)) or 0
   if had ~= held then
     local c = tonumber(call('HGET', key, 'c')) or 0
     call('HSET', key, 'c', max(0, c - had + held))
+    touched[i] = key
   end
 end
 
@@ -219,6 +223,14 @@ for i, s in ipairs(scopes) do
   end
   granted[#granted + 1] = { tokens, cost, requests, taken }
   slots[i] = a[19] + taken
+end
+
+-- A refused call takes nothing, so the take's TTL never comes: a scope the returns wrote keeps
+-- the idle TTL here (one made again would otherwise live forever).
+if reason ~= '' then
+  for _, key in pairs(touched) do
+    keep_for(key, idle)
+  end
 end
 
 -- 4. The record: the slots this replica holds, renewed for another lease.

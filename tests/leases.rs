@@ -47,6 +47,52 @@ const SLOW: &str = "  tokens_per_minute: 60\n  burst_tokens: 10000\n";
 mod scenarios {
     use super::*;
 
+    /// A lease call the store refuses (here for slots it needs beyond the scope's concurrency)
+    /// that gives requests back to a scope whose hash is gone (run out of its idle TTL while its
+    /// replica was away) writes the scope again, and leaves it a TTL: no key lives forever.
+    pub async fn a_refused_lease_call_leaves_what_it_writes_a_ttl<S: Store + Clone>(h: Harness<S>) {
+        use tollgate::hold::{Amounts, ScopeLimits};
+        use tollgate::store::phase::lease::{LeaseCall, LeaseOutcome, LeaseScope};
+        let tp = Arc::clone(&h.admission.policy().tenants[&h.tenant]);
+        let scope = keys::tenant_scope(&h.tenant);
+        assert!(h.scope(&scope).await.is_none(), "a tenant no call has touched");
+        let slots = Amounts { slots: 2, ..Amounts::default() };
+        let call = LeaseCall {
+            tenant: &h.tenant,
+            replica: "0123456789ab",
+            lease_ms: tp.lease_ttl_ms,
+            idle_ttl_ms: tp.idle_ttl_ms,
+            sweep_batch: 10,
+            concurrency_retry_cap_ms: 1_000,
+            ending: false,
+            seq: 1,
+            scopes: vec![LeaseScope {
+                key: scope.clone(),
+                limits: ScopeLimits::from(&tp.limits),
+                back_tokens: 0,
+                back_cost: 0,
+                back_day: h.now_ms() / tollgate::hold::DAY_MS,
+                back_earlier: None,
+                charge_tokens: 0,
+                charge_cost: 0,
+                back_requests: 1,
+                held_slots: 1,
+                need: slots,
+                want: slots,
+            }],
+            ledger: None,
+            entries: Vec::new(),
+        };
+        let reply = h.admission.protocol().lease(&call).await.unwrap();
+        assert!(matches!(reply.outcome, LeaseOutcome::Refused { .. }), "{reply:?}");
+        let view = h.scope(&scope).await.expect("the scope, written by the returns");
+        assert_eq!(view.num("c"), 1.0, "the slot its replica holds: {view:?}");
+        assert!(view.pttl > 0, "the scope has no TTL: {view:?}");
+        for (key, view) in h.snapshot(&[]).await {
+            assert_eq!(view.pttl, 1, "{key} has no TTL: {view:?}");
+        }
+    }
+
     /// After the first call, decisions and commits are made in memory: no store call at all.
     pub async fn a_lease_hit_never_leaves_the_process<S: Store + Clone>(h: Harness<S>) {
         let (store, leases, others) = counted(h.admission.protocol().store().clone());
@@ -520,6 +566,10 @@ macro_rules! leasing {
             }
 
             scenario!(a_lease_hit_never_leaves_the_process, SLOW);
+            scenario!(
+                a_refused_lease_call_leaves_what_it_writes_a_ttl,
+                &format!("{SLOW}  requests_per_minute: 60\n  max_concurrency: 1\n")
+            );
             scenario!(the_books_balance_when_the_slices_come_back, SLOW);
             scenario!(concurrency_is_exact_across_replicas, CONCURRENCY);
             scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);

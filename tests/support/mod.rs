@@ -344,6 +344,16 @@ impl<S: Store> Harness<S> {
         }
     }
 
+    /// The time the store reads: the manual clock's, or the real clock's (a Redis server's own
+    /// is this machine's).
+    pub fn now_ms(&self) -> u64 {
+        use tollgate::store::clock::Clock;
+        match &self.clock {
+            Some(c) => c.now_ms(),
+            None => tollgate::store::clock::SystemClock.now_ms(),
+        }
+    }
+
     /// True when time moves only when the test moves it, so exact timing can be asserted.
     pub fn exact_time(&self) -> bool {
         self.clock.is_some()
