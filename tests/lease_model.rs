@@ -296,6 +296,9 @@ struct World {
     usage: BTreeMap<u64, (u64, u64)>,
     /// The policy's text, for reloads: the share, `expired_usage: refund`, and which of `ASIDES`.
     terms: (f64, bool, usize),
+    /// The last reload was tight: user u0 has its limit aside, which sends its requests to the
+    /// store.
+    tight: bool,
     /// Until when (the case's clock) each replica is stalled; `u64::MAX`: dead.
     stalled_until: [u64; REPLICAS],
     /// What a dead replica took to its grave: refunds settled there since its last window, the
@@ -342,6 +345,7 @@ impl World {
             user: Bucket::new(USER),
             usage: BTreeMap::new(),
             terms: (share, refund, aside),
+            tight: false,
             stalled_until: [0; REPLICAS],
             lost_refunds: 0,
             lost_debt: 0,
@@ -495,6 +499,8 @@ impl World {
                     };
                     assert!(lease <= LEASE_MS);
                     let id = ad.reservation_id;
+                    // (Under its aside, every u0 request is decided at the store: no replica in its id.)
+                    assert!(!(user && self.tight && id.contains('@')), "u0's hold {id} was leased under its aside");
                     self.holds.push(Hold {
                         id,
                         owner: replica,
@@ -634,6 +640,7 @@ impl World {
             Op::Tick { replica } => self.tick(replica).await,
             Op::Advance { ms } => self.advance(ms).await,
             Op::Reload { tight } => {
+                self.tight = tight;
                 let (share, refund, aside) = self.terms;
                 let text = policy(self.tenant_name(), share, refund, tight, aside);
                 let new = Policy::parse("lease-model.yaml", &text).expect("reloaded policy");
