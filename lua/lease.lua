@@ -58,9 +58,10 @@
 --         remaining tokens, token limit, token reset ms, remaining requests, request limit,
 --         request reset ms, {tokens, cost, requests, slots granted per scope}, {id, op, ...}, swept,
 --         the store's clock (ms): the replica's slices end with the store's day, not its own)
---   (reason '' when granted; a refusal grants nothing and writes nothing but the returns and the
---    sweep; the ops are what other replicas forwarded for this replica's holds, now handed over; a
---    re-send answers the first run's grants, day, ops and swept, with the headroom as it is now)
+--   (reason '' when granted; a refusal grants nothing: it writes the returns (a scope they wrote
+--    keeps a TTL), the sweep, the record, the ledger entries and its own answer, and takes
+--    nothing; the ops are what other replicas forwarded for this replica's holds, now handed over;
+--    a re-send answers the first run's grants, day, ops and swept, with the headroom as it is now)
 
 local leases = KEYS[1]
 local holds = KEYS[2]
@@ -225,11 +226,14 @@ for i, s in ipairs(scopes) do
   slots[i] = a[19] + taken
 end
 
--- A refused call takes nothing, so the take's TTL never comes: a scope the returns wrote keeps
--- the idle TTL here (one made again would otherwise live forever).
+-- A refused call takes nothing, so the take's TTL never comes: a scope the returns made again
+-- (it had run out of its TTL) gets the idle TTL here, or it would live forever. (A scope that
+-- was there has its TTL: a read, no write.)
 if reason ~= '' then
   for _, key in pairs(touched) do
-    keep_for(key, idle)
+    if call('PTTL', key) == -1 then
+      call('PEXPIRE', key, idle)
+    end
   end
 end
 

@@ -163,11 +163,9 @@ impl<S: Store> Admission<S> {
         for tenant in &tenants {
             // An unlisted tenant admitted under a plan its token named has that plan's limits only
             // while this replica remembers the plan: otherwise its counters would be shown against
-            // another plan's limits.
-            let forgotten = !policy.tenants.contains_key(tenant)
-                && policy.server.plan_header.is_some()
-                && self.claims.plan_of(tenant).is_none();
-            if forgotten {
+            // another plan's limits. (One on `default_tenant` where the policy reads plans from
+            // identity cannot be told from a forgotten one, so neither has gauges.)
+            if !self.plan_known(&policy, tenant) {
                 self.metrics.budgets_read(tenant, None);
                 continue;
             }

@@ -53,8 +53,14 @@ impl Reason {
         }
     }
 
-    /// Whether waiting and retrying the same request can succeed; drives `retry-after` and
-    /// `x-should-retry`.
+    /// Whether the wait a refusal gives is only an upper bound: concurrency's, the oldest lease's
+    /// end, where a commit usually frees a slot sooner.
+    pub fn waits_at_most(self) -> bool {
+        self == Reason::Concurrency
+    }
+
+    /// Whether waiting and retrying the same request can succeed: whether a refusal computes a
+    /// wait (`retry-after`), and the first half of [`Denial::should_retry`].
     pub fn retryable(self) -> bool {
         matches!(
             self,
@@ -155,7 +161,7 @@ impl Denial {
     /// commit usually frees a slot sooner), so it never says not to.
     pub fn should_retry(&self) -> bool {
         self.reason.retryable()
-            && (self.reason == Reason::Concurrency || self.retry_after_ms.is_none_or(|ms| ms <= LONG_WAIT_MS))
+            && (self.reason.waits_at_most() || self.retry_after_ms.is_none_or(|ms| ms <= LONG_WAIT_MS))
     }
 }
 

@@ -219,14 +219,21 @@ impl<S: Store> Admission<S> {
         claimed.and_then(|plan| policy.plans.get(&plan)).or(policy.default_tenant.as_ref())
     }
 
+    /// Whether [`Admission::tenant_policy`] finds `tenant`'s own terms: it is listed, the policy
+    /// reads no plan from identity, or this replica remembers the plan its token named.
+    pub(crate) fn plan_known(&self, policy: &Policy, tenant: &str) -> bool {
+        policy.tenants.contains_key(tenant)
+            || policy.server.plan_header.is_none()
+            || self.claims.plan_of(tenant).is_some()
+    }
+
     /// The terms a call settling `tenant`'s hold (renew, forward) goes by: its policy as
     /// [`Admission::tenant_policy`] finds it; for a tenant this replica has not seen admitted
     /// under a plan header (another replica admitted it, or this one restarted since), the most
     /// generous of the plans and `default_tenant`, so that its hold is still renewed and
     /// forwarded, never left to expire for want of a name.
     pub fn settling_policy<'p>(&self, policy: &'p Policy, tenant: &str) -> Option<&'p Arc<TenantPolicy>> {
-        let known = policy.tenants.contains_key(tenant) || self.claims.plan_of(tenant).is_some();
-        if known || policy.server.plan_header.is_none() {
+        if self.plan_known(policy, tenant) {
             return self.tenant_policy(policy, tenant);
         }
         policy.plans.values().chain(policy.default_tenant.iter()).max_by_key(|t| (t.lease_ttl_ms, t.idle_ttl_ms))

@@ -65,7 +65,8 @@ pub const COMMIT: &str = "x-tollgate-commit";
 pub const RETRY_AFTER: &str = "retry-after";
 /// The same in milliseconds.
 pub const RETRY_AFTER_MS: &str = "retry-after-ms";
-/// `false` where retrying cannot help (OpenAI's and Anthropic's SDKs read it).
+/// `false` where retrying cannot help, or the wait is past what an SDK should sleep through (see
+/// `Denial::should_retry`; OpenAI's and Anthropic's SDKs read it).
 pub const SHOULD_RETRY: &str = "x-should-retry";
 /// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}`: the tightest scope's window.
 pub const RATELIMIT_PREFIX: &str = "x-ratelimit-";

@@ -85,7 +85,8 @@ fn google_status(reason: Reason) -> (u16, &'static str) {
 /// Bedrock's error for a reason, with the status Bedrock gives it: botocore retries throttling
 /// (`ThrottlingException`) and any 503, and nothing else here. A spent budget is a quota that
 /// waiting seconds will not lift; a request that cannot finish in time is the model's timeout,
-/// which is not retried either.
+/// which is not retried either. (botocore reads neither `retry-after` nor `x-should-retry`: a rate
+/// refusal with a long wait is still throttling, which it retries a few times with its own backoff.)
 fn bedrock_error(reason: Reason) -> (u16, &'static str) {
     match reason {
         Reason::TokenRate | Reason::RequestRate | Reason::Concurrency => (429, "ThrottlingException"),

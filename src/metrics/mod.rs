@@ -400,17 +400,24 @@ impl Metrics {
     /// under a plan its token names, or the default one).
     pub fn budget_tenants(&self) -> Vec<String> {
         let labels = self.labels.read().unwrap_or_else(PoisonError::into_inner);
-        let unlisted = labels.unlisted.read().unwrap_or_else(PoisonError::into_inner);
+        let mut tenants: Vec<String> = labels.named.iter().cloned().collect();
         // (Those seen before a reload to `unlisted_tenants: 0` are "other" now.)
-        let unlisted = unlisted.iter().filter(|t| labels.most_unlisted > 0 && !labels.named.contains(*t));
-        labels.named.iter().chain(unlisted).cloned().collect()
+        if labels.most_unlisted > 0 {
+            let unlisted = labels.unlisted.read().unwrap_or_else(PoisonError::into_inner);
+            tenants.extend(unlisted.iter().filter(|t| !labels.named.contains(*t)).cloned());
+        }
+        tenants
     }
 
     /// Forgets the budget gauges of every tenant but `tenants` (those that no longer have a
     /// series of their own).
     pub fn keep_budgets_of(&self, tenants: &[String]) {
+        if !self.enabled {
+            return;
+        }
+        let kept: std::collections::HashSet<&str> = tenants.iter().map(String::as_str).collect();
         let mut seen = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
-        seen.retain(|tenant, _| tenants.contains(tenant));
+        seen.retain(|tenant, _| kept.contains(tenant.as_str()));
     }
 
     /// A reload was tried: `ok`, or `error` when the new file was refused.
