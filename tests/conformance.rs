@@ -1573,6 +1573,10 @@ macro_rules! conformance {
             scenario!(the_other_windows_of_each_side_hold_and_correct, OTHER_SIDES);
             scenario!(budgets_in_money_turn_by_the_hour_and_the_week, MONEY_HOURLY_WEEKLY);
             scenario!(past_a_soft_budget_a_request_is_admitted_marked_and_demoted, &soft_policy());
+            scenario!(
+                a_tenant_in_shadow_counts_its_soft_budget_and_does_nothing_more,
+                &format!("shadow: true\n{}", soft_policy())
+            );
             scenario!(a_budget_a_reload_adds_is_not_credited_by_older_holds, DAY_ONLY);
             scenario!(debt_in_an_earlier_period_than_the_counted_one_is_kept, DAY_ONLY);
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);

@@ -118,7 +118,7 @@ impl<S> Admission<S> {
             }
         }
         let tier = a.priority.unwrap_or(tp.default_priority).min(tp.max_priority);
-        let tier = if tp.has_soft() { self.soft_tier(tenant, tier) } else { tier };
+        let tier = if tp.acts_on_soft() { self.soft_tier(tenant, tier) } else { tier };
         let pool = match policy.pool_of(model) {
             Some((name, pool)) => {
                 let speeds = self.fleet.speeds(name, model_name, pool, self.clock.now_ms());

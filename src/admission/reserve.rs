@@ -417,8 +417,9 @@ impl<S: Store> Admission<S> {
                 shadowed,
                 soft,
             }) => {
-                // (Only a tenant with soft budgets is demoted: no other takes the lock.)
-                if plan.tp.has_soft() {
+                // (Only a tenant whose soft budgets act is demoted: no other takes the lock.)
+                let soft = soft.filter(|_| plan.tp.acts_on_soft());
+                if plan.tp.acts_on_soft() {
                     self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
                 }
                 self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);

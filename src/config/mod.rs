@@ -336,6 +336,12 @@ impl TenantPolicy {
         self.soft.iter().any(|&n| n > 0)
     }
 
+    /// Whether its soft budgets mark and demote its requests: a tenant in shadow only measures
+    /// its limits, so its soft budgets count and do nothing more.
+    pub fn acts_on_soft(&self) -> bool {
+        self.has_soft() && !self.shadow
+    }
+
     /// The user's limits, if any apply.
     pub fn user_limits(&self, user: &str) -> Option<&Limits> {
         self.users.get(user).or(self.default_user.as_ref())

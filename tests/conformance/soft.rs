@@ -57,3 +57,17 @@ pub async fn past_a_soft_budget_a_request_is_admitted_marked_and_demoted<S: Stor
     let next = h.admission.reserve(&ask).await;
     assert_eq!(admitted(&next).tier, Priority::Standard);
 }
+
+/// A tenant in shadow only measures its limits: past its soft budget a request is neither marked
+/// nor demoted, and the budget counts as ever (what it would do shows in the Budgets API).
+pub async fn a_tenant_in_shadow_counts_its_soft_budget_and_does_nothing_more<S: Store>(h: Harness<S>) {
+    let mut ask = h.attributes(100, 100);
+    ask.priority = Some(Priority::Standard);
+    for _ in 0..3 {
+        let a = admitted(&h.admission.reserve(&ask).await).clone();
+        assert_eq!((a.soft_limit, a.tier), (None, Priority::Standard), "{a:?}");
+    }
+    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
+    let day = scopes[0].used.period(BudgetKey::new(Measure::Tokens, Period::Day));
+    assert_eq!(day.counted, 600, "past the soft 300, counted");
+}
