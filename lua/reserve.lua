@@ -303,7 +303,8 @@ call('PEXPIRE', KEYS[2], idle)
 local first = scopes[1].c == 0
 call('ZADD', leases, expiry, id)
 keep_for(leases, idle, first)
-call('HSET', holds, id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks))
+-- The holds hash's entry, and beside it the hold's detail where it has one (one write).
+local entry = { id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks) }
 local sided = false
 for _, s in ipairs(scopes) do
   sided = sided or s.pcap > 0 or s.gcap > 0
@@ -313,8 +314,9 @@ if kc ~= '' or sided then
   if hourly then
     hour = at.h
   end
-  call('HSET', holds, id .. '+', string.format('%d %d %s', output, hour, kc))
+  entry[3], entry[4] = id .. '+', string.format('%d %d %s', output, hour, kc)
 end
+call('HSET', holds, unpack(entry))
 keep_for(holds, idle, first)
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
