@@ -1574,6 +1574,10 @@ macro_rules! conformance {
             scenario!(budgets_in_money_turn_by_the_hour_and_the_week, MONEY_HOURLY_WEEKLY);
             scenario!(past_a_soft_budget_a_request_is_admitted_marked_and_demoted, &soft_policy());
             scenario!(
+                a_demotion_ends_at_local_midnight_across_a_clock_change,
+                &format!("time_zone: America/New_York\n{}", soft_policy())
+            );
+            scenario!(
                 a_tenant_in_shadow_counts_its_soft_budget_and_does_nothing_more,
                 &format!("shadow: true\n{}", soft_policy())
             );

@@ -417,8 +417,11 @@ impl<S: Store> Admission<S> {
                 shadowed,
                 soft,
             }) => {
-                // (Only a tenant whose soft budgets act is demoted: no other takes the lock.)
-                let soft = soft.filter(|_| plan.tp.acts_on_soft());
+                // (Only a tenant whose soft budgets act is demoted: no other takes the lock.) The
+                // demotion lasts until the period turns, at local midnight across a clock change.
+                let soft = soft.filter(|_| plan.tp.acts_on_soft()).map(|(budget, ends_in_ms)| {
+                    (budget, plan.tp.zone.wait_to_turn(zone_offset_min, now_ms, ends_in_ms))
+                });
                 if plan.tp.acts_on_soft() {
                     self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
                 }

@@ -71,3 +71,25 @@ pub async fn a_tenant_in_shadow_counts_its_soft_budget_and_does_nothing_more<S: 
     let day = scopes[0].used.period(BudgetKey::new(Measure::Tokens, Period::Day));
     assert_eq!(day.counted, 600, "past the soft 300, counted");
 }
+
+/// The demotion lasts until the period turns in the tenant's zone, a clock change between
+/// included: past its soft budget an hour before New York's clocks go forward (Sunday 14 March
+/// 2027, 01:00 there), the tenant is demoted until local midnight, 22 hours later, not 23.
+pub async fn a_demotion_ends_at_local_midnight_across_a_clock_change<S: Store>(h: Harness<S>) {
+    if !h.exact_time() {
+        return; // Moves the clock by months.
+    }
+    const MARCH_14_0600_UTC: u64 = 1_805_004_000_000;
+    h.advance(MARCH_14_0600_UTC - h.now_ms()).await;
+    let mut ask = h.attributes(100, 100);
+    ask.priority = Some(Priority::Standard);
+    admitted(&h.admission.reserve(&ask).await);
+    let day = BudgetKey::new(Measure::Tokens, Period::Day);
+    assert_eq!(admitted(&h.admission.reserve(&ask).await).soft_limit, Some(day));
+    // Demoted: two holds are all a sheddable request may wait behind (a standard one would fit).
+    assert_eq!(denied(&h.admission.reserve(&ask).await).reason, Reason::QueueFull, "demoted");
+    // Monday 00:30 in New York, summer time: 04:30 UTC.
+    h.advance(22 * 3_600_000 + 30 * 60_000).await;
+    let next = admitted(&h.admission.reserve(&ask).await).clone();
+    assert_eq!((next.tier, next.soft_limit), (Priority::Standard, None), "a new day there");
+}
