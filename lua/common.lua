@@ -646,10 +646,10 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
       for j = 1, #PERIODS do
         local p = PERIODS[j]
         local marker, names = PERIOD_MARKERS[p], COUNTER_OF[p]
-        local u = { at = tonumber(f[marker]) }
-        local was, moved = u.at, {}
+        local was = tonumber(f[marker])
         -- (A period the hash has no marker for counts nothing here.)
-        if u.at then
+        if was then
+          local u, moved = { at = was }, {}
           for x = 1, #MEASURES do
             local m = MEASURES[x]
             u[m] = tonumber(f[names[m]])

@@ -264,17 +264,8 @@ fn grpcurl_gets_and_adjusts_every_scope_and_check_finds_what_get_said() {
     assert!(check(1)["deniedResponse"].is_object(), "the user's day is spent");
 
     // The ledger: each adjustment once, who asked and why (its numbers are JSON numbers).
-    let read = || -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(&ledger).unwrap_or_default();
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
-    };
     let adjusted = |entries: &[serde_json::Value]| entries.iter().filter(|e| e["outcome"] == "adjusted").count();
-    let start = std::time::Instant::now();
-    let mut entries = read();
-    while adjusted(&entries) < 3 && start.elapsed() < std::time::Duration::from_secs(10) {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        entries = read();
-    }
+    let entries = support::procs::json_lines_when(&ledger, |e| adjusted(e) >= 3);
     assert_eq!(adjusted(&entries), 3, "{entries:#?}");
     let entry = entries.iter().find(|e| e["id"] == "adjust:ticket-4411").expect("the README's adjustment");
     for (field, value) in [

@@ -321,18 +321,8 @@ fn only_a_budget_admins_certificate_may_adjust() {
     assert!(by_ops.status.success() && text(&by_ops).contains("\"adjusted\""), "{}", text(&by_ops));
     assert!(tollgate.log().contains(OPS_ID), "the log says who adjusted:\n{}", tollgate.log());
     // The ledger names the certificate's identity.
-    let start = std::time::Instant::now();
-    let entry = loop {
-        let text = std::fs::read_to_string(&ledger).unwrap_or_default();
-        let found = text
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .find(|e| e["id"] == "adjust:fin-1");
-        if let Some(entry) = found {
-            break entry;
-        }
-        assert!(start.elapsed() < std::time::Duration::from_secs(10), "not in the ledger: {text}");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    let adjustment = |e: &serde_json::Value| e["id"] == "adjust:fin-1";
+    let entries = support::procs::json_lines_when(&ledger, |e| e.iter().any(adjustment));
+    let entry = entries.iter().find(|e| adjustment(e)).unwrap_or_else(|| panic!("not in the ledger: {entries:?}"));
     assert_eq!((&entry["adjusted_by"], &entry["reason"]), (&OPS_ID.into(), &"a test".into()), "{entry}");
 }

@@ -367,6 +367,9 @@ impl<S: Store> Admission<S> {
         let policy = &plan.policy;
         let now_ms = self.clock.now_ms();
         let zone_offset_min = plan.tp.zone.offset_minutes_at(now_ms);
+        // A wait the script counted to a period's turn at today's offset, moved by a clock change
+        // between now and then (a budget's Retry-After, a soft budget's demotion).
+        let to_turn = |wait_ms| plan.tp.zone.wait_to_turn(zone_offset_min, now_ms, wait_ms);
         let call = ReserveCall {
             tenant: &plan.tenant,
             model: &plan.model,
@@ -418,11 +421,10 @@ impl<S: Store> Admission<S> {
                 soft,
             }) => {
                 // (Only a tenant whose soft budgets act is demoted: no other takes the lock.) The
-                // demotion lasts until the period turns, at local midnight across a clock change.
-                let soft = soft.filter(|_| plan.tp.acts_on_soft()).map(|(budget, ends_in_ms)| {
-                    (budget, plan.tp.zone.wait_to_turn(zone_offset_min, now_ms, ends_in_ms))
-                });
-                if plan.tp.acts_on_soft() {
+                // demotion lasts until the period turns.
+                let acts_on_soft = plan.tp.acts_on_soft();
+                let soft = soft.filter(|_| acts_on_soft).map(|(budget, ends_in_ms)| (budget, to_turn(ends_in_ms)));
+                if acts_on_soft {
                     self.remember_soft(&plan.tenant, soft.map(|(_, ends_in_ms)| ends_in_ms));
                 }
                 self.note_tenant(&plan.tenant, plan.tp.lease_ttl_ms);
@@ -451,7 +453,7 @@ impl<S: Store> Admission<S> {
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
                 let retry_after_ms = match reason {
-                    Refusal::Budget(_) => plan.tp.zone.wait_to_turn(zone_offset_min, now_ms, retry_after_ms),
+                    Refusal::Budget(_) => to_turn(retry_after_ms),
                     _ => retry_after_ms,
                 };
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());

@@ -35,10 +35,7 @@ pub const MONEY_HOURLY_WEEKLY: &str =
 /// Ms from now until period `p` turns in a zone `offset` minutes east of UTC, by the clock the
 /// store reads.
 fn to_turn<S: Store>(h: &Harness<S>, offset: i64, p: Period) -> u64 {
-    let now = match &h.clock {
-        Some(c) => c.now_ms(),
-        None => tollgate::store::clock::SystemClock.now_ms(),
-    };
+    let now = h.now_ms();
     let local = i64::try_from(now).unwrap() + offset * 60_000;
     let day = local.div_euclid(DAY as i64);
     let ends = match p {
@@ -61,8 +58,7 @@ fn waits_for_turn<S: Store>(h: &Harness<S>, wait: u64, offset: i64, p: Period) {
     let offset = if h.exact_time() {
         offset
     } else {
-        let now = tollgate::store::clock::SystemClock.now_ms();
-        i64::from(h.admission.policy().tenants[&h.tenant].zone.offset_minutes_at(now))
+        i64::from(h.admission.policy().tenants[&h.tenant].zone.offset_minutes_at(h.now_ms()))
     };
     let expected = to_turn(h, offset, p);
     if h.exact_time() {
@@ -78,40 +74,61 @@ fn period_use(scopes: &[tollgate::admission::ScopeBudget], m: Measure, p: Period
     (u.counted, u.held)
 }
 
+/// The same, read now.
+async fn used<S: Store>(h: &Harness<S>, m: Measure, p: Period) -> (u64, u64) {
+    period_use(&h.admission.budgets(&h.tenant, None, None).await.unwrap(), m, p)
+}
+
+/// A reserve the tenant scope's bucket of one side (`side`: input | output) refuses, 100 tokens
+/// short at 10 a second.
+async fn refused_a_hundred_short<S: Store>(h: &Harness<S>, prompt: u64, output: u64, side: &str) {
+    let no = denied(&h.reserve(prompt, output).await).clone();
+    assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
+    assert!(no.message.contains(&format!("{side} token rate limit of scope tenant")), "{no:?}");
+    let wait = no.retry_after_ms.unwrap();
+    assert!((9_000..=10_000).contains(&wait), "{wait}");
+}
+
+/// A reserve a budget refuses, its message saying which (`says`), its wait the turn of period
+/// `p` in a zone `offset` minutes east (see waits_for_turn).
+async fn refused_until_turn<S: Store>(
+    h: &Harness<S>,
+    (prompt, output): (u64, u64),
+    says: &str,
+    offset: i64,
+    p: Period,
+) -> tollgate::admission::Denial {
+    let no = denied(&h.reserve(prompt, output).await).clone();
+    assert_eq!(no.reason, Reason::Budget, "{no:?}");
+    assert!(no.message.contains(says), "{no:?}");
+    waits_for_turn(h, no.retry_after_ms.unwrap(), offset, p);
+    no
+}
+
 /// The prompt and the output are held and corrected each on its own side: a bucket of input
 /// tokens refuses a long prompt while output is plentiful, a day's output budget refuses a large
 /// max_tokens while input is, and a commit gives back (or charges) each side what it did not use
 /// (or overran).
 pub async fn input_and_output_limits_hold_and_correct_each_side<S: Store>(h: Harness<S>) {
     let first = admitted(&h.reserve(400, 300).await).reservation_id.clone();
-    let no = denied(&h.reserve(300, 10).await).clone();
-    assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
-    assert!(no.message.contains("input token rate limit of scope tenant"), "{no:?}");
-    // 100 short at 10 a second.
-    let wait = no.retry_after_ms.unwrap();
-    assert!((9_000..=10_000).contains(&wait), "{wait}");
-    let no = denied(&h.reserve(100, 800).await).clone();
-    assert_eq!(no.reason, Reason::Budget);
-    assert!(no.message.contains("daily output token budget of scope tenant"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Day);
+    refused_a_hundred_short(&h, 300, 10, "input").await;
+    refused_until_turn(&h, (100, 800), "daily output token budget of scope tenant", 0, Period::Day).await;
     // Larger than the input bucket could ever hold: no wait helps.
     assert_eq!(denied(&h.reserve(601, 1).await).reason, Reason::Unsatisfiable);
 
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (300, 300), "held, all of it");
-    assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (400, 400));
+    assert_eq!(used(&h, Measure::Output, Period::Day).await, (300, 300), "held, all of it");
+    assert_eq!(used(&h, Measure::Input, Period::Week).await, (400, 400));
 
     // 400 in and 50 out: 250 of the output comes back, the input stands.
     h.admission.commit(&first, 400, 50).await.unwrap();
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (50, 0));
-    assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (400, 0));
-    assert_eq!(period_use(&scopes, Measure::Tokens, Period::Day), (450, 0), "the total moves with both");
+    assert_eq!(used(&h, Measure::Output, Period::Day).await, (50, 0));
+    assert_eq!(used(&h, Measure::Input, Period::Week).await, (400, 0));
+    assert_eq!(used(&h, Measure::Tokens, Period::Day).await, (450, 0), "the total moves with both");
     let second = admitted(&h.reserve(100, 800).await).reservation_id.clone();
     // An output past its hold is debt on the output side: 50 + 1,000 is past the day's 1,000.
     h.admission.commit(&second, 100, 1000).await.unwrap();
+    assert_eq!(used(&h, Measure::Output, Period::Day).await, (1050, 0));
     let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Output, Period::Day), (1050, 0));
     assert_eq!(period_use(&scopes, Measure::Input, Period::Week), (500, 0));
     assert_eq!(denied(&h.reserve(0, 1).await).reason, Reason::Budget);
     // The limits as Get reports them, by the policy's names.
@@ -128,12 +145,9 @@ pub async fn input_and_output_limits_hold_and_correct_each_side<S: Store>(h: Har
 /// hour turned gives its tokens back to the week, not to the new hour.
 pub async fn hourly_and_weekly_budgets_turn_on_their_boundaries<S: Store>(h: Harness<S>) {
     let first = admitted(&h.reserve(0, 800).await).reservation_id.clone();
-    let no = denied(&h.reserve(0, 300).await).clone();
-    assert!(no.message.contains("hourly token budget of scope tenant"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+    refused_until_turn(&h, (0, 300), "hourly token budget of scope tenant", 0, Period::Hour).await;
     if !h.exact_time() {
-        let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-        assert_eq!(period_use(&scopes, Measure::Tokens, Period::Week), (800, 800));
+        assert_eq!(used(&h, Measure::Tokens, Period::Week).await, (800, 800));
         return;
     }
     // Sunday 13:00: a new hour, the same week.
@@ -175,9 +189,7 @@ pub async fn a_zone_behind_utc_turns_the_day_at_its_midnight<S: Store>(h: Harnes
 /// the turn gives back to the month, not to the new day.
 async fn the_day_and_the_month_turn_at_local_midnight<S: Store>(h: Harness<S>, offset: i64, to_midnight: u64) {
     let yesterday = admitted(&h.reserve(0, 900).await).reservation_id.clone();
-    let no = denied(&h.reserve(0, 200).await).clone();
-    assert!(no.message.contains("daily token budget"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), offset, Period::Day);
+    let no = refused_until_turn(&h, (0, 200), "daily token budget", offset, Period::Day).await;
     if !h.exact_time() {
         return;
     }
@@ -215,9 +227,7 @@ pub async fn a_zone_ahead_of_utc_turns_the_week_at_its_midnight<S: Store>(h: Har
 /// `to_monday` ms after the manual clock's start (Sunday 29 November, 12:00 UTC).
 async fn the_week_turns_at_local_midnight<S: Store>(h: Harness<S>, offset: i64, to_monday: u64) {
     admitted(&h.reserve(0, 900).await);
-    let no = denied(&h.reserve(0, 200).await).clone();
-    assert!(no.message.contains("weekly token budget"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), offset, Period::Week);
+    let no = refused_until_turn(&h, (0, 200), "weekly token budget", offset, Period::Week).await;
     if !h.exact_time() {
         return;
     }
@@ -233,16 +243,8 @@ async fn the_week_turns_at_local_midnight<S: Store>(h: Harness<S>, offset: i64, 
 /// output budget takes an overrun as debt and refuses until the month turns.
 pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harness<S>) {
     let first = admitted(&h.reserve(1500, 500).await).reservation_id.clone();
-    let no = denied(&h.reserve(0, 200).await).clone();
-    assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
-    assert!(no.message.contains("output token rate limit of scope tenant"), "{no:?}");
-    // 100 short at 10 a second.
-    let wait = no.retry_after_ms.unwrap();
-    assert!((9_000..=10_000).contains(&wait), "{wait}");
-    let no = denied(&h.reserve(600, 10).await).clone();
-    assert_eq!(no.reason, Reason::Budget);
-    assert!(no.message.contains("hourly input token budget of scope tenant"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+    refused_a_hundred_short(&h, 0, 200, "output").await;
+    refused_until_turn(&h, (600, 10), "hourly input token budget of scope tenant", 0, Period::Hour).await;
 
     // 1,500 in and 100 out: 400 back to the output bucket and the month; the input stands.
     h.admission.commit(&first, 1500, 100).await.unwrap();
@@ -255,19 +257,15 @@ pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harnes
     let second = admitted(&h.reserve(400, 500).await).reservation_id.clone();
     // 2,901 out of a hold of 500: debt on the output side, the month past its 3,000.
     h.admission.commit(&second, 400, 2901).await.unwrap();
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Output, Period::Month), (3001, 0));
-    assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (1900, 0));
-    let no = denied(&h.reserve(0, 1).await).clone();
-    assert!(no.message.contains("monthly output token budget of scope tenant"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Month);
+    assert_eq!(used(&h, Measure::Output, Period::Month).await, (3001, 0));
+    assert_eq!(used(&h, Measure::Input, Period::Hour).await, (1900, 0));
+    refused_until_turn(&h, (0, 1), "monthly output token budget of scope tenant", 0, Period::Month).await;
     if !h.exact_time() {
         return;
     }
     // The hour turns: the input budget is whole again, and only the month refuses.
     h.advance(to_turn(&h, 0, Period::Hour)).await;
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Input, Period::Hour), (0, 0));
+    assert_eq!(used(&h, Measure::Input, Period::Hour).await, (0, 0));
     let no = denied(&h.reserve(2000, 1).await).clone();
     assert!(no.message.contains("monthly output token budget"), "{no:?}");
     h.advance(to_turn(&h, 0, Period::Month)).await;
@@ -279,14 +277,11 @@ pub async fn the_other_windows_of_each_side_hold_and_correct<S: Store>(h: Harnes
 pub async fn budgets_in_money_turn_by_the_hour_and_the_week<S: Store>(h: Harness<S>) {
     // 100 in and 200 out: 700,000 nanos held.
     let first = admitted(&h.reserve(100, 200).await).reservation_id.clone();
-    let no = denied(&h.reserve(100, 200).await).clone();
-    assert!(no.message.contains("hourly cost budget of scope tenant"), "{no:?}");
-    waits_for_turn(&h, no.retry_after_ms.unwrap(), 0, Period::Hour);
+    refused_until_turn(&h, (100, 200), "hourly cost budget of scope tenant", 0, Period::Hour).await;
     let c = h.admission.commit(&first, 100, 50).await.unwrap();
     assert_eq!(c.usage().unwrap().cost_nanos, 250_000);
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Cost, Period::Hour), (250_000, 0));
-    assert_eq!(period_use(&scopes, Measure::Cost, Period::Week), (250_000, 0));
+    assert_eq!(used(&h, Measure::Cost, Period::Hour).await, (250_000, 0));
+    assert_eq!(used(&h, Measure::Cost, Period::Week).await, (250_000, 0));
     if !h.exact_time() {
         return;
     }
@@ -294,9 +289,8 @@ pub async fn budgets_in_money_turn_by_the_hour_and_the_week<S: Store>(h: Harness
     h.advance(HOUR).await;
     let second = admitted(&h.reserve(100, 200).await).reservation_id.clone();
     h.admission.commit(&second, 100, 200).await.unwrap();
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Cost, Period::Hour), (700_000, 0), "a new hour");
-    assert_eq!(period_use(&scopes, Measure::Cost, Period::Week), (950_000, 0), "the same week");
+    assert_eq!(used(&h, Measure::Cost, Period::Hour).await, (700_000, 0), "a new hour");
+    assert_eq!(used(&h, Measure::Cost, Period::Week).await, (950_000, 0), "the same week");
     // 700,000 more would pass the hour's 1,000,000 and the week's 1,500,000: the week frees last.
     let no = denied(&h.reserve(100, 200).await).clone();
     assert!(no.message.contains("weekly cost budget of scope tenant"), "{no:?}");
@@ -330,8 +324,7 @@ pub async fn a_budget_a_reload_adds_is_not_credited_by_older_holds<S: Store>(h: 
     h.admission.commit(&older, 1000, 500).await.unwrap();
     let scope = h.tenant_scope().await;
     assert_eq!((scope.num("du"), scope.num("wu")), (10_500.0, 9_000.0), "{scope:?}");
-    let scopes = h.admission.budgets(&h.tenant, None, None).await.unwrap();
-    assert_eq!(period_use(&scopes, Measure::Tokens, Period::Week), (9_000, 9_000));
+    assert_eq!(used(&h, Measure::Tokens, Period::Week).await, (9_000, 9_000));
 }
 
 /// Debt charged with a zone's offset that has moved since the period was counted (a reload that

@@ -34,6 +34,22 @@ pub fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
     (head.lines().next().unwrap().to_string(), body.to_string())
 }
 
+/// The JSON lines of `path` (a ledger file tollgate appends to) once `done` holds of them, or
+/// as they are after 10 s of looking (the caller's assertions then say what is missing).
+pub fn json_lines_when(path: &Path, done: impl Fn(&[serde_json::Value]) -> bool) -> Vec<serde_json::Value> {
+    let read = || -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let start = Instant::now();
+    let mut lines = read();
+    while !done(&lines) && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        lines = read();
+    }
+    lines
+}
+
 /// A directory that is removed on drop.
 pub struct TempDir(pub PathBuf);
 
