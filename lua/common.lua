@@ -1047,7 +1047,11 @@ end
 --   n  holds outstanding      w  their predicted slot time (ms)      kv  their KV-cache tokens
 --   f…  fair shares within a tier (below)
 -- Pool holds hash: reservation id -> "<work> <kv> <tier> <tenant>" (holds made before fair shares:
--- "<work> <kv>"); a live stream's work shrinks as it reports progress (pool_progress.lua).
+-- "<work> <kv>"); a live stream's work shrinks as it reports progress (pool_progress.lua). Beside
+-- it, in a pool with provider limits, `<id>+` -> what the hold charged them (pool_reserve.lua):
+-- "<tokens> <cost> <prompt> <output> <day> <hour> <request capacity> <requests per ms> <kc>".
+-- Provider scope (one per pool with provider limits): a scope hash as a tenant's (above), shared
+-- by every tenant whose model the pool serves; its periods are UTC's.
 
 -- The share of a pool admitted, as its provider's 429s left it (see pool_throttle.lua): the share
 -- written at `at`, recovered since at `recover` per ms, never above the whole pool.
@@ -1108,7 +1112,8 @@ end
 -- tiers' finish tags: whatever a hold taken off without its share (by a replica from before fair
 -- shares, in a rolling update) left behind does not outlive the pool's next idle moment, and an
 -- idle pool has no contention to remember. `keys`: the pool scripts' KEYS (state, holds, leases,
--- waiting, finish tags of each tier); `n`: the holds it has now.
+-- waiting, finish tags of each tier, the provider scope, which keeps counting); `n`: the holds it
+-- has now.
 local function pool_forget_if_idle(keys, n)
   if n == 0 and call('HLEN', keys[4]) == 0 then
     local all = call('HGETALL', keys[1])
@@ -1118,8 +1123,40 @@ local function pool_forget_if_idle(keys, n)
         call('HDEL', keys[1], all[i])
       end
     end
-    for i = 5, #keys do
+    for i = 5, 7 do
       call('DEL', keys[i])
+    end
+  end
+end
+
+-- Settles what a pool hold charged its provider's limits (`charge`, its `<id>+` entry) by how its
+-- request ended, `ending`: {how, prompt, output, cost} (counts nil: as held). `unused` (it never
+-- reached the backend: the tenant leg refused it, or nobody received the admission) gives all
+-- of it back, its request too; `released` (it ended with no usage) its tokens and money, the
+-- request having reached the provider; `used` moves it to the counts, refunding what was held
+-- beyond them and charging an overrun as debt, as a tenant's commit does. Anything else (a lease
+-- that ran out) leaves it charged as held: missing usage is not zero usage. `idle`: the provider
+-- scope's idle TTL (ms).
+local function provider_settle(key, charge, ending, now, idle)
+  local how = ending and ending.how
+  if how ~= 'unused' and how ~= 'released' and how ~= 'used' then
+    return
+  end
+  local c = split(charge)
+  local held = amounts(tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4]))
+  local hold_at, kc = periods_of(tonumber(c[5]), tonumber(c[6])), c[9]
+  if how == 'used' then
+    local p, g = ending.prompt or held.p, ending.output or held.g
+    local n = amounts(p + g - held.u, (ending.cost or held.c) - held.c, p - held.p, g - held.g)
+    settle({ key }, n, hold_at, periods_at(now, 0), now, kc, nil, idle)
+    return
+  end
+  refund({ key }, held, hold_at, now, kc, nil, idle)
+  local rcap, rrate = tonumber(c[7]), tonumber(c[8])
+  if how == 'unused' and rcap > 0 then
+    local f = call('HMGET', key, 'r', 'rt')
+    if f[1] then
+      call('HSET', key, 'r', min(rcap, refilled(f[1], f[2], rcap, rrate, now) + 1), 'rt', now)
     end
   end
 end
@@ -1127,12 +1164,15 @@ end
 -- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
 -- does not hold it (already released, or swept after its lease). A request still waiting for a
 -- slot (pool_reserve.lua's queue) leaves the queue here too. Either way, a pool left empty forgets.
--- `unused`: the request never reached the backend (its tenant leg refused it, or nobody received
--- the admission), so the finish tag its admission added ("<work> <kv> <tier> <tenant> <cost>")
--- is taken back: its tenant is not queued as if served.
-local function pool_drop(keys, id, unused)
+-- `ending` (nil: its lease ran out) says how its request ended, for the provider's limits
+-- (provider_settle); `unused` there also means the request never reached the backend, so the
+-- finish tag its admission added ("<work> <kv> <tier> <tenant> <cost>") is taken back: its tenant
+-- is not queued as if served.
+local function pool_drop(keys, id, ending, now)
   local state, holds, leases = keys[1], keys[2], keys[3]
-  local h = call('HGET', holds, id)
+  local unused = ending and ending.how == 'unused'
+  local got = call('HMGET', holds, id, id .. '+')
+  local h = got[1]
   call('ZREM', leases, id)
   if call('HDEL', keys[4], id) == 1 and not h then
     -- The last one waiting for an empty pool leaves.
@@ -1143,7 +1183,14 @@ local function pool_drop(keys, id, unused)
   end
   local parts = split(h)
   local work, kv = tonumber(parts[1]), tonumber(parts[2])
-  call('HDEL', holds, id)
+  if got[2] then
+    call('HDEL', holds, id, id .. '+')
+    if keys[8] then
+      provider_settle(keys[8], got[2], ending, now, ending and ending.idle)
+    end
+  else
+    call('HDEL', holds, id)
+  end
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)
   end

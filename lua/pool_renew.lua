@@ -1,6 +1,7 @@
 -- pool_renew.lua: extends the lease of a pool hold, after its tenant hold was renewed.
 --
 -- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash     KEYS[3] the pool's lease index
+-- KEYS[4..8] as pool_release.lua's (the provider scope keeps its TTL by itself)
 -- ARGV[1] reservation id            ARGV[2] new lease, from now (ms)  ARGV[3] idle TTL (ms)
 --
 -- Reply: 1 when renewed; 0 when the pool does not hold it (nothing changes).
@@ -9,7 +10,7 @@ if not call('HGET', KEYS[2], ARGV[1]) then
   return 0
 end
 call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
-for _, k in ipairs(KEYS) do
-  keep_for(k, tonumber(ARGV[3]))
+for i = 1, 7 do
+  keep_for(KEYS[i], tonumber(ARGV[3]))
 end
 return 1

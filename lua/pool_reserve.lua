@@ -8,6 +8,7 @@
 -- KEYS[3] the pool's lease index
 -- KEYS[4] the pool's waiting hash   KEYS[5..7] the tenants' finish tags at its critical, standard and
 --                                   sheddable tiers (common.lua, "Waiting for a slot")
+-- KEYS[8] the pool's provider scope (common.lua; read when ARGV[20] > 0)
 --
 -- ARGV[1]  reservation id
 -- ARGV[2]  work: this request's predicted slot time (ms)
@@ -27,6 +28,14 @@
 --          (a request that cannot start at once waits here for a slot, in order)
 -- ARGV[18] how long the caller may still wait for its slot (ms), queueing in tollgate
 -- ARGV[19] waiter TTL: how long (ms) a waiting place lives without its caller's next call
+-- ARGV[20] the provider's share for this tier: of the provider's limits, the part this request's
+--          tier may use, in thousandths (the rest is headroom for the tiers above it); 0: the pool
+--          sets no provider limits
+-- ARGV[21] prompt tokens        ARGV[22] output tokens held       ARGV[23] cost (nanos) of both
+-- ARGV[24] the provider scope's idle TTL (ms): as long as its longest budget's period
+-- then, where the pool sets provider limits, ten (common.lua's scope_limits): token capacity,
+--   tokens per ms, request capacity, requests per ms, max concurrency (unused), input token
+--   capacity, input tokens per ms, output token capacity, output tokens per ms, period budgets
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
@@ -35,7 +44,11 @@
 --   again (same id) to take the slot when it comes; pool_release.lua gives the place up
 -- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
 --   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed) |
---           fair_share (the tier is contended and the tenant holds its share of it already)
+--           fair_share (the tier is contended and the tenant holds its share of it already) |
+--           provider:<limit> (the provider's limits, as the tier may use them, cannot take the
+--           request yet: provider:token_rate, provider:input_rate, provider:output_rate,
+--           provider:request_rate, provider:budget:<counter>, with the wait; or
+--           provider:unsatisfiable, larger than the tier's share of one of them could ever be)
 --
 -- The model, fluid and conservative: the pool drains outstanding work at one slot-ms per slot per
 -- ms. A request starts at once while fewer holds than slots are outstanding, otherwise after the
@@ -45,6 +58,16 @@
 -- its progress (pool_progress.lua), never by time alone.
 -- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
 -- that pool_throttle.lua left it.
+--
+-- The provider's limits (ARGV[20] on): the account's token, request and side rates and its period
+-- budgets, shared by every tenant whose model this pool serves, kept in a scope hash of the
+-- pool's own (KEYS[8]) and read, checked and taken as a tenant's scope is (common.lua). They are
+-- checked once the pool would start or queue the request, atomically with its hold, and taken
+-- with it: a request waiting in tollgate's queue holds none of them. A tier below critical sees
+-- only its share of each (its share of the bucket, counted from the top: what the tiers above keep
+-- is never its to take; its share of a budget), as with slots; while the provider's 429s throttle
+-- the pool, every bucket refills at that share of its rate: the tighter of the two wins. The
+-- hold's charge is kept beside it (`<id>+`) and settled when it leaves (pool_release.lua).
 --
 -- Fair shares within a tier: while a request would queue at its tier (the tier is contended), a
 -- tenant that already holds work there may hold at most its weight's share of the tier's work
@@ -83,6 +106,7 @@ local in_tollgate = ARGV[17] == 'tollgate'
 local wait, waiter_ttl = tonumber(ARGV[18]) or 0, tonumber(ARGV[19]) or 0
 local waiting, rank = KEYS[4], TIER_RANK[tier]
 local tags = KEYS[5 + rank]
+local provider_share = (tonumber(ARGV[20]) or 0) / 1000
 
 local now = now_ms()
 
@@ -118,6 +142,53 @@ if share < 1 then
   tier_slots = max(1, floor(tier_slots * share))
 end
 
+-- The provider's limits as this tier sees them, read (nothing written), and what this request
+-- would take from them.
+local provider, provider_view, provider_n, provider_at = nil, nil, nil, nil
+if provider_share > 0 then
+  local l = scope_limits(ARGV, 24)
+  l.trate, l.rrate, l.prate, l.grate = l.trate * share, l.rrate * share, l.prate * share, l.grate * share
+  provider_at = periods_at(now, 0)
+  provider = read_scope(KEYS[8], l, now, provider_at)
+  local p, g = tonumber(ARGV[21]), tonumber(ARGV[22])
+  provider_n = amounts(p + g, tonumber(ARGV[23]), p, g)
+  -- What the tiers above keep, off the top of each bucket and budget.
+  local keep, budgets = 1 - provider_share, {}
+  for c, limit in pairs(l.budgets) do
+    budgets[c] = floor(limit * provider_share)
+  end
+  provider_view = setmetatable({
+    t = provider.t and provider.t - provider.tcap * keep, tcap = provider.tcap * provider_share,
+    pt = provider.pt and provider.pt - provider.pcap * keep, pcap = provider.pcap * provider_share,
+    gt = provider.gt and provider.gt - provider.gcap * keep, gcap = provider.gcap * provider_share,
+    r = provider.r and provider.r - provider.rcap * keep, rcap = provider.rcap * provider_share,
+    l = { budgets = budgets, any_budget = l.any_budget },
+  }, { __index = provider })
+end
+
+-- The provider's refusal of this request (`delay`: its predicted start), or nil when its limits
+-- can take it now.
+local function provider_refusal(delay)
+  if not provider then
+    return nil
+  end
+  local v, n = provider_view, provider_n
+  if (v.tcap > 0 and n.u > v.tcap) or (v.rcap > 0 and v.rcap < 1) or beyond_budgets(v, n) then
+    return refuse('provider:unsatisfiable', 0, delay)
+  end
+  local reason, wait = nil, 0
+  check_scope(v, n, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
+    ms = max(1, ceil(ms))
+    if ms > wait then
+      reason, wait = why, ms
+    end
+  end)
+  if reason then
+    return refuse('provider:' .. reason, wait, delay)
+  end
+  return nil
+end
+
 local function start_delay(over_slots)
   if n < over_slots then
     return 0
@@ -134,12 +205,20 @@ local function hold(delay, start)
   -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
   -- pool exactly as it came.
   call('ZADD', leases, now + lease, id)
+  local entry = { id, string.format('%d %d %s %s', work, kv, tier, tenant) }
+  if provider then
+    local t = provider_n
+    take(provider, t, 1, 0, provider_at, now, ARGV[24])
+    entry[3], entry[4] = id .. '+', string.format('%d %d %d %d %d %d %d %.17g %s', t.u, t.c, t.p, t.g,
+      provider_at.d, provider_at.h, provider.rcap, provider.l.rrate, charged_counters({ provider }))
+  end
   if not start then
-    call('HSET', holds, id, string.format('%d %d %s %s', work, kv, tier, tenant))
+    call('HSET', holds, unpack(entry))
   else
     -- Its cost too: a release of a request that never ran takes it back off the tag.
     local cost = cost_of(work, weight)
-    call('HSET', holds, id, string.format('%d %d %s %s %d', work, kv, tier, tenant, cost))
+    entry[2] = string.format('%d %d %s %s %d', work, kv, tier, tenant, cost)
+    call('HSET', holds, unpack(entry))
     call('HDEL', waiting, id)
     local finish_tag = start + cost
     local had = tonumber(call('ZSCORE', tags, tenant)) or 0
@@ -152,8 +231,8 @@ local function hold(delay, start)
       end
     end
   end
-  for _, k in ipairs(KEYS) do
-    keep_for(k, idle)
+  for i = 1, 7 do
+    keep_for(KEYS[i], idle)
   end
   return { 1, delay, n + 1, w + work }
 end
@@ -196,7 +275,7 @@ if in_tollgate then
     return refuse('deadline', 0, delay)
   end
   if starts then
-    return hold(0, me.start)
+    return provider_refusal(0) or hold(0, me.start)
   end
   if delay > wait or wait <= 0 then
     return refuse('queue_full', delay, delay)
@@ -227,4 +306,4 @@ end
 if tier_kv > 0 and used_kv + kv > tier_kv then
   return { 0, 'queue_full', max(1, ceil(w / slots)), delay }
 end
-return hold(delay, nil)
+return provider_refusal(delay) or hold(delay, nil)

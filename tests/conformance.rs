@@ -16,6 +16,8 @@ use tollgate::store::{Store, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
+#[path = "conformance/provider.rs"]
+mod provider;
 #[path = "conformance/soft.rs"]
 mod soft;
 
@@ -24,6 +26,7 @@ mod scenarios {
     use super::*;
 
     pub use super::periods::*;
+    pub use super::provider::*;
     pub use super::soft::*;
 
     /// 1 token per second of refill: slow enough that the few milliseconds a real Redis test
@@ -582,7 +585,7 @@ mod scenarios {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
         assert_eq!(h.admission.upstream_refused(&a, Some(300)).await.unwrap(), Some(0.5));
-        let v = h.admission.pool_status(&h.pool).await.unwrap();
+        let (v, _) = h.admission.pool_status(&h.pool).await.unwrap();
         assert_eq!((v.holds, v.share), (2, 0.5));
         assert!((1..=300).contains(&v.resumes_in_ms), "{v:?}");
         let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
@@ -601,7 +604,7 @@ mod scenarios {
         if h.exact_time() {
             // 0.05 of the pool back per second: whole again within ten seconds.
             h.advance(10_000).await;
-            assert_eq!(h.admission.pool_status(&h.pool).await.unwrap().share, 1.0);
+            assert_eq!(h.admission.pool_status(&h.pool).await.unwrap().0.share, 1.0);
             admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
         }
     }
@@ -1598,6 +1601,16 @@ macro_rules! conformance {
             scenario!(cached_prompt_tokens_count_at_their_weight_and_price, LEDGER);
             scenario!(bad_ids_change_nothing, BUCKET);
             scenario!(concurrent_reserves_never_over_admit, K7);
+            scenario!(tenants_together_are_refused_at_the_providers_rate, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(the_provider_is_charged_what_ran, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(
+                a_request_its_tenant_refuses_gives_the_provider_everything_back,
+                &provider_policy("{ requests_per_minute: 1 }", PROVIDER_RATES)
+            );
+            scenario!(a_release_keeps_the_request_and_an_expiry_keeps_the_tokens, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(lower_tiers_keep_the_providers_headroom, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(a_providers_day_budget_turns_at_utc_midnight, &provider_policy("{}", "{ tokens_per_day: 400 }"));
+            scenario!(pool_status_shows_the_providers_limits, &provider_policy("{}", PROVIDER_RATES));
             scenario!(
                 a_live_streams_progress_shrinks_its_pool_work,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")

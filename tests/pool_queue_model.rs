@@ -19,7 +19,7 @@ use proptest::prelude::*;
 use support::Harness;
 use tollgate::config::{PoolQueue, Priority};
 use tollgate::store::embedded::EmbeddedStore;
-use tollgate::store::{PoolCall, PoolOutcome, keys};
+use tollgate::store::{PoolCall, PoolEnd, PoolOutcome, keys};
 
 const SLOTS: u64 = 3;
 const TIERS: [(Priority, u64); 3] = [(Priority::Critical, 3), (Priority::Standard, 2), (Priority::Sheddable, 1)];
@@ -269,6 +269,7 @@ impl Run {
                     queue: PoolQueue::Tollgate,
                     wait_ms: *wait,
                     waiter_ttl_ms: WAITER_TTL_MS,
+                    provider: None,
                 };
                 let got = match self.h.admission.protocol().pool_reserve(&call).await.expect("pool_reserve") {
                     PoolOutcome::Admitted { .. } => Reply::Admitted,
@@ -280,7 +281,8 @@ impl Run {
             }
             Op::Release { id, unused } => {
                 let id = format!("r{id}");
-                self.h.admission.protocol().pool_release(&self.h.pool, &id, *unused).await.expect("pool_release");
+                let end = if *unused { PoolEnd::Unused } else { PoolEnd::Expired };
+                self.h.admission.protocol().pool_release(&self.h.pool, &id, end, 0).await.expect("pool_release");
                 self.model.release(&id, *unused);
             }
             Op::Advance { ms } => {

@@ -16,6 +16,11 @@ pub enum Reason {
     Budget,
     /// Backend capacity, not client quota.
     QueueFull,
+    /// A rate of the provider account behind the pool, shared by every tenant: not the
+    /// client's quota.
+    ProviderRate,
+    /// A period budget of the provider account behind the pool is spent.
+    ProviderBudget,
     /// The predicted wait already exceeds the caller's deadline.
     Deadline,
     /// Larger than the scope's whole capacity: retrying can never work.
@@ -36,6 +41,8 @@ impl Reason {
             Reason::Concurrency => "concurrency",
             Reason::Budget => "budget",
             Reason::QueueFull => "queue_full",
+            Reason::ProviderRate => "provider_rate",
+            Reason::ProviderBudget => "provider_budget",
             Reason::Deadline => "deadline",
             Reason::Unsatisfiable => "unsatisfiable",
             Reason::Unauthenticated => "unauthenticated",
@@ -47,7 +54,11 @@ impl Reason {
     pub fn http_status(self) -> u16 {
         match self {
             Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => 429,
-            Reason::QueueFull | Reason::Deadline | Reason::StoreUnavailable => 503,
+            Reason::QueueFull
+            | Reason::ProviderRate
+            | Reason::ProviderBudget
+            | Reason::Deadline
+            | Reason::StoreUnavailable => 503,
             Reason::Unsatisfiable | Reason::InvalidRequest => 400,
             Reason::Unauthenticated => 401,
         }
@@ -69,6 +80,8 @@ impl Reason {
                 | Reason::Concurrency
                 | Reason::Budget
                 | Reason::QueueFull
+                | Reason::ProviderRate
+                | Reason::ProviderBudget
                 | Reason::StoreUnavailable
         )
     }
@@ -77,19 +90,25 @@ impl Reason {
     pub fn error_type(self) -> &'static str {
         match self {
             Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => "rate_limit_error",
-            Reason::QueueFull | Reason::Deadline | Reason::StoreUnavailable => "overloaded_error",
+            Reason::QueueFull
+            | Reason::ProviderRate
+            | Reason::ProviderBudget
+            | Reason::Deadline
+            | Reason::StoreUnavailable => "overloaded_error",
             Reason::Unsatisfiable | Reason::InvalidRequest => "invalid_request_error",
             Reason::Unauthenticated => "authentication_error",
         }
     }
 
     /// Every reason, in table order.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 12] = [
         Reason::TokenRate,
         Reason::RequestRate,
         Reason::Concurrency,
         Reason::Budget,
         Reason::QueueFull,
+        Reason::ProviderRate,
+        Reason::ProviderBudget,
         Reason::Deadline,
         Reason::Unsatisfiable,
         Reason::Unauthenticated,

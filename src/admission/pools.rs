@@ -5,9 +5,10 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use super::fleet::{Speeds, Timing};
+use super::budgets::ScopeBudget;
 use super::{Admission, AdmissionError, parse_id};
 use crate::config::Policy;
-use crate::hold::id as ids;
+use crate::hold::{ScopeLimits, id as ids};
 use crate::store::{PoolView, Store, ThrottleCall};
 
 /// A stream past its predicted output is expected to run on for 1/`OVERRUN_DIVISOR` of it again:
@@ -53,15 +54,25 @@ impl<S: Store> Admission<S> {
         Ok(Some(share))
     }
 
-    /// What a pool holds, and how far its provider's 429s throttle it.
-    pub async fn pool_status(&self, pool: &str) -> Result<PoolView, AdmissionError> {
+    /// What a pool holds, how far its provider's 429s throttle it, and, where the pool sets
+    /// provider limits, what they have used and have left (scope `provider`).
+    pub async fn pool_status(&self, pool: &str) -> Result<(PoolView, Option<ScopeBudget>), AdmissionError> {
         let policy = self.policy();
         let pool_policy = policy
             .pools
             .get(pool)
             .ok_or_else(|| AdmissionError::BadName(format!("pool {pool:?} is not one of this policy's")))?;
         let recover = pool_policy.upstream_throttle.map_or(0.0, |t| t.recover_per_ms);
-        Ok(self.protocol.pool_status(pool, recover).await?)
+        let view = self.protocol.pool_status(pool, recover).await?;
+        let provider = match &pool_policy.provider_limits {
+            Some(limits) => {
+                let limits = ScopeLimits::from(limits);
+                let used = self.protocol.provider_budget(pool, &limits).await?;
+                Some(ScopeBudget { scope: "provider".to_string(), limits, used })
+            }
+            None => None,
+        };
+        Ok((view, provider))
     }
 
     /// A response the commit from the response watched to its end: its timing teaches its pool's

@@ -39,24 +39,16 @@ use tokio::sync::oneshot;
 
 use super::lease::Local;
 use super::log::{self, StoreMode};
-use super::plan::{Plan, PoolLeg};
+use super::plan::{Plan, PoolLeg, cost_of};
 use super::retry::Settlement;
 use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason,
     Unmetered, ids,
 };
 use crate::config::Policy;
-use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome};
+use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome, ScopeLimits};
 use crate::metrics::{Decided, Outcome};
-use crate::store::{KeyCall, PoolCall, PoolOutcome, ReserveCall, ReserveReply, Store, StoreError};
-
-/// Whether the request a pool leg was held for reached the backend: one that did not (its tenant
-/// leg refused it) takes back the queue's finish tag its admission added.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Ran {
-    No,
-    Maybe,
-}
+use crate::store::{KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError};
 
 /// How long a request's place in a pool's queue lives without its next call: well past the
 /// longest pause between calls and a store call's timeout, so only a replica that died loses it.
@@ -208,7 +200,7 @@ impl<S: Store> Admission<S> {
             if tidy.store_failed {
                 tidy.pool_leg = true;
             } else {
-                self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
+                self.release_pool_leg(&leg.name, &plan.id, PoolEnd::Unused).await;
             }
         }
         decision
@@ -247,7 +239,7 @@ impl<S: Store> Admission<S> {
             self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
         }
         if let (true, Some(pool)) = (pool_leg, r.pool) {
-            self.give_pool_leg_back(pool, id, Ran::No).await?;
+            self.give_pool_leg_back(pool, id, PoolEnd::Unused).await?;
         }
         Ok(())
     }
@@ -288,6 +280,18 @@ impl<S: Store> Admission<S> {
             queue: pool.queue,
             wait_ms: may_wait,
             waiter_ttl_ms: WAITER_TTL_MS,
+            provider: pool.provider_limits.as_ref().map(|limits| {
+                // The provider counts what it may generate (the request's ceiling, as providers
+                // reckon a request's tokens at its start) until the commit says what it did.
+                ProviderCall {
+                    limits: ScopeLimits::from(limits),
+                    tier_share: pool.share(leg.tier),
+                    prompt_tokens: plan.prompt,
+                    output_tokens: plan.ceiling,
+                    cost_nanos: cost_of(plan.price, plan.prompt, plan.ceiling),
+                    idle_ttl_ms: pool.provider_idle_ttl_ms,
+                }
+            }),
         };
         let outcome = loop {
             let outcome = self.protocol.pool_reserve(&call).await;
@@ -300,7 +304,7 @@ impl<S: Store> Admission<S> {
             *waited = waiting_since.elapsed();
             if gone() {
                 // Its place in the queue is given up now, not when the place's TTL runs out.
-                self.release_pool_leg(&leg.name, &plan.id, Ran::No).await;
+                self.release_pool_leg(&leg.name, &plan.id, PoolEnd::Unused).await;
                 return Err(Denial::now(Reason::QueueFull, "the caller stopped waiting for a slot"));
             }
             let so_far = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX);
@@ -347,6 +351,9 @@ impl<S: Store> Admission<S> {
                     ),
                 )
             }),
+            Ok(PoolOutcome::Denied { reason: PoolRefusal::Provider(limit), retry_after_ms, .. }) => {
+                Err(provider_refusal(limit, retry_after_ms, &leg.name, leg.tier))
+            }
             Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {
                 retry_after_ms: Some(retry_after_ms),
                 ..Denial::now(
@@ -477,7 +484,7 @@ impl<S: Store> Admission<S> {
             let Some(r) = ids::parse_reservation_id(id) else { continue };
             self.metrics.expired(r.tenant);
             if let Some(pool) = r.pool {
-                self.release_pool_leg(pool, id, Ran::Maybe).await;
+                self.release_pool_leg(pool, id, PoolEnd::Expired).await;
             }
         }
     }
@@ -495,18 +502,44 @@ impl<S: Store> Admission<S> {
     }
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
-    pub(super) async fn release_pool_leg(&self, pool: &str, id: &str, ran: Ran) {
-        if let Err(e) = self.give_pool_leg_back(pool, id, ran).await {
+    pub(super) async fn release_pool_leg(&self, pool: &str, id: &str, end: PoolEnd) {
+        if let Err(e) = self.give_pool_leg_back(pool, id, end).await {
             tracing::warn!(error = %e, pool, reservation = id, "pool release failed; its lease will reclaim it");
         }
     }
 
-    /// Takes a pool leg (or its place in the pool's queue) off the pool, and wakes this replica's
-    /// requests waiting for a slot.
-    async fn give_pool_leg_back(&self, pool: &str, id: &str, ran: Ran) -> Result<(), StoreError> {
-        self.protocol.pool_release(pool, id, ran == Ran::No).await?;
+    /// Takes a pool leg (or its place in the pool's queue) off the pool, settling its provider
+    /// charge by `end`, and wakes this replica's requests waiting for a slot.
+    async fn give_pool_leg_back(&self, pool: &str, id: &str, end: PoolEnd) -> Result<(), StoreError> {
+        let provider_ttl = self.policy().pools.get(pool).map_or(0, |p| p.provider_idle_ttl_ms);
+        self.protocol.pool_release(pool, id, end, provider_ttl).await?;
         self.pool_freed.notify_waiters();
         Ok(())
+    }
+}
+
+/// The denial of a pool's provider limits, `limit` as the script named it, for a `tier` request.
+fn provider_refusal(limit: Refusal, retry_after_ms: u64, pool: &str, tier: Priority) -> Denial {
+    let what = match limit {
+        Refusal::TokenRate => "token rate".to_string(),
+        Refusal::InputRate => "input token rate".to_string(),
+        Refusal::OutputRate => "output token rate".to_string(),
+        Refusal::RequestRate => "request rate".to_string(),
+        Refusal::Budget(b) => b.describe(),
+        _ => {
+            return Denial::now(
+                Reason::Unsatisfiable,
+                format!("the request is larger than {} requests may take of pool {pool}'s provider limits", tier.as_str()),
+            );
+        }
+    };
+    let (reason, state) = match limit {
+        Refusal::Budget(_) => (Reason::ProviderBudget, "is spent"),
+        _ => (Reason::ProviderRate, "is reached"),
+    };
+    Denial {
+        retry_after_ms: Some(retry_after_ms),
+        ..Denial::now(reason, format!("the {what} of pool {pool}'s provider {state} for {} requests", tier.as_str()))
     }
 }
 

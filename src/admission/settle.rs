@@ -5,12 +5,11 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use super::lease::Leases;
-use super::reserve::Ran;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
 use crate::config::Policy;
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome};
 use crate::metrics::Estimate;
-use crate::store::{CommitTerms, Learning, Store};
+use crate::store::{CommitTerms, Learning, PoolEnd, Store};
 
 impl<S: Store> Admission<S> {
     /// The commit phase: reconcile a hold against the usage its caller reports, then free its pool
@@ -98,7 +97,7 @@ impl<S: Store> Admission<S> {
         if let Some(pool) = r.pool
             && outcome != CommitOutcome::NotFound
         {
-            self.release_pool_leg(pool, reservation_id, Ran::Maybe).await;
+            self.release_pool_leg(pool, reservation_id, pool_end(counted, &outcome)).await;
         }
         Ok(outcome)
     }
@@ -168,7 +167,7 @@ impl<S: Store> Admission<S> {
                     }
                 }
                 // Settled (perhaps expired by this very call): its pool leg goes too.
-                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id, Ran::Maybe).await,
+                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id, PoolEnd::Expired).await,
                 // The owner renews the pool leg when it applies the renewal.
                 RenewOutcome::NotFound | RenewOutcome::Forwarded => {}
             }
@@ -205,7 +204,7 @@ impl<S: Store> Admission<S> {
         if let Some(pool) = r.pool
             && outcome != ReleaseOutcome::NotFound
         {
-            self.release_pool_leg(pool, reservation_id, Ran::Maybe).await;
+            self.release_pool_leg(pool, reservation_id, PoolEnd::Released).await;
         }
         Ok(outcome)
     }
@@ -249,4 +248,16 @@ enum Home<'a> {
     /// In another replica's slices: the operation is left for that replica (`lease_forward.lua`),
     /// which applies it within one lease window.
     Replica(&'a str),
+}
+
+/// How a committed request ended for its pool's provider limits: the counts it reported (a metered
+/// stream's prompt as held), at the cost its tenant leg charged where that leg settled here. A
+/// commit forwarded to the replica holding its lease has no such cost here: as held.
+fn pool_end(counted: Counted, outcome: &CommitOutcome) -> PoolEnd {
+    let cost_nanos = outcome.usage().map(|u| u.cost_nanos);
+    match counted {
+        Counted::Exact { prompt, output, .. } => PoolEnd::Used { prompt: Some(prompt), output: Some(output), cost_nanos },
+        Counted::Metered { output } => PoolEnd::Used { prompt: None, output: Some(output), cost_nanos },
+        Counted::AsHeld => PoolEnd::Used { prompt: None, output: None, cost_nanos: None },
+    }
 }

@@ -1,7 +1,7 @@
 //! What the policy says of models and of the backend pools that serve them: a model's ceilings,
 //! its prices and its weighted tokens; a pool's slots, speeds and shares.
 
-use super::Priority;
+use super::{Limits, Priority};
 
 /// Body bytes per token where a model does not say (and for a response whose model is unknown).
 pub const DEFAULT_BYTES_PER_TOKEN: f64 = 4.0;
@@ -90,6 +90,12 @@ pub struct PoolPolicy {
     /// above are the priors); off, from the speeds above and each request's ceiling alone.
     pub calibrate: bool,
     pub queue: PoolQueue,
+    /// The provider account's limits, shared by every tenant whose model the pool serves: rates
+    /// and UTC period budgets, checked with the pool's holds; `None` when the pool sets none.
+    pub provider_limits: Option<Limits>,
+    /// How long the provider scope outlives its last write: the idle TTL, or its longest
+    /// budget's period and a day.
+    pub provider_idle_ttl_ms: u64,
 }
 
 /// Where a pool's requests wait when every slot their tier may fill is taken.

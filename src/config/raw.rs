@@ -217,6 +217,9 @@ pub(super) struct RawPool {
     /// Where a request that cannot start at once waits: `backend` or `tollgate`.
     #[serde(default)]
     pub queue: crate::config::PoolQueue,
+    /// The limits of the provider account behind the pool, shared by every tenant whose model
+    /// it serves: a scope's limits, but concurrency (that is `max_sequences`).
+    pub provider_limits: Option<Limits>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -183,7 +183,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     #[tracing::instrument(name = "pool_status", skip_all)]
     async fn pool_status(&self, request: Request<PoolStatusRequest>) -> Result<Response<PoolStatusResponse>, Status> {
         let pool = request.into_inner().pool;
-        let v = self.admission.pool_status(&pool).await.map_err(status)?;
+        let (v, provider) = self.admission.pool_status(&pool).await.map_err(status)?;
         let speeds = self.admission.pool_speeds(&pool).map_err(status)?;
         Ok(Response::new(PoolStatusResponse {
             holds: v.holds,
@@ -201,6 +201,7 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
                     decode_samples: s.decode.samples,
                 })
                 .collect(),
+            provider: provider.as_ref().map(super::budgets::limit_states).unwrap_or_default(),
         }))
     }
 

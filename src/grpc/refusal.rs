@@ -73,7 +73,7 @@ pub fn openai_body(d: &Denial, family: Family) -> String {
 fn google_status(reason: Reason) -> (u16, &'static str) {
     let name = match reason {
         Reason::TokenRate | Reason::RequestRate | Reason::Concurrency | Reason::Budget => "RESOURCE_EXHAUSTED",
-        Reason::QueueFull | Reason::StoreUnavailable => "UNAVAILABLE",
+        Reason::QueueFull | Reason::ProviderRate | Reason::ProviderBudget | Reason::StoreUnavailable => "UNAVAILABLE",
         Reason::Deadline => return (504, "DEADLINE_EXCEEDED"),
         Reason::Unsatisfiable => "FAILED_PRECONDITION",
         Reason::InvalidRequest => "INVALID_ARGUMENT",
@@ -91,7 +91,9 @@ fn bedrock_error(reason: Reason) -> (u16, &'static str) {
     match reason {
         Reason::TokenRate | Reason::RequestRate | Reason::Concurrency => (429, "ThrottlingException"),
         Reason::Budget => (400, "ServiceQuotaExceededException"),
-        Reason::QueueFull | Reason::StoreUnavailable => (503, "ServiceUnavailableException"),
+        Reason::QueueFull | Reason::ProviderRate | Reason::ProviderBudget | Reason::StoreUnavailable => {
+            (503, "ServiceUnavailableException")
+        }
         Reason::Deadline => (408, "ModelTimeoutException"),
         Reason::Unsatisfiable | Reason::InvalidRequest => (400, "ValidationException"),
         Reason::Unauthenticated => (403, "AccessDeniedException"),

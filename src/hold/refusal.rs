@@ -52,4 +52,8 @@ pub enum PoolRefusal {
     Throttled,
     /// The tier is contended and the tenant already holds its weight's share of it.
     FairShare,
+    /// The provider's limits on the pool (`provider_limits`), as the request's tier may use them,
+    /// cannot take it: a rate (token, input, output or request), a period budget, or larger than
+    /// the tier's share of one could ever be (`Unsatisfiable`).
+    Provider(Refusal),
 }

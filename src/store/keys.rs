@@ -31,6 +31,8 @@
 //! tg:pool:{gpu-a}:s          pool state: holds outstanding, their work (slot-ms), their KV tokens
 //! tg:pool:{gpu-a}:h          hash: reservation id → "work kv" of each outstanding hold
 //! tg:pool:{gpu-a}:leases     sorted set: reservation id by lease expiry
+//! tg:pool:{gpu-a}:p          hash: the provider's limits, a scope shared by every tenant (buckets,
+//!                            period counters), where the pool sets `provider_limits`
 //! ```
 //!
 //! The replicas that share one store count themselves (for `on_store_error: local`) in a key of its
@@ -192,8 +194,14 @@ pub fn pool_tags(pool: &str, tier: crate::config::Priority) -> String {
     format!("tg:pool:{{{pool}}}:v:{}", tier.as_str())
 }
 
+/// A pool's provider scope: the limits of the account behind it, shared by every tenant.
+pub fn pool_provider(pool: &str) -> String {
+    format!("tg:pool:{{{pool}}}:p")
+}
+
 /// KEYS of the pool scripts that touch holds, in this order: the state hash, the holds hash, the
-/// lease index, the waiting hash, and the finish tags of the critical, standard and sheddable tiers.
+/// lease index, the waiting hash, the finish tags of the critical, standard and sheddable tiers,
+/// and the provider scope.
 pub fn pool_keys(pool: &str) -> Vec<String> {
     use crate::config::Priority;
     vec![
@@ -204,6 +212,7 @@ pub fn pool_keys(pool: &str) -> Vec<String> {
         pool_tags(pool, Priority::Critical),
         pool_tags(pool, Priority::Standard),
         pool_tags(pool, Priority::Sheddable),
+        pool_provider(pool),
     ]
 }
 
@@ -241,7 +250,7 @@ mod tests {
         assert_eq!(record("acme", "x"), format!("{}x", record_prefix("acme")));
         assert_eq!(ledger_tenant(&ledger("acme")), Some("acme"));
         assert_eq!(lease_record("acme", "r1"), format!("{}{}", record_prefix("acme"), lease_member("r1")));
-        for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a")] {
+        for key in [pool_state("gpu-a"), pool_holds("gpu-a"), pool_leases("gpu-a"), pool_provider("gpu-a")] {
             assert_eq!(hash_tag(&key), "gpu-a", "{key}");
         }
     }

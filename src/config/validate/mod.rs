@@ -14,7 +14,7 @@ use super::budget::{Measure, Period};
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, MetricsSettings,
+    AdaptiveOutput, Leasing, LedgerSettings, Limits, LedgerTerms, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, MetricsSettings,
     ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy, TlsSettings,
     TokenWeights, Zone,
 };
@@ -263,6 +263,11 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             },
         );
     }
+    for (name, pool) in &pools {
+        if let Some(limits) = &pool.provider_limits {
+            provider_fits(&format!("pools.{name}.provider_limits"), name, limits, &models)?;
+        }
+    }
 
     let tenant = |field: String, t: RawTenant| {
         let defaults = TenantDefaults {
@@ -328,6 +333,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .into_iter()
         .map(|(name, mut p)| {
             p.idle_ttl_ms = 2 * longest_lease.max(lease_ttl_ms) + 60_000;
+            p.provider_idle_ttl_ms = p.provider_limits.as_ref().map_or(0, |l| p.idle_ttl_ms.max(remembered_for(l)));
             (name, Arc::new(p))
         })
         .collect();
@@ -414,27 +420,7 @@ fn tenant_policy(
         .chain(users.values())
         .chain(tenant_models.values());
     for limits in all {
-        // A full refill takes capacity / rate; a bucket refills one minute's worth per minute.
-        if let (Some(capacity), Some(tpm)) = (limits.token_capacity(), limits.tokens_per_minute) {
-            idle = idle.max(capacity.saturating_mul(60_000).div_ceil(tpm));
-        }
-        if limits.requests_per_minute.is_some() {
-            idle = idle.max(60_000);
-        }
-        if limits.input_tokens_per_minute.is_some() || limits.output_tokens_per_minute.is_some() {
-            idle = idle.max(60_000);
-        }
-        // A period's counters outlive the longest such period, and a day besides (a time zone
-        // moves the turn by at most 14 hours).
-        for (key, _) in limits.budgets() {
-            let longest = match key.period {
-                Period::Hour => DAY_MS,
-                Period::Day => 2 * DAY_MS,
-                Period::Week => 8 * DAY_MS,
-                Period::Month => 32 * DAY_MS,
-            };
-            idle = idle.max(longest);
-        }
+        idle = idle.max(remembered_for(limits));
     }
 
     let default_priority = t.default_priority.unwrap_or_default();
@@ -501,4 +487,51 @@ fn positive(field: &str, value: Option<u64>, default: u64) -> Result<u64, Proble
         Some(n) => Ok(n),
         None => Ok(default),
     }
+}
+
+/// How long a scope's hash must outlive its last write to remember what `limits` count: a full
+/// refill of its buckets, and the longest period of its budgets and a day besides (a time zone
+/// moves the turn by at most 14 hours).
+fn remembered_for(limits: &Limits) -> u64 {
+    let mut ms = 0;
+    // A full refill takes capacity / rate; a bucket refills one minute's worth per minute.
+    if let (Some(capacity), Some(tpm)) = (limits.token_capacity(), limits.tokens_per_minute) {
+        ms = capacity.saturating_mul(60_000).div_ceil(tpm);
+    }
+    if limits.requests_per_minute.is_some()
+        || limits.input_tokens_per_minute.is_some()
+        || limits.output_tokens_per_minute.is_some()
+    {
+        ms = ms.max(60_000);
+    }
+    for (key, _) in limits.budgets() {
+        let longest = match key.period {
+            Period::Hour => DAY_MS,
+            Period::Day => 2 * DAY_MS,
+            Period::Week => 8 * DAY_MS,
+            Period::Month => 32 * DAY_MS,
+        };
+        ms = ms.max(longest);
+    }
+    ms
+}
+
+/// A budget in money among a pool's provider limits counts every model the pool serves at its
+/// price: each must have one.
+fn provider_fits(
+    field: &str,
+    pool_name: &str,
+    limits: &Limits,
+    models: &HashMap<String, ModelPolicy>,
+) -> Result<(), Problem> {
+    if let Some((key, _)) = limits.budgets().find(|(k, _)| k.measure == Measure::Cost)
+        && let Some(first) = models
+            .iter()
+            .filter(|(_, m)| m.pool.as_deref() == Some(pool_name) && m.price.is_none())
+            .map(|(n, _)| n.as_str())
+            .min()
+    {
+        return Err(problem(format!("{field}.{}", key.name()), unpriced(first)));
+    }
+    Ok(())
 }

@@ -184,6 +184,7 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
     } else {
         None
     };
+    let provider_limits = p.provider_limits.as_ref().map(|l| provider_limits(field, l, sheddable)).transpose()?;
     Ok(PoolPolicy {
         max_sequences: p.max_sequences,
         prefill_tokens_per_ms: p.prefill_tokens_per_second / 1000.0,
@@ -196,7 +197,32 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
         upstream_throttle,
         calibrate: p.calibrate,
         queue: p.queue,
+        provider_limits,
+        provider_idle_ttl_ms: 0,
     })
+}
+
+/// A pool's provider limits: a scope's, in range, without concurrency (the pool's slots are
+/// `max_sequences`), and with room for one request at the lowest tier's share of each rate.
+#[allow(clippy::cast_precision_loss)]
+fn provider_limits(field: &str, l: &Limits, sheddable: f64) -> Result<Limits, Problem> {
+    let field = format!("{field}.provider_limits");
+    check_limits(&field, l)?;
+    if l.max_concurrency.is_some() {
+        return Err(problem(
+            format!("{field}.max_concurrency"),
+            "a pool's concurrency is its max_sequences (provider limits are rates and budgets)",
+        ));
+    }
+    if let Some(rpm) = l.requests_per_minute
+        && rpm as f64 * sheddable < 1.0
+    {
+        return Err(problem(
+            format!("{field}.requests_per_minute"),
+            format!("{rpm} at the sheddable tier's share {sheddable} leaves it less than one request"),
+        ));
+    }
+    Ok(l.clone())
 }
 
 pub(super) fn breaker(b: crate::config::raw::RawBreaker) -> Result<crate::config::BreakerPolicy, Problem> {

@@ -100,13 +100,36 @@ impl<S: Store> Protocol<S> {
         count_held: bool,
         zone_offset_min: i32,
     ) -> Result<Vec<ScopeUse>, StoreError> {
+        let holds = (keys::holds(tenant), keys::record_prefix(tenant));
+        self.read_scopes(holds, scopes, count_held, zone_offset_min).await
+    }
+
+    /// What a pool's provider scope (`provider_limits`) has used and has left, in UTC periods.
+    /// Reads only.
+    pub async fn provider_budget(&self, pool: &str, limits: &ScopeLimits) -> Result<ScopeUse, StoreError> {
+        // (The pool's holds hash stands where a tenant's is read: a provider scope counts no
+        // live hold apart, so it is never read; it keeps the keys on the pool's slot.)
+        let holds = (keys::pool_holds(pool), String::new());
+        let scope = [(keys::pool_provider(pool), *limits)];
+        let mut used = self.read_scopes(holds, &scope, false, 0).await?;
+        used.pop().ok_or_else(|| StoreError::BadReply { script: self.scripts.budget_get.name, reply: Reply::Nil })
+    }
+
+    /// `budget_get.lua` over `scopes`, beside a holds hash and record prefix.
+    async fn read_scopes(
+        &self,
+        (holds, record_prefix): (String, String),
+        scopes: &[(String, ScopeLimits)],
+        count_held: bool,
+        zone_offset_min: i32,
+    ) -> Result<Vec<ScopeUse>, StoreError> {
         let script = &self.scripts.budget_get;
         let mut a = Argv::grouped("budget_get", &GET_ARGV, &SCOPE_ARGV, scopes.len());
         a.push("count held", if count_held { "1" } else { "0" }.to_string());
-        a.push("record key prefix", keys::record_prefix(tenant));
+        a.push("record key prefix", record_prefix);
         a.push("the tenant's time zone", zone_offset_min.to_string());
         let mut keys = Vec::with_capacity(scopes.len().saturating_add(1));
-        keys.push(keys::holds(tenant));
+        keys.push(holds);
         for (key, limits) in scopes {
             keys.push(key.clone());
             push_limits(&mut a, limits);

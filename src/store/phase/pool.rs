@@ -2,12 +2,14 @@
 //! `pool_progress.lua`, `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
 //! tenant's, so these run apart from the tenant phases (see the reserve phase's "Two key spaces", `admission::reserve`).
 
-use super::{Argv, Fields};
-use crate::hold::PoolRefusal;
+use super::reserve::{SCOPE_ARGV, push_limits};
+use super::{Argv, Fields, refusal};
+use crate::hold::{PoolRefusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
-/// `pool_reserve.lua`'s `ARGV`, in order.
-pub(crate) const RESERVE_ARGV: [&str; 19] = [
+/// `pool_reserve.lua`'s `ARGV`, in order; where the pool sets provider limits, ten more follow
+/// ([`SCOPE_ARGV`]).
+pub(crate) const RESERVE_ARGV: [&str; 24] = [
     "reservation id",
     "work",
     "KV-cache tokens",
@@ -27,10 +29,22 @@ pub(crate) const RESERVE_ARGV: [&str; 19] = [
     "where the pool queues",
     "how long the caller may still wait",
     "waiter TTL",
+    "the provider's share for this tier",
+    "prompt tokens",
+    "output tokens held",
+    "cost (nanos) of both",
+    "the provider scope's idle TTL",
 ];
 
-/// `pool_release.lua`'s `ARGV`.
-pub(crate) const RELEASE_ARGV: [&str; 2] = ["reservation id", "unused"];
+/// `pool_release.lua`'s `ARGV`, in order.
+pub(crate) const RELEASE_ARGV: [&str; 6] = [
+    "reservation id",
+    "how its request ended",
+    "prompt tokens used",
+    "output tokens used",
+    "cost (nanos)",
+    "the provider scope's idle TTL",
+];
 
 /// `pool_renew.lua`'s `ARGV`, in order.
 pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
@@ -82,6 +96,48 @@ pub struct PoolCall<'a> {
     pub queue: crate::config::PoolQueue,
     pub wait_ms: u64,
     pub waiter_ttl_ms: u64,
+    /// The provider's limits, where the pool sets them.
+    pub provider: Option<ProviderCall>,
+}
+
+/// What a pool reserve takes from the provider's limits, and the limits themselves.
+#[derive(Debug, Clone)]
+pub struct ProviderCall {
+    pub limits: ScopeLimits,
+    /// The part of each limit the request's tier may use (critical: all of it).
+    pub tier_share: f64,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub cost_nanos: u64,
+    /// How long the provider scope outlives its last write: its longest budget's period.
+    pub idle_ttl_ms: u64,
+}
+
+/// How a pool hold's request ended, which settles what it charged the provider's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolEnd {
+    /// It never reached the backend (its tenant leg refused it, or nobody received the
+    /// admission): everything it took is given back, its request and its queue tag too.
+    Unused,
+    /// Given back without usage after it was sent: its tokens and money come back, its request
+    /// stays counted.
+    Released,
+    /// Its tenant hold's lease ran out, or it settled where its usage was not known: it stays
+    /// charged as held.
+    Expired,
+    /// It ran: the charge moves to these counts (`None`: as held), refunding or charging debt.
+    Used { prompt: Option<u64>, output: Option<u64>, cost_nanos: Option<u64> },
+}
+
+impl PoolEnd {
+    fn as_str(self) -> &'static str {
+        match self {
+            PoolEnd::Unused => "unused",
+            PoolEnd::Released => "released",
+            PoolEnd::Expired => "expired",
+            PoolEnd::Used { .. } => "used",
+        }
+    }
 }
 
 /// What a pool holds, and how far its provider's 429s throttle it.
@@ -132,7 +188,7 @@ impl<S: Store> Protocol<S> {
     /// Holds a request's predicted work in its pool, or refuses it (deadline, full, throttled).
     pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
         let script = &self.scripts.pool_reserve;
-        let mut a = Argv::new("pool_reserve", &RESERVE_ARGV, 0);
+        let mut a = Argv::grouped("pool_reserve", &RESERVE_ARGV, &SCOPE_ARGV, usize::from(call.provider.is_some()));
         a.push("reservation id", call.id.to_string());
         a.push("work", call.work_ms.to_string());
         a.push("KV-cache tokens", call.kv_tokens.to_string());
@@ -152,6 +208,21 @@ impl<S: Store> Protocol<S> {
         a.push("where the pool queues", call.queue.as_str().to_string());
         a.push("how long the caller may still wait", call.wait_ms.to_string());
         a.push("waiter TTL", call.waiter_ttl_ms.to_string());
+        match &call.provider {
+            Some(p) => {
+                a.push("the provider's share for this tier", thousandths_of(p.tier_share).to_string());
+                a.push("prompt tokens", p.prompt_tokens.to_string());
+                a.push("output tokens held", p.output_tokens.to_string());
+                a.push("cost (nanos) of both", p.cost_nanos.to_string());
+                a.push("the provider scope's idle TTL", p.idle_ttl_ms.to_string());
+                push_limits(&mut a, &p.limits);
+            }
+            None => {
+                for name in &RESERVE_ARGV[19..] {
+                    a.push(name, "0".to_string());
+                }
+            }
+        }
         let reply = self.store.eval(script, keys::pool_keys(call.pool), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
@@ -163,7 +234,10 @@ impl<S: Store> Protocol<S> {
                     "queue_full" => PoolRefusal::QueueFull,
                     "throttled" => PoolRefusal::Throttled,
                     "fair_share" => PoolRefusal::FairShare,
-                    _ => return Err(r.bad()),
+                    other => match other.strip_prefix("provider:").and_then(refusal) {
+                        Some(limit) => PoolRefusal::Provider(limit),
+                        None => return Err(r.bad()),
+                    },
                 };
                 Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
             }
@@ -203,14 +277,29 @@ impl<S: Store> Protocol<S> {
         })
     }
 
-    /// Takes a hold (or a place in its queue) off its pool; `false` when the pool did not hold it.
-    /// `unused`: its request never reached the backend, so its queue's finish tag is taken back too.
-    /// Idempotent.
-    pub async fn pool_release(&self, pool: &str, id: &str, unused: bool) -> Result<bool, StoreError> {
+    /// Takes a hold (or a place in its queue) off its pool, and settles what it charged the
+    /// provider's limits by how its request ended; `false` when the pool did not hold it.
+    /// Idempotent. `provider_idle_ttl_ms`: the pool's provider scope's idle TTL (0: none).
+    pub async fn pool_release(
+        &self,
+        pool: &str,
+        id: &str,
+        end: PoolEnd,
+        provider_idle_ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_release;
         let mut a = Argv::new("pool_release", &RELEASE_ARGV, 0);
+        let count = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
+        let (prompt, output, cost) = match end {
+            PoolEnd::Used { prompt, output, cost_nanos } => (count(prompt), count(output), count(cost_nanos)),
+            _ => (String::new(), String::new(), String::new()),
+        };
         a.push("reservation id", id.to_string());
-        a.push("unused", if unused { "1" } else { "0" }.to_string());
+        a.push("how its request ended", end.as_str().to_string());
+        a.push("prompt tokens used", prompt);
+        a.push("output tokens used", output);
+        a.push("cost (nanos)", cost);
+        a.push("the provider scope's idle TTL", provider_idle_ttl_ms.to_string());
         let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         Fields::of(script, &reply)?.flag(0)
     }
@@ -247,4 +336,11 @@ impl<S: Store> Protocol<S> {
 #[allow(clippy::cast_precision_loss)]
 fn thousandths(n: u64) -> f64 {
     n.min(1_000) as f64 / 1000.0
+}
+
+/// A share in (0, 1] as the scripts take it: thousandths, at least one.
+// A share is in (0, 1]: the product is finite and at most 1,000.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn thousandths_of(share: f64) -> u64 {
+    ((share * 1000.0).round() as u64).clamp(1, 1_000)
 }
