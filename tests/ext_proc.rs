@@ -649,3 +649,43 @@ async fn the_prompt_estimate_learns_bytes_per_token_from_reported_counts() {
     assert!((500..560).contains(&held), "a model that keeps its ratio: {held}");
     shutdown.cancel();
 }
+
+/// Three tenants, each far within its own limits, burst at a pool whose provider account allows
+/// 600 output tokens a minute (the test upstream plays it, reckoning each request at its
+/// `max_tokens` and answering 429 past it). tollgate's `provider_limits` say the same: what the
+/// account cannot take is refused at the gateway with 503 `provider_rate` and a Retry-After, and
+/// the provider never answers 429; a request sent again after its Retry-After is admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_the_providers_rate_meets_tollgates_503_not_the_providers_429() {
+    let policy = "models:\n  m: { max_output_tokens: 4096, pool: account }\n\
+                  pools:\n  account: { max_sequences: 64, prefill_tokens_per_second: 100000, decode_tokens_per_second: 1000, \
+                  max_queue_delay_ms: 60000, provider_limits: { output_tokens_per_minute: 600 } }\n\
+                  default_tenant:\n  limits: { max_concurrency: 100 }\n";
+    let stack = Stack::provider_upstream(policy, 600).await;
+    let port = stack.envoy.port;
+    let body = r#"{"model":"m","max_tokens":100,"messages":[{"role":"user","content":"hi"}]}"#;
+    let sends = ["a", "b", "c"].into_iter().flat_map(|tenant| {
+        (0..6).map(move |_| {
+            let headers = [("x-tenant-id", tenant), ("x-priority", "critical")];
+            async move { post(port, CHAT, &headers, body).await }
+        })
+    });
+    let replies = futures_util::future::join_all(sends).await;
+    let admitted = replies.iter().filter(|r| r.status == 200).count();
+    // 600 tokens at once, and 10 a second meanwhile: six requests of 100, a seventh at most.
+    assert!((6..=7).contains(&admitted), "{admitted} admitted\n{}", stack.diagnostics());
+    let mut waits = Vec::new();
+    for r in replies.iter().filter(|r| r.status != 200) {
+        assert_eq!((r.status, r.header("x-tollgate-reason")), (503, Some("provider_rate")), "{r:?}");
+        let wait: u64 = r.header("retry-after").and_then(|v| v.parse().ok()).expect("a retry-after");
+        assert!((1..=10).contains(&wait), "100 tokens at 10 a second at most: {r:?}");
+        waits.push(wait);
+    }
+    assert_eq!(stack.upstream_refusals(), 0, "the provider never refused\n{}", stack.diagnostics());
+    // The hint is one the gateway honours: sent again after it, admitted, still no 429.
+    let wait = waits.iter().min().copied().unwrap();
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    let again = post(port, CHAT, &[("x-tenant-id", "a"), ("x-priority", "critical")], body).await;
+    assert_eq!(again.status, 200, "{again:?}");
+    assert_eq!(stack.upstream_refusals(), 0);
+}

@@ -4,8 +4,8 @@
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
-use super::fleet::{Speeds, Timing};
 use super::budgets::ScopeBudget;
+use super::fleet::{Speeds, Timing};
 use super::{Admission, AdmissionError, parse_id};
 use crate::config::Policy;
 use crate::hold::{ScopeLimits, id as ids};

@@ -48,7 +48,9 @@ use super::{
 use crate::config::Policy;
 use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome, ScopeLimits};
 use crate::metrics::{Decided, Outcome};
-use crate::store::{KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError};
+use crate::store::{
+    KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
+};
 
 /// How long a request's place in a pool's queue lives without its next call: well past the
 /// longest pause between calls and a store call's timeout, so only a replica that died loses it.
@@ -529,7 +531,10 @@ fn provider_refusal(limit: Refusal, retry_after_ms: u64, pool: &str, tier: Prior
         _ => {
             return Denial::now(
                 Reason::Unsatisfiable,
-                format!("the request is larger than {} requests may take of pool {pool}'s provider limits", tier.as_str()),
+                format!(
+                    "the request is larger than {} requests may take of pool {pool}'s provider limits",
+                    tier.as_str()
+                ),
             );
         }
     };

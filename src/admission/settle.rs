@@ -256,7 +256,9 @@ enum Home<'a> {
 fn pool_end(counted: Counted, outcome: &CommitOutcome) -> PoolEnd {
     let cost_nanos = outcome.usage().map(|u| u.cost_nanos);
     match counted {
-        Counted::Exact { prompt, output, .. } => PoolEnd::Used { prompt: Some(prompt), output: Some(output), cost_nanos },
+        Counted::Exact { prompt, output, .. } => {
+            PoolEnd::Used { prompt: Some(prompt), output: Some(output), cost_nanos }
+        }
         Counted::Metered { output } => PoolEnd::Used { prompt: None, output: Some(output), cost_nanos },
         Counted::AsHeld => PoolEnd::Used { prompt: None, output: None, cost_nanos: None },
     }

@@ -151,7 +151,10 @@ pub async fn a_providers_day_budget_turns_at_utc_midnight<S: Store>(h: Harness<S
     assert_eq!(no.reason, Reason::ProviderBudget, "{no:?}");
     assert_eq!(no.reason.http_status(), 503);
     let to_midnight = 86_400_000 - h.now_ms() % 86_400_000;
-    assert!(no.retry_after_ms.is_some_and(|ms| ms <= to_midnight + 1_000 && ms + 5_000 >= to_midnight), "{no:?} {to_midnight}");
+    assert!(
+        no.retry_after_ms.is_some_and(|ms| ms <= to_midnight + 1_000 && ms + 5_000 >= to_midnight),
+        "{no:?} {to_midnight}"
+    );
     assert!(no.message.contains("daily token budget"), "{}", no.message);
     if h.exact_time() {
         h.advance(to_midnight).await;

@@ -20,7 +20,7 @@ pub struct Stack {
     admission: AdmissionClient<Channel>,
     /// Stops the simulated backend; `None` in front of the test upstream (which stops on drop).
     shutdown: Option<CancellationToken>,
-    _upstream: Option<Upstream>,
+    upstream: Option<Upstream>,
 }
 
 impl Drop for Stack {
@@ -44,16 +44,32 @@ impl Stack {
         let (port, shutdown) = super::sim_backend(decode_tokens_per_second, text).await;
         let envoy = Envoy::start_edited(tollgate.addr, port, edit);
         let admission = admission_of(&tollgate);
-        Stack { tollgate, envoy, admission, shutdown: Some(shutdown), _upstream: None }
+        Stack { tollgate, envoy, admission, shutdown: Some(shutdown), upstream: None }
     }
 
     /// In front of the test upstream of `support::upstream`, whose headers steer each answer.
     pub async fn test_upstream(policy: &str) -> Stack {
         let tollgate = Tollgate::start(policy);
         let upstream = Upstream::start(tollgate.endpoint()).await;
+        Stack::around(tollgate, upstream)
+    }
+
+    /// In front of the test upstream playing a provider account of `per_minute` output tokens.
+    pub async fn provider_upstream(policy: &str, per_minute: u64) -> Stack {
+        let tollgate = Tollgate::start(policy);
+        let upstream = Upstream::with_output_quota(tollgate.endpoint(), per_minute).await;
+        Stack::around(tollgate, upstream)
+    }
+
+    fn around(tollgate: Tollgate, upstream: Upstream) -> Stack {
         let envoy = Envoy::start(tollgate.addr, upstream.port);
         let admission = admission_of(&tollgate);
-        Stack { tollgate, envoy, admission, shutdown: None, _upstream: Some(upstream) }
+        Stack { tollgate, envoy, admission, shutdown: None, upstream: Some(upstream) }
+    }
+
+    /// The requests the test upstream's provider account refused (429).
+    pub fn upstream_refusals(&self) -> u64 {
+        self.upstream.as_ref().map_or(0, Upstream::refused)
     }
 
     pub async fn client(&self) -> AdmissionClient<Channel> {

@@ -15,8 +15,16 @@
 //! It echoes what it saw in `x-test-reservation`, `x-test-reserved-tokens` and
 //! `x-test-commit-state`, and every `x-tollgate-*` header that reached it, sorted, as
 //! `x-test-tollgate-headers: name=value;name=value`.
+//!
+//! Started with an output quota ([`Upstream::with_output_quota`]), it plays a provider account
+//! that reckons each request's output at its `max_tokens` when it arrives (as providers do): a
+//! bucket of one minute's tokens refilled over the minute, a request it cannot take answered 429
+//! with `retry-after` (counted: [`Upstream::refused`]), one it takes generating all of them.
 
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -31,6 +39,34 @@ use tonic::transport::Channel;
 pub struct Upstream {
     pub port: u16,
     task: JoinHandle<()>,
+    quota: Option<Arc<Quota>>,
+}
+
+/// A provider's output tokens a minute: a bucket of one minute's, and the requests it refused.
+struct Quota {
+    per_minute: f64,
+    bucket: Mutex<(f64, Instant)>,
+    refused: AtomicU64,
+}
+
+impl Quota {
+    /// Takes `tokens` if the bucket holds them; else the seconds until it would.
+    fn take(&self, tokens: u64) -> Result<(), u64> {
+        let mut bucket = self.bucket.lock().unwrap();
+        let (level, at) = *bucket;
+        let now = Instant::now();
+        let level = (level + now.duration_since(at).as_secs_f64() * self.per_minute / 60.0).min(self.per_minute);
+        #[allow(clippy::cast_precision_loss)]
+        let tokens = tokens as f64;
+        if level < tokens {
+            *bucket = (level, now);
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            return Err(((tokens - level) * 60.0 / self.per_minute).ceil() as u64);
+        }
+        *bucket = (level - tokens, now);
+        Ok(())
+    }
 }
 
 impl Drop for Upstream {
@@ -41,29 +77,48 @@ impl Drop for Upstream {
 
 impl Upstream {
     pub async fn start(tollgate_endpoint: String) -> Upstream {
+        Upstream::serve(tollgate_endpoint, None).await
+    }
+
+    /// A provider account allowing `per_minute` output tokens a minute (see the module's doc).
+    pub async fn with_output_quota(tollgate_endpoint: String, per_minute: u64) -> Upstream {
+        #[allow(clippy::cast_precision_loss)]
+        let per_minute = per_minute as f64;
+        let quota = Quota { per_minute, bucket: Mutex::new((per_minute, Instant::now())), refused: AtomicU64::new(0) };
+        Upstream::serve(tollgate_endpoint, Some(Arc::new(quota))).await
+    }
+
+    /// The requests the provider account refused (429).
+    pub fn refused(&self) -> u64 {
+        self.quota.as_ref().map_or(0, |q| q.refused.load(Ordering::Relaxed))
+    }
+
+    async fn serve(tollgate_endpoint: String, quota: Option<Arc<Quota>>) -> Upstream {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let channel = Channel::from_shared(tollgate_endpoint).unwrap().connect_lazy();
         let client = AdmissionClient::new(channel);
+        let shared = quota.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else { return };
-                let client = client.clone();
+                let (client, quota) = (client.clone(), shared.clone());
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req| handle(req, client.clone()));
+                    let service = hyper::service::service_fn(move |req| handle(req, client.clone(), quota.clone()));
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
                 });
             }
         });
-        Upstream { port, task }
+        Upstream { port, task, quota }
     }
 }
 
 async fn handle(
     req: Request<Incoming>,
     mut client: AdmissionClient<Channel>,
+    quota: Option<Arc<Quota>>,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     let mut own: Vec<String> = req
@@ -107,7 +162,19 @@ async fn handle(
     let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let max_tokens = json["max_tokens"].as_u64().or(json["max_completion_tokens"].as_u64()).unwrap_or(16);
     let prompt = (body.len() as u64).div_ceil(4);
-    let completion = output.unwrap_or(max_tokens.min(16));
+    let mut completion = output.unwrap_or(max_tokens.min(16));
+    if let Some(quota) = &quota {
+        if let Err(wait) = quota.take(max_tokens) {
+            let response = Response::builder()
+                .status(429)
+                .header("retry-after", wait.to_string())
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(r#"{"error":{"message":"provider quota","type":"rate_limit_error"}}"#)))
+                .unwrap();
+            return Ok(response);
+        }
+        completion = max_tokens;
+    }
 
     let mut commit_state = String::from("skipped");
     if let (Some(id), false) = (&reservation, skip) {

@@ -14,9 +14,9 @@ use super::budget::{Measure, Period};
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, Limits, LedgerTerms, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, MetricsSettings,
-    ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy, TlsSettings,
-    TokenWeights, Zone,
+    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
+    MetricsSettings, ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
+    TlsSettings, TokenWeights, Zone,
 };
 
 use limits::{check_limits, check_within, children, first_unpriced, soft_budgets, unpriced};
