@@ -13,7 +13,7 @@
 --         '1' and '0' from a replica that predates provider limits: unused, and expired
 -- ARGV[3] prompt tokens used   ARGV[4] output tokens used   ARGV[5] cost (nanos): '' where unknown
 --         (charged as held)
--- ARGV[6] the provider scope's idle TTL (ms)
+-- ARGV[6] the provider scope's idle TTL (ms; 0: none)
 --
 -- Reply: {1, work ms} when this call took the hold off; {0, 0} when the pool did not hold it.
 
@@ -21,8 +21,14 @@ local how = ARGV[2]
 if how == '1' then
   how = 'unused'
 end
+-- (No idle TTL, from a policy that no longer sets provider limits: the scope's TTL stays as its
+-- last reserve left it.)
+local idle = ARGV[6]
+if idle == '0' then
+  idle = nil
+end
 local ending = { how = how, prompt = tonumber(ARGV[3] or ''), output = tonumber(ARGV[4] or ''),
-  cost = tonumber(ARGV[5] or ''), idle = ARGV[6] }
+  cost = tonumber(ARGV[5] or ''), idle = idle }
 local work = pool_drop(KEYS, ARGV[1], ending, now_ms())
 if work then
   return { 1, work }

@@ -1612,6 +1612,10 @@ macro_rules! conformance {
             scenario!(a_providers_day_budget_turns_at_utc_midnight, &provider_policy("{}", "{ tokens_per_day: 400 }"));
             scenario!(pool_status_shows_the_providers_limits, &provider_policy("{}", PROVIDER_RATES));
             scenario!(
+                the_throttle_slows_the_providers_refill,
+                &provider_policy("{}", "{ tokens_per_minute: 60, burst_tokens: 1000 }")
+            );
+            scenario!(
                 a_live_streams_progress_shrinks_its_pool_work,
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );

@@ -6,6 +6,13 @@
 //! with its predicted start, or refused), and the pool's keys hold exactly the model's holds,
 //! waiting places, finish tags and virtual times: a waiting request holds no work, a refusal
 //! leaves no place, tags are written only on admission, and an idle pool keeps none.
+//!
+//! The pool has provider limits too (`provider_limits`: a token bucket, a request bucket and a
+//! day's token budget, each tier its share counted from the top): a request that would start is
+//! refused when they cannot take it, a waiting one takes none of them, and a release settles what
+//! a hold took by how its request ended (unused: everything back; released: its tokens; used: the
+//! counts it reports, a refund or debt; expired: nothing). After every step the provider scope's
+//! buckets and day counter are the model's, to the bit.
 //! `tests/conformance.rs` runs the same scripts on a single Redis and a Cluster.
 
 // The model computes the script's float prediction as the script does, and reads its scores.
@@ -17,9 +24,10 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 use support::Harness;
-use tollgate::config::{PoolQueue, Priority};
+use tollgate::config::{Limits, PoolQueue, Priority};
+use tollgate::hold::ScopeLimits;
 use tollgate::store::embedded::EmbeddedStore;
-use tollgate::store::{PoolCall, PoolEnd, PoolOutcome, keys};
+use tollgate::store::{PoolCall, PoolEnd, PoolOutcome, ProviderCall, keys};
 
 const SLOTS: u64 = 3;
 const TIERS: [(Priority, u64); 3] = [(Priority::Critical, 3), (Priority::Standard, 2), (Priority::Sheddable, 1)];
@@ -30,6 +38,21 @@ const LEASE_MS: u64 = 3_600_000;
 const IDS: usize = 8;
 /// KV-cache tokens each tier may fill.
 const TIER_KV: [u64; 3] = [1_000, 800, 500];
+/// The provider's limits: a bucket of 1,500 tokens refilled one a ms, 12 requests a minute, and
+/// 12,000 tokens a day; and each tier's share of them (thousandths).
+const PROVIDER: (u64, u64, u64, u64) = (60_000, 1_500, 12, 12_000);
+const PROVIDER_SHARE: [u64; 3] = [1_000, 750, 500];
+
+fn provider_limits() -> ScopeLimits {
+    let (tokens_per_minute, burst_tokens, requests_per_minute, tokens_per_day) = PROVIDER;
+    ScopeLimits::from(&Limits {
+        tokens_per_minute: Some(tokens_per_minute),
+        burst_tokens: Some(burst_tokens),
+        requests_per_minute: Some(requests_per_minute),
+        tokens_per_day: Some(tokens_per_day),
+        ..Limits::default()
+    })
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -43,10 +66,13 @@ enum Op {
         deadline: u64,
         wait: u64,
     },
-    /// `unused`: its request never reached the backend.
+    /// How its request ended: 0 it never reached the backend, 1 released with no usage, 2 ran
+    /// and reported `prompt` and `output`, 3 its lease ran out (charged as held).
     Release {
         id: usize,
-        unused: bool,
+        how: u8,
+        prompt: u64,
+        output: u64,
     },
     Advance {
         ms: u64,
@@ -60,7 +86,8 @@ fn op() -> impl Strategy<Value = Op> {
             (1..600u64, prop_oneof![3 => Just(0u64), 1 => 500..6_000u64], prop_oneof![1 => Just(0u64), 4 => 1..6_000u64]),
         )
             .prop_map(|((id, tenant, tier, work), (kv, deadline, wait))| Op::Ask { id, tenant, tier, work, kv, deadline, wait }),
-        3 => (0..IDS, prop::bool::weighted(0.3)).prop_map(|(id, unused)| Op::Release { id, unused }),
+        3 => (0..IDS, 0..4u8, 0..800u64, 0..800u64)
+            .prop_map(|(id, how, prompt, output)| Op::Release { id, how, prompt, output }),
         1 => prop_oneof![3 => 1..300u64, 1 => 900..1_500u64].prop_map(|ms| Op::Advance { ms }),
     ]
 }
@@ -76,10 +103,32 @@ struct Place {
     weight: u64,
 }
 
+/// A token bucket as the scripts keep it: its level at its last write, and when.
+type Bucket = Option<(f64, u64)>;
+
+/// The provider scope: its token and request buckets and the day's tokens.
+#[derive(Debug, Default)]
+struct Provider {
+    tokens: Bucket,
+    requests: Bucket,
+    day: u64,
+}
+
+/// A bucket's level at `now` (common.lua's `refilled`): full when never written.
+fn refilled(b: Bucket, cap: f64, rate: f64, now: u64) -> f64 {
+    match b {
+        None => cap,
+        Some((level, at)) => cap.min(level + rate * now.saturating_sub(at) as f64),
+    }
+}
+
 #[derive(Debug, Default)]
 struct Model {
     /// id → (work, tier, tenant, KV tokens, what its admission added to its tenant's finish tag)
     holds: BTreeMap<String, (u64, usize, String, u64, u64)>,
+    /// id → the prompt and output tokens its hold took from the provider's limits.
+    charged: BTreeMap<String, (u64, u64)>,
+    provider: Provider,
     waiting: BTreeMap<String, Place>,
     /// Per tier: tenant → finish tag; and the tier's virtual time.
     tags: [BTreeMap<String, u64>; 3],
@@ -97,6 +146,11 @@ enum Reply {
 
 fn cost(work: u64, weight: u64) -> u64 {
     (work * 1_000).div_ceil(weight)
+}
+
+/// A request's KV tokens as its provider's: a third prompt, the rest its output ceiling.
+fn split(kv: u64) -> (u64, u64) {
+    (kv / 3, kv - kv / 3)
 }
 
 impl Model {
@@ -190,8 +244,13 @@ impl Model {
             self.give_up_place(id);
             return Reply::Refused(delay);
         }
+        if starts && !self.provider_takes(rank, kv, now) {
+            self.give_up_place(id);
+            return Reply::Refused(0);
+        }
         if starts {
             self.waiting.remove(id);
+            self.charged.insert(id.to_string(), split(kv));
             let added = cost(work, weight);
             self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added));
             let finish = mine + added;
@@ -214,7 +273,71 @@ impl Model {
         Reply::Waiting(delay)
     }
 
-    fn release(&mut self, id: &str, unused: bool) {
+    /// The provider's limits as tier `rank` sees them (its share, counted from the top): whether
+    /// they take a request of `kv` tokens now; if so, taken.
+    fn provider_takes(&mut self, rank: usize, kv: u64, now: u64) -> bool {
+        let (tpm, burst, rpm, per_day) = PROVIDER;
+        let share = PROVIDER_SHARE[rank] as f64 / 1000.0;
+        let (cap, rate) = (burst as f64, tpm as f64 / 60_000.0);
+        let (rcap, rrate) = (rpm as f64, rpm as f64 / 60_000.0);
+        let tokens = refilled(self.provider.tokens, cap, rate, now);
+        let requests = refilled(self.provider.requests, rcap, rrate, now);
+        let budget = (per_day as f64 * share).floor() as u64;
+        let (p, g) = split(kv);
+        let n = (p + g) as f64;
+        if n > cap * share || rcap * share < 1.0 || p + g > budget {
+            return false;
+        }
+        if tokens - cap * (1.0 - share) < n
+            || requests - rcap * (1.0 - share) < 1.0
+            || self.provider.day + p + g > budget
+        {
+            return false;
+        }
+        self.provider.tokens = Some(((tokens - n).max(-cap), now));
+        self.provider.requests = Some(((requests - 1.0).max(-rcap), now));
+        self.provider.day += p + g;
+        true
+    }
+
+    /// Moves the provider's token bucket and day by `amount` (debt when positive, a refund when
+    /// negative), as common.lua's `adjust`.
+    fn provider_moves(&mut self, amount: i64, now: u64) {
+        let (tpm, burst, ..) = PROVIDER;
+        let (cap, rate) = (burst as f64, tpm as f64 / 60_000.0);
+        if amount == 0 {
+            return;
+        }
+        if self.provider.tokens.is_some() {
+            let level = refilled(self.provider.tokens, cap, rate, now) - amount as f64;
+            self.provider.tokens = Some((level.min(cap).max(-cap), now));
+        }
+        self.provider.day = self.provider.day.saturating_add_signed(amount);
+    }
+
+    /// A hold's provider charge settled by how its request ended (`how` as [`Op::Release`]).
+    fn provider_settles(&mut self, id: &str, how: u8, used: (u64, u64), now: u64) {
+        let Some((p, g)) = self.charged.remove(id) else { return };
+        let held = (p + g) as i64;
+        match how {
+            0 => {
+                self.provider_moves(-held, now);
+                let (.., rpm, _) = PROVIDER;
+                let (rcap, rrate) = (rpm as f64, rpm as f64 / 60_000.0);
+                if self.provider.requests.is_some() {
+                    let level = refilled(self.provider.requests, rcap, rrate, now) + 1.0;
+                    self.provider.requests = Some((level.min(rcap), now));
+                }
+            }
+            1 => self.provider_moves(-held, now),
+            2 => self.provider_moves((used.0 + used.1) as i64 - held, now),
+            _ => {}
+        }
+    }
+
+    fn release(&mut self, id: &str, how: u8, used: (u64, u64), now: u64) {
+        let unused = how == 0;
+        self.provider_settles(id, how, used, now);
         let was_waiting = self.waiting.remove(id).is_some();
         let held = self.holds.remove(id);
         if let (true, Some((_, rank, tenant, _, added))) = (unused, &held)
@@ -269,7 +392,14 @@ impl Run {
                     queue: PoolQueue::Tollgate,
                     wait_ms: *wait,
                     waiter_ttl_ms: WAITER_TTL_MS,
-                    provider: None,
+                    provider: Some(ProviderCall {
+                        limits: provider_limits(),
+                        tier_share: PROVIDER_SHARE[tier] as f64 / 1000.0,
+                        prompt_tokens: split(kv).0,
+                        output_tokens: split(kv).1,
+                        cost_nanos: 0,
+                        idle_ttl_ms: 2 * LEASE_MS,
+                    }),
                 };
                 let got = match self.h.admission.protocol().pool_reserve(&call).await.expect("pool_reserve") {
                     PoolOutcome::Admitted { .. } => Reply::Admitted,
@@ -279,11 +409,17 @@ impl Run {
                 let want = self.model.ask(&id, &tenant, tier, work, kv, deadline, *wait, self.now);
                 assert_eq!(got, want, "{at}: the reply");
             }
-            Op::Release { id, unused } => {
+            Op::Release { id, how, prompt, output } => {
                 let id = format!("r{id}");
-                let end = if *unused { PoolEnd::Unused } else { PoolEnd::Expired };
-                self.h.admission.protocol().pool_release(&self.h.pool, &id, end, 0).await.expect("pool_release");
-                self.model.release(&id, *unused);
+                let end = match how {
+                    0 => PoolEnd::Unused,
+                    1 => PoolEnd::Released,
+                    2 => PoolEnd::Used { prompt: Some(*prompt), output: Some(*output), cost_nanos: Some(0) },
+                    _ => PoolEnd::Expired,
+                };
+                let pool = &self.h.pool;
+                self.h.admission.protocol().pool_release(pool, &id, end, 2 * LEASE_MS).await.expect("pool_release");
+                self.model.release(&id, *how, (*prompt, *output), self.now);
             }
             Op::Advance { ms } => {
                 self.h.advance(*ms).await;
@@ -300,8 +436,13 @@ impl Run {
         let all = keys::pool_keys(&self.h.pool);
         let views = self.h.inspect(all.clone()).await;
         let fields = |k: usize| views[&all[k]].fields.clone();
+        let (holds, charges): (BTreeMap<String, String>, BTreeMap<String, String>) =
+            fields(1).into_iter().partition(|(id, _)| !id.ends_with('+'));
         let holds: BTreeMap<String, u64> =
-            fields(1).into_iter().map(|(id, v)| (id, v.split(' ').next().unwrap().parse().unwrap())).collect();
+            holds.into_iter().map(|(id, v)| (id, v.split(' ').next().unwrap().parse().unwrap())).collect();
+        let charges: Vec<String> = charges.into_keys().collect();
+        let want: Vec<String> = self.model.charged.keys().map(|id| format!("{id}+")).collect();
+        assert_eq!(charges, want, "{at}: each hold's provider charge beside it");
         let want: BTreeMap<String, u64> = self.model.holds.iter().map(|(id, h)| (id.clone(), h.0)).collect();
         assert_eq!(holds, want, "{at}: the pool's holds");
         let state = fields(0);
@@ -328,6 +469,14 @@ impl Run {
         if self.model.holds.is_empty() && self.model.waiting.is_empty() {
             assert!(state.keys().all(|f| !f.starts_with('f') && !f.starts_with('v')), "{at}: {state:?}");
         }
+        let provider = fields(7);
+        let bucket = |level: &str, at: &str| {
+            provider.get(level).map(|l| (l.parse::<f64>().unwrap(), provider[at].parse::<f64>().unwrap() as u64))
+        };
+        let want = &self.model.provider;
+        assert_eq!(bucket("t", "tt"), want.tokens, "{at}: the provider's tokens");
+        assert_eq!(bucket("r", "rt"), want.requests, "{at}: the provider's requests");
+        assert_eq!(provider.get("du").map_or(0, |v| v.parse::<u64>().unwrap()), want.day, "{at}: the provider's day");
     }
 }
 
@@ -349,11 +498,13 @@ proptest! {
             }
             // Everything released: the pool holds nothing and remembers no one.
             for id in 0..IDS {
-                run.step(&Op::Release { id, unused: false }, "the end").await;
+                run.step(&Op::Release { id, how: 3, prompt: 0, output: 0 }, "the end").await;
             }
             let views = run.h.inspect(keys::pool_keys(&run.h.pool)).await;
             let state_key = keys::pool_state(&run.h.pool);
-            let left: Vec<_> = views.iter().filter(|(k, v)| **k != state_key && !v.fields.is_empty()).collect();
+            let provider_key = keys::pool_provider(&run.h.pool);
+            let left: Vec<_> =
+                views.iter().filter(|(k, v)| **k != state_key && **k != provider_key && !v.fields.is_empty()).collect();
             let state = &views[&state_key].fields;
             assert!(left.is_empty(), "{left:?}");
             assert!(state.keys().all(|f| !f.starts_with('v') && !f.starts_with('f')), "{state:?}");

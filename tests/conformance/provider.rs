@@ -173,3 +173,25 @@ pub async fn pool_status_shows_the_providers_limits<S: Store>(h: Harness<S>) {
     assert!((800..=803).contains(&provider.used.tokens.level), "{provider:?}");
     assert_eq!(provider.used.requests.level, 4);
 }
+
+/// The provider's 429s and its limits compose: while the throttle holds the pool at half, every
+/// provider bucket refills at half its rate, and PoolStatus shows both.
+pub async fn the_throttle_slows_the_providers_refill<S: Store>(h: Harness<S>) {
+    let mut first = None;
+    for other in [false, true, false, true, false] {
+        let id = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, other)).await).reservation_id.clone();
+        first.get_or_insert(id);
+    }
+    let unthrottled = denied(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await).retry_after_ms.unwrap();
+    assert!((195_000..=200_000).contains(&unthrottled), "200 tokens at 1 a second: {unthrottled}");
+    assert_eq!(h.admission.upstream_refused(first.as_ref().unwrap(), None).await.unwrap(), Some(0.5));
+    let no = h.admission.reserve(&ask(&h, Priority::Critical, true)).await;
+    let no = denied(&no);
+    assert_eq!(no.reason, Reason::ProviderRate, "{no:?}");
+    // At half the rate: twice as long (the share recovers 5% a second: a real clock's
+    // milliseconds meanwhile shorten it by a hair).
+    assert!(no.retry_after_ms.is_some_and(|ms| (380_000..=400_000).contains(&ms)), "{no:?}");
+    let (view, provider) = h.admission.pool_status(&h.pool).await.unwrap();
+    assert!((0.5..0.51).contains(&view.share), "{view:?}");
+    assert!(provider.unwrap().used.tokens.level <= 1);
+}

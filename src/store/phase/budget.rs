@@ -112,7 +112,7 @@ impl<S: Store> Protocol<S> {
         let holds = (keys::pool_holds(pool), String::new());
         let scope = [(keys::pool_provider(pool), *limits)];
         let mut used = self.read_scopes(holds, &scope, false, 0).await?;
-        used.pop().ok_or_else(|| StoreError::BadReply { script: self.scripts.budget_get.name, reply: Reply::Nil })
+        used.pop().ok_or(StoreError::BadReply { script: self.scripts.budget_get.name, reply: Reply::Nil })
     }
 
     /// `budget_get.lua` over `scopes`, beside a holds hash and record prefix.
