@@ -257,6 +257,29 @@ mod scenarios {
         assert_eq!(other.admission.leased_holds(&h.tenant), (0, 0));
     }
 
+    /// A pooled request's pool leg is decided at the store, whatever leasing its tenant has (its
+    /// tenant leg may be decided from slices): it must see every replica's holds, and the
+    /// provider's limits with them. Two leasing replicas racing on a provider's 500 tokens, of
+    /// which standard requests may use 80%, admit exactly four requests of 100.
+    pub async fn a_pool_leg_is_decided_at_the_store<S: Store + Clone>(h: Harness<S>) {
+        let other = h.wrapped(|s| s).await;
+        let (a, b) = tokio::join!(
+            futures_util::future::join_all((0..4).map(|_| h.reserve(0, 100))),
+            futures_util::future::join_all((0..4).map(|_| other.reserve(0, 100)))
+        );
+        let admitted = a.iter().chain(&b).filter(|d| matches!(d, tollgate::admission::Decision::Admitted(_))).count();
+        assert_eq!(admitted, 4, "400 tokens, 100 a request: {a:?} {b:?}");
+        let refused = a.iter().chain(&b).filter_map(|d| match d {
+            tollgate::admission::Decision::Denied(d) => Some(d.reason),
+            _ => None,
+        });
+        assert!(refused.into_iter().all(|r| r == Reason::ProviderRate));
+        assert_eq!(h.pool_load().await.0, 4);
+        // Their tenant legs were leased: the replicas' slices hold them.
+        let leased = h.admission.leased_holds(&h.tenant).0 + other.admission.leased_holds(&h.tenant).0;
+        assert_eq!(leased, 4);
+    }
+
     /// A client re-sends a command whose connection dropped after it was written: every lease call
     /// here runs twice. The second run is a re-send of the first and changes nothing, so the
     /// returns, the debt and the draws count once: the day's usage is what was used.
@@ -599,6 +622,13 @@ macro_rules! leasing {
             }
 
             scenario!(a_budget_leasing_does_not_decide_goes_to_the_store, &format!("{SLOW}  tokens_per_hour: 500\n"));
+            scenario!(
+                a_pool_leg_is_decided_at_the_store,
+                &format!(
+                    "{SLOW}---pool---\nmax_sequences: 64\nprefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\n\
+                     max_queue_delay_ms: 600000\nprovider_limits: {{ tokens_per_minute: 60, burst_tokens: 500 }}\n"
+                )
+            );
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_output_budget_goes_to_the_store() {
