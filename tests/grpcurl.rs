@@ -6,7 +6,8 @@ mod support;
 use support::procs::{Tollgate, grpcurl};
 
 const POLICY: &str = "models:\n  m:\n    max_output_tokens: 512\n  p:\n    max_output_tokens: 512\n    pool: gpu\n\
-                      pools:\n  gpu: { max_sequences: 4, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 1000 }\n\
+                      pools:\n  gpu: { max_sequences: 4, prefill_tokens_per_second: 1000, decode_tokens_per_second: 100, max_queue_delay_ms: 1000, \
+                      provider_limits: { tokens_per_minute: 90000, requests_per_minute: 600 } }\n\
                       tenants:\n  acme:\n    limits: { tokens_per_minute: 6000 }\n";
 
 fn run(t: &Tollgate, args: &[&str]) -> String {
@@ -103,6 +104,15 @@ fn grpcurl_shows_a_pools_load_and_throttle() {
     let out = run(&t, &["-d", r#"{"pool":"gpu"}"#, "tollgate.v1.Admission/PoolStatus"]);
     let reply: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(reply["share"], 1.0, "an unthrottled pool admits its whole share: {out}");
+    // The provider's limits, as Budgets/Get shows a scope's: full, nothing used yet.
+    let provider = reply["provider"].as_array().unwrap_or_else(|| panic!("no provider limits: {out}"));
+    let limit = |name: &str| provider.iter().find(|l| l["name"] == name).unwrap_or_else(|| panic!("{name}: {out}"));
+    assert_eq!(
+        (limit("tokens_per_minute")["limit"].as_str(), limit("tokens_per_minute")["remaining"].as_str()),
+        (Some("90000"), Some("90000")),
+        "{out}"
+    );
+    assert_eq!(limit("requests_per_minute")["limit"].as_str(), Some("600"), "{out}");
     let out = grpcurl(t.addr, &["-d", r#"{"pool":"nope"}"#, "tollgate.v1.Admission/PoolStatus"]);
     assert!(!out.status.success());
     assert!(
