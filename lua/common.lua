@@ -1179,6 +1179,10 @@ local function pool_drop(keys, id, ending, now)
     pool_forget_if_idle(keys, tonumber(call('HGET', state, 'n')) or 0)
   end
   if not h then
+    if got[2] then
+      -- A charge whose hold a replica from before provider limits took off: as held.
+      call('HDEL', holds, id .. '+')
+    end
     return nil
   end
   local parts = split(h)

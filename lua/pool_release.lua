@@ -9,8 +9,8 @@
 -- ARGV[1] reservation id
 -- ARGV[2] how its request ended: unused (it never reached the backend: its tenant leg refused
 --         it, or nobody received its admission; a queue's finish tag is taken back too, common.lua)
---         | released (no usage) | used (ARGV[3..5]) | expired (its tenant hold's lease ran out);
---         '1' and '0' from a replica that predates provider limits: unused, and expired
+--         | released (no usage) | used (ARGV[3..5]) | expired (its tenant hold's lease ran out, or
+--         it settled where its usage is not known: charged as held)
 -- ARGV[3] prompt tokens used   ARGV[4] output tokens used   ARGV[5] cost (nanos): '' where unknown
 --         (charged as held)
 -- ARGV[6] the provider scope's idle TTL (ms; 0: none)
@@ -18,9 +18,6 @@
 -- Reply: {1, work ms} when this call took the hold off; {0, 0} when the pool did not hold it.
 
 local how = ARGV[2]
-if how == '1' then
-  how = 'unused'
-end
 -- (No idle TTL, from a policy that no longer sets provider limits: the scope's TTL stays as its
 -- last reserve left it.)
 local idle = ARGV[6]

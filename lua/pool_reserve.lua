@@ -155,7 +155,8 @@ if provider_share > 0 then
   -- What the tiers above keep, off the top of each bucket and budget.
   local keep, budgets = 1 - provider_share, {}
   for c, limit in pairs(l.budgets) do
-    budgets[c] = floor(limit * provider_share)
+    -- (At least 1: a budget of 0 would read as none.)
+    budgets[c] = max(1, floor(limit * provider_share))
   end
   provider_view = setmetatable({
     t = provider.t and provider.t - provider.tcap * keep, tcap = provider.tcap * provider_share,
@@ -167,8 +168,10 @@ if provider_share > 0 then
 end
 
 -- The provider's refusal of this request (`delay`: its predicted start), or nil when its limits
--- can take it now.
-local function provider_refusal(delay)
+-- can take it now. `budgets_only`: a request about to wait for a slot, refused only for what no
+-- wait for a slot helps (larger than the tier's share of a limit, or a spent budget); its rates
+-- are checked when it starts.
+local function provider_refusal(delay, budgets_only)
   if not provider then
     return nil
   end
@@ -179,7 +182,7 @@ local function provider_refusal(delay)
   local reason, wait = nil, 0
   check_scope(v, n, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
     ms = max(1, ceil(ms))
-    if ms > wait then
+    if ms > wait and not (budgets_only and string.sub(why, 1, 7) ~= 'budget:') then
       reason, wait = why, ms
     end
   end)
@@ -276,6 +279,10 @@ if in_tollgate then
   end
   if starts then
     return provider_refusal(0) or hold(0, me.start)
+  end
+  local never = provider_refusal(delay, true)
+  if never then
+    return never
   end
   if delay > wait or wait <= 0 then
     return refuse('queue_full', delay, delay)

@@ -1611,6 +1611,15 @@ macro_rules! conformance {
             scenario!(lower_tiers_keep_the_providers_headroom, &provider_policy("{}", PROVIDER_RATES));
             scenario!(a_providers_day_budget_turns_at_utc_midnight, &provider_policy("{}", "{ tokens_per_day: 400 }"));
             scenario!(pool_status_shows_the_providers_limits, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(a_release_of_a_settled_hold_keeps_the_provider_charged, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(
+                an_unmetered_request_stays_charged_to_the_provider,
+                &provider_policy("{}\non_store_error: fail_open", PROVIDER_RATES)
+            );
+            scenario!(
+                a_renewed_stream_keeps_the_provider_scope_it_took_from,
+                &super::provider::long_lease_policy()
+            );
             scenario!(
                 the_throttle_slows_the_providers_refill,
                 &provider_policy("{}", "{ tokens_per_minute: 60, burst_tokens: 1000 }")

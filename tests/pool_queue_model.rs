@@ -262,6 +262,10 @@ impl Model {
             }
             return Reply::Admitted;
         }
+        if self.provider_never(rank, kv) {
+            self.give_up_place(id);
+            return Reply::Refused(delay);
+        }
         if delay > wait || wait == 0 {
             self.give_up_place(id);
             return Reply::Refused(delay);
@@ -276,28 +280,34 @@ impl Model {
     /// The provider's limits as tier `rank` sees them (its share, counted from the top): whether
     /// they take a request of `kv` tokens now; if so, taken.
     fn provider_takes(&mut self, rank: usize, kv: u64, now: u64) -> bool {
-        let (tpm, burst, rpm, per_day) = PROVIDER;
+        let (tpm, burst, rpm, _) = PROVIDER;
         let share = PROVIDER_SHARE[rank] as f64 / 1000.0;
         let (cap, rate) = (burst as f64, tpm as f64 / 60_000.0);
         let (rcap, rrate) = (rpm as f64, rpm as f64 / 60_000.0);
         let tokens = refilled(self.provider.tokens, cap, rate, now);
         let requests = refilled(self.provider.requests, rcap, rrate, now);
-        let budget = (per_day as f64 * share).floor() as u64;
         let (p, g) = split(kv);
         let n = (p + g) as f64;
-        if n > cap * share || rcap * share < 1.0 || p + g > budget {
+        if self.provider_never(rank, kv) {
             return false;
         }
-        if tokens - cap * (1.0 - share) < n
-            || requests - rcap * (1.0 - share) < 1.0
-            || self.provider.day + p + g > budget
-        {
+        if tokens - cap * (1.0 - share) < n || requests - rcap * (1.0 - share) < 1.0 {
             return false;
         }
         self.provider.tokens = Some(((tokens - n).max(-cap), now));
         self.provider.requests = Some(((requests - 1.0).max(-rcap), now));
         self.provider.day += p + g;
         true
+    }
+
+    /// Whether the provider's limits, as tier `rank` sees them, refuse a request of `kv` tokens
+    /// whatever it waits for a slot: larger than the tier's share of one, or its day spent.
+    fn provider_never(&self, rank: usize, kv: u64) -> bool {
+        let (_, burst, rpm, per_day) = PROVIDER;
+        let share = PROVIDER_SHARE[rank] as f64 / 1000.0;
+        let budget = ((per_day as f64 * share).floor() as u64).max(1);
+        let n = kv / 3 + (kv - kv / 3);
+        n as f64 > burst as f64 * share || (rpm as f64) * share < 1.0 || n > budget || self.provider.day + n > budget
     }
 
     /// Moves the provider's token bucket and day by `amount` (debt when positive, a refund when

@@ -147,6 +147,7 @@ impl<S: Store> Admission<S> {
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
+            tidy.unmetered = matches!(decided, Decision::Unmetered(_));
             let sent = answer.send((decided, waited, tidy.store_mode(&plan)));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
@@ -210,7 +211,11 @@ impl<S: Store> Admission<S> {
 
     /// What a decision left to tidy up, once it has been answered.
     pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
-        self.give_back_legs(plan, &plan.id, tidy.hold, tidy.pool_leg && plan.pool.is_some()).await;
+        // A request admitted unmetered reaches the backend all the same: its pool leg's provider
+        // charge stays as held; any other pool leg to tidy never reached it.
+        let end = if tidy.unmetered { PoolEnd::Expired } else { PoolEnd::Unused };
+        let pool_leg = (tidy.pool_leg && plan.pool.is_some()).then_some(end);
+        self.give_back_legs(plan, &plan.id, tidy.hold, pool_leg).await;
     }
 
     /// Gives back legs of a hold nobody will use, now or, when the store does not answer, through
@@ -218,8 +223,8 @@ impl<S: Store> Admission<S> {
     /// retried for a reserve under an idempotency key that returns its live hold: the caller's
     /// own retry may be handed that hold meanwhile, and it must not be released under it (its
     /// lease reclaims it if nobody comes).
-    async fn give_back_legs(&self, plan: &Plan, id: &str, tenant_leg: bool, pool_leg: bool) {
-        if !(tenant_leg || pool_leg) {
+    async fn give_back_legs(&self, plan: &Plan, id: &str, tenant_leg: bool, pool_leg: Option<PoolEnd>) {
+        if !(tenant_leg || pool_leg.is_some()) {
             return;
         }
         if let Err(e) = self.abandon(id, tenant_leg, pool_leg).await {
@@ -234,14 +239,19 @@ impl<S: Store> Admission<S> {
     }
 
     /// Gives back what a reserve made under `id` and nobody received: the tenant leg in the store,
-    /// the pool leg, or both. Safe to repeat.
-    pub(super) async fn abandon(&self, id: &str, tenant_leg: bool, pool_leg: bool) -> Result<(), AdmissionError> {
+    /// the pool leg (settled as `pool_leg` says), or both. Safe to repeat.
+    pub(super) async fn abandon(
+        &self,
+        id: &str,
+        tenant_leg: bool,
+        pool_leg: Option<PoolEnd>,
+    ) -> Result<(), AdmissionError> {
         let r = super::parse_id(id)?;
         if tenant_leg {
             self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
         }
-        if let (true, Some(pool)) = (pool_leg, r.pool) {
-            self.give_pool_leg_back(pool, id, PoolEnd::Unused).await?;
+        if let (Some(end), Some(pool)) = (pool_leg, r.pool) {
+            self.give_pool_leg_back(pool, id, end).await?;
         }
         Ok(())
     }
@@ -500,7 +510,7 @@ impl<S: Store> Admission<S> {
             }
             _ => true,
         };
-        self.give_back_legs(plan, id, in_store, plan.pool.is_some()).await;
+        self.give_back_legs(plan, id, in_store, plan.pool.is_some().then_some(PoolEnd::Unused)).await;
     }
 
     /// Gives a pool leg back. A failure is logged, not returned: the pool hold's lease reclaims it.
@@ -589,6 +599,9 @@ pub(super) struct Tidy {
     pub(super) hold: bool,
     /// Release the pool leg's hold: its call failed, or the tenant leg's did.
     pub(super) pool_leg: bool,
+    /// The request was admitted unmetered (the store failed and the tenant's `on_store_error`
+    /// let it through): it reaches the backend without a hold.
+    pub(super) unmetered: bool,
 }
 
 impl Tidy {

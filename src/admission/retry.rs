@@ -50,7 +50,8 @@ pub enum Settlement {
     Abandon {
         id: String,
         tenant_leg: bool,
-        pool_leg: bool,
+        /// How its pool leg ended, where it has one to give back.
+        pool_leg: Option<crate::store::PoolEnd>,
     },
 }
 

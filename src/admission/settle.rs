@@ -7,7 +7,7 @@
 use super::lease::Leases;
 use super::{Admission, AdmissionError, ESTIMATE_TTL_MS, MAX_TOKEN_COUNT, ids, parse_id};
 use crate::config::Policy;
-use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome};
+use crate::hold::{CommitOutcome, Counted, Detail, Ending, Forwarded, ReleaseOutcome, RenewOutcome, Settled};
 use crate::metrics::Estimate;
 use crate::store::{CommitTerms, Learning, PoolEnd, Store};
 
@@ -93,11 +93,10 @@ impl<S: Store> Admission<S> {
             }
         };
         // Release the pool leg whenever the tenant leg is settled, repeats included: an earlier
-        // call may have settled the tenant leg and failed to reach the pool. Idempotent.
-        if let Some(pool) = r.pool
-            && outcome != CommitOutcome::NotFound
-        {
-            self.release_pool_leg(pool, reservation_id, pool_end(counted, &outcome)).await;
+        // call may have settled the tenant leg and failed to reach the pool. Idempotent. (A
+        // forwarded commit is the owner's to release, with what its tenant leg charged.)
+        if let (Some(pool), Some(end)) = (r.pool, commit_end(counted, &outcome)) {
+            self.release_pool_leg(pool, reservation_id, end).await;
         }
         Ok(outcome)
     }
@@ -163,11 +162,12 @@ impl<S: Store> Admission<S> {
             match outcome {
                 RenewOutcome::Renewed { .. } => {
                     if let Some(p) = policy.pools.get(pool) {
-                        self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
+                        let (idle, provider_idle) = (p.idle_ttl_ms, p.provider_idle_ttl_ms);
+                        self.protocol.pool_renew(pool, reservation_id, lease, idle, provider_idle).await?;
                     }
                 }
                 // Settled (perhaps expired by this very call): its pool leg goes too.
-                RenewOutcome::Settled(_) => self.release_pool_leg(pool, reservation_id, PoolEnd::Expired).await,
+                RenewOutcome::Settled(s) => self.release_pool_leg(pool, reservation_id, settled_end(s)).await,
                 // The owner renews the pool leg when it applies the renewal.
                 RenewOutcome::NotFound | RenewOutcome::Forwarded => {}
             }
@@ -201,10 +201,14 @@ impl<S: Store> Admission<S> {
         if let ReleaseOutcome::Released { refunded, repeated: false } = outcome {
             self.metrics.released(r.tenant, refunded, ending);
         }
-        if let Some(pool) = r.pool
-            && outcome != ReleaseOutcome::NotFound
-        {
-            self.release_pool_leg(pool, reservation_id, PoolEnd::Released).await;
+        let end = match outcome {
+            ReleaseOutcome::Released { .. } => Some(PoolEnd::Released),
+            ReleaseOutcome::Settled(s) => Some(settled_end(s)),
+            // The owner releases it when it applies the release.
+            ReleaseOutcome::NotFound | ReleaseOutcome::Forwarded => None,
+        };
+        if let (Some(pool), Some(end)) = (r.pool, end) {
+            self.release_pool_leg(pool, reservation_id, end).await;
         }
         Ok(outcome)
     }
@@ -250,16 +254,32 @@ enum Home<'a> {
     Replica(&'a str),
 }
 
-/// How a committed request ended for its pool's provider limits: the counts it reported (a metered
-/// stream's prompt as held), at the cost its tenant leg charged where that leg settled here. A
-/// commit forwarded to the replica holding its lease has no such cost here: as held.
-fn pool_end(counted: Counted, outcome: &CommitOutcome) -> PoolEnd {
-    let cost_nanos = outcome.usage().map(|u| u.cost_nanos);
-    match counted {
+/// How a commit's request ended for its pool's provider limits, by what its tenant leg said: the
+/// counts it reported (a metered stream's prompt as held) at the cost that leg charged; a hold
+/// released before it, released. `None` where the pool leg is not this call's to release:
+/// nothing found, or forwarded to the replica holding the lease (which releases it when it
+/// applies the commit, with what its tenant leg charged).
+fn commit_end(counted: Counted, outcome: &CommitOutcome) -> Option<PoolEnd> {
+    let cost_nanos = match outcome {
+        CommitOutcome::Committed(u) => Some(u.cost_nanos),
+        CommitOutcome::Released => return Some(PoolEnd::Released),
+        CommitOutcome::NotFound | CommitOutcome::Forwarded => return None,
+    };
+    Some(match counted {
         Counted::Exact { prompt, output, .. } => {
             PoolEnd::Used { prompt: Some(prompt), output: Some(output), cost_nanos }
         }
         Counted::Metered { output } => PoolEnd::Used { prompt: None, output: Some(output), cost_nanos },
         Counted::AsHeld => PoolEnd::Used { prompt: None, output: None, cost_nanos: None },
+    })
+}
+
+/// How a hold a call found settled ended, for its pool's provider limits: given back if it was
+/// released; otherwise (committed, whose own pool release this call repeats, or expired) as
+/// held: the request may have run, and what it used is not this call's to say.
+fn settled_end(settled: Settled) -> PoolEnd {
+    match settled {
+        Settled::Released => PoolEnd::Released,
+        Settled::Committed | Settled::LateCommitted | Settled::Expired => PoolEnd::Expired,
     }
 }

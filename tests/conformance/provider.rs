@@ -16,6 +16,14 @@ pub fn provider_policy(limits: &str, provider: &str) -> String {
     )
 }
 
+/// The same with a lease of ten minutes, which renewals keep going.
+pub fn long_lease_policy() -> String {
+    super::scenarios::pool_policy(
+        "default_tenant:\n  limits: {}\n---top---\nlease_ttl_ms: 600000\nlimits: {}\n",
+        &format!("max_sequences: 64\nmax_queue_delay_ms: 600000\nprovider_limits: {PROVIDER_RATES}\n"),
+    )
+}
+
 /// A slow token bucket (1 token a second) of 1,000, and 5 requests a minute.
 pub const PROVIDER_RATES: &str = "{ tokens_per_minute: 60, burst_tokens: 1000, requests_per_minute: 5 }";
 
@@ -194,4 +202,58 @@ pub async fn the_throttle_slows_the_providers_refill<S: Store>(h: Harness<S>) {
     let (view, provider) = h.admission.pool_status(&h.pool).await.unwrap();
     assert!((0.5..0.51).contains(&view.share), "{view:?}");
     assert!(provider.unwrap().used.tokens.level <= 1);
+}
+
+/// A release that finds its hold settled otherwise leaves the provider as that settlement did: an
+/// expired hold (the release expiring it itself) and a committed one (whose own pool release was
+/// lost) stay charged; only a hold the release gives back gives the provider its tokens back.
+pub async fn a_release_of_a_settled_hold_keeps_the_provider_charged<S: Store>(h: Harness<S>) {
+    let a = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await).reservation_id.clone();
+    h.advance(400).await;
+    let out = h.admission.release(&a).await.unwrap();
+    assert_eq!(out, ReleaseOutcome::Settled(tollgate::hold::Settled::Expired), "the lease had run out");
+    tokens_left(&h, 800, "an expired hold stays charged as held").await;
+    // The tenant leg commits all it held; its pool release never happens (lost); a release follows.
+    let b = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await).reservation_id.clone();
+    let terms = tollgate::store::CommitTerms { learning: None, retention_ms: 60_000, zone_offset_min: Some(0) };
+    let tenant = format!("{}-b", h.tenant);
+    h.admission.protocol().commit(&tenant, &b, Counted::exact(100, 100), Ending::Completed, terms).await.unwrap();
+    let out = h.admission.release(&b).await.unwrap();
+    assert_eq!(out, ReleaseOutcome::Settled(tollgate::hold::Settled::Committed));
+    tokens_left(&h, 600, "a request that ran is not given back").await;
+}
+
+/// A request admitted unmetered (its tenant leg's reply lost, `fail_open`) reaches the provider:
+/// its pool leg is tidied away, and what it took from the provider stays charged.
+pub async fn an_unmetered_request_stays_charged_to_the_provider<S: Store + Clone>(h: Harness<S>) {
+    let lossy = h.wrapped(|s| Faulty::new(s, "reserve", Fault::LostReply)).await;
+    let d = lossy.admission.reserve(&ask(&lossy, Priority::Critical, false)).await;
+    assert!(matches!(d, Decision::Unmetered(_)), "{d:?}");
+    // Tidied once answered: the pool leg's work leaves the pool.
+    let start = std::time::Instant::now();
+    while h.pool_load().await.0 > 0 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the pool leg was never tidied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokens_left(&h, 800, "the request reached the provider").await;
+    assert!(provider(&h).await.requests.level <= 4, "and counts as a request");
+}
+
+/// A stream renewed long past the provider scope's idle TTL keeps the scope alive (each renewal
+/// does), so its commit settles into the scope it took from: the day counts both requests' usage,
+/// not the second one's less the first's refund.
+pub async fn a_renewed_stream_keeps_the_provider_scope_it_took_from<S: Store>(h: Harness<S>) {
+    if !h.exact_time() {
+        return;
+    }
+    let day = BudgetKey::new(Measure::Tokens, Period::Day);
+    let a = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await).reservation_id.clone();
+    for _ in 0..3 {
+        h.advance(500_000).await;
+        let r = h.admission.renew(&a, 0).await.unwrap();
+        assert!(matches!(r, RenewOutcome::Renewed { .. }), "{r:?}");
+    }
+    admitted(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await);
+    h.admission.commit(&a, 10, 10).await.unwrap();
+    assert_eq!(provider(&h).await.period(day).counted, 220, "200 held by the second, 20 used by the first");
 }

@@ -47,7 +47,7 @@ pub(crate) const RELEASE_ARGV: [&str; 6] = [
 ];
 
 /// `pool_renew.lua`'s `ARGV`, in order.
-pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
+pub(crate) const RENEW_ARGV: [&str; 4] = ["reservation id", "new lease", "idle TTL", "the provider scope's idle TTL"];
 
 /// `pool_progress.lua`'s `ARGV`, in order.
 pub(crate) const PROGRESS_ARGV: [&str; 2] = ["reservation id", "the work it has left"];
@@ -317,13 +317,22 @@ impl<S: Store> Protocol<S> {
         Ok(r.flag(0)?.then_some(held))
     }
 
-    /// Extends a pool hold's lease; `false` when the pool does not hold it.
-    pub async fn pool_renew(&self, pool: &str, id: &str, lease_ms: u64, idle_ttl_ms: u64) -> Result<bool, StoreError> {
+    /// Extends a pool hold's lease, and keeps the provider scope its charge is in alive with it
+    /// (`provider_idle_ttl_ms`; 0: none); `false` when the pool does not hold it.
+    pub async fn pool_renew(
+        &self,
+        pool: &str,
+        id: &str,
+        lease_ms: u64,
+        idle_ttl_ms: u64,
+        provider_idle_ttl_ms: u64,
+    ) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_renew;
         let mut a = Argv::new("pool_renew", &RENEW_ARGV, 0);
         a.push("reservation id", id.to_string());
         a.push("new lease", lease_ms.to_string());
         a.push("idle TTL", idle_ttl_ms.to_string());
+        a.push("the provider scope's idle TTL", provider_idle_ttl_ms.to_string());
         let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         match reply {
             Reply::Int(n @ (0 | 1)) => Ok(n == 1),
