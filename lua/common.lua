@@ -476,6 +476,41 @@ local function beyond_budgets(s, n)
   return false
 end
 
+-- True when `n` is more than scope `s`'s token bucket, one of its buckets of one side or one of
+-- its budgets could ever hold: no wait can help.
+local function never_fits(s, n)
+  return (s.tcap > 0 and n.u > s.tcap) or beyond_budgets(s, n)
+end
+
+-- What a tier may use of scope `s` (as read_scope left it): `part` of each bucket, counted from the
+-- top (what the tiers above keep is never its to take), and of each budget (at least 1: a budget
+-- of 0 would read as none). The rest reads through to `s`.
+local function scope_part(s, part)
+  local keep, budgets = 1 - part, {}
+  for c, limit in pairs(s.l.budgets) do
+    budgets[c] = max(1, floor(limit * part))
+  end
+  return setmetatable({
+    t = s.t and s.t - s.tcap * keep, tcap = s.tcap * part,
+    pt = s.pt and s.pt - s.pcap * keep, pcap = s.pcap * part,
+    gt = s.gt and s.gt - s.gcap * keep, gcap = s.gcap * part,
+    r = s.r and s.r - s.rcap * keep, rcap = s.rcap * part,
+    l = { budgets = budgets, any_budget = s.l.any_budget },
+  }, { __index = s })
+end
+
+-- Gives `n` requests back to scope `key`'s request bucket (capacity `cap`, refill `rate` a ms),
+-- never above its capacity. `only_existing`: not to a scope whose bucket is gone (its hash ran out
+-- of its TTL: an idle bucket is full anyway). True when it wrote.
+local function give_requests(key, n, cap, rate, now, only_existing)
+  local v = call('HMGET', key, 'r', 'rt')
+  if only_existing and not v[1] then
+    return false
+  end
+  call('HSET', key, 'r', min(cap, refilled(v[1], v[2], cap, rate, now) + n), 'rt', now)
+  return true
+end
+
 -- The first soft budget (in COUNTERS order) of `scopes` that taking `n` more leaves passed:
 -- {counter, ms until its period ends}, or {} when none is.
 local function soft_passed(scopes, n, now, at, offset)
@@ -1048,8 +1083,7 @@ end
 --   f…  fair shares within a tier (below)
 -- Pool holds hash: reservation id -> "<work> <kv> <tier> <tenant>" (holds made before fair shares:
 -- "<work> <kv>"); a live stream's work shrinks as it reports progress (pool_progress.lua). Beside
--- it, in a pool with provider limits, `<id>+` -> what the hold charged them (pool_reserve.lua):
--- "<tokens> <cost> <prompt> <output> <day> <hour> <request capacity> <requests per ms> <kc>".
+-- it, in a pool with provider limits, `<id>+` -> what the hold charged them (provider_charge).
 -- Provider scope (one per pool with provider limits): a scope hash as a tenant's (above), shared
 -- by every tenant whose model the pool serves; its periods are UTC's.
 
@@ -1129,71 +1163,72 @@ local function pool_forget_if_idle(keys, n)
   end
 end
 
--- Settles what a pool hold charged its provider's limits (`charge`, its `<id>+` entry) by how its
+-- A pool hold's charge of its provider's limits, its `<id>+` entry beside it in the pool holds
+-- hash: what it took (`n`, {u, c, p, g}), the periods it took it in (`at`), the provider scope's
+-- idle TTL, the scope's request bucket terms (a request given back refills by them), and the
+-- counters it charged beside ALWAYS (`kc`, charged_counters).
+local function provider_charge(n, at, idle, s, kc)
+  return string.format('%d %d %d %d %d %d %d %d %.17g %s', n.u, n.c, n.p, n.g, at.d, at.h, idle, s.rcap,
+    s.rrate, kc)
+end
+
+-- A charge as provider_charge wrote it.
+local function provider_charge_read(text)
+  local c = split(text)
+  return { held = amounts(tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])),
+    at = periods_of(tonumber(c[5]), tonumber(c[6])), idle = tonumber(c[7]), rcap = tonumber(c[8]),
+    rrate = tonumber(c[9]), kc = c[10] }
+end
+
+-- How a pool hold's request ended, where that settles its provider charge (pool_release.lua).
+local SETTLES_CHARGE = { unused = true, released = true, used = true }
+
+-- Settles a pool hold's provider charge (`c`, provider_charge_read) in scope `key` by how its
 -- request ended, `ending`: {how, prompt, output, cost} (counts nil: as held). `unused` (it never
--- reached the backend: the tenant leg refused it, or nobody received the admission) gives all
--- of it back, its request too; `released` (it ended with no usage) its tokens and money, the
--- request having reached the provider; `used` moves it to the counts, refunding what was held
--- beyond them and charging an overrun as debt, as a tenant's commit does. Anything else (a lease
--- that ran out) leaves it charged as held: missing usage is not zero usage. `idle`: the provider
--- scope's idle TTL (ms).
-local function provider_settle(key, charge, ending, now, idle)
-  local how = ending and ending.how
-  if how ~= 'unused' and how ~= 'released' and how ~= 'used' then
-    return
-  end
-  local c = split(charge)
-  local held = amounts(tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4]))
-  local hold_at, kc = periods_of(tonumber(c[5]), tonumber(c[6])), c[9]
-  if how == 'used' then
+-- reached the backend: the tenant leg refused it, or nobody received the admission) gives all of
+-- it back, its request too; `released` (it ended with no usage) its tokens and money, the request
+-- having reached the provider; `used` moves it to the counts, refunding what was held beyond
+-- them and charging an overrun as debt, as a tenant's commit does. (Any other ending leaves it
+-- charged as held: missing usage is not zero usage.)
+local function provider_settle(key, c, ending, now)
+  local held = c.held
+  if ending.how == 'used' then
     local p, g = ending.prompt or held.p, ending.output or held.g
     local n = amounts(p + g - held.u, (ending.cost or held.c) - held.c, p - held.p, g - held.g)
-    settle({ key }, n, hold_at, periods_at(now, 0), now, kc, nil, idle)
+    settle({ key }, n, c.at, periods_at(now, 0), now, c.kc, nil, c.idle)
     return
   end
-  refund({ key }, held, hold_at, now, kc, nil, idle)
-  local rcap, rrate = tonumber(c[7]), tonumber(c[8])
-  if how == 'unused' and rcap > 0 then
-    local f = call('HMGET', key, 'r', 'rt')
-    if f[1] then
-      call('HSET', key, 'r', min(rcap, refilled(f[1], f[2], rcap, rrate, now) + 1), 'rt', now)
-    end
+  refund({ key }, held, c.at, now, c.kc, nil, c.idle)
+  if ending.how == 'unused' and c.rcap > 0 then
+    give_requests(key, 1, c.rcap, c.rrate, now, true)
   end
 end
 
 -- Takes one hold off a pool with the work it holds by then; returns that work, or nil if the pool
 -- does not hold it (already released, or swept after its lease). A request still waiting for a
 -- slot (pool_reserve.lua's queue) leaves the queue here too. Either way, a pool left empty forgets.
--- `ending` (nil: its lease ran out) says how its request ended, for the provider's limits
+-- `ending` (nil: its lease ran out) says how its request ended, which settles its provider charge
 -- (provider_settle); `unused` there also means the request never reached the backend, so the
 -- finish tag its admission added ("<work> <kv> <tier> <tenant> <cost>") is taken back: its tenant
 -- is not queued as if served.
-local function pool_drop(keys, id, ending, now)
+local function pool_drop(keys, id, ending)
   local state, holds, leases = keys[1], keys[2], keys[3]
   local unused = ending and ending.how == 'unused'
-  local got = call('HMGET', holds, id, id .. '+')
-  local h = got[1]
+  local h = call('HGET', holds, id)
   call('ZREM', leases, id)
   if call('HDEL', keys[4], id) == 1 and not h then
     -- The last one waiting for an empty pool leaves.
     pool_forget_if_idle(keys, tonumber(call('HGET', state, 'n')) or 0)
   end
   if not h then
-    if got[2] then
-      -- A charge whose hold a replica from before provider limits took off: as held.
-      call('HDEL', holds, id .. '+')
-    end
     return nil
   end
   local parts = split(h)
   local work, kv = tonumber(parts[1]), tonumber(parts[2])
-  if got[2] then
-    call('HDEL', holds, id, id .. '+')
-    if keys[8] then
-      provider_settle(keys[8], got[2], ending, now, ending and ending.idle)
-    end
-  else
-    call('HDEL', holds, id)
+  local charge = ending and SETTLES_CHARGE[ending.how] and call('HGET', holds, id .. '+')
+  call('HDEL', holds, id, id .. '+')
+  if charge then
+    provider_settle(keys[8], provider_charge_read(charge), ending, now_ms())
   end
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)

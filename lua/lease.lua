@@ -163,9 +163,7 @@ for i = 1, n do
   refund({ key }, amounts(earlier_tokens, earlier_cost, 0, 0), periods_of(earlier_day), now)
   charge({ key }, amounts(charge_tokens, charge_cost, 0, 0), at, now)
   if back_requests > 0 and a[2] > 0 then
-    local v = call('HMGET', key, 'r', 'rt')
-    local level = refilled(v[1], v[2], a[2], a[3], now)
-    call('HSET', key, 'r', min(a[2], level + back_requests), 'rt', now)
+    give_requests(key, back_requests, a[2], a[3], now)
     touched[i] = key
   end
   local had = tonumber(call('HGET', record, key)) or 0

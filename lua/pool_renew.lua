@@ -3,7 +3,6 @@
 -- KEYS[1] the pool's state hash     KEYS[2] the pool's holds hash     KEYS[3] the pool's lease index
 -- KEYS[4..8] as pool_release.lua's
 -- ARGV[1] reservation id            ARGV[2] new lease, from now (ms)  ARGV[3] idle TTL (ms)
--- ARGV[4] the provider scope's idle TTL (ms; 0: the pool sets no provider limits)
 --
 -- A hold that took from the provider's limits keeps their scope alive with it: a stream renewed
 -- past the scope's idle TTL must settle into the scope it took from, not one made since.
@@ -18,8 +17,7 @@ call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[2]), ARGV[1])
 for i = 1, 7 do
   keep_for(KEYS[i], tonumber(ARGV[3]))
 end
-local provider_idle = tonumber(ARGV[4]) or 0
-if got[2] and provider_idle > 0 then
-  keep_for(KEYS[8], provider_idle)
+if got[2] then
+  keep_for(KEYS[8], provider_charge_read(got[2]).idle)
 end
 return 1

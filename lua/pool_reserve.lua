@@ -8,7 +8,7 @@
 -- KEYS[3] the pool's lease index
 -- KEYS[4] the pool's waiting hash   KEYS[5..7] the tenants' finish tags at its critical, standard and
 --                                   sheddable tiers (common.lua, "Waiting for a slot")
--- KEYS[8] the pool's provider scope (common.lua; read when ARGV[20] > 0)
+-- KEYS[8] the pool's provider scope (common.lua; read where the pool sets provider limits)
 --
 -- ARGV[1]  reservation id
 -- ARGV[2]  work: this request's predicted slot time (ms)
@@ -28,14 +28,13 @@
 --          (a request that cannot start at once waits here for a slot, in order)
 -- ARGV[18] how long the caller may still wait for its slot (ms), queueing in tollgate
 -- ARGV[19] waiter TTL: how long (ms) a waiting place lives without its caller's next call
--- ARGV[20] the provider's share for this tier: of the provider's limits, the part this request's
---          tier may use, in thousandths (the rest is headroom for the tiers above it); 0: the pool
---          sets no provider limits
--- ARGV[21] prompt tokens        ARGV[22] output tokens held       ARGV[23] cost (nanos) of both
--- ARGV[24] the provider scope's idle TTL (ms): as long as its longest budget's period
--- then, where the pool sets provider limits, ten (common.lua's scope_limits): token capacity,
---   tokens per ms, request capacity, requests per ms, max concurrency (unused), input token
---   capacity, input tokens per ms, output token capacity, output tokens per ms, period budgets
+-- then, only where the pool sets provider limits, fifteen: the tier's part of the provider's
+--   limits (thousandths: the rest is headroom for the tiers above it), prompt tokens, output
+--   tokens held, cost (nanos) of both, the provider scope's idle TTL (ms: the pool's idle TTL, or
+--   longer where a full refill of its buckets, or its longest budget's period and a day, is), and
+--   the provider's limits as a scope's ten (common.lua's scope_limits): token capacity, tokens per
+--   ms, request capacity, requests per ms, max concurrency (unused), input token capacity, input
+--   tokens per ms, output token capacity, output tokens per ms, period budgets
 --
 -- Reply, admitted: {1, predicted start delay ms, holds outstanding, work outstanding (ms)}
 --   (run twice with the same id, as a client re-sending after a lost reply does, the second run
@@ -59,7 +58,7 @@
 -- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
 -- that pool_throttle.lua left it.
 --
--- The provider's limits (ARGV[20] on): the account's token, request and side rates and its period
+-- The provider's limits (ARGV[20] on, where the pool sets them): the account's token, request and side rates and its period
 -- budgets, shared by every tenant whose model this pool serves, kept in a scope hash of the
 -- pool's own (KEYS[8]) and read, checked and taken as a tenant's scope is (common.lua). They are
 -- checked once the pool would start or queue the request, atomically with its hold, and taken
@@ -106,7 +105,9 @@ local in_tollgate = ARGV[17] == 'tollgate'
 local wait, waiter_ttl = tonumber(ARGV[18]) or 0, tonumber(ARGV[19]) or 0
 local waiting, rank = KEYS[4], TIER_RANK[tier]
 local tags = KEYS[5 + rank]
-local provider_share = (tonumber(ARGV[20]) or 0) / 1000
+-- (A tier's part of the provider's limits, and below the throttle's share of the pool: two
+-- different fractions.)
+local tier_part = (tonumber(ARGV[20]) or 0) / 1000
 
 local now = now_ms()
 
@@ -142,52 +143,42 @@ if share < 1 then
   tier_slots = max(1, floor(tier_slots * share))
 end
 
--- The provider's limits as this tier sees them, read (nothing written), and what this request
--- would take from them.
-local provider, provider_view, provider_n, provider_at = nil, nil, nil, nil
-if provider_share > 0 then
+-- The provider's limits, read (nothing written): the scope, the tier's part of it, and what this
+-- request would take from them. While the throttle holds the pool below its whole, every bucket
+-- refills at that share of its rate.
+local provider, provider_part, provider_n, provider_at = nil, nil, nil, nil
+if tier_part > 0 then
   local l = scope_limits(ARGV, 24)
   l.trate, l.rrate, l.prate, l.grate = l.trate * share, l.rrate * share, l.prate * share, l.grate * share
   provider_at = periods_at(now, 0)
   provider = read_scope(KEYS[8], l, now, provider_at)
+  provider_part = scope_part(provider, tier_part)
   local p, g = tonumber(ARGV[21]), tonumber(ARGV[22])
   provider_n = amounts(p + g, tonumber(ARGV[23]), p, g)
-  -- What the tiers above keep, off the top of each bucket and budget.
-  local keep, budgets = 1 - provider_share, {}
-  for c, limit in pairs(l.budgets) do
-    -- (At least 1: a budget of 0 would read as none.)
-    budgets[c] = max(1, floor(limit * provider_share))
-  end
-  provider_view = setmetatable({
-    t = provider.t and provider.t - provider.tcap * keep, tcap = provider.tcap * provider_share,
-    pt = provider.pt and provider.pt - provider.pcap * keep, pcap = provider.pcap * provider_share,
-    gt = provider.gt and provider.gt - provider.gcap * keep, gcap = provider.gcap * provider_share,
-    r = provider.r and provider.r - provider.rcap * keep, rcap = provider.rcap * provider_share,
-    l = { budgets = budgets, any_budget = l.any_budget },
-  }, { __index = provider })
 end
 
 -- The provider's refusal of this request (`delay`: its predicted start), or nil when its limits
 -- can take it now. `budgets_only`: a request about to wait for a slot, refused only for what no
--- wait for a slot helps (larger than the tier's share of a limit, or a spent budget); its rates
--- are checked when it starts.
+-- wait for a slot helps (larger than the tier's part of a limit, or a spent budget); its rates
+-- are checked when it starts. (Validation leaves every tier at least one request a minute.)
 local function provider_refusal(delay, budgets_only)
   if not provider then
     return nil
   end
-  local v, n = provider_view, provider_n
-  if (v.tcap > 0 and n.u > v.tcap) or (v.rcap > 0 and v.rcap < 1) or beyond_budgets(v, n) then
+  local part, ask = provider_part, provider_n
+  if never_fits(part, ask) then
     return refuse('provider:unsatisfiable', 0, delay)
   end
-  local reason, wait = nil, 0
-  check_scope(v, n, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
+  local limit, retry = nil, 0
+  check_scope(part, ask, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
     ms = max(1, ceil(ms))
-    if ms > wait and not (budgets_only and string.sub(why, 1, 7) ~= 'budget:') then
-      reason, wait = why, ms
+    local counts = not budgets_only or string.sub(why, 1, 7) == 'budget:'
+    if counts and ms > retry then
+      limit, retry = why, ms
     end
   end)
-  if reason then
-    return refuse('provider:' .. reason, wait, delay)
+  if limit then
+    return refuse('provider:' .. limit, retry, delay)
   end
   return nil
 end
@@ -208,20 +199,22 @@ local function hold(delay, start)
   -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
   -- pool exactly as it came.
   call('ZADD', leases, now + lease, id)
-  local entry = { id, string.format('%d %d %s %s', work, kv, tier, tenant) }
-  if provider then
-    local t = provider_n
-    take(provider, t, 1, 0, provider_at, now, ARGV[24])
-    entry[3], entry[4] = id .. '+', string.format('%d %d %d %d %d %d %d %.17g %s', t.u, t.c, t.p, t.g,
-      provider_at.d, provider_at.h, provider.rcap, provider.l.rrate, charged_counters({ provider }))
+  -- Queueing in tollgate, its cost too: a release of a request that never ran takes it back off
+  -- the tag.
+  local cost = start and cost_of(work, weight)
+  local entry = string.format('%d %d %s %s', work, kv, tier, tenant)
+  if start then
+    entry = string.format('%s %d', entry, cost)
   end
-  if not start then
-    call('HSET', holds, unpack(entry))
+  if provider then
+    local idle_ms = tonumber(ARGV[24])
+    take(provider, provider_n, 1, 0, provider_at, now, idle_ms)
+    local charge = provider_charge(provider_n, provider_at, idle_ms, provider, charged_counters({ provider }))
+    call('HSET', holds, id, entry, id .. '+', charge)
   else
-    -- Its cost too: a release of a request that never ran takes it back off the tag.
-    local cost = cost_of(work, weight)
-    entry[2] = string.format('%d %d %s %s %d', work, kv, tier, tenant, cost)
-    call('HSET', holds, unpack(entry))
+    call('HSET', holds, id, entry)
+  end
+  if start then
     call('HDEL', waiting, id)
     local finish_tag = start + cost
     local had = tonumber(call('ZSCORE', tags, tenant)) or 0

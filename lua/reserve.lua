@@ -210,7 +210,7 @@ local cost = prompt * price_in + output * price_out
 local n = amounts(hold, cost, prompt, output)
 local would_refuse = {}
 for i, s in ipairs(scopes) do
-  if (s.tcap > 0 and hold > s.tcap) or beyond_budgets(s, n) then
+  if never_fits(s, n) then
     if not shadow then
       return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept, budget_left(0) }
     end

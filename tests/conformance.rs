@@ -585,7 +585,7 @@ mod scenarios {
         let a = admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await).reservation_id.clone();
         admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
         assert_eq!(h.admission.upstream_refused(&a, Some(300)).await.unwrap(), Some(0.5));
-        let (v, _) = h.admission.pool_status(&h.pool).await.unwrap();
+        let v = h.admission.pool_status(&h.pool).await.unwrap().load;
         assert_eq!((v.holds, v.share), (2, 0.5));
         assert!((1..=300).contains(&v.resumes_in_ms), "{v:?}");
         let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
@@ -604,7 +604,7 @@ mod scenarios {
         if h.exact_time() {
             // 0.05 of the pool back per second: whole again within ten seconds.
             h.advance(10_000).await;
-            assert_eq!(h.admission.pool_status(&h.pool).await.unwrap().0.share, 1.0);
+            assert_eq!(h.admission.pool_status(&h.pool).await.unwrap().load.share, 1.0);
             admitted(&h.admission.reserve(&pooled(&h, Priority::Critical, None)).await);
         }
     }
@@ -1612,6 +1612,7 @@ macro_rules! conformance {
             scenario!(a_providers_day_budget_turns_at_utc_midnight, &provider_policy("{}", "{ tokens_per_day: 400 }"));
             scenario!(pool_status_shows_the_providers_limits, &provider_policy("{}", PROVIDER_RATES));
             scenario!(a_release_of_a_settled_hold_keeps_the_provider_charged, &provider_policy("{}", PROVIDER_RATES));
+            scenario!(a_commit_without_counts_charges_the_provider_what_it_knows, &provider_policy("{}", PROVIDER_RATES));
             scenario!(
                 an_unmetered_request_stays_charged_to_the_provider,
                 &provider_policy("{}\non_store_error: fail_open", PROVIDER_RATES)

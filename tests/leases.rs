@@ -260,7 +260,9 @@ mod scenarios {
     /// A pooled request's pool leg is decided at the store, whatever leasing its tenant has (its
     /// tenant leg may be decided from slices): it must see every replica's holds, and the
     /// provider's limits with them. Two leasing replicas racing on a provider's 500 tokens, of
-    /// which standard requests may use 80%, admit exactly four requests of 100.
+    /// which standard requests may use 80%, admit exactly four requests of 100. A commit that
+    /// reaches the other replica is forwarded to the owner, which settles the provider with what
+    /// its tenant leg charged.
     pub async fn a_pool_leg_is_decided_at_the_store<S: Store + Clone>(h: Harness<S>) {
         let other = h.wrapped(|s| s).await;
         let (a, b) = tokio::join!(
@@ -278,6 +280,24 @@ mod scenarios {
         // Their tenant legs were leased: the replicas' slices hold them.
         let leased = h.admission.leased_holds(&h.tenant).0 + other.admission.leased_holds(&h.tenant).0;
         assert_eq!(leased, 4);
+        let owned = a.iter().chain(&b).find_map(|d| match d {
+            tollgate::admission::Decision::Admitted(x)
+                if x.reservation_id.ends_with(&format!("@{}", h.admission.replica().unwrap())) =>
+            {
+                Some(x.reservation_id.clone())
+            }
+            _ => None,
+        });
+        let owned = owned.expect("a hold of the first replica");
+        assert_eq!(other.admission.commit(&owned, 0, 30).await.unwrap(), CommitOutcome::Forwarded);
+        assert_eq!(h.pool_load().await.0, 4, "the forwarding replica leaves the pool leg to the owner");
+        h.admission.lease_tick(false).await.unwrap();
+        assert_eq!(h.pool_load().await.0, 3);
+        let day = tollgate::hold::BudgetKey::new(tollgate::hold::Measure::Tokens, tollgate::hold::Period::Day);
+        let provider = h.admission.pool_status(&h.pool).await.unwrap().provider.unwrap().used;
+        assert_eq!(provider.period(day).counted, 330, "three held, one that used 30");
+        let cost = tollgate::hold::BudgetKey::new(tollgate::hold::Measure::Cost, tollgate::hold::Period::Day);
+        assert_eq!(provider.period(cost).counted, 3 * 300_000 + 90_000, "at its price, not as held");
     }
 
     /// A client re-sends a command whose connection dropped after it was written: every lease call

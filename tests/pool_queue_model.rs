@@ -404,7 +404,7 @@ impl Run {
                     waiter_ttl_ms: WAITER_TTL_MS,
                     provider: Some(ProviderCall {
                         limits: provider_limits(),
-                        tier_share: PROVIDER_SHARE[tier] as f64 / 1000.0,
+                        tier_part: PROVIDER_SHARE[tier] as f64 / 1000.0,
                         prompt_tokens: split(kv).0,
                         output_tokens: split(kv).1,
                         cost_nanos: 0,
@@ -425,10 +425,10 @@ impl Run {
                     0 => PoolEnd::Unused,
                     1 => PoolEnd::Released,
                     2 => PoolEnd::Used { prompt: Some(*prompt), output: Some(*output), cost_nanos: Some(0) },
-                    _ => PoolEnd::Expired,
+                    _ => PoolEnd::AsHeld,
                 };
                 let pool = &self.h.pool;
-                self.h.admission.protocol().pool_release(pool, &id, end, 2 * LEASE_MS).await.expect("pool_release");
+                self.h.admission.protocol().pool_release(pool, &id, end).await.expect("pool_release");
                 self.model.release(&id, *how, (*prompt, *output), self.now);
             }
             Op::Advance { ms } => {

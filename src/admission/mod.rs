@@ -62,6 +62,7 @@ pub use budgets::{Adjustment, ScopeBudget};
 use lease::Leases;
 use local::LocalLimits;
 pub use plan::MAX_PROMPT_BYTES;
+pub use pools::PoolStatus;
 pub use store_down::{HEARTBEAT_MS, HEARTBEAT_TTL_MS};
 pub use sweeper::SWEEP_MS;
 

@@ -11,6 +11,14 @@ use crate::config::Policy;
 use crate::hold::{ScopeLimits, id as ids};
 use crate::store::{PoolView, Store, ThrottleCall};
 
+/// What a pool holds, how far its provider's 429s throttle it, and its provider limits' use.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolStatus {
+    pub load: PoolView,
+    /// Scope `provider`, where the pool sets provider limits.
+    pub provider: Option<ScopeBudget>,
+}
+
 /// A stream past its predicted output is expected to run on for 1/`OVERRUN_DIVISOR` of it again:
 /// it holds that much work until it ends, never none while it still holds a slot.
 const OVERRUN_DIVISOR: u64 = 8;
@@ -55,24 +63,25 @@ impl<S: Store> Admission<S> {
     }
 
     /// What a pool holds, how far its provider's 429s throttle it, and, where the pool sets
-    /// provider limits, what they have used and have left (scope `provider`).
-    pub async fn pool_status(&self, pool: &str) -> Result<(PoolView, Option<ScopeBudget>), AdmissionError> {
+    /// provider limits, what they have used and have left (scope `provider`; refilling at the
+    /// throttle's share of their rates, as admission sees them).
+    pub async fn pool_status(&self, pool: &str) -> Result<PoolStatus, AdmissionError> {
         let policy = self.policy();
         let pool_policy = policy
             .pools
             .get(pool)
             .ok_or_else(|| AdmissionError::BadName(format!("pool {pool:?} is not one of this policy's")))?;
         let recover = pool_policy.upstream_throttle.map_or(0.0, |t| t.recover_per_ms);
-        let view = self.protocol.pool_status(pool, recover).await?;
-        let provider = match &pool_policy.provider_limits {
-            Some(limits) => {
-                let limits = ScopeLimits::from(limits);
-                let used = self.protocol.provider_budget(pool, &limits).await?;
+        let load = self.protocol.pool_status(pool, recover).await?;
+        let provider = match &pool_policy.provider {
+            Some(p) => {
+                let limits = ScopeLimits::from(&p.limits);
+                let used = self.protocol.provider_budget(pool, &limits.slowed(load.share)).await?;
                 Some(ScopeBudget { scope: "provider".to_string(), limits, used })
             }
             None => None,
         };
-        Ok((view, provider))
+        Ok(PoolStatus { load, provider })
     }
 
     /// A response the commit from the response watched to its end: its timing teaches its pool's

@@ -147,11 +147,11 @@ impl<S: Store> Admission<S> {
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
-            tidy.unmetered = matches!(decided, Decision::Unmetered(_));
+            let unmetered = matches!(decided, Decision::Unmetered(_));
             let sent = answer.send((decided, waited, tidy.store_mode(&plan)));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
-            this.tidy(&plan, tidy).await;
+            this.tidy(&plan, tidy, unmetered).await;
             if let Err((Decision::Admitted(undelivered), _, _)) = sent
                 && !undelivered.replayed
             {
@@ -209,11 +209,12 @@ impl<S: Store> Admission<S> {
         decision
     }
 
-    /// What a decision left to tidy up, once it has been answered.
-    pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
-        // A request admitted unmetered reaches the backend all the same: its pool leg's provider
-        // charge stays as held; any other pool leg to tidy never reached it.
-        let end = if tidy.unmetered { PoolEnd::Expired } else { PoolEnd::Unused };
+    /// What a decision left to tidy up, once it has been answered. `unmetered`: the request was
+    /// admitted without a hold (the store failed and the tenant's `on_store_error` let it
+    /// through), so it reaches the backend all the same: its pool leg's provider charge stays as
+    /// held; any other pool leg to tidy never reached it.
+    pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy, unmetered: bool) {
+        let end = if unmetered { PoolEnd::AsHeld } else { PoolEnd::Unused };
         let pool_leg = (tidy.pool_leg && plan.pool.is_some()).then_some(end);
         self.give_back_legs(plan, &plan.id, tidy.hold, pool_leg).await;
     }
@@ -292,16 +293,16 @@ impl<S: Store> Admission<S> {
             queue: pool.queue,
             wait_ms: may_wait,
             waiter_ttl_ms: WAITER_TTL_MS,
-            provider: pool.provider_limits.as_ref().map(|limits| {
+            provider: pool.provider.as_ref().map(|provider| {
                 // The provider counts what it may generate (the request's ceiling, as providers
                 // reckon a request's tokens at its start) until the commit says what it did.
                 ProviderCall {
-                    limits: ScopeLimits::from(limits),
-                    tier_share: pool.share(leg.tier),
+                    limits: ScopeLimits::from(&provider.limits),
+                    tier_part: pool.share(leg.tier),
                     prompt_tokens: plan.prompt,
                     output_tokens: plan.ceiling,
                     cost_nanos: cost_of(plan.price, plan.prompt, plan.ceiling),
-                    idle_ttl_ms: pool.provider_idle_ttl_ms,
+                    idle_ttl_ms: pool.provider_idle_ttl_ms(provider),
                 }
             }),
         };
@@ -496,7 +497,7 @@ impl<S: Store> Admission<S> {
             let Some(r) = ids::parse_reservation_id(id) else { continue };
             self.metrics.expired(r.tenant);
             if let Some(pool) = r.pool {
-                self.release_pool_leg(pool, id, PoolEnd::Expired).await;
+                self.release_pool_leg(pool, id, PoolEnd::AsHeld).await;
             }
         }
     }
@@ -523,39 +524,25 @@ impl<S: Store> Admission<S> {
     /// Takes a pool leg (or its place in the pool's queue) off the pool, settling its provider
     /// charge by `end`, and wakes this replica's requests waiting for a slot.
     async fn give_pool_leg_back(&self, pool: &str, id: &str, end: PoolEnd) -> Result<(), StoreError> {
-        let provider_ttl = self.policy().pools.get(pool).map_or(0, |p| p.provider_idle_ttl_ms);
-        self.protocol.pool_release(pool, id, end, provider_ttl).await?;
+        self.protocol.pool_release(pool, id, end).await?;
         self.pool_freed.notify_waiters();
         Ok(())
     }
 }
 
-/// The denial of a pool's provider limits, `limit` as the script named it, for a `tier` request.
+/// The denial of a pool's provider limits, `limit` as the script named it (a rate, a budget, or
+/// larger than the tier may ever take), for a `tier` request: said as a scope's, under the
+/// provider's reasons.
 fn provider_refusal(limit: Refusal, retry_after_ms: u64, pool: &str, tier: Priority) -> Denial {
-    let what = match limit {
-        Refusal::TokenRate => "token rate".to_string(),
-        Refusal::InputRate => "input token rate".to_string(),
-        Refusal::OutputRate => "output token rate".to_string(),
-        Refusal::RequestRate => "request rate".to_string(),
-        Refusal::Budget(b) => b.describe(),
-        _ => {
-            return Denial::now(
-                Reason::Unsatisfiable,
-                format!(
-                    "the request is larger than {} requests may take of pool {pool}'s provider limits",
-                    tier.as_str()
-                ),
-            );
-        }
+    let (reason, message) = refusal_reason(limit, &format!("pool {pool}'s provider"), 0);
+    let message = format!("{message} for {} requests", tier.as_str());
+    let reason = match reason {
+        Reason::TokenRate | Reason::RequestRate => Reason::ProviderRate,
+        Reason::Budget => Reason::ProviderBudget,
+        Reason::Unsatisfiable => return Denial::now(Reason::Unsatisfiable, message),
+        other => other,
     };
-    let (reason, state) = match limit {
-        Refusal::Budget(_) => (Reason::ProviderBudget, "is spent"),
-        _ => (Reason::ProviderRate, "is reached"),
-    };
-    Denial {
-        retry_after_ms: Some(retry_after_ms),
-        ..Denial::now(reason, format!("the {what} of pool {pool}'s provider {state} for {} requests", tier.as_str()))
-    }
+    Denial { retry_after_ms: Some(retry_after_ms), ..Denial::now(reason, message) }
 }
 
 /// The reason and message of a store refusal on `scope`.
@@ -599,9 +586,6 @@ pub(super) struct Tidy {
     pub(super) hold: bool,
     /// Release the pool leg's hold: its call failed, or the tenant leg's did.
     pub(super) pool_leg: bool,
-    /// The request was admitted unmetered (the store failed and the tenant's `on_store_error`
-    /// let it through): it reaches the backend without a hold.
-    pub(super) unmetered: bool,
 }
 
 impl Tidy {

@@ -162,8 +162,7 @@ impl<S: Store> Admission<S> {
             match outcome {
                 RenewOutcome::Renewed { .. } => {
                     if let Some(p) = policy.pools.get(pool) {
-                        let (idle, provider_idle) = (p.idle_ttl_ms, p.provider_idle_ttl_ms);
-                        self.protocol.pool_renew(pool, reservation_id, lease, idle, provider_idle).await?;
+                        self.protocol.pool_renew(pool, reservation_id, lease, p.idle_ttl_ms).await?;
                     }
                 }
                 // Settled (perhaps expired by this very call): its pool leg goes too.
@@ -280,6 +279,6 @@ fn commit_end(counted: Counted, outcome: &CommitOutcome) -> Option<PoolEnd> {
 fn settled_end(settled: Settled) -> PoolEnd {
     match settled {
         Settled::Released => PoolEnd::Released,
-        Settled::Committed | Settled::LateCommitted | Settled::Expired => PoolEnd::Expired,
+        Settled::Committed | Settled::LateCommitted | Settled::Expired => PoolEnd::AsHeld,
     }
 }

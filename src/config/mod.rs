@@ -18,7 +18,7 @@ use std::time::Duration;
 
 pub use models::{
     DEFAULT_BYTES_PER_TOKEN, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS, ModelPolicy, PoolPolicy, PoolQueue, Price,
-    TokenWeights, UpstreamThrottle,
+    ProviderLimits, TokenWeights, UpstreamThrottle,
 };
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use summary::without_password;

@@ -90,12 +90,18 @@ pub struct PoolPolicy {
     /// above are the priors); off, from the speeds above and each request's ceiling alone.
     pub calibrate: bool,
     pub queue: PoolQueue,
-    /// The provider account's limits, shared by every tenant whose model the pool serves: rates
-    /// and UTC period budgets, checked with the pool's holds; `None` when the pool sets none.
-    pub provider_limits: Option<Limits>,
-    /// How long the provider scope outlives its last write: the idle TTL, or its longest
-    /// budget's period and a day.
-    pub provider_idle_ttl_ms: u64,
+    /// The provider account's limits, shared by every tenant whose model the pool serves; `None`
+    /// when the pool sets none.
+    pub provider: Option<ProviderLimits>,
+}
+
+/// A pool's provider limits: rates and UTC period budgets, checked with the pool's holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProviderLimits {
+    pub limits: Limits,
+    /// How long their scope must outlive its last write to remember what they count: a full
+    /// refill of its buckets, its longest budget's period and a day.
+    pub remembered_ms: u64,
 }
 
 /// Where a pool's requests wait when every slot their tier may fill is taken.
@@ -136,6 +142,12 @@ pub struct UpstreamThrottle {
 }
 
 impl PoolPolicy {
+    /// How long the provider scope outlives its last write: the pool's idle TTL, or longer where
+    /// its limits need it.
+    pub fn provider_idle_ttl_ms(&self, provider: &ProviderLimits) -> u64 {
+        self.idle_ttl_ms.max(provider.remembered_ms)
+    }
+
     pub fn share(&self, tier: Priority) -> f64 {
         match tier {
             Priority::Critical => 1.0,

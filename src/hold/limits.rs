@@ -33,6 +33,15 @@ pub struct ScopeLimits {
 }
 
 impl ScopeLimits {
+    /// These limits with every bucket refilling at `share` of its rate, as a pool's provider
+    /// limits do while its provider's 429s throttle it.
+    pub fn slowed(mut self, share: f64) -> Self {
+        for bucket in [&mut self.tokens, &mut self.input, &mut self.output, &mut self.requests].into_iter().flatten() {
+            bucket.per_ms *= share;
+        }
+        self
+    }
+
     /// A period budget's limit, if the scope has it.
     pub fn budget(&self, key: BudgetKey) -> Option<NonZeroU64> {
         self.budgets.get(key.index()).copied().and_then(NonZeroU64::new)

@@ -29,7 +29,8 @@
 //!
 //! ```text
 //! tg:pool:{gpu-a}:s          pool state: holds outstanding, their work (slot-ms), their KV tokens
-//! tg:pool:{gpu-a}:h          hash: reservation id → "work kv" of each outstanding hold
+//! tg:pool:{gpu-a}:h          hash: reservation id → "work kv …" of each outstanding hold, and
+//!                            "<id>+" → what it charged the provider's limits (common.lua)
 //! tg:pool:{gpu-a}:leases     sorted set: reservation id by lease expiry
 //! tg:pool:{gpu-a}:p          hash: the provider's limits, a scope shared by every tenant (buckets,
 //!                            period counters), where the pool sets `provider_limits`

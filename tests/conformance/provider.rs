@@ -40,8 +40,7 @@ fn ask<S: Store>(h: &Harness<S>, tier: Priority, other: bool) -> Attributes {
 
 /// The provider scope as PoolStatus shows it.
 async fn provider<S: Store>(h: &Harness<S>) -> ScopeUse {
-    let (_, provider) = h.admission.pool_status(&h.pool).await.unwrap();
-    provider.expect("the pool has provider limits").used
+    h.admission.pool_status(&h.pool).await.unwrap().provider.expect("the pool has provider limits").used
 }
 
 /// The provider's token bucket is at `want`, give or take the refill a real clock adds meanwhile.
@@ -115,7 +114,7 @@ pub async fn a_release_keeps_the_request_and_an_expiry_keeps_the_tokens<S: Store
     let requests = provider(&h).await.requests.level;
     h.admission.release(&a).await.unwrap();
     tokens_left(&h, 1000, "a release gives the tokens back").await;
-    assert!(provider(&h).await.requests.level <= requests + 1, "the request stays counted");
+    assert_eq!(provider(&h).await.requests.level, requests, "the request stays counted");
     admitted(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await);
     // Its lease (300 ms) runs out; the next reserve sweeps it: missing usage is not zero usage.
     h.advance(400).await;
@@ -172,8 +171,8 @@ pub async fn a_providers_day_budget_turns_at_utc_midnight<S: Store>(h: Harness<S
 
 pub async fn pool_status_shows_the_providers_limits<S: Store>(h: Harness<S>) {
     admitted(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await);
-    let (view, provider) = h.admission.pool_status(&h.pool).await.unwrap();
-    let provider = provider.unwrap();
+    let status = h.admission.pool_status(&h.pool).await.unwrap();
+    let (view, provider) = (status.load, status.provider.unwrap());
     assert_eq!((view.holds, view.share), (1, 1.0));
     assert_eq!(provider.scope, "provider");
     assert_eq!(provider.limits.tokens.map(|b| b.capacity.get()), Some(1000));
@@ -199,9 +198,9 @@ pub async fn the_throttle_slows_the_providers_refill<S: Store>(h: Harness<S>) {
     // At half the rate: twice as long (the share recovers 5% a second: a real clock's
     // milliseconds meanwhile shorten it by a hair).
     assert!(no.retry_after_ms.is_some_and(|ms| (380_000..=400_000).contains(&ms)), "{no:?}");
-    let (view, provider) = h.admission.pool_status(&h.pool).await.unwrap();
-    assert!((0.5..0.51).contains(&view.share), "{view:?}");
-    assert!(provider.unwrap().used.tokens.level <= 1);
+    let status = h.admission.pool_status(&h.pool).await.unwrap();
+    assert!((0.5..0.51).contains(&status.load.share), "{status:?}");
+    assert!(status.provider.unwrap().used.tokens.level <= 1);
 }
 
 /// A release that finds its hold settled otherwise leaves the provider as that settlement did: an
@@ -256,4 +255,16 @@ pub async fn a_renewed_stream_keeps_the_provider_scope_it_took_from<S: Store>(h:
     admitted(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await);
     h.admission.commit(&a, 10, 10).await.unwrap();
     assert_eq!(provider(&h).await.period(day).counted, 220, "200 held by the second, 20 used by the first");
+}
+
+/// A commit without counts charges the provider what it knows: a metered stream its output and the
+/// prompt as held; none at all, the hold.
+pub async fn a_commit_without_counts_charges_the_provider_what_it_knows<S: Store>(h: Harness<S>) {
+    let day = BudgetKey::new(Measure::Tokens, Period::Day);
+    let a = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, false)).await).reservation_id.clone();
+    h.admission.commit_counted(&a, Counted::Metered { output: 30 }).await.unwrap();
+    assert_eq!(provider(&h).await.period(day).counted, 130, "the prompt as held, the output metered");
+    let b = admitted(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await).reservation_id.clone();
+    h.admission.commit_counted(&b, Counted::AsHeld).await.unwrap();
+    assert_eq!(provider(&h).await.period(day).counted, 330, "the whole hold");
 }

@@ -315,8 +315,7 @@ mod tests {
             upstream_throttle: None,
             calibrate: true,
             queue: crate::config::PoolQueue::Backend,
-            provider_limits: None,
-            provider_idle_ttl_ms: 0,
+            provider: None,
         };
         assert_eq!(fleet.speeds("p", "m", &pool, 0).service_ms(100, 10), 200);
         // A backend twice as fast at decoding, for three minutes (the prior has decayed away).

@@ -264,8 +264,8 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         );
     }
     for (name, pool) in &pools {
-        if let Some(limits) = &pool.provider_limits {
-            provider_fits(&format!("pools.{name}.provider_limits"), name, limits, &models)?;
+        if let Some(provider) = &pool.provider {
+            provider_fits(&format!("pools.{name}.provider_limits"), name, &provider.limits, &models)?;
         }
     }
 
@@ -333,7 +333,6 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .into_iter()
         .map(|(name, mut p)| {
             p.idle_ttl_ms = 2 * longest_lease.max(lease_ttl_ms) + 60_000;
-            p.provider_idle_ttl_ms = p.provider_limits.as_ref().map_or(0, |l| p.idle_ttl_ms.max(remembered_for(l)));
             (name, Arc::new(p))
         })
         .collect();

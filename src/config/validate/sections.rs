@@ -184,7 +184,7 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
     } else {
         None
     };
-    let provider_limits = p.provider_limits.as_ref().map(|l| provider_limits(field, l, sheddable)).transpose()?;
+    let provider = p.provider_limits.as_ref().map(|l| provider_limits(field, l, sheddable)).transpose()?;
     Ok(PoolPolicy {
         max_sequences: p.max_sequences,
         prefill_tokens_per_ms: p.prefill_tokens_per_second / 1000.0,
@@ -197,15 +197,14 @@ pub(super) fn pool_policy(field: &str, p: &RawPool) -> Result<PoolPolicy, Proble
         upstream_throttle,
         calibrate: p.calibrate,
         queue: p.queue,
-        provider_limits,
-        provider_idle_ttl_ms: 0,
+        provider,
     })
 }
 
 /// A pool's provider limits: a scope's, in range, without concurrency (the pool's slots are
 /// `max_sequences`), and with room for one request at the lowest tier's share of each rate.
 #[allow(clippy::cast_precision_loss)]
-fn provider_limits(field: &str, l: &Limits, sheddable: f64) -> Result<Limits, Problem> {
+fn provider_limits(field: &str, l: &Limits, sheddable: f64) -> Result<crate::config::ProviderLimits, Problem> {
     let field = format!("{field}.provider_limits");
     check_limits(&field, l)?;
     if l.max_concurrency.is_some() {
@@ -222,7 +221,7 @@ fn provider_limits(field: &str, l: &Limits, sheddable: f64) -> Result<Limits, Pr
             format!("{rpm} at the sheddable tier's share {sheddable} leaves it less than one request"),
         ));
     }
-    Ok(l.clone())
+    Ok(crate::config::ProviderLimits { limits: l.clone(), remembered_ms: remembered_for(l) })
 }
 
 pub(super) fn breaker(b: crate::config::raw::RawBreaker) -> Result<crate::config::BreakerPolicy, Problem> {

@@ -261,7 +261,7 @@ mod tests {
         ("lease.lua", include_str!("../../../lua/lease.lua"), &lease::ARGV, &lease::SCOPE_ARGV),
         ("lease_forward.lua", include_str!("../../../lua/lease_forward.lua"), &lease::FORWARD_ARGV, &[]),
         ("heartbeat.lua", include_str!("../../../lua/heartbeat.lua"), &lease::HEARTBEAT_ARGV, &[]),
-        ("pool_reserve.lua", include_str!("../../../lua/pool_reserve.lua"), &pool::RESERVE_ARGV, &reserve::SCOPE_ARGV),
+        ("pool_reserve.lua", include_str!("../../../lua/pool_reserve.lua"), &pool::RESERVE_ARGV, &pool::PROVIDER_ARGV),
         ("pool_release.lua", include_str!("../../../lua/pool_release.lua"), &pool::RELEASE_ARGV, &[]),
         ("pool_renew.lua", include_str!("../../../lua/pool_renew.lua"), &pool::RENEW_ARGV, &[]),
         ("pool_progress.lua", include_str!("../../../lua/pool_progress.lua"), &pool::PROGRESS_ARGV, &[]),
@@ -306,6 +306,11 @@ mod tests {
             }
         }
         found
+    }
+
+    #[test]
+    fn a_pools_provider_limits_go_as_a_scopes() {
+        assert_eq!(pool::PROVIDER_ARGV[5..], reserve::SCOPE_ARGV);
     }
 
     #[test]

@@ -2,14 +2,14 @@
 //! `pool_progress.lua`, `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
 //! tenant's, so these run apart from the tenant phases (see the reserve phase's "Two key spaces", `admission::reserve`).
 
-use super::reserve::{SCOPE_ARGV, push_limits};
+use super::reserve::push_limits;
 use super::{Argv, Fields, refusal};
-use crate::hold::{PoolRefusal, ScopeLimits};
+use crate::hold::{PoolRefusal, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
-/// `pool_reserve.lua`'s `ARGV`, in order; where the pool sets provider limits, ten more follow
-/// ([`SCOPE_ARGV`]).
-pub(crate) const RESERVE_ARGV: [&str; 24] = [
+/// `pool_reserve.lua`'s `ARGV`, in order; where the pool sets provider limits, [`PROVIDER_ARGV`]
+/// follow.
+pub(crate) const RESERVE_ARGV: [&str; 19] = [
     "reservation id",
     "work",
     "KV-cache tokens",
@@ -29,25 +29,34 @@ pub(crate) const RESERVE_ARGV: [&str; 24] = [
     "where the pool queues",
     "how long the caller may still wait",
     "waiter TTL",
-    "the provider's share for this tier",
+];
+
+/// `pool_reserve.lua`'s `ARGV` after [`RESERVE_ARGV`] where the pool sets provider limits: what the
+/// request takes from them, then the limits as a scope's ([`SCOPE_ARGV`]).
+pub(crate) const PROVIDER_ARGV: [&str; 15] = [
+    "the tier's part of the provider's limits",
     "prompt tokens",
     "output tokens held",
     "cost (nanos) of both",
     "the provider scope's idle TTL",
+    "token capacity",
+    "tokens per ms",
+    "request capacity",
+    "requests per ms",
+    "max concurrency",
+    "input token capacity",
+    "input tokens per ms",
+    "output token capacity",
+    "output tokens per ms",
+    "period budgets",
 ];
 
 /// `pool_release.lua`'s `ARGV`, in order.
-pub(crate) const RELEASE_ARGV: [&str; 6] = [
-    "reservation id",
-    "how its request ended",
-    "prompt tokens used",
-    "output tokens used",
-    "cost (nanos)",
-    "the provider scope's idle TTL",
-];
+pub(crate) const RELEASE_ARGV: [&str; 5] =
+    ["reservation id", "how its request ended", "prompt tokens used", "output tokens used", "cost (nanos)"];
 
 /// `pool_renew.lua`'s `ARGV`, in order.
-pub(crate) const RENEW_ARGV: [&str; 4] = ["reservation id", "new lease", "idle TTL", "the provider scope's idle TTL"];
+pub(crate) const RENEW_ARGV: [&str; 3] = ["reservation id", "new lease", "idle TTL"];
 
 /// `pool_progress.lua`'s `ARGV`, in order.
 pub(crate) const PROGRESS_ARGV: [&str; 2] = ["reservation id", "the work it has left"];
@@ -105,7 +114,7 @@ pub struct PoolCall<'a> {
 pub struct ProviderCall {
     pub limits: ScopeLimits,
     /// The part of each limit the request's tier may use (critical: all of it).
-    pub tier_share: f64,
+    pub tier_part: f64,
     pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub cost_nanos: u64,
@@ -122,9 +131,9 @@ pub enum PoolEnd {
     /// Given back without usage after it was sent: its tokens and money come back, its request
     /// stays counted.
     Released,
-    /// Its tenant hold's lease ran out, or it settled where its usage was not known: it stays
-    /// charged as held.
-    Expired,
+    /// Charged as held: its tenant hold's lease ran out, it was admitted unmetered (the store
+    /// failed), or it settled where its usage is not known.
+    AsHeld,
     /// It ran: the charge moves to these counts (`None`: as held), refunding or charging debt.
     Used { prompt: Option<u64>, output: Option<u64>, cost_nanos: Option<u64> },
 }
@@ -134,7 +143,7 @@ impl PoolEnd {
         match self {
             PoolEnd::Unused => "unused",
             PoolEnd::Released => "released",
-            PoolEnd::Expired => "expired",
+            PoolEnd::AsHeld => "as_held",
             PoolEnd::Used { .. } => "used",
         }
     }
@@ -188,7 +197,7 @@ impl<S: Store> Protocol<S> {
     /// Holds a request's predicted work in its pool, or refuses it (deadline, full, throttled).
     pub async fn pool_reserve(&self, call: &PoolCall<'_>) -> Result<PoolOutcome, StoreError> {
         let script = &self.scripts.pool_reserve;
-        let mut a = Argv::grouped("pool_reserve", &RESERVE_ARGV, &SCOPE_ARGV, usize::from(call.provider.is_some()));
+        let mut a = Argv::grouped("pool_reserve", &RESERVE_ARGV, &PROVIDER_ARGV, usize::from(call.provider.is_some()));
         a.push("reservation id", call.id.to_string());
         a.push("work", call.work_ms.to_string());
         a.push("KV-cache tokens", call.kv_tokens.to_string());
@@ -208,20 +217,13 @@ impl<S: Store> Protocol<S> {
         a.push("where the pool queues", call.queue.as_str().to_string());
         a.push("how long the caller may still wait", call.wait_ms.to_string());
         a.push("waiter TTL", call.waiter_ttl_ms.to_string());
-        match &call.provider {
-            Some(p) => {
-                a.push("the provider's share for this tier", thousandths_of(p.tier_share).to_string());
-                a.push("prompt tokens", p.prompt_tokens.to_string());
-                a.push("output tokens held", p.output_tokens.to_string());
-                a.push("cost (nanos) of both", p.cost_nanos.to_string());
-                a.push("the provider scope's idle TTL", p.idle_ttl_ms.to_string());
-                push_limits(&mut a, &p.limits);
-            }
-            None => {
-                for name in &RESERVE_ARGV[19..] {
-                    a.push(name, "0".to_string());
-                }
-            }
+        if let Some(p) = &call.provider {
+            a.push("the tier's part of the provider's limits", to_thousandths(p.tier_part).to_string());
+            a.push("prompt tokens", p.prompt_tokens.to_string());
+            a.push("output tokens held", p.output_tokens.to_string());
+            a.push("cost (nanos) of both", p.cost_nanos.to_string());
+            a.push("the provider scope's idle TTL", p.idle_ttl_ms.to_string());
+            push_limits(&mut a, &p.limits);
         }
         let reply = self.store.eval(script, keys::pool_keys(call.pool), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
@@ -235,8 +237,15 @@ impl<S: Store> Protocol<S> {
                     "throttled" => PoolRefusal::Throttled,
                     "fair_share" => PoolRefusal::FairShare,
                     other => match other.strip_prefix("provider:").and_then(refusal) {
-                        Some(limit) => PoolRefusal::Provider(limit),
-                        None => return Err(r.bad()),
+                        Some(
+                            limit @ (Refusal::TokenRate
+                            | Refusal::InputRate
+                            | Refusal::OutputRate
+                            | Refusal::RequestRate
+                            | Refusal::Budget(_)
+                            | Refusal::Unsatisfiable),
+                        ) => PoolRefusal::Provider(limit),
+                        _ => return Err(r.bad()),
                     },
                 };
                 Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
@@ -258,7 +267,7 @@ impl<S: Store> Protocol<S> {
         a.push("idle TTL", call.idle_ttl_ms.to_string());
         let reply = self.store.eval(script, vec![keys::pool_state(call.pool)], a.finish()).await?;
         let r = Fields::of(script, &reply)?;
-        Ok((thousandths(r.uint(0)?), r.uint(1)?))
+        Ok((from_thousandths(r.uint(0)?), r.uint(1)?))
     }
 
     /// What a pool holds and how far it is throttled. Reads only.
@@ -272,21 +281,15 @@ impl<S: Store> Protocol<S> {
             holds: r.uint(0)?,
             work_ms: r.uint(1)?,
             kv_tokens: r.uint(2)?,
-            share: thousandths(r.uint(3)?),
+            share: from_thousandths(r.uint(3)?),
             resumes_in_ms: r.uint(4)?,
         })
     }
 
     /// Takes a hold (or a place in its queue) off its pool, and settles what it charged the
     /// provider's limits by how its request ended; `false` when the pool did not hold it.
-    /// Idempotent. `provider_idle_ttl_ms`: the pool's provider scope's idle TTL (0: none).
-    pub async fn pool_release(
-        &self,
-        pool: &str,
-        id: &str,
-        end: PoolEnd,
-        provider_idle_ttl_ms: u64,
-    ) -> Result<bool, StoreError> {
+    /// Idempotent.
+    pub async fn pool_release(&self, pool: &str, id: &str, end: PoolEnd) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_release;
         let mut a = Argv::new("pool_release", &RELEASE_ARGV, 0);
         let count = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
@@ -299,7 +302,6 @@ impl<S: Store> Protocol<S> {
         a.push("prompt tokens used", prompt);
         a.push("output tokens used", output);
         a.push("cost (nanos)", cost);
-        a.push("the provider scope's idle TTL", provider_idle_ttl_ms.to_string());
         let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         Fields::of(script, &reply)?.flag(0)
     }
@@ -317,22 +319,14 @@ impl<S: Store> Protocol<S> {
         Ok(r.flag(0)?.then_some(held))
     }
 
-    /// Extends a pool hold's lease, and keeps the provider scope its charge is in alive with it
-    /// (`provider_idle_ttl_ms`; 0: none); `false` when the pool does not hold it.
-    pub async fn pool_renew(
-        &self,
-        pool: &str,
-        id: &str,
-        lease_ms: u64,
-        idle_ttl_ms: u64,
-        provider_idle_ttl_ms: u64,
-    ) -> Result<bool, StoreError> {
+    /// Extends a pool hold's lease, and keeps the provider scope its charge is in alive with it;
+    /// `false` when the pool does not hold it.
+    pub async fn pool_renew(&self, pool: &str, id: &str, lease_ms: u64, idle_ttl_ms: u64) -> Result<bool, StoreError> {
         let script = &self.scripts.pool_renew;
         let mut a = Argv::new("pool_renew", &RENEW_ARGV, 0);
         a.push("reservation id", id.to_string());
         a.push("new lease", lease_ms.to_string());
         a.push("idle TTL", idle_ttl_ms.to_string());
-        a.push("the provider scope's idle TTL", provider_idle_ttl_ms.to_string());
         let reply = self.store.eval(script, keys::pool_keys(pool), a.finish()).await?;
         match reply {
             Reply::Int(n @ (0 | 1)) => Ok(n == 1),
@@ -343,13 +337,13 @@ impl<S: Store> Protocol<S> {
 
 /// A share the scripts send in thousandths (at most 1,000).
 #[allow(clippy::cast_precision_loss)]
-fn thousandths(n: u64) -> f64 {
+fn from_thousandths(n: u64) -> f64 {
     n.min(1_000) as f64 / 1000.0
 }
 
 /// A share in (0, 1] as the scripts take it: thousandths, at least one.
 // A share is in (0, 1]: the product is finite and at most 1,000.
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-fn thousandths_of(share: f64) -> u64 {
+fn to_thousandths(share: f64) -> u64 {
     ((share * 1000.0).round() as u64).clamp(1, 1_000)
 }
