@@ -66,13 +66,10 @@ enum Op {
         deadline: u64,
         wait: u64,
     },
-    /// How its request ended: 0 it never reached the backend, 1 released with no usage, 2 ran
-    /// and reported `prompt` and `output`, 3 its lease ran out (charged as held).
+    /// And how its request ended.
     Release {
         id: usize,
-        how: u8,
-        prompt: u64,
-        output: u64,
+        end: PoolEnd,
     },
     Advance {
         ms: u64,
@@ -86,9 +83,23 @@ fn op() -> impl Strategy<Value = Op> {
             (1..600u64, prop_oneof![3 => Just(0u64), 1 => 500..6_000u64], prop_oneof![1 => Just(0u64), 4 => 1..6_000u64]),
         )
             .prop_map(|((id, tenant, tier, work), (kv, deadline, wait))| Op::Ask { id, tenant, tier, work, kv, deadline, wait }),
-        3 => (0..IDS, 0..4u8, 0..800u64, 0..800u64)
-            .prop_map(|(id, how, prompt, output)| Op::Release { id, how, prompt, output }),
+        3 => (0..IDS, ending()).prop_map(|(id, end)| Op::Release { id, end }),
         1 => prop_oneof![3 => 1..300u64, 1 => 900..1_500u64].prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+/// How a request ends: it never reached the backend, it was released with no usage, it ran and
+/// reported its counts, or it settles as held.
+fn ending() -> impl Strategy<Value = PoolEnd> {
+    prop_oneof![
+        Just(PoolEnd::Unused),
+        Just(PoolEnd::Released),
+        (0..800u64, 0..800u64).prop_map(|(p, g)| PoolEnd::Used {
+            prompt: Some(p),
+            output: Some(g),
+            cost_nanos: Some(0)
+        }),
+        Just(PoolEnd::AsHeld),
     ]
 }
 
@@ -114,12 +125,9 @@ struct Provider {
     day: u64,
 }
 
-/// A bucket's level at `now` (common.lua's `refilled`): full when never written.
+/// A bucket's level at `now`: full when never written.
 fn refilled(b: Bucket, cap: f64, rate: f64, now: u64) -> f64 {
-    match b {
-        None => cap,
-        Some((level, at)) => cap.min(level + rate * now.saturating_sub(at) as f64),
-    }
+    support::model::refilled(b.map(|b| b.0), b.map_or(0, |b| b.1), cap as u64, rate, now)
 }
 
 #[derive(Debug, Default)]
@@ -306,8 +314,7 @@ impl Model {
         let (_, burst, rpm, per_day) = PROVIDER;
         let share = PROVIDER_SHARE[rank] as f64 / 1000.0;
         let budget = ((per_day as f64 * share).floor() as u64).max(1);
-        let n = kv / 3 + (kv - kv / 3);
-        n as f64 > burst as f64 * share || (rpm as f64) * share < 1.0 || n > budget || self.provider.day + n > budget
+        kv as f64 > burst as f64 * share || (rpm as f64) * share < 1.0 || self.provider.day + kv > budget
     }
 
     /// Moves the provider's token bucket and day by `amount` (debt when positive, a refund when
@@ -325,12 +332,12 @@ impl Model {
         self.provider.day = self.provider.day.saturating_add_signed(amount);
     }
 
-    /// A hold's provider charge settled by how its request ended (`how` as [`Op::Release`]).
-    fn provider_settles(&mut self, id: &str, how: u8, used: (u64, u64), now: u64) {
+    /// A hold's provider charge settled by how its request ended.
+    fn provider_settles(&mut self, id: &str, end: PoolEnd, now: u64) {
         let Some((p, g)) = self.charged.remove(id) else { return };
         let held = (p + g) as i64;
-        match how {
-            0 => {
+        match end {
+            PoolEnd::Unused => {
                 self.provider_moves(-held, now);
                 let (.., rpm, _) = PROVIDER;
                 let (rcap, rrate) = (rpm as f64, rpm as f64 / 60_000.0);
@@ -339,15 +346,17 @@ impl Model {
                     self.provider.requests = Some((level.min(rcap), now));
                 }
             }
-            1 => self.provider_moves(-held, now),
-            2 => self.provider_moves((used.0 + used.1) as i64 - held, now),
-            _ => {}
+            PoolEnd::Released => self.provider_moves(-held, now),
+            PoolEnd::Used { prompt, output, .. } => {
+                self.provider_moves((prompt.unwrap_or(p) + output.unwrap_or(g)) as i64 - held, now)
+            }
+            PoolEnd::AsHeld => {}
         }
     }
 
-    fn release(&mut self, id: &str, how: u8, used: (u64, u64), now: u64) {
-        let unused = how == 0;
-        self.provider_settles(id, how, used, now);
+    fn release(&mut self, id: &str, end: PoolEnd, now: u64) {
+        let unused = end == PoolEnd::Unused;
+        self.provider_settles(id, end, now);
         let was_waiting = self.waiting.remove(id).is_some();
         let held = self.holds.remove(id);
         if let (true, Some((_, rank, tenant, _, added))) = (unused, &held)
@@ -419,17 +428,10 @@ impl Run {
                 let want = self.model.ask(&id, &tenant, tier, work, kv, deadline, *wait, self.now);
                 assert_eq!(got, want, "{at}: the reply");
             }
-            Op::Release { id, how, prompt, output } => {
+            Op::Release { id, end } => {
                 let id = format!("r{id}");
-                let end = match how {
-                    0 => PoolEnd::Unused,
-                    1 => PoolEnd::Released,
-                    2 => PoolEnd::Used { prompt: Some(*prompt), output: Some(*output), cost_nanos: Some(0) },
-                    _ => PoolEnd::AsHeld,
-                };
-                let pool = &self.h.pool;
-                self.h.admission.protocol().pool_release(pool, &id, end).await.expect("pool_release");
-                self.model.release(&id, *how, (*prompt, *output), self.now);
+                self.h.admission.protocol().pool_release(&self.h.pool, &id, *end).await.expect("pool_release");
+                self.model.release(&id, *end, self.now);
             }
             Op::Advance { ms } => {
                 self.h.advance(*ms).await;
@@ -446,12 +448,12 @@ impl Run {
         let all = keys::pool_keys(&self.h.pool);
         let views = self.h.inspect(all.clone()).await;
         let fields = |k: usize| views[&all[k]].fields.clone();
-        let (holds, charges): (BTreeMap<String, String>, BTreeMap<String, String>) =
-            fields(1).into_iter().partition(|(id, _)| !id.ends_with('+'));
+        let (charges, holds): (BTreeMap<String, String>, BTreeMap<String, String>) =
+            fields(1).into_iter().partition(|(id, _)| keys::is_pool_charge(id));
         let holds: BTreeMap<String, u64> =
             holds.into_iter().map(|(id, v)| (id, v.split(' ').next().unwrap().parse().unwrap())).collect();
         let charges: Vec<String> = charges.into_keys().collect();
-        let want: Vec<String> = self.model.charged.keys().map(|id| format!("{id}+")).collect();
+        let want: Vec<String> = self.model.charged.keys().map(|id| keys::pool_charge(id)).collect();
         assert_eq!(charges, want, "{at}: each hold's provider charge beside it");
         let want: BTreeMap<String, u64> = self.model.holds.iter().map(|(id, h)| (id.clone(), h.0)).collect();
         assert_eq!(holds, want, "{at}: the pool's holds");
@@ -508,7 +510,7 @@ proptest! {
             }
             // Everything released: the pool holds nothing and remembers no one.
             for id in 0..IDS {
-                run.step(&Op::Release { id, how: 3, prompt: 0, output: 0 }, "the end").await;
+                run.step(&Op::Release { id, end: PoolEnd::AsHeld }, "the end").await;
             }
             let views = run.h.inspect(keys::pool_keys(&run.h.pool)).await;
             let state_key = keys::pool_state(&run.h.pool);

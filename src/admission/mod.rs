@@ -34,6 +34,7 @@ mod leasing;
 mod local;
 pub mod log;
 mod plan;
+mod pool_denial;
 mod pools;
 mod reserve;
 pub mod retry;

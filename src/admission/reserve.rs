@@ -40,13 +40,14 @@ use tokio::sync::oneshot;
 use super::lease::Local;
 use super::log::{self, StoreMode};
 use super::plan::{Plan, PoolLeg, cost_of};
+use super::pool_denial;
 use super::retry::Settlement;
 use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason,
     Unmetered, ids,
 };
 use crate::config::Policy;
-use crate::hold::{Ending, PoolRefusal, Refusal, ReserveOutcome, ScopeLimits};
+use crate::hold::{Ending, Refusal, ReserveOutcome, ScopeLimits};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{
     KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
@@ -329,55 +330,10 @@ impl<S: Store> Admission<S> {
             Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {
                 Ok(Forecast { start_delay_ms, output_tokens: leg.output_tokens })
             }
-            Ok(PoolOutcome::Waiting { start_delay_ms }) => Err(Denial {
-                retry_after_ms: Some(start_delay_ms),
-                ..Denial::now(
-                    Reason::QueueFull,
-                    format!("no slot of pool {} came within the {may_wait} ms the caller could wait", leg.name),
-                )
-            }),
-            Ok(PoolOutcome::Denied { reason: PoolRefusal::Deadline, start_delay_ms, .. }) => Err(Denial::now(
-                Reason::Deadline,
-                format!(
-                    "predicted to finish in {} ms (start in {start_delay_ms} ms on pool {}), past the {} ms deadline",
-                    start_delay_ms.saturating_add(leg.finish_ms),
-                    leg.name,
-                    plan.deadline_ms.unwrap_or(0)
-                ),
-            )),
-            Ok(PoolOutcome::Denied { reason: PoolRefusal::Throttled, retry_after_ms, .. }) => Err(Denial {
-                retry_after_ms: Some(retry_after_ms),
-                ..Denial::now(
-                    Reason::QueueFull,
-                    format!("pool {} is throttled: its provider refused with a Retry-After", leg.name),
-                )
-            }),
-            Ok(PoolOutcome::Denied { reason: PoolRefusal::FairShare, retry_after_ms, start_delay_ms }) => Err(Denial {
-                retry_after_ms: Some(retry_after_ms),
-                ..Denial::now(
-                    Reason::QueueFull,
-                    format!(
-                        "pool {} is contended for {} requests and tenant {} holds its share of it (predicted start in {start_delay_ms} ms)",
-                        leg.name,
-                        leg.tier.as_str(),
-                        plan.tenant
-                    ),
-                )
-            }),
-            Ok(PoolOutcome::Denied { reason: PoolRefusal::Provider(limit), retry_after_ms, .. }) => {
-                Err(provider_refusal(limit, retry_after_ms, &leg.name, leg.tier))
+            Ok(PoolOutcome::Waiting { start_delay_ms }) => Err(pool_denial::waited_out(start_delay_ms, leg, may_wait)),
+            Ok(PoolOutcome::Denied { reason, retry_after_ms, start_delay_ms }) => {
+                Err(pool_denial::refused(reason, retry_after_ms, start_delay_ms, leg, plan))
             }
-            Ok(PoolOutcome::Denied { reason: PoolRefusal::QueueFull, retry_after_ms, start_delay_ms }) => Err(Denial {
-                retry_after_ms: Some(retry_after_ms),
-                ..Denial::now(
-                    Reason::QueueFull,
-                    format!(
-                        "pool {} is full for {} requests (predicted start in {start_delay_ms} ms)",
-                        leg.name,
-                        leg.tier.as_str()
-                    ),
-                )
-            }),
             Err(e) => Err(store_unavailable(&e, plan)),
         }
     }
@@ -528,21 +484,6 @@ impl<S: Store> Admission<S> {
         self.pool_freed.notify_waiters();
         Ok(())
     }
-}
-
-/// The denial of a pool's provider limits, `limit` as the script named it (a rate, a budget, or
-/// larger than the tier may ever take), for a `tier` request: said as a scope's, under the
-/// provider's reasons.
-fn provider_refusal(limit: Refusal, retry_after_ms: u64, pool: &str, tier: Priority) -> Denial {
-    let (reason, message) = refusal_reason(limit, &format!("pool {pool}'s provider"), 0);
-    let message = format!("{message} for {} requests", tier.as_str());
-    let reason = match reason {
-        Reason::TokenRate | Reason::RequestRate => Reason::ProviderRate,
-        Reason::Budget => Reason::ProviderBudget,
-        Reason::Unsatisfiable => return Denial::now(Reason::Unsatisfiable, message),
-        other => other,
-    };
-    Denial { retry_after_ms: Some(retry_after_ms), ..Denial::now(reason, message) }
 }
 
 /// The reason and message of a store refusal on `scope`.

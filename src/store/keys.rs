@@ -200,6 +200,17 @@ pub fn pool_provider(pool: &str) -> String {
     format!("tg:pool:{{{pool}}}:p")
 }
 
+/// A pool hold's charge of its provider's limits: its field beside the hold's own in the pool's
+/// holds hash.
+pub fn pool_charge(id: &str) -> String {
+    format!("{id}+")
+}
+
+/// Whether a field of a pool's holds hash is a hold's charge ([`pool_charge`]), not a hold.
+pub fn is_pool_charge(field: &str) -> bool {
+    field.ends_with('+')
+}
+
 /// KEYS of the pool scripts that touch holds, in this order: the state hash, the holds hash, the
 /// lease index, the waiting hash, the finish tags of the critical, standard and sheddable tiers,
 /// and the provider scope.

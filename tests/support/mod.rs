@@ -463,7 +463,7 @@ impl<S: Store> Harness<S> {
         let mut views = self.inspect(keys.clone()).await;
         let state = views.remove(&keys[0]).unwrap();
         // (A hold's charge of the provider's limits sits beside it, at `<id>+`.)
-        let holds = views.remove(&keys[1]).unwrap().fields.keys().filter(|f| !f.ends_with('+')).count();
+        let holds = views.remove(&keys[1]).unwrap().fields.keys().filter(|f| !keys::is_pool_charge(f)).count();
         let leases = views.remove(&keys[2]).unwrap().fields.len();
         (state, holds, leases)
     }
@@ -477,7 +477,7 @@ impl<S: Store> Harness<S> {
     pub async fn pool_holds(&self) -> Vec<String> {
         let key = keys::pool_holds(&self.pool);
         let mut views = self.inspect(vec![key.clone()]).await;
-        views.remove(&key).unwrap().fields.into_keys().filter(|f| !f.ends_with('+')).collect()
+        views.remove(&key).unwrap().fields.into_keys().filter(|f| !keys::is_pool_charge(f)).collect()
     }
 
     /// Outstanding holds and work of the pool: (n, w).

@@ -324,7 +324,8 @@ fn side_level(bucket: Option<Level>, cap: u64, rate: f64, now: u64) -> f64 {
     refilled(bucket.map(|b| b.level), bucket.map_or(0, |b| b.at), cap, rate, now)
 }
 
-fn refilled(level: Option<f64>, at: u64, cap: u64, rate: f64, now: u64) -> f64 {
+/// A bucket's level at `now` (common.lua's `refilled`): full when never written (`level` None).
+pub fn refilled(level: Option<f64>, at: u64, cap: u64, rate: f64, now: u64) -> f64 {
     match level {
         None => cap as f64,
         Some(level) => (cap as f64).min(level + rate * (now.saturating_sub(at)) as f64),

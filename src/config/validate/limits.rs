@@ -7,12 +7,27 @@ use crate::config::budget::{BudgetKey, BudgetLimits, Measure};
 use crate::config::{Limits, ModelPolicy, Money};
 
 /// The first model, by name, that has no price: a budget in money cannot count it.
-pub(super) fn first_unpriced(models: &HashMap<String, ModelPolicy>) -> Option<&str> {
-    models.iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).min()
+fn first_unpriced<'a>(models: impl IntoIterator<Item = (&'a String, &'a ModelPolicy)>) -> Option<&'a str> {
+    models.into_iter().filter(|(_, m)| m.price.is_none()).map(|(n, _)| n.as_str()).min()
+}
+
+/// A budget in money counts every model that may be charged to it at its price, so none of
+/// `models` may be unpriced while `limits` (at `field`) has one.
+pub(super) fn money_needs_prices<'a>(
+    field: &str,
+    limits: &Limits,
+    models: impl IntoIterator<Item = (&'a String, &'a ModelPolicy)>,
+) -> Result<(), Problem> {
+    if let Some((key, _)) = limits.budgets().find(|(k, _)| k.measure == Measure::Cost)
+        && let Some(first) = first_unpriced(models)
+    {
+        return Err(problem(format!("{field}.{}", key.name()), unpriced(first)));
+    }
+    Ok(())
 }
 
 /// Why a budget in money is refused while `model` has no price.
-pub(super) fn unpriced(model: &str) -> String {
+fn unpriced(model: &str) -> String {
     format!("model {model} has no price: a budget in money needs every model priced")
 }
 
@@ -39,6 +54,7 @@ pub(super) fn soft_budgets(
         ));
     }
     check_limits(&f, soft)?;
+    money_needs_prices(&f, soft, models)?;
     for (key, limit) in soft.budgets() {
         if let Some(h) = hard.budget(key)
             && limit >= h
@@ -53,11 +69,6 @@ pub(super) fn soft_budgets(
                     shown(h)
                 ),
             ));
-        }
-        if key.measure == Measure::Cost
-            && let Some(first) = first_unpriced(models)
-        {
-            return Err(problem(format!("{f}.{}", key.name()), unpriced(first)));
         }
         if let Some(slot) = out.get_mut(key.index()) {
             *slot = limit;

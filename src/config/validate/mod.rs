@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::budget::{Measure, Period};
+use super::budget::Period;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
@@ -19,7 +19,7 @@ use super::{
     TlsSettings, TokenWeights, Zone,
 };
 
-use limits::{check_limits, check_within, children, first_unpriced, soft_budgets, unpriced};
+use limits::{check_limits, check_within, children, money_needs_prices, soft_budgets};
 use sections::{adaptive, breaker, leasing, ledger, metrics, pool_policy, price, token_weight};
 pub(super) use sections::{tls, tls_flag};
 
@@ -265,7 +265,8 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
     }
     for (name, pool) in &pools {
         if let Some(provider) = &pool.provider {
-            provider_fits(&format!("pools.{name}.provider_limits"), name, &provider.limits, &models)?;
+            let served = models.iter().filter(|(_, m)| m.pool.as_deref() == Some(name.as_str()));
+            money_needs_prices(&format!("pools.{name}.provider_limits"), &provider.limits, served)?;
         }
     }
 
@@ -401,12 +402,7 @@ fn tenant_policy(
         .chain(users.iter().map(|(n, l)| (format!("{field}.users.{n}"), l)))
         .chain(tenant_models.iter().map(|(n, l)| (format!("{field}.models.{n}"), l)));
     for (f, l) in scoped {
-        let money = l.budgets().find(|(k, _)| k.measure == Measure::Cost);
-        if let Some((key, _)) = money
-            && let Some(first) = first_unpriced(models)
-        {
-            return Err(problem(format!("{f}.{}", key.name()), unpriced(first)));
-        }
+        money_needs_prices(&f, l, models)?;
     }
 
     let soft = soft_budgets(field, t.soft_limits.as_ref(), &t.limits, models)?;
@@ -513,24 +509,4 @@ fn remembered_for(limits: &Limits) -> u64 {
         ms = ms.max(longest);
     }
     ms
-}
-
-/// A budget in money among a pool's provider limits counts every model the pool serves at its
-/// price: each must have one.
-fn provider_fits(
-    field: &str,
-    pool_name: &str,
-    limits: &Limits,
-    models: &HashMap<String, ModelPolicy>,
-) -> Result<(), Problem> {
-    if let Some((key, _)) = limits.budgets().find(|(k, _)| k.measure == Measure::Cost)
-        && let Some(first) = models
-            .iter()
-            .filter(|(_, m)| m.pool.as_deref() == Some(pool_name) && m.price.is_none())
-            .map(|(n, _)| n.as_str())
-            .min()
-    {
-        return Err(problem(format!("{field}.{}", key.name()), unpriced(first)));
-    }
-    Ok(())
 }
