@@ -84,7 +84,8 @@
 --   reasoning_tokens   of the output, what the response said went to reasoning ('' when it did not)
 --   reserved_tokens charged_tokens   the hold, and what the hold charges in the end
 --   reserved_at_ms settled_at_ms  (store clock)
---   ending    how the request ended: completed (its counts reported) | metered | as_held |
+--   ending    how the request ended: completed (its counts reported) | metered |
+--             metered_capped (metered, held to the most output the request allowed) | as_held |
 --             client_left | upstream_refused | upstream_error | released | expired
 -- A reservation id appears once, or twice when a commit came after its lease: then the
 -- late_committed entry supersedes the expired one.
@@ -823,10 +824,10 @@ end
 local SETTLED_STATES = { c = 'committed', l = 'late_committed', r = 'released' }
 local SETTLED_CODES = { committed = 'c', late_committed = 'l', released = 'r' }
 -- How a hold's request ended (src/hold/outcome.rs, `Ending`), one letter in a settled entry.
-local ENDINGS = { c = 'completed', m = 'metered', h = 'as_held', l = 'client_left', r = 'upstream_refused',
-  e = 'upstream_error', g = 'released', x = 'expired' }
-local ENDING_CODES = { completed = 'c', metered = 'm', as_held = 'h', client_left = 'l', upstream_refused = 'r',
-  upstream_error = 'e', released = 'g', expired = 'x' }
+local ENDINGS = { c = 'completed', m = 'metered', k = 'metered_capped', h = 'as_held', l = 'client_left',
+  r = 'upstream_refused', e = 'upstream_error', g = 'released', x = 'expired' }
+local ENDING_CODES = { completed = 'c', metered = 'm', metered_capped = 'k', as_held = 'h', client_left = 'l',
+  upstream_refused = 'r', upstream_error = 'e', released = 'g', expired = 'x' }
 
 -- A hold's field in its tenant's settled bucket: the last 80 of its id's 128 random bits, the 20
 -- hex digits before the replica's '@' or the end (the tenant is the bucket's; the random part

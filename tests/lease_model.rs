@@ -1380,3 +1380,18 @@ fn a_reload_below_capacity_keeps_the_old_deficit() {
     ];
     runtime().block_on(run(0.1, ops));
 }
+
+/// A reserve whose reply is lost is admitted unmetered (`local`), and the hold its script made is
+/// given back; the store stays out of reach until that hold's lease has run out, which charges
+/// it as held. Nobody received it, so its give-back, retried once the store answers, reconciles
+/// it to nothing, as a late commit would: the month counts nothing. (Found by this test's random
+/// cases in CI.)
+#[test]
+fn a_hold_nobody_received_is_given_back_after_its_lease_too() {
+    let ops = vec![
+        Op::Reload { tight: true },
+        Op::Reserve { replica: 0, user: true, prompt: 0, max_tokens: 1 },
+        Op::Advance { ms: 5000 },
+    ];
+    runtime().block_on(run_random(0.1, ops, Some(3379603618996127404), false, 1795953600000, 0));
+}

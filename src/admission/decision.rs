@@ -140,6 +140,9 @@ pub struct Admitted {
     pub tier: crate::config::Priority,
     /// What capacity admission predicted, when the request holds pool work.
     pub forecast: Option<Forecast>,
+    /// The most output the request allows (its `max_tokens`, or its model's ceiling): the commit
+    /// from the response holds a metered count to it.
+    pub output_ceiling: u64,
 }
 
 /// What capacity admission predicted for a request it admitted into a pool: it goes upstream with

@@ -47,10 +47,10 @@ use super::{
     Unmetered, ids,
 };
 use crate::config::Policy;
-use crate::hold::{Ending, Refusal, ReserveOutcome, ScopeLimits};
+use crate::hold::{Counted, Ending, Refusal, ReleaseOutcome, ReserveOutcome, ScopeLimits, Settled};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{
-    KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
+    CommitTerms, KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
 };
 
 /// How long a request's place in a pool's queue lives without its next call: well past the
@@ -250,7 +250,17 @@ impl<S: Store> Admission<S> {
     ) -> Result<(), AdmissionError> {
         let r = super::parse_id(id)?;
         if tenant_leg {
-            self.protocol.release(r.tenant, id, Ending::Released, self.policy().record_retention_ms).await?;
+            let policy = self.policy();
+            let retention_ms = policy.record_retention_ms;
+            let released = self.protocol.release(r.tenant, id, Ending::Released, retention_ms).await?;
+            // Its lease ran out first (the store was out of reach that long) and charged it as
+            // held: nothing used it, so it is reconciled to nothing, as a late commit would be.
+            if released == ReleaseOutcome::Settled(Settled::Expired) {
+                let zone =
+                    self.tenant_policy(&policy, r.tenant).map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
+                let terms = CommitTerms { learning: None, retention_ms, zone_offset_min: zone };
+                self.protocol.commit(r.tenant, id, Counted::exact(0, 0), Ending::Released, terms).await?;
+            }
         }
         if let (Some(end), Some(pool)) = (pool_leg, r.pool) {
             self.give_pool_leg_back(pool, id, end).await?;
@@ -425,6 +435,7 @@ impl<S: Store> Admission<S> {
                     soft_limit: soft.map(|(budget, _)| budget),
                     tier: plan.tier,
                     forecast: None,
+                    output_ceiling: plan.ceiling,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {

@@ -145,6 +145,8 @@ struct Exchange {
     settled: bool,
     /// What capacity admission predicted, when the request holds pool work.
     forecast: Option<Forecast>,
+    /// The most output the request allows, as Check read it: a metered count is held to it.
+    output_ceiling: Option<u64>,
     /// The stream's timing, and its progress reports.
     watch: Watch,
 }
@@ -199,6 +201,7 @@ impl Exchange {
             last_renewal: tokio::time::Instant::now(),
             settled: false,
             forecast: None,
+            output_ceiling: None,
             watch: Watch::default(),
         }
     }
@@ -213,9 +216,10 @@ impl Exchange {
         if self.reservation.is_none()
             && let Some(metadata) = &message.metadata_context
         {
-            let (reservation, model, forecast) = forwarded(metadata);
+            let (reservation, model, forecast, ceiling) = forwarded(metadata);
             self.learn(reservation, model, admission);
             self.forecast = forecast.and_then(headers::parse_forecast);
+            self.output_ceiling = ceiling.and_then(|c| c.parse().ok());
         }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
@@ -227,6 +231,7 @@ impl Exchange {
                 if self.reservation.is_none() {
                     self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
                     self.forecast = header(&headers, headers::FORECAST).and_then(headers::parse_forecast);
+                    self.output_ceiling = header(&headers, headers::OUTPUT_CEILING).and_then(|c| c.trim().parse().ok());
                 }
                 self.watch.sent = Some(std::time::Instant::now());
                 Reply::RequestHeaders(HeadersResponse::default())
@@ -260,6 +265,9 @@ impl Exchange {
                 }
                 if self.input_only {
                     meter.input_only();
+                }
+                if let Some(ceiling) = self.output_ceiling {
+                    meter.cap_output(ceiling);
                 }
                 self.meter = Some(meter);
                 if h.end_of_stream {
@@ -345,7 +353,9 @@ impl Exchange {
         }
         match settlement::verdict(self.status, self.meter.as_mut(), stop) {
             Verdict::Commit(measured, ending) => {
-                if let (Some(model), Ending::Completed | Ending::Metered) = (&self.model, ending) {
+                if let (Some(model), Ending::Completed | Ending::Metered | Ending::MeteredCapped) =
+                    (&self.model, ending)
+                {
                     let timing = self.timing(measured);
                     if timing != Timing::default() {
                         admission.observed(id, model, timing);
@@ -463,12 +473,17 @@ async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured
     }
 }
 
-/// The reservation, model and forecast `Check` left in the request's dynamic metadata, as Envoy
-/// forwards it.
-fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>, Option<&str>) {
+/// The reservation, model, forecast and output ceiling `Check` left in the request's dynamic
+/// metadata, as Envoy forwards it.
+fn forwarded(metadata: &Metadata) -> (Option<&str>, Option<&str>, Option<&str>, Option<&str>) {
     match metadata.filter_metadata.get(AUTHZ_NAMESPACE) {
-        Some(check) => (text(check, RESERVATION_FIELD), text(check, MODEL_FIELD), text(check, FORECAST_FIELD)),
-        None => (None, None, None),
+        Some(check) => (
+            text(check, RESERVATION_FIELD),
+            text(check, MODEL_FIELD),
+            text(check, FORECAST_FIELD),
+            text(check, headers::OUTPUT_CEILING_FIELD),
+        ),
+        None => (None, None, None, None),
     }
 }
 

@@ -56,6 +56,9 @@ pub const MODEL: &str = "x-tollgate-model";
 /// `start=<ms>;output=<tokens>` (see [`forecast`]): the commit from the response times the pool
 /// and counts the stream's remaining work by it.
 pub const FORECAST: &str = "x-tollgate-forecast";
+/// Upstream: the most output the request allows (its `max_tokens`, or its model's ceiling), which
+/// the commit from the response holds a metered count to.
+pub const OUTPUT_CEILING: &str = "x-tollgate-output-ceiling";
 /// Response: the backend says it commits itself (`caller`), so ext_proc leaves the hold to it.
 pub const COMMIT: &str = "x-tollgate-commit";
 
@@ -85,6 +88,8 @@ pub const RESERVATION_FIELD: &str = "reservation";
 pub const MODEL_FIELD: &str = "model";
 /// The forecast field of that metadata, as [`FORECAST`].
 pub const FORECAST_FIELD: &str = "forecast";
+/// The output ceiling field of that metadata, as [`OUTPUT_CEILING`].
+pub const OUTPUT_CEILING_FIELD: &str = "output_ceiling";
 /// The soft budget the request is past (only then), and the tier it was decided at (always).
 pub const SOFT_LIMIT_FIELD: &str = "soft_limit";
 pub const TIER_FIELD: &str = "tier";

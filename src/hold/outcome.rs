@@ -80,6 +80,9 @@ pub enum Ending {
     Completed,
     /// The response completed without counts: its output was counted by tollgate.
     Metered,
+    /// As `Metered`, and the count was held to the most output the request allowed (its
+    /// `max_tokens`, or its model's ceiling): the bytes passed read as more.
+    MeteredCapped,
     /// The response completed in a form tollgate cannot count: charged as held.
     AsHeld,
     /// The client went away (or Envoy reset the stream) before the response ended: charged what
@@ -96,9 +99,10 @@ pub enum Ending {
 }
 
 impl Ending {
-    pub const ALL: [Ending; 8] = [
+    pub const ALL: [Ending; 9] = [
         Ending::Completed,
         Ending::Metered,
+        Ending::MeteredCapped,
         Ending::AsHeld,
         Ending::ClientLeft,
         Ending::UpstreamRefused,
@@ -112,6 +116,7 @@ impl Ending {
         match self {
             Ending::Completed => "completed",
             Ending::Metered => "metered",
+            Ending::MeteredCapped => "metered_capped",
             Ending::AsHeld => "as_held",
             Ending::ClientLeft => "client_left",
             Ending::UpstreamRefused => "upstream_refused",

@@ -46,6 +46,7 @@ pub fn verdict(status: Option<u16>, meter: Option<&mut Meter>, stop: Stop) -> Ve
     let ending = match status {
         500..=599 => Ending::UpstreamError,
         200..=299 if stop == Stop::CutShort => Ending::ClientLeft,
+        200..=299 if meter.capped() => Ending::MeteredCapped,
         200..=299 => Ending::of(measured),
         // Any other answer (a 4xx, a redirect) is the backend's refusal.
         _ => Ending::UpstreamRefused,
@@ -88,6 +89,13 @@ mod tests {
                 Verdict::Commit(Measured::Metered { .. }, Ending::ClientLeft)
             ),
             "2xx cut short: what passed"
+        );
+        // Metered past the request's ceiling: held to it, and the ending says so.
+        let mut capped = meter("text/event-stream", STREAMED);
+        capped.cap_output(1);
+        assert_eq!(
+            verdict(Some(200), Some(&mut capped), Complete),
+            Verdict::Commit(Measured::Metered { output: 1 }, Ending::MeteredCapped)
         );
         let gzip = &mut Meter::new(Some("application/json"), Some("gzip"), 4.0);
         assert_eq!(verdict(Some(200), Some(gzip), Complete), Verdict::Commit(Measured::AsHeld, Ending::AsHeld));

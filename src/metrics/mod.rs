@@ -303,7 +303,7 @@ impl Metrics {
                 .build(),
             holds: meter
                 .u64_counter("tollgate.holds")
-                .with_description("Holds settled (state: committed, late_committed, released, expired), by how their request ended (ending: completed, metered, as_held, client_left, upstream_refused, upstream_error, released, expired)")
+                .with_description("Holds settled (state: committed, late_committed, released, expired), by how their request ended (ending: completed, metered, metered_capped, as_held, client_left, upstream_refused, upstream_error, released, expired)")
                 .with_unit("{hold}")
                 .build(),
             usage_ratio: meter

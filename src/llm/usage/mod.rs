@@ -73,6 +73,11 @@ pub struct Meter {
     detail: fields::Detail,
     /// Bytes of generated text seen (events), or of the whole body (opaque, JSON).
     text_bytes: u64,
+    /// The most output the request allowed (its `max_tokens`, or its model's ceiling): a metered
+    /// count never goes past it.
+    ceiling: Option<u64>,
+    /// The last metered count was held to the ceiling.
+    capped: bool,
 }
 
 impl Meter {
@@ -99,6 +104,8 @@ impl Meter {
             input_only: false,
             detail: fields::Detail::default(),
             text_bytes: 0,
+            ceiling: None,
+            capped: false,
         }
     }
 
@@ -159,6 +166,18 @@ impl Meter {
         matches!(self.format, Format::Events | Format::Lines | Format::AwsEvents)
     }
 
+    /// Holds a metered count to `ceiling`, the most output the request allowed: bytes over
+    /// `bytes_per_token` only estimate the tokens, and the backend stops at the request's limit.
+    /// (Counts the backend reports stand as reported, past it or not.)
+    pub fn cap_output(&mut self, ceiling: u64) {
+        self.ceiling = Some(ceiling);
+    }
+
+    /// Whether the last metered count was held to the request's ceiling.
+    pub fn capped(&self) -> bool {
+        self.capped
+    }
+
     /// Output tokens a stream has generated so far: its running count, or its text metered.
     pub fn output_so_far(&self) -> u64 {
         if !self.streams() {
@@ -192,8 +211,10 @@ impl Meter {
             _ if self.input_only => Measured::Metered { output: 0 },
             _ if self.format == Format::Opaque => Measured::AsHeld,
             (_, partial) => {
-                let metered = tokens_of(self.text_bytes, self.bytes_per_token);
-                Measured::Metered { output: metered.max(partial.unwrap_or(0)) }
+                let metered = tokens_of(self.text_bytes, self.bytes_per_token).max(partial.unwrap_or(0));
+                let output = self.ceiling.map_or(metered, |c| metered.min(c));
+                self.capped = output < metered;
+                Measured::Metered { output }
             }
         }
     }
@@ -386,6 +407,48 @@ mod tests {
                          data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\":1}\"}}\n\n";
         // 7 + 7 bytes.
         assert_eq!(run("text/event-stream", &[anthropic]), Measured::Metered { output: 4 });
+    }
+
+    /// A metered count never passes the most output the request allowed: in every format, bytes
+    /// that read as more than `max_tokens` are charged `max_tokens`, and the meter says it capped;
+    /// a count the backend reports stands as reported, above the ceiling or not.
+    #[test]
+    fn a_metered_count_is_held_to_the_requests_ceiling_and_a_reported_one_is_not() {
+        let text = "tok ".repeat(50);
+        let openai = format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\ndata: [DONE]\n\n");
+        let anthropic = format!(
+            "data: {{\"type\":\"content_block_delta\",\"delta\":{{\"type\":\"text_delta\",\"text\":\"{text}\"}}}}\n\n"
+        );
+        let ollama = format!("{{\"message\":{{\"content\":\"{text}\"}},\"done\":false}}\n");
+        let opaque_json = format!("{{\"choices\":[{{\"message\":{{\"content\":\"{text}\"}}}}]}}");
+        for (content_type, body) in [
+            ("text/event-stream", &openai),
+            ("text/event-stream", &anthropic),
+            ("application/x-ndjson", &ollama),
+            ("application/json", &opaque_json),
+        ] {
+            let mut m = Meter::new(Some(content_type), None, 1.0);
+            m.cap_output(100);
+            m.feed(body.as_bytes());
+            assert_eq!(m.measured(), Measured::Metered { output: 100 }, "{content_type}: {body}");
+            assert!(m.capped(), "{content_type}");
+            // Uncapped, the same bytes read as more.
+            let mut free = Meter::new(Some(content_type), None, 1.0);
+            free.feed(body.as_bytes());
+            assert!(matches!(free.measured(), Measured::Metered { output } if output > 100), "{content_type}");
+            // Under the ceiling, nothing is capped.
+            let mut under = Meter::new(Some(content_type), None, 1.0);
+            under.cap_output(100_000);
+            under.feed(body.as_bytes());
+            assert!(matches!(under.measured(), Measured::Metered { output } if output > 100) && !under.capped());
+        }
+        let reported =
+            format!("{openai}data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":180}}}}\n\n");
+        let mut m = Meter::new(Some("text/event-stream"), None, 1.0);
+        m.cap_output(100);
+        m.feed(reported.replace("data: [DONE]\n\n", "").as_bytes());
+        assert_eq!(m.measured(), Measured::exact(5, 180), "the backend's word stands");
+        assert!(!m.capped());
     }
 
     /// A JSON body too large to buffer is metered from its size, never charged nothing.
