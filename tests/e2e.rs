@@ -314,6 +314,7 @@ async fn tollgate_headers_a_client_sends_never_reach_the_backend() {
         ("x-tollgate-reservation", forged),
         ("x-tollgate-reserved-tokens", "1"),
         ("x-tollgate-unmetered", "store_unavailable"),
+        ("x-tollgate-output-ceiling", "1000000"),
         ("x-tollgate-anything", "else"),
     ];
     let r = stack.chat("big", &chat_body("m", Some(20), 10), &extra).await;
@@ -324,7 +325,12 @@ async fn tollgate_headers_a_client_sends_never_reach_the_backend() {
     // What reached the backend: tollgate's own headers, as tollgate set them, and nothing else.
     assert_eq!(
         r.header("x-test-tollgate-headers"),
-        Some(format!("x-tollgate-model=m;x-tollgate-reservation={id};x-tollgate-reserved-tokens={reserved}").as_str()),
+        Some(
+            format!(
+                "x-tollgate-model=m;x-tollgate-output-ceiling=20;x-tollgate-reservation={id};x-tollgate-reserved-tokens={reserved}"
+            )
+            .as_str()
+        ),
         "{}",
         stack.diagnostics()
     );
