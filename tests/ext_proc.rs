@@ -105,7 +105,7 @@ async fn a_stream_without_usage_is_committed_metered() {
 
 /// A stream without usage whose bytes read as more tokens than the request allowed (here a model
 /// whose `bytes_per_token` is set too low: its 40 tokens of "tok " read as 160) is charged its
-/// `max_tokens`, and its ending says the count was held to it.
+/// `max_tokens`, and its ending says the count was held to it; one that names no limit is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_metered_stream_is_held_to_its_max_tokens() {
     let policy = POLICY.replace("bytes_per_token: 4 }", "bytes_per_token: 1 }");
@@ -116,6 +116,13 @@ async fn a_metered_stream_is_held_to_its_max_tokens() {
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
     let held_prompt = body.len() as u64;
     assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (held_prompt + 100, true, "metered_capped"), "{c:?}");
+    // A request that names no limit runs to its backend's own default, which the policy's
+    // ceiling does not bound: metered as it passed, uncapped.
+    let body = body.replace(r#""max_tokens":100,"#, "");
+    let r = post(stack.envoy.port, CHAT, &[TENANT], body.clone()).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (body.len() as u64 + 160, true, "metered"), "{c:?}");
 }
 
 /// A streamed request whose client reads `frames` frames of the response and leaves: what it

@@ -140,9 +140,10 @@ pub struct Admitted {
     pub tier: crate::config::Priority,
     /// What capacity admission predicted, when the request holds pool work.
     pub forecast: Option<Forecast>,
-    /// The most output the request allows (its `max_tokens`, or its model's ceiling): the commit
-    /// from the response holds a metered count to it.
-    pub output_ceiling: u64,
+    /// The most output the request itself allows (its `max_tokens`, times its outputs), when it
+    /// named a limit: the commit from the response holds a metered count to it. (Without one, the
+    /// backend's own default applies, and a metered count stands.)
+    pub output_ceiling: Option<u64>,
 }
 
 /// What capacity admission predicted for a request it admitted into a pool: it goes upstream with

@@ -84,7 +84,7 @@ impl<S: Store> Admission<S> {
                 soft_limit: None,
                 tier: plan.tier,
                 forecast: None,
-                output_ceiling: plan.ceiling,
+                output_ceiling: plan.output_limit,
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());

@@ -435,7 +435,7 @@ impl<S: Store> Admission<S> {
                     soft_limit: soft.map(|(budget, _)| budget),
                     tier: plan.tier,
                     forecast: None,
-                    output_ceiling: plan.ceiling,
+                    output_ceiling: plan.output_limit,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {

@@ -114,8 +114,8 @@ impl<S: Store> Admission<S> {
             Counted::Exact { output, .. } | Counted::Metered { output } => Some(output),
             Counted::AsHeld => None,
         };
-        if let (Some(output), Some(model), Ending::Completed | Ending::Metered | Ending::MeteredCapped) =
-            (output, &u.model, ending)
+        // (A count held to the request's ceiling says nothing of the real length.)
+        if let (Some(output), Some(model), Ending::Completed | Ending::Metered) = (output, &u.model, ending)
             && policy.models.get(model).is_some_and(|m| m.pool.is_some())
         {
             self.fleet.observe_length(tenant, model, output);

@@ -353,9 +353,8 @@ impl Exchange {
         }
         match settlement::verdict(self.status, self.meter.as_mut(), stop) {
             Verdict::Commit(measured, ending) => {
-                if let (Some(model), Ending::Completed | Ending::Metered | Ending::MeteredCapped) =
-                    (&self.model, ending)
-                {
+                // (A count held to the request's ceiling says nothing of the real length or speed.)
+                if let (Some(model), Ending::Completed | Ending::Metered) = (&self.model, ending) {
                     let timing = self.timing(measured);
                     if timing != Timing::default() {
                         admission.observed(id, model, timing);

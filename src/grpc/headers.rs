@@ -56,8 +56,8 @@ pub const MODEL: &str = "x-tollgate-model";
 /// `start=<ms>;output=<tokens>` (see [`forecast`]): the commit from the response times the pool
 /// and counts the stream's remaining work by it.
 pub const FORECAST: &str = "x-tollgate-forecast";
-/// Upstream: the most output the request allows (its `max_tokens`, or its model's ceiling), which
-/// the commit from the response holds a metered count to.
+/// Upstream: the most output the request itself allows (its `max_tokens`, times its outputs),
+/// which the commit from the response holds a metered count to; absent when it named no limit.
 pub const OUTPUT_CEILING: &str = "x-tollgate-output-ceiling";
 /// Response: the backend says it commits itself (`caller`), so ext_proc leaves the hold to it.
 pub const COMMIT: &str = "x-tollgate-commit";

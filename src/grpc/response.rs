@@ -55,8 +55,10 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
             if let Some(f) = &forecast {
                 upstream.push(header(headers::FORECAST, f.clone()));
             }
-            let ceiling = a.output_ceiling.to_string();
-            upstream.push(header(headers::OUTPUT_CEILING, ceiling.clone()));
+            let ceiling = a.output_ceiling.map(|c| c.to_string());
+            if let Some(c) = &ceiling {
+                upstream.push(header(headers::OUTPUT_CEILING, c.clone()));
+            }
             let mut response = admitted(upstream, downstream, client_own);
             // Also as dynamic metadata: for access logs (`%DYNAMIC_METADATA(envoy.filters.http.
             // ext_authz:reservation)%`), and for an ext_proc filter that forwards it instead of
@@ -65,7 +67,10 @@ pub fn check_response(decision: &Decision, client_own: &[String], family: Family
             let fields = [(RESERVATION_FIELD, Some(&a.reservation_id)), (MODEL_FIELD, Some(&a.model))]
                 .into_iter()
                 .chain([(SOFT_LIMIT_FIELD, soft.as_ref()), (TIER_FIELD, Some(&tier))])
-                .chain([(headers::FORECAST_FIELD, forecast.as_ref()), (headers::OUTPUT_CEILING_FIELD, Some(&ceiling))]);
+                .chain([
+                    (headers::FORECAST_FIELD, forecast.as_ref()),
+                    (headers::OUTPUT_CEILING_FIELD, ceiling.as_ref()),
+                ]);
             response.dynamic_metadata = Some(Struct {
                 fields: fields
                     .filter_map(|(k, v)| Some((k.to_string(), Value { kind: Some(Kind::StringValue(v?.clone())) })))
@@ -285,7 +290,7 @@ mod tests {
             soft_limit: None,
             tier: crate::config::Priority::Critical,
             forecast: None,
-            output_ceiling: 100,
+            output_ceiling: Some(100),
         };
         let r = check_response(&Decision::Admitted(ok.clone()), &[], Family::OpenAi);
         let fields = &r.dynamic_metadata.as_ref().expect("dynamic metadata").fields;

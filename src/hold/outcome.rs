@@ -81,7 +81,7 @@ pub enum Ending {
     /// The response completed without counts: its output was counted by tollgate.
     Metered,
     /// As `Metered`, and the count was held to the most output the request allowed (its
-    /// `max_tokens`, or its model's ceiling): the bytes passed read as more.
+    /// `max_tokens`): the bytes passed read as more.
     MeteredCapped,
     /// The response completed in a form tollgate cannot count: charged as held.
     AsHeld,

@@ -858,7 +858,7 @@ impl Model {
                         soft_limit: soft.map(|(k, _)| k),
                         tier: ask.priority,
                         forecast: None,
-                        output_ceiling: ask.max_tokens,
+                        output_ceiling: Some(ask.max_tokens),
                     });
                 }
                 if k.made >= self.max_attempts {
@@ -1011,7 +1011,7 @@ impl Model {
             soft_limit: soft.map(|(k, _)| k),
             tier: ask.priority,
             forecast: None,
-            output_ceiling: ask.max_tokens,
+            output_ceiling: Some(ask.max_tokens),
         })
     }
 

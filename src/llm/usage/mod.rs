@@ -73,8 +73,8 @@ pub struct Meter {
     detail: fields::Detail,
     /// Bytes of generated text seen (events), or of the whole body (opaque, JSON).
     text_bytes: u64,
-    /// The most output the request allowed (its `max_tokens`, or its model's ceiling): a metered
-    /// count never goes past it.
+    /// The most output the request itself allowed (its `max_tokens`): a count metered from bytes
+    /// never goes past it.
     ceiling: Option<u64>,
     /// The last metered count was held to the ceiling.
     capped: bool,
@@ -211,9 +211,13 @@ impl Meter {
             _ if self.input_only => Measured::Metered { output: 0 },
             _ if self.format == Format::Opaque => Measured::AsHeld,
             (_, partial) => {
-                let metered = tokens_of(self.text_bytes, self.bytes_per_token).max(partial.unwrap_or(0));
-                let output = self.ceiling.map_or(metered, |c| metered.min(c));
-                self.capped = output < metered;
+                // Only the estimate from bytes is held to the ceiling: a count the backend gave
+                // (a running count, or its output without a prompt count) stands.
+                let estimate = tokens_of(self.text_bytes, self.bytes_per_token);
+                let held = self.ceiling.map_or(estimate, |c| estimate.min(c));
+                let output = held.max(partial.unwrap_or(0));
+                // (Capped: the ceiling, not a count the backend gave, decided the charge.)
+                self.capped = held < estimate && output == held;
                 Measured::Metered { output }
             }
         }
@@ -442,6 +446,13 @@ mod tests {
             under.feed(body.as_bytes());
             assert!(matches!(under.measured(), Measured::Metered { output } if output > 100) && !under.capped());
         }
+        // A count the backend gave stands, above the ceiling or not: Ollama's output without a
+        // prompt count, and a final usage chunk.
+        let mut ollama_count = Meter::new(Some("application/x-ndjson"), None, 1.0);
+        ollama_count.cap_output(100);
+        ollama_count.feed(format!("{ollama}{{\"done\":true,\"eval_count\":180}}\n").as_bytes());
+        assert_eq!(ollama_count.measured(), Measured::Metered { output: 180 });
+        assert!(!ollama_count.capped());
         let reported =
             format!("{openai}data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":5,\"completion_tokens\":180}}}}\n\n");
         let mut m = Meter::new(Some("text/event-stream"), None, 1.0);

@@ -49,7 +49,7 @@ impl Authorization for Floor {
             soft_limit: None,
             tier: crate::config::Priority::Standard,
             forecast: None,
-            output_ceiling: 0,
+            output_ceiling: None,
         });
         Ok(Response::new(check_response(&admitted, &[], crate::llm::api::Family::OpenAi)))
     }
