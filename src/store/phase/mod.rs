@@ -27,6 +27,27 @@ use crate::hold::{BudgetKey, Measure, Period, Refusal, Settled, Window, WouldRef
 
 /// A script's `ARGV` as a codec builds it: each value pushed under the name the script's header
 /// gives its position. `names` is the fixed part; `group` repeats after it (per scope, per entry).
+/// Two argument lists, one after the other, as one (`N` their lengths' sum).
+// Evaluated at compile time over lists of a few dozen: indices stay below `N`.
+#[allow(clippy::arithmetic_side_effects)]
+pub(crate) const fn joined<const A: usize, const B: usize, const N: usize>(
+    first: [&'static str; A],
+    then: [&'static str; B],
+) -> [&'static str; N] {
+    assert!(A + B == N, "joined: N is not the lists' lengths together");
+    let mut all = [""; N];
+    let mut i = 0;
+    while i < A {
+        all[i] = first[i];
+        i += 1;
+    }
+    while i < N {
+        all[i] = then[i - A];
+        i += 1;
+    }
+    all
+}
+
 pub(crate) struct Argv {
     script: &'static str,
     names: &'static [&'static str],

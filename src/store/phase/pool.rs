@@ -2,8 +2,8 @@
 //! `pool_progress.lua`, `pool_throttle.lua` and `pool_status.lua`. A pool's keys carry the pool's hash tag, not a
 //! tenant's, so these run apart from the tenant phases (see the reserve phase's "Two key spaces", `admission::reserve`).
 
-use super::reserve::push_limits;
-use super::{Argv, Fields, refusal};
+use super::reserve::{SCOPE_ARGV, push_limits};
+use super::{Argv, Fields, joined, refusal};
 use crate::hold::{PoolRefusal, Refusal, ScopeLimits};
 use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
@@ -33,23 +33,16 @@ pub(crate) const RESERVE_ARGV: [&str; 19] = [
 
 /// `pool_reserve.lua`'s `ARGV` after [`RESERVE_ARGV`] where the pool sets provider limits: what the
 /// request takes from them, then the limits as a scope's ([`SCOPE_ARGV`]).
-pub(crate) const PROVIDER_ARGV: [&str; 15] = [
-    "the tier's part of the provider's limits",
-    "prompt tokens",
-    "output tokens held",
-    "cost (nanos) of both",
-    "the provider scope's idle TTL",
-    "token capacity",
-    "tokens per ms",
-    "request capacity",
-    "requests per ms",
-    "max concurrency",
-    "input token capacity",
-    "input tokens per ms",
-    "output token capacity",
-    "output tokens per ms",
-    "period budgets",
-];
+pub(crate) const PROVIDER_ARGV: [&str; 15] = joined(
+    [
+        "the tier's part of the provider's limits",
+        "prompt tokens",
+        "output tokens held",
+        "cost (nanos) of both",
+        "the provider scope's idle TTL",
+    ],
+    SCOPE_ARGV,
+);
 
 /// `pool_release.lua`'s `ARGV`, in order.
 pub(crate) const RELEASE_ARGV: [&str; 5] =
