@@ -1082,8 +1082,10 @@ end
 -- Pool state hash (one per backend pool, its own hash tag):
 --   n  holds outstanding      w  their predicted slot time (ms)      kv  their KV-cache tokens
 --   f…  fair shares within a tier (below)
--- Pool holds hash: reservation id -> "<work> <kv> <tier> <tenant>" (holds made before fair shares:
--- "<work> <kv>"); a live stream's work shrinks as it reports progress (pool_progress.lua). Beside
+-- Pool holds hash: reservation id -> "<work> <kv> <tier> <tenant> <cost> <ends>": its cost in its
+-- tier's queue (0 in a pool that queues at the backend) and its predicted end (ms); holds made by
+-- older replicas lack the last two, or (before fair shares) all but "<work> <kv>". A live stream's
+-- work shrinks, and its end moves, as it reports progress (pool_progress.lua). Beside
 -- it, in a pool with provider limits, `<id>+` -> what the hold charged them (provider_charge).
 -- Provider scope (one per pool with provider limits): a scope hash as a tenant's (above), shared
 -- by every tenant whose model the pool serves; its periods are UTC's.
@@ -1132,6 +1134,48 @@ local function fair_add(state, tier, tenant, weight, work, holds)
     call('HDEL', state, 'f' .. tier)
   else
     call('HSET', state, 'f' .. tier, string.format('%d %d', tw, ws))
+  end
+end
+
+-- A binary min-heap of numbers in a table: push, and pop the least (nil when empty).
+local function heap_push(heap, x)
+  local i = #heap + 1
+  heap[i] = x
+  while i > 1 do
+    local up = floor(i / 2)
+    if heap[up] <= heap[i] then
+      break
+    end
+    heap[up], heap[i] = heap[i], heap[up]
+    i = up
+  end
+end
+
+local function heap_pop(heap)
+  local top, last = heap[1], #heap
+  if not top then
+    return nil
+  end
+  local moved = heap[last]
+  heap[last] = nil
+  if last == 1 then
+    return top
+  end
+  heap[1] = moved
+  local i = 1
+  while true do
+    local l, least = 2 * i, i
+    if heap[l] and heap[l] < heap[least] then
+      least = l
+    end
+    if heap[l + 1] and heap[l + 1] < heap[least] then
+      least = l + 1
+    end
+    if least == i then
+      return top
+    end
+    heap[i], heap[least] = heap[least], heap[i]
+    i = least
   end
 end
 
@@ -1210,7 +1254,7 @@ end
 -- slot (pool_reserve.lua's queue) leaves the queue here too. Either way, a pool left empty forgets.
 -- `ending` (nil: its lease ran out) says how its request ended, which settles its provider charge
 -- (provider_settle); `unused` there also means the request never reached the backend, so the
--- finish tag its admission added ("<work> <kv> <tier> <tenant> <cost>") is taken back: its tenant
+-- finish tag its admission added (its entry's `<cost>`) is taken back: its tenant
 -- is not queued as if served.
 local function pool_drop(keys, id, ending)
   local state, holds, leases = keys[1], keys[2], keys[3]
@@ -1234,7 +1278,7 @@ local function pool_drop(keys, id, ending)
   if parts[4] then
     fair_add(state, parts[3], parts[4], 0, -work, -1)
   end
-  if unused and parts[5] then
+  if unused and (tonumber(parts[5]) or 0) > 0 then
     local tags, tenant = keys[5 + TIER_RANK[parts[3]]], parts[4]
     local tag = tonumber(call('ZSCORE', tags, tenant))
     if tag then

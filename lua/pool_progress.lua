@@ -2,7 +2,7 @@
 -- tokens that pass and says how much slot time the stream still needs; the pool's outstanding
 -- work shrinks by what was done, so the queue estimate frees as generation proceeds, not only at
 -- commit. Work only ever shrinks here (an update that arrives late, after a smaller one, changes
--- nothing), and the hold leaves the pool (pool_release, expiry) with what it holds by then: the
+-- nothing; its predicted end moves to now + what it has left all the same), and the hold leaves the pool (pool_release, expiry) with what it holds by then: the
 -- pool's work stays the sum of its holds' work (and each tenant's share of its tier, the sum of
 -- its holds' there).
 --
@@ -19,7 +19,13 @@ if not h then
 end
 local parts = split(h)
 local work = tonumber(parts[1])
+if parts[6] then
+  parts[6] = string.format('%d', now_ms() + left)
+end
 if left >= work then
+  if parts[6] then
+    call('HSET', holds, id, table.concat(parts, ' '))
+  end
   return { 1, work }
 end
 local w = tonumber(call('HGET', state, 'w')) or 0

@@ -41,7 +41,8 @@
 --    finds the hold and answers with the pool as it stands: the work is held once)
 -- Reply, waiting:  {2, predicted start delay ms, holds outstanding, work outstanding (ms)}: call
 --   again (same id) to take the slot when it comes; pool_release.lua gives the place up
--- Reply, denied:   {0, reason, retry after ms, predicted start delay ms}
+-- Reply, denied:   {0, reason, retry after ms, predicted start delay ms, 1 when no time can be
+--   predicted (the retry is then 0: the caller backs off)}
 --   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed) |
 --           fair_share (the tier is contended and the tenant holds its share of it already) |
 --           provider:<limit> (the provider's limits, as the tier may use them, cannot take the
@@ -57,6 +58,14 @@
 -- its progress (pool_progress.lua), never by time alone.
 -- While the provider behind the pool refuses (429), the pool counts as only the share of its slots
 -- that pool_throttle.lua left it.
+--
+-- Each hold keeps its predicted end (admission + predicted start + its work; a live stream's
+-- progress moves it to then + the work it has left). A refusal's retry is the earliest time at
+-- which the same request, sent again with nothing else arriving, would be admitted by the checks
+-- below: the pool's holds leaving at their predicted ends (the work each holds counts in full
+-- until then), its share recovering, the provider's buckets refilling. A hold already past its
+-- predicted end (or one with none) ends when nobody can say: a retry that waits on one is not
+-- predicted, and the reply says so (the caller backs off).
 --
 -- The provider's limits (ARGV[20] on, where the pool sets them): the account's token, request and side rates and its period
 -- budgets, shared by every tenant whose model this pool serves, kept in a scope hash of the
@@ -81,9 +90,10 @@
 -- it waits here, and each call answers again. Order: higher tiers first; within a tier, the tenant
 -- with the earlier start tag (start-time fair queueing by tenant, a virtual token counter: see
 -- common.lua, "Waiting for a slot"), then arrival. Its predicted start: as many holds as must end before it
--- (holds + those before it - the tier's slots + 1) times the mean work a hold holds, over the
--- slots. Refused when that start (plus its finish) passes its deadline, or passes what the caller
--- may still wait (queue_full). Fair shares by held work (above) apply only to a pool that queues
+-- (holds + those before it - the tier's slots + 1): the holds end at their predicted ends (one past
+-- its end, at once), and each request before it, once started, holds its slot for its work.
+-- Refused when that start (plus its finish) passes its deadline, or passes what the caller may
+-- still wait (queue_full); the retry is then when, sent again, it would wait no longer than that. Fair shares by held work (above) apply only to a pool that queues
 -- at the backend: in tollgate the order is the share.
 
 local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
@@ -132,16 +142,23 @@ local resume = tonumber(v[6]) or 0
 local function refuse(reason, retry, delay)
   call('HDEL', waiting, id)
   pool_forget_if_idle(KEYS, n)
-  return { 0, reason, retry, delay }
+  if not retry then
+    return { 0, reason, 0, delay, 1 }
+  end
+  return { 0, reason, retry, delay, 0 }
 end
-if now < resume then
-  return refuse('throttled', resume - now, 0)
+-- The slots of the pool and of this request's tier `at` ms from now, as the throttle's share
+-- recovers.
+local all_slots, all_tier_slots = slots, tier_slots
+local function slots_at(at)
+  local share = pool_share(v[4], v[5], recover, now + at)
+  if share < 1 then
+    return max(1, floor(all_slots * share)), max(1, floor(all_tier_slots * share))
+  end
+  return all_slots, all_tier_slots
 end
 local share = pool_share(v[4], v[5], recover, now)
-if share < 1 then
-  slots = max(1, floor(slots * share))
-  tier_slots = max(1, floor(tier_slots * share))
-end
+slots, tier_slots = slots_at(0)
 
 -- The provider's limits, read (nothing written): the scope, the tier's part of it, and what this
 -- request would take from them. While the throttle holds the pool below its whole, every bucket
@@ -157,17 +174,18 @@ if tier_part > 0 then
   provider_n = amounts(p + g, tonumber(ARGV[23]), p, g)
 end
 
--- The provider's refusal of this request (`delay`: its predicted start), or nil when its limits
--- can take it now. `budgets_only`: a request about to wait for a slot, refused only for what no
--- wait for a slot helps (larger than the tier's part of a limit, or a spent budget); its rates
--- are checked when it starts. (Validation leaves every tier at least one request a minute.)
-local function provider_refusal(delay, budgets_only)
+-- What the provider's limits say to this request: nil when they can take it now; else the limit
+-- that frees last and when (ms), or 'unsatisfiable' (larger than the tier's part of one could
+-- ever be). `budgets_only`: a request about to wait for a slot, refused only for what no wait for
+-- a slot helps (that, or a spent budget); its rates are checked when it starts. (Validation
+-- leaves every tier at least one request a minute.)
+local function provider_wait(budgets_only)
   if not provider then
     return nil
   end
   local part, ask = provider_part, provider_n
   if never_fits(part, ask) then
-    return refuse('provider:unsatisfiable', 0, delay)
+    return 'unsatisfiable', 0
   end
   local limit, retry = nil, 0
   check_scope(part, ask, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
@@ -177,10 +195,44 @@ local function provider_refusal(delay, budgets_only)
       limit, retry = why, ms
     end
   end)
+  return limit, retry
+end
+
+-- The provider's refusal of this request (`delay`: its predicted start), or nil when its limits
+-- can take it now.
+local function provider_refusal(delay, budgets_only)
+  local limit, retry = provider_wait(budgets_only)
   if limit then
     return refuse('provider:' .. limit, retry, delay)
   end
   return nil
+end
+
+-- The pool's holds by their predicted ends: those still ahead of them ({id, work, kv, tier,
+-- tenant, ends}, sorted by end, then id), and the ids of those past their end or with none
+-- (`late`: when they end, nobody can say).
+local function holds_by_end()
+  local all, ahead, late = call('HGETALL', holds), {}, {}
+  for i = 1, #all, 2 do
+    local key = all[i]
+    if string.sub(key, -1) ~= '+' then
+      local p = split(all[i + 1])
+      local ends = tonumber(p[6])
+      if ends and ends > now then
+        ahead[#ahead + 1] = { id = key, work = tonumber(p[1]), kv = tonumber(p[2]), tier = p[3], tenant = p[4],
+          ends = ends }
+      else
+        late[#late + 1] = key
+      end
+    end
+  end
+  table.sort(ahead, function(a, b)
+    if a.ends ~= b.ends then
+      return a.ends < b.ends
+    end
+    return a.id < b.id
+  end)
+  return ahead, late
 end
 
 local function start_delay(over_slots)
@@ -188,6 +240,38 @@ local function start_delay(over_slots)
     return 0
   end
   return ceil(w / over_slots)
+end
+
+-- Queueing in tollgate: when this request would start (ms from now) behind `before` (the works of
+-- the requests waiting before it, in their order), with `free` slots of its tier free now, as
+-- holds end at `ends` (absolute ms, sorted) and each request before it, once started, holds its
+-- slot for its work. Nil when more holds must end than have an end in `ends`.
+local function start_behind(ends, before, free)
+  local heap, at = {}, now
+  for _, e in ipairs(ends) do
+    heap_push(heap, e)
+  end
+  local function slot()
+    while free <= 0 do
+      local e = heap_pop(heap)
+      if not e then
+        return false
+      end
+      at, free = max(at, e), free + 1
+    end
+    free = free - 1
+    return true
+  end
+  for _, before_work in ipairs(before) do
+    if not slot() then
+      return nil
+    end
+    heap_push(heap, at + before_work)
+  end
+  if not slot() then
+    return nil
+  end
+  return at - now
 end
 
 -- Holds this request's work: its tenant's share first (it reads before it writes, so nothing is
@@ -199,13 +283,10 @@ local function hold(delay, start)
   -- Integers, never `..` on numbers: Lua prints those with 14 digits, and a hold must leave the
   -- pool exactly as it came.
   call('ZADD', leases, now + lease, id)
-  -- Queueing in tollgate, its cost too: a release of a request that never ran takes it back off
-  -- the tag.
-  local cost = start and cost_of(work, weight)
-  local entry = string.format('%d %d %s %s', work, kv, tier, tenant)
-  if start then
-    entry = string.format('%s %d', entry, cost)
-  end
+  -- Queueing in tollgate, its cost (0 otherwise): a release of a request that never ran takes it
+  -- back off the tag. Then its predicted end.
+  local cost = start and cost_of(work, weight) or 0
+  local entry = string.format('%d %d %s %s %d %d', work, kv, tier, tenant, cost, now + delay + work)
   if provider then
     local idle_ms = tonumber(ARGV[24])
     take(provider, provider_n, 1, 0, provider_at, now, idle_ms)
@@ -234,17 +315,20 @@ local function hold(delay, start)
 end
 
 if in_tollgate then
-  -- Who waits before this request: every live entry of a higher tier, and each of its own tier
-  -- with an earlier start tag (then arrival, then id).
+  if now < resume then
+    return refuse('throttled', resume - now, 0)
+  end
+  -- Who waits before this request: every live entry of a higher tier (in order of tier, then
+  -- arrival), then each of its own tier with an earlier start tag (then arrival, then id).
   -- Its place, unless it lapsed (its caller did not ask again in time): then it starts anew.
   local mine = split(call('HGET', waiting, id) or '')
   local kept = mine[5] and tonumber(mine[5]) > now
   local me = { id = id, rank = rank, tenant = tenant, work = work, weight = weight,
     arrival = kept and tonumber(mine[4]) or now }
-  local before, before_work, same = 0, 0, { me }
+  local before, same = {}, { me }
   for _, e in ipairs(waiters_of(waiting, now)) do
     if e.rank < rank then
-      before, before_work = before + 1, before_work + e.work
+      before[#before + 1] = e
     elseif e.rank == rank and e.id ~= id then
       same[#same + 1] = e
     end
@@ -253,22 +337,77 @@ if in_tollgate then
   for _, e in ipairs(same) do
     if e ~= me and (e.start < me.start or (e.start == me.start and
         (e.arrival < me.arrival or (e.arrival == me.arrival and e.id < id)))) then
-      before, before_work = before + 1, before_work + e.work
+      before[#before + 1] = e
     end
+  end
+  table.sort(before, function(a, b)
+    if a.rank ~= b.rank then
+      return a.rank < b.rank
+    end
+    if a.rank == rank and a.start ~= b.start then
+      return a.start < b.start
+    end
+    if a.arrival ~= b.arrival then
+      return a.arrival < b.arrival
+    end
+    return a.id < b.id
+  end)
+  local before_works, before_work = {}, 0
+  for i, e in ipairs(before) do
+    before_works[i], before_work = e.work, before_work + e.work
   end
   -- More KV than its tier may ever hold: no wait would help.
   if tier_kv > 0 and kv > tier_kv then
-    return refuse('queue_full', max_delay, 0)
+    return refuse('queue_full', 0, 0)
   end
-  local starts = n + before < tier_slots and (tier_kv == 0 or used_kv + kv <= tier_kv)
+  local kv_room = tier_kv == 0 or used_kv + kv <= tier_kv
+  local starts = n + #before < tier_slots and kv_room
+  -- Its predicted start: a hold past its predicted end is taken to end now (each ask looks again).
+  -- Short of KV room, not before the first hold ends.
+  local ahead, late = holds_by_end()
   local delay = 0
   if not starts then
-    local ends = max(1, n + before - tier_slots + 1)
-    local per = n > 0 and w / n or work
-    delay = ceil(ends * per / slots)
+    local ends = {}
+    for _ = 1, #late do
+      ends[#ends + 1] = now
+    end
+    for _, h in ipairs(ahead) do
+      ends[#ends + 1] = h.ends
+    end
+    delay = start_behind(ends, before_works, tier_slots - n)
+    if delay and not kv_room then
+      delay = max(delay, (ends[1] or now) - now)
+    end
+  end
+  -- A refusal's retry: when, sent again, it would wait no longer than it may and finish within its
+  -- deadline, its start predicted by the holds still ahead of their ends alone (nil: it waits on
+  -- one past its end, or on more holds than the pool knows ends of; 0: no wait helps).
+  local function retry()
+    local ends = {}
+    for _, h in ipairs(ahead) do
+      ends[#ends + 1] = h.ends
+    end
+    local at = start_behind(ends, before_works, tier_slots - n)
+    if deadline > 0 and finish > deadline then
+      return 0
+    end
+    if not at then
+      return nil
+    end
+    local sent = at
+    if wait > 0 then
+      sent = at - wait
+    end
+    if deadline > 0 then
+      sent = max(sent, at + finish - deadline)
+    end
+    return max(1, sent)
+  end
+  if not delay then
+    return refuse('queue_full', nil, 0)
   end
   if deadline > 0 and delay + finish > deadline then
-    return refuse('deadline', 0, delay)
+    return refuse('deadline', retry(), delay)
   end
   if starts then
     return provider_refusal(0) or hold(0, me.start)
@@ -278,7 +417,7 @@ if in_tollgate then
     return never
   end
   if delay > wait or wait <= 0 then
-    return refuse('queue_full', delay, delay)
+    return refuse('queue_full', retry(), delay)
   end
   call('HSET', waiting, id,
     string.format('%d %s %d %d %d %d', rank, tenant, work, me.arrival, now + waiter_ttl, weight))
@@ -286,24 +425,130 @@ if in_tollgate then
   return { 2, delay, n, w + before_work }
 end
 
-local delay = start_delay(slots)
-if deadline > 0 and delay + finish > deadline then
-  return { 0, 'deadline', 0, delay }
-end
-if start_delay(tier_slots) > max_delay then
-  -- Until the pool, draining at its full rate, is down to what this tier may queue behind.
-  return { 0, 'queue_full', max(1, ceil((w - max_delay * tier_slots) / slots)), delay }
-end
-if n >= tier_slots then
-  local tier_work, weights, mine, my_weight, my_holds = fair_read(state, tier, tenant, weight)
-  if my_holds > 0 then
-    local fair = my_weight / max(weights, my_weight) * (tier_work + work)
-    if mine + work > fair then
-      return { 0, 'fair_share', max(1, ceil((mine + work - fair) / tier_slots)), delay }
+-- The weight this tenant holds work at its tier with (fair_read's), once the tier is contended.
+local weight_held = weight
+
+-- Queueing at the backend: the checks, on the pool as `p` holds it ({n, w, kv, and for fair shares
+-- tw, ws, mine, holds: the tier's work, its weights, this tenant's work and holds there}), `at` ms
+-- from now: nil when they admit the request, else why not.
+local function refusal_at(p, at)
+  local s, ts = slots_at(at)
+  local function start_over(over)
+    if p.n < over then
+      return 0
+    end
+    return ceil(p.w / over)
+  end
+  if deadline > 0 and start_over(s) + finish > deadline then
+    return 'deadline'
+  end
+  if start_over(ts) > max_delay then
+    -- Past what this tier may queue behind.
+    return 'queue_full'
+  end
+  if p.n >= ts and p.holds > 0 then
+    local fair = weight_held / max(p.ws, weight_held) * (p.tw + work)
+    if p.mine + work > fair then
+      return 'fair_share'
     end
   end
+  if tier_kv > 0 and p.kv + kv > tier_kv then
+    return 'queue_full'
+  end
+  return nil
 end
-if tier_kv > 0 and used_kv + kv > tier_kv then
-  return { 0, 'queue_full', max(1, ceil(w / slots)), delay }
+
+-- The earliest time (ms from now, at least `from`) at which the checks admit the request, its
+-- holds leaving at their predicted ends and the throttle's share recovering: nil when none (it
+-- waits on a hold past its end, or on one the pool knows no end of).
+local function earliest(p, from)
+  local ahead = holds_by_end()
+  local events = { { at = from } }
+  for _, h in ipairs(ahead) do
+    events[#events + 1] = { at = max(from, h.ends - now), hold = h }
+  end
+  if recover > 0 and share < 1 then
+    -- The moments the share gives the pool, or the tier, a slot more.
+    for _, full in ipairs({ all_slots, all_tier_slots }) do
+      local s0, at0 = tonumber(v[4]), tonumber(v[5])
+      for k = max(1, floor(full * share)) + 1, full do
+        local t = max(from, ceil((k / full - s0) / recover - (now - at0)))
+        for _ = 1, 3 do
+          if floor(full * pool_share(v[4], v[5], recover, now + t)) >= k then
+            break
+          end
+          t = t + 1
+        end
+        events[#events + 1] = { at = t }
+      end
+    end
+  end
+  table.sort(events, function(a, b)
+    return a.at < b.at
+  end)
+  -- The tier's tenants' weights and holds there, for those whose last hold there may leave.
+  local weights, counts = {}, {}
+  if p.holds > 0 then
+    for _, h in ipairs(ahead) do
+      if h.tier == tier and not weights[h.tenant] then
+        local f = split(call('HGET', state, 'f' .. tier .. ':' .. h.tenant) or '0 0 0')
+        weights[h.tenant], counts[h.tenant] = tonumber(f[2]), tonumber(f[3])
+      end
+    end
+  end
+  local i = 1
+  while i <= #events do
+    local at = events[i].at
+    while i <= #events and events[i].at == at do
+      local h = events[i].hold
+      if h then
+        p.n, p.w, p.kv = p.n - 1, max(0, p.w - h.work), max(0, p.kv - h.kv)
+        if h.tier == tier then
+          p.tw = max(0, p.tw - h.work)
+          if p.holds > 0 then
+            counts[h.tenant] = counts[h.tenant] - 1
+            if counts[h.tenant] == 0 then
+              p.ws = max(0, p.ws - weights[h.tenant])
+            end
+          end
+          if h.tenant == tenant then
+            p.mine, p.holds = max(0, p.mine - h.work), p.holds - 1
+          end
+        end
+      end
+      i = i + 1
+    end
+    if not refusal_at(p, at) then
+      return max(1, at)
+    end
+  end
+  return nil
+end
+
+local delay = start_delay(slots)
+local pool = { n = n, w = w, kv = used_kv, tw = 0, ws = 0, mine = 0, holds = 0 }
+if n >= tier_slots then
+  pool.tw, pool.ws, pool.mine, weight_held, pool.holds = fair_read(state, tier, tenant, weight)
+end
+local resumes = max(0, resume - now)
+local why = refusal_at(pool, 0)
+if resumes > 0 then
+  why = 'throttled'
+end
+if why then
+  local at = earliest(pool, resumes)
+  if not at and ((deadline > 0 and finish > deadline) or (tier_kv > 0 and kv > tier_kv)) then
+    -- No wait helps.
+    at = 0
+  end
+  -- Where the provider's limits free later still, theirs is the wait (and the reason).
+  local limit, ms = provider_wait(false)
+  if limit == 'unsatisfiable' then
+    return refuse('provider:unsatisfiable', 0, delay)
+  end
+  if limit and at and at > 0 and ms > at then
+    return refuse('provider:' .. limit, ms, delay)
+  end
+  return refuse(why, at, delay)
 end
 return provider_refusal(delay) or hold(delay, nil)

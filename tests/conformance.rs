@@ -592,7 +592,11 @@ mod scenarios {
         let no = denied(&no);
         assert_eq!(no.reason, Reason::QueueFull);
         assert!(no.message.contains("throttled"), "{}", no.message);
-        assert!(no.retry_after_ms.is_some_and(|ms| ms <= 300), "{no:?}");
+        // Not at the provider's Retry-After (half the pool is still full then: two holds wait
+        // ceil(2200 / 2) > 1,000 ms) but when both holds end as predicted, 1,100 ms after they came.
+        let ms = no.retry_after_ms.unwrap();
+        assert!((1_000..=1_100).contains(&ms), "{no:?}");
+        assert!(no.message.contains(&format!("sent again in {ms} ms")), "{}", no.message);
         h.advance(400).await;
         // Retry-After passed; half the pool: two holds on two slots wait ceil(2200 / 2) > 1,000 ms.
         let no = h.admission.reserve(&pooled(&h, Priority::Critical, None)).await;
@@ -634,24 +638,48 @@ mod scenarios {
     pub async fn deadline_and_queue_decisions_follow_the_model<S: Store>(h: Harness<S>) {
         // Two slots, 1,500 ms max queue delay.
         let crit = |deadline| pooled(&h, Priority::Critical, deadline);
-        admitted(&h.admission.reserve(&crit(None)).await);
-        admitted(&h.admission.reserve(&crit(Some(1_100))).await);
+        let a = admitted(&h.admission.reserve(&crit(None)).await).reservation_id.clone();
+        let b = admitted(&h.admission.reserve(&crit(Some(1_100))).await).reservation_id.clone();
         assert_eq!(h.pool_load().await, (2, 2200));
         let before = h.snapshot(&[]).await;
         // Both slots busy: start in ceil(2200 / 2) = 1,100 ms, finish at 2,200 ms.
         let d = h.admission.reserve(&crit(Some(2_000))).await;
         let no = denied(&d);
-        assert_eq!((no.reason, no.retry_after_ms), (Reason::Deadline, None));
+        assert_eq!(no.reason, Reason::Deadline);
         assert!(no.message.contains("2200 ms"), "{}", no.message);
+        // Sent again once both holds end as predicted (1,100 ms after they came), it starts at once
+        // and finishes in time; the message says the same time, and no SDK retries by itself.
+        let fits = no.retry_after_ms.unwrap();
+        assert!(no.message.contains(&format!("sent again in {fits} ms")), "{}", no.message);
+        assert!(!no.should_retry());
         assert_eq!(h.pool_load().await, (2, 2200), "a refused request occupies nothing");
         assert_eq!(h.snapshot(&[]).await, before, "nor charges its tenant");
         admitted(&h.admission.reserve(&crit(Some(2_200))).await);
         // Three outstanding on two slots: start in ceil(3300 / 2) = 1,650 ms, past the 1,500 max.
-        // Retry when the pool, draining 2 slot-ms per ms, is down to 1,500 x 2: (3300 - 3000) / 2.
+        // Admission counts each hold in full until it ends, so the retry is when the first two end
+        // as predicted (1,100 ms after they came): one hold left, a slot free. Not sooner: the
+        // pool does not drain by time alone.
         let d = h.admission.reserve(&crit(None)).await;
         let no = denied(&d);
-        assert_eq!((no.reason, no.retry_after_ms), (Reason::QueueFull, Some(150)));
+        assert_eq!(no.reason, Reason::QueueFull);
+        let ms = no.retry_after_ms.unwrap();
+        assert!(no.message.contains(&format!("sent again in {ms} ms")), "{}", no.message);
         assert_eq!(h.pool_load().await, (3, 3300));
+        if h.exact_time() {
+            assert_eq!((fits, ms), (1_100, 1_100));
+            h.advance(ms - 1).await;
+            assert_eq!(denied(&h.admission.reserve(&crit(None)).await).retry_after_ms, Some(1), "not a ms sooner");
+            h.advance(1).await;
+            // Their predicted end, and they have not ended: when they will, nobody can say, so the
+            // retry does not count on them: it is when the third ends, leaving two holds of work.
+            assert_eq!(denied(&h.admission.reserve(&crit(None)).await).retry_after_ms, Some(1_100));
+            // They end.
+            h.admission.commit(&a, 1, 1).await.unwrap();
+            h.admission.commit(&b, 1, 1).await.unwrap();
+            admitted(&h.admission.reserve(&crit(None)).await);
+        } else {
+            assert!((1_000..=1_100).contains(&fits) && (1_000..=1_100).contains(&ms), "{fits} {ms}");
+        }
     }
 
     pub async fn tiers_are_refused_in_order<S: Store>(h: Harness<S>) {

@@ -20,7 +20,8 @@
 
 mod support;
 
-use std::collections::BTreeMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
 
 use proptest::prelude::*;
 use support::Harness;
@@ -132,8 +133,9 @@ fn refilled(b: Bucket, cap: f64, rate: f64, now: u64) -> f64 {
 
 #[derive(Debug, Default)]
 struct Model {
-    /// id → (work, tier, tenant, KV tokens, what its admission added to its tenant's finish tag)
-    holds: BTreeMap<String, (u64, usize, String, u64, u64)>,
+    /// id → (work, tier, tenant, KV tokens, what its admission added to its tenant's finish tag,
+    /// its predicted end: admitted at once, then its work)
+    holds: BTreeMap<String, (u64, usize, String, u64, u64, u64)>,
     /// id → the prompt and output tokens its hold took from the provider's limits.
     charged: BTreeMap<String, (u64, u64)>,
     provider: Provider,
@@ -223,7 +225,9 @@ impl Model {
             next.insert(p.tenant.clone(), s + cost(p.work, p.weight));
         }
         let mine = starts[id];
-        let before: Vec<&Place> = self
+        // Those before it, in the order they start: tier, then (its own tier) start tag, then arrival
+        // and id.
+        let mut before: Vec<(usize, u64, u64, &str, &Place)> = self
             .waiting
             .iter()
             .filter(|(other, p)| {
@@ -231,21 +235,41 @@ impl Model {
                     && (p.rank < rank
                         || (p.rank == rank && (starts[*other], p.arrival, other.as_str()) < (mine, arrival, id)))
             })
-            .map(|(_, p)| p)
+            .map(|(other, p)| (p.rank, if p.rank == rank { starts[other] } else { 0 }, p.arrival, other.as_str(), p))
             .collect();
-        let (n, w) = self.load();
+        before.sort_by(|a, b| (a.0, a.1, a.2, a.3).cmp(&(b.0, b.1, b.2, b.3)));
+        let before: Vec<&Place> = before.into_iter().map(|b| b.4).collect();
+        let (n, _) = self.load();
         let tier_slots = TIERS[rank].1;
         if kv > TIER_KV[rank] {
             self.give_up_place(id);
             return Reply::Refused(0);
         }
-        let starts = n + (before.len() as u64) < tier_slots && self.used_kv() + kv <= TIER_KV[rank];
+        let kv_room = self.used_kv() + kv <= TIER_KV[rank];
+        let starts = n + (before.len() as u64) < tier_slots && kv_room;
         let delay = if starts {
             0
         } else {
-            let ends = (n + before.len() as u64 + 1).saturating_sub(tier_slots).max(1);
-            let per = if n > 0 { w as f64 / n as f64 } else { work as f64 };
-            (ends as f64 * per / SLOTS as f64).ceil() as u64
+            // Slots free as holds end when predicted (one past its end, now), and each request
+            // before it, once started, holds one for its work.
+            let mut ends: BinaryHeap<Reverse<u64>> = self.holds.values().map(|h| Reverse(h.5.max(now))).collect();
+            let first_end = ends.peek().map_or(now, |e| e.0);
+            let (mut free, mut at) = (tier_slots as i64 - n as i64, now);
+            let mut slot = |ends: &mut BinaryHeap<Reverse<u64>>| {
+                while free <= 0 {
+                    let Reverse(e) = ends.pop().expect("every hold has an end");
+                    at = at.max(e);
+                    free += 1;
+                }
+                free -= 1;
+                at
+            };
+            for p in &before {
+                let start = slot(&mut ends);
+                ends.push(Reverse(start + p.work));
+            }
+            let start = slot(&mut ends) - now;
+            if kv_room { start } else { start.max(first_end - now) }
         };
         // A request's finish is its work here.
         if deadline > 0 && delay + work > deadline {
@@ -260,7 +284,7 @@ impl Model {
             self.waiting.remove(id);
             self.charged.insert(id.to_string(), split(kv));
             let added = cost(work, weight);
-            self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added));
+            self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added, now + work));
             let finish = mine + added;
             let had = self.tags[rank].get(tenant).copied().unwrap_or(0);
             self.tags[rank].insert(tenant.to_string(), had.max(finish));
@@ -359,7 +383,7 @@ impl Model {
         self.provider_settles(id, end, now);
         let was_waiting = self.waiting.remove(id).is_some();
         let held = self.holds.remove(id);
-        if let (true, Some((_, rank, tenant, _, added))) = (unused, &held)
+        if let (true, Some((_, rank, tenant, _, added, _))) = (unused, &held)
             && let Some(tag) = self.tags[*rank].get(tenant).copied()
         {
             let back = tag.saturating_sub(*added);

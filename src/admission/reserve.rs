@@ -340,9 +340,11 @@ impl<S: Store> Admission<S> {
             Ok(PoolOutcome::Admitted { start_delay_ms, .. }) => {
                 Ok(Forecast { start_delay_ms, output_tokens: leg.output_tokens })
             }
-            Ok(PoolOutcome::Waiting { start_delay_ms }) => Err(pool_denial::waited_out(start_delay_ms, leg, may_wait)),
-            Ok(PoolOutcome::Denied { reason, retry_after_ms, start_delay_ms }) => {
-                Err(pool_denial::refused(reason, retry_after_ms, start_delay_ms, leg, plan))
+            Ok(PoolOutcome::Waiting { start_delay_ms }) => {
+                Err(pool_denial::waited_out(start_delay_ms, leg, may_wait, plan))
+            }
+            Ok(PoolOutcome::Denied { reason, retry, start_delay_ms }) => {
+                Err(pool_denial::refused(reason, retry, start_delay_ms, leg, plan))
             }
             Err(e) => Err(store_unavailable(&e, plan)),
         }

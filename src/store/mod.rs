@@ -28,7 +28,7 @@ use std::future::Future;
 
 pub use phase::estimate::EstimateView;
 pub use phase::lease::{Earlier, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
-pub use phase::pool::{PoolCall, PoolEnd, PoolOutcome, PoolView, ProviderCall, ThrottleCall};
+pub use phase::pool::{PoolCall, PoolEnd, PoolOutcome, PoolRetry, PoolView, ProviderCall, ThrottleCall};
 pub use phase::reserve::{KeyCall, ReserveCall, ReserveReply};
 pub use phase::settle::{CommitTerms, Learning};
 pub use phase::sweep::Swept;

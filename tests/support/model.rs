@@ -246,10 +246,14 @@ pub struct Key {
 }
 
 /// A pool's holds: id → (work, kv, lease end).
+/// A pool's holds: (work, KV tokens, lease end, predicted end) by reservation id.
+type PoolHolds = BTreeMap<String, (u64, u64, u64, u64)>;
+
 #[derive(Debug, Clone, Default)]
 pub struct Pool {
-    /// (work, KV tokens, lease end) by reservation id.
-    pub holds: BTreeMap<String, (u64, u64, u64)>,
+    /// (work, KV tokens, lease end, predicted end: admission + predicted start + work) by
+    /// reservation id.
+    pub holds: BTreeMap<String, (u64, u64, u64, u64)>,
     /// Whose each hold is: (tier, tenant), for fair shares within a tier.
     pub owners: BTreeMap<String, (Priority, String)>,
 }
@@ -553,24 +557,58 @@ impl Model {
 
     /// Fair shares within a contended tier (every tenant's weight is 1 here): a tenant holding
     /// work at the tier may hold at most its share of the tier's work, this request's included.
-    fn fair_share(&self, ask: &Ask, work: u64, tier_slots: u64) -> Result<(), Denial> {
+    fn fair_share(&self, holds: &PoolHolds, ask: &Ask, work: u64) -> bool {
         let at_tier = |id: &String| self.pool.owners.get(id).is_some_and(|(t, _)| *t == ask.priority);
-        let held = self.pool.holds.iter().filter(|(id, _)| at_tier(id));
+        let held = holds.iter().filter(|(id, _)| at_tier(id));
         let mine: Vec<u64> =
             held.clone().filter(|(id, _)| self.pool.owners[*id].1 == ask.tenant).map(|(_, h)| h.0).collect();
         if mine.is_empty() {
-            return Ok(());
+            return true;
         }
         let tier_work: u64 = held.clone().map(|(_, h)| h.0).sum();
         let tenants: std::collections::BTreeSet<&String> = held.map(|(id, _)| &self.pool.owners[id].1).collect();
         let (weight, weights) = (1000.0, 1000.0 * tenants.len() as f64);
         let fair = weight / f64::max(weights, weight) * (tier_work + work) as f64;
-        let over = (mine.iter().sum::<u64>() + work) as f64 - fair;
-        if over > 0.0 {
-            let retry = ((over / tier_slots as f64).ceil() as u64).max(1);
-            return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
+        (mine.iter().sum::<u64>() + work) as f64 <= fair
+    }
+
+    /// The pool's checks on `holds`: `None` when they admit the request, else the refusal's reason.
+    fn pool_refusal(&self, holds: &PoolHolds, ask: &Ask, work: u64) -> Option<Reason> {
+        let (n, w) = (holds.len() as u64, holds.values().map(|h| h.0).sum::<u64>());
+        let p = &self.pool_policy;
+        let start_delay = |over: u64| if n < over { 0 } else { w.div_ceil(over) };
+        if ask.deadline_ms.is_some_and(|deadline| start_delay(p.max_sequences) + work > deadline) {
+            return Some(Reason::Deadline);
         }
-        Ok(())
+        let tier_slots = p.slots_for(ask.priority);
+        if start_delay(tier_slots) > p.queue_delay_for(ask.priority) {
+            return Some(Reason::QueueFull);
+        }
+        if n >= tier_slots && !self.fair_share(holds, ask, work) {
+            return Some(Reason::QueueFull);
+        }
+        None
+    }
+
+    /// When the request, sent again with nothing else arriving, would be admitted: the holds
+    /// leaving at their predicted ends (one past its end, never, as far as anyone can say), the
+    /// first end after which the checks pass. Without one, the back-off; a deadline shorter than
+    /// the request's own work, never.
+    fn pool_retry(&self, ask: &Ask, work: u64, now: u64) -> Option<u64> {
+        if ask.deadline_ms.is_some_and(|deadline| work > deadline) {
+            return None;
+        }
+        let mut holds = self.pool.holds.clone();
+        let mut ends: Vec<u64> = holds.values().map(|h| h.3).filter(|end| *end > now).collect();
+        ends.sort_unstable();
+        ends.dedup();
+        for end in ends {
+            holds.retain(|_, h| h.3 > end || h.3 <= now);
+            if self.pool_refusal(&holds, ask, work).is_none() {
+                return Some(end - now);
+            }
+        }
+        Some(self.concurrency_cap_ms)
     }
 
     /// The pool leg's script: the predicted start delay, or a refusal. A re-sent one that finds
@@ -589,25 +627,13 @@ impl Model {
             self.pool_drop(&d);
         }
         let (n, w) = self.pool.load();
-        let p = &self.pool_policy;
-        let start_delay = |over: u64| if n < over { 0 } else { w.div_ceil(over) };
-        let delay = start_delay(p.max_sequences);
-        if let Some(deadline) = ask.deadline_ms
-            && delay + work > deadline
-        {
-            return Err(Denial::now(Reason::Deadline, ""));
+        let slots = self.pool_policy.max_sequences;
+        let delay = if n < slots { 0 } else { w.div_ceil(slots) };
+        if let Some(reason) = self.pool_refusal(&self.pool.holds, ask, work) {
+            let retry_after_ms = self.pool_retry(ask, work, now);
+            return Err(Denial { retry_after_ms, ..Denial::now(reason, "") });
         }
-        let tier_slots = p.slots_for(ask.priority);
-        let max_delay = p.queue_delay_for(ask.priority);
-        if start_delay(tier_slots) > max_delay {
-            let over = w.saturating_sub(max_delay * tier_slots);
-            let retry = over.div_ceil(p.max_sequences).max(1);
-            return Err(Denial { retry_after_ms: Some(retry), ..Denial::now(Reason::QueueFull, "") });
-        }
-        if n >= tier_slots {
-            self.fair_share(ask, work, tier_slots)?;
-        }
-        self.pool.holds.insert(id.to_string(), (work, kv, now + lease));
+        self.pool.holds.insert(id.to_string(), (work, kv, now + lease, now + delay + work));
         self.pool.owners.insert(id.to_string(), (ask.priority, ask.tenant.clone()));
         Ok(delay)
     }

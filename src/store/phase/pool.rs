@@ -181,9 +181,23 @@ pub enum PoolOutcome {
     },
     Denied {
         reason: PoolRefusal,
-        retry_after_ms: u64,
+        retry: PoolRetry,
         start_delay_ms: u64,
     },
+}
+
+/// When a request the pool refused would be admitted if sent again, nothing else arriving: the
+/// pool's holds leaving at their predicted ends, its throttle recovering, the provider's buckets
+/// refilling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolRetry {
+    /// In this many ms, at the earliest.
+    In(u64),
+    /// It waits on a hold past its predicted end (or one with none): when that ends, nobody can
+    /// say.
+    Unpredictable,
+    /// No wait helps (too large for the tier, or a deadline shorter than its own finish).
+    Never,
 }
 
 impl<S: Store> Protocol<S> {
@@ -241,7 +255,12 @@ impl<S: Store> Protocol<S> {
                         _ => return Err(r.bad()),
                     },
                 };
-                Ok(PoolOutcome::Denied { reason, retry_after_ms: r.uint(2)?, start_delay_ms: r.uint(3)? })
+                let retry = match (r.uint(2)?, r.flag(4)?) {
+                    (_, true) => PoolRetry::Unpredictable,
+                    (0, false) => PoolRetry::Never,
+                    (ms, false) => PoolRetry::In(ms),
+                };
+                Ok(PoolOutcome::Denied { reason, retry, start_delay_ms: r.uint(3)? })
             }
             _ => Err(r.bad()),
         }
