@@ -1,0 +1,252 @@
+//! A pool's retry hints are the earliest time, not merely a safe one (`pool_reserve.lua`). Over
+//! random pool states (holds of every tier and three tenants, admitted at random times, some of
+//! them reporting progress, some released, some left past their predicted end) and a random
+//! request refused with a hint: the same request sent again at now + hint, nothing else arriving
+//! and every hold ending when it was predicted to (its admission, its predicted start and its
+//! work; or its last progress and the work it had left), is admitted; one millisecond earlier it
+//! is refused. A hold already past its predicted end is not counted on: where the request waits
+//! on one, the reply says no time can be predicted, and indeed no hold ending as predicted lets it
+//! in. Queueing at the backend and in tollgate (where admitted means it would wait no longer than
+//! it may; there a request may wait on a hold past its end, taken to end at once, so with one in
+//! the pool a retry may be let in sooner than its hint, never later), on the embedded store with a
+//! manual clock.
+
+mod support;
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+use support::Harness;
+use tollgate::config::{PoolQueue, Priority};
+use tollgate::store::embedded::EmbeddedStore;
+use tollgate::store::{PoolCall, PoolEnd, PoolOutcome, PoolRetry};
+
+const SLOTS: u64 = 3;
+/// Each tier's slots.
+const TIERS: [(Priority, u64); 3] = [(Priority::Critical, 3), (Priority::Standard, 2), (Priority::Sheddable, 1)];
+const MAX_DELAY_MS: u64 = 1_500;
+const TIER_KV: [u64; 3] = [1_000, 800, 500];
+/// Longer than any case: holds never expire here.
+const LEASE_MS: u64 = 3_600_000;
+
+/// One request as it asks: tier, tenant, work, KV tokens, deadline (0: none), how long it may
+/// wait (queueing in tollgate).
+#[derive(Debug, Clone, Copy)]
+struct Ask {
+    tier: usize,
+    tenant: usize,
+    work: u64,
+    kv: u64,
+    deadline: u64,
+    wait: u64,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request asks; in tollgate's queue it may not wait (so no place outlives the step).
+    Ask(Ask),
+    /// The `i`-th hold still held reports it has this much work left.
+    Progress {
+        i: usize,
+        left: u64,
+    },
+    /// The `i`-th hold still held ends.
+    Release {
+        i: usize,
+    },
+    Advance {
+        ms: u64,
+    },
+}
+
+fn ask() -> impl Strategy<Value = Ask> {
+    (0..3usize, 0..3usize, 100..2_500u64, 1..400u64, prop_oneof![3 => Just(0u64), 1 => 800..5_000u64], 0..3_000u64)
+        .prop_map(|(tier, tenant, work, kv, deadline, wait)| Ask { tier, tenant, work, kv, deadline, wait })
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => ask().prop_map(|a| Op::Ask(Ask { wait: 0, ..a })),
+        1 => (0..8usize, 0..2_000u64).prop_map(|(i, left)| Op::Progress { i, left }),
+        1 => (0..8usize).prop_map(|i| Op::Release { i }),
+        2 => prop_oneof![1..300u64, 500..2_000u64].prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+struct Run {
+    h: Harness<EmbeddedStore>,
+    queue: PoolQueue,
+    now: u64,
+    /// Each hold still held: its predicted end.
+    ends: BTreeMap<String, u64>,
+    asked: u64,
+}
+
+impl Run {
+    async fn ask(&mut self, id: &str, a: Ask) -> PoolOutcome {
+        let (tier, tier_slots) = TIERS[a.tier];
+        let tenant = format!("t{}", a.tenant);
+        let call = PoolCall {
+            pool: &self.h.pool,
+            id,
+            work_ms: a.work,
+            finish_ms: a.work,
+            kv_tokens: a.kv,
+            lease_ms: LEASE_MS,
+            idle_ttl_ms: 2 * LEASE_MS,
+            sweep_batch: 100,
+            slots: SLOTS,
+            tier_slots,
+            max_queue_delay_ms: MAX_DELAY_MS,
+            tier_kv_tokens: Some(TIER_KV[a.tier]),
+            deadline_ms: (a.deadline > 0).then_some(a.deadline),
+            recover_per_ms: 0.0,
+            tier,
+            tenant: &tenant,
+            weight_milli: [1_000, 2_000, 500][a.tenant],
+            queue: self.queue,
+            wait_ms: a.wait,
+            waiter_ttl_ms: 1_000,
+            provider: None,
+        };
+        self.h.admission.protocol().pool_reserve(&call).await.expect("pool_reserve")
+    }
+
+    async fn advance(&mut self, ms: u64) {
+        self.h.advance(ms).await;
+        self.now += ms;
+    }
+
+    async fn release(&mut self, id: &str) {
+        let end = PoolEnd::Used { prompt: None, output: None, cost_nanos: None };
+        assert!(self.h.admission.protocol().pool_release(&self.h.pool, id, end).await.unwrap());
+        self.ends.remove(id);
+    }
+
+    async fn step(&mut self, op: &Op) {
+        let nth = |ends: &BTreeMap<String, u64>, i: usize| ends.keys().nth(i % ends.len().max(1)).cloned();
+        match op {
+            Op::Ask(a) => {
+                self.asked += 1;
+                let id = format!("r{}", self.asked);
+                if let PoolOutcome::Admitted { start_delay_ms, .. } = self.ask(&id, *a).await {
+                    self.ends.insert(id, self.now + start_delay_ms + a.work);
+                }
+            }
+            Op::Progress { i, left } => {
+                if let Some(id) = nth(&self.ends, *i) {
+                    self.h.admission.protocol().pool_progress(&self.h.pool, &id, *left).await.unwrap();
+                    self.ends.insert(id, self.now + left);
+                }
+            }
+            Op::Release { i } => {
+                if let Some(id) = nth(&self.ends, *i) {
+                    self.release(&id).await;
+                }
+            }
+            Op::Advance { ms } => self.advance(*ms).await,
+        }
+        // Every step in a millisecond of its own.
+        self.advance(1).await;
+    }
+
+    /// Time passes to `at` with nothing arriving; every hold not yet past its predicted end at
+    /// `from` ends at it (those past it already stay: nobody can say when they end).
+    async fn ends_as_predicted(&mut self, from: u64, at: u64) {
+        self.advance(at - self.now).await;
+        let due: Vec<String> =
+            self.ends.iter().filter(|(_, end)| **end > from && **end <= at).map(|(id, _)| id.clone()).collect();
+        for id in due {
+            self.release(&id).await;
+        }
+    }
+
+    fn admits(&self, outcome: &PoolOutcome) -> bool {
+        match outcome {
+            PoolOutcome::Admitted { .. } => true,
+            PoolOutcome::Waiting { .. } => self.queue == PoolQueue::Tollgate,
+            PoolOutcome::Denied { .. } => false,
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn hints_are_the_earliest(queue: PoolQueue, ops: Vec<Op>, probe: Ask) -> Option<PoolRetry> {
+    let h = support::embedded("limits: {}\n---pool---\nmax_sequences: 3\nprefill_tokens_per_second: 1000\ndecode_tokens_per_second: 100\nmax_queue_delay_ms: 1500\n").await;
+    let now = tollgate::store::clock::Clock::now_ms(h.clock.as_ref().unwrap());
+    let mut run = Run { h, queue, now, ends: BTreeMap::new(), asked: 0 };
+    for op in &ops {
+        run.step(op).await;
+    }
+    let from = run.now;
+    let PoolOutcome::Denied { retry, .. } = run.ask("probe", probe).await else { return None };
+    match retry {
+        PoolRetry::In(ms) => {
+            // Queueing in tollgate, a request may wait on a hold past its end (taken to end at once:
+            // each ask looks again), so with one in the pool a retry may wait sooner; never later.
+            let late = run.ends.values().any(|end| *end <= from);
+            run.ends_as_predicted(from, from + ms - 1).await;
+            let early = run.ask("probe", probe).await;
+            if queue == PoolQueue::Backend || !late {
+                assert!(!run.admits(&early), "admitted 1 ms before its hint of {ms}: {early:?}");
+            }
+            run.ends_as_predicted(from, from + ms).await;
+            let on_time = run.ask("probe", probe).await;
+            assert!(run.admits(&on_time), "refused at its hint of {ms} ms: {on_time:?}");
+        }
+        PoolRetry::Unpredictable => {
+            // Every hold with an end ahead ends: still no room without those past theirs.
+            let last = run.ends.values().copied().filter(|end| *end > from).max().unwrap_or(from);
+            run.ends_as_predicted(from, last.max(from + 1)).await;
+            // (Queueing in tollgate, short only of KV tokens the late holds keep, it may wait: it is
+            // not let in.)
+            let still = run.ask("probe", probe).await;
+            assert!(
+                !matches!(still, PoolOutcome::Admitted { .. }),
+                "no time was predicted, yet the holds' ends let it in: {still:?}"
+            );
+        }
+        PoolRetry::Never => {
+            let never_fits = (probe.deadline > 0 && probe.work > probe.deadline) || probe.kv > TIER_KV[probe.tier];
+            assert!(never_fits, "refused for good: {probe:?}");
+        }
+    }
+    Some(retry)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_backend_queues_hint_is_the_earliest_admission(ops in prop::collection::vec(op(), 1..30), probe in ask()) {
+        runtime().block_on(hints_are_the_earliest(PoolQueue::Backend, ops, probe));
+    }
+
+    #[test]
+    fn a_tollgate_queues_hint_is_the_earliest_wait_it_may_take(ops in prop::collection::vec(op(), 1..30), probe in ask()) {
+        runtime().block_on(hints_are_the_earliest(PoolQueue::Tollgate, ops, probe));
+    }
+}
+
+/// The case: a full pool's hint is when its holds end, where the old hint (the pool
+/// "draining" by time, which admission never counts) was refused again.
+#[test]
+fn a_full_pools_retry_is_admitted() {
+    runtime().block_on(async {
+        // Four holds of 1,500 ms on three slots (the fourth starts in 1,500 ms, the most the
+        // tier may queue); a fifth would start in 2,000 ms. The old hint, the pool drained by
+        // time to 1,500 ms of queue, said 500 ms, and admission then refused it again. As the
+        // first three end, when predicted, one hold is left: it is admitted then.
+        let critical = |work| Ask { tier: 0, tenant: 0, work, kv: 1, deadline: 0, wait: 0 };
+        let ops: Vec<Op> = (0..4).map(|_| Op::Ask(critical(1_500))).collect();
+        let retry = hints_are_the_earliest(PoolQueue::Backend, ops, critical(1_500)).await;
+        assert_eq!(
+            retry,
+            Some(PoolRetry::In(1_500 - 4)),
+            "the first three end 1,500 ms after they came, four steps ago"
+        );
+    });
+}
