@@ -1137,6 +1137,13 @@ local function fair_add(state, tier, tenant, weight, work, holds)
   end
 end
 
+-- When a pool hold predicted to take `span` ms from `now` (its start and its work; or, live, the
+-- work it has left) is predicted to end: then, give or take the tenth its pool's speeds may be
+-- off, and at least 50 ms for its commit to reach the store. A retry hint counts on this end.
+local function pool_ends(now, span)
+  return now + span + max(ceil(span / 10), 50)
+end
+
 -- A binary min-heap of numbers in a table: push, and pop the least (nil when empty).
 local function heap_push(heap, x)
   local i = #heap + 1

@@ -20,7 +20,7 @@ end
 local parts = split(h)
 local work = tonumber(parts[1])
 if parts[6] then
-  parts[6] = string.format('%d', now_ms() + left)
+  parts[6] = string.format('%d', pool_ends(now_ms(), left))
 end
 if left >= work then
   if parts[6] then

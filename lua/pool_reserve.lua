@@ -60,7 +60,7 @@
 -- that pool_throttle.lua left it.
 --
 -- Each hold keeps its predicted end (admission + predicted start + its work; a live stream's
--- progress moves it to then + the work it has left). A refusal's retry is the earliest time at
+-- progress moves it to then + the work it has left; either with common.lua's pool_ends margin). A refusal's retry is the earliest time at
 -- which the same request, sent again with nothing else arriving, would be admitted by the checks
 -- below: the pool's holds leaving at their predicted ends (the work each holds counts in full
 -- until then), its share recovering, the provider's buckets refilling. A hold already past its
@@ -266,7 +266,7 @@ local function start_behind(ends, before, free)
     if not slot() then
       return nil
     end
-    heap_push(heap, at + before_work)
+    heap_push(heap, pool_ends(at, before_work))
   end
   if not slot() then
     return nil
@@ -286,7 +286,7 @@ local function hold(delay, start)
   -- Queueing in tollgate, its cost (0 otherwise): a release of a request that never ran takes it
   -- back off the tag. Then its predicted end.
   local cost = start and cost_of(work, weight) or 0
-  local entry = string.format('%d %d %s %s %d %d', work, kv, tier, tenant, cost, now + delay + work)
+  local entry = string.format('%d %d %s %s %d %d', work, kv, tier, tenant, cost, pool_ends(now, delay + work))
   if provider then
     local idle_ms = tonumber(ARGV[24])
     take(provider, provider_n, 1, 0, provider_at, now, idle_ms)

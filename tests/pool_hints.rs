@@ -3,7 +3,8 @@
 //! them reporting progress, some released, some left past their predicted end) and a random
 //! request refused with a hint: the same request sent again at now + hint, nothing else arriving
 //! and every hold ending when it was predicted to (its admission, its predicted start and its
-//! work; or its last progress and the work it had left), is admitted; one millisecond earlier it
+//! work; or its last progress and the work it had left; a tenth more, at least 50 ms, for speeds a
+//! little off and the commit's way to the store), is admitted; one millisecond earlier it
 //! is refused. A hold already past its predicted end is not counted on: where the request waits
 //! on one, the reply says no time can be predicted, and indeed no hold ending as predicted lets it
 //! in. Queueing at the backend and in tollgate (where admitted means it would wait no longer than
@@ -28,6 +29,12 @@ const MAX_DELAY_MS: u64 = 1_500;
 const TIER_KV: [u64; 3] = [1_000, 800, 500];
 /// Longer than any case: holds never expire here.
 const LEASE_MS: u64 = 3_600_000;
+
+/// When a hold predicted to take `span` ms from `now` is predicted to end: then, with a tenth more
+/// (the error its pool's speeds may have) and at least 50 ms (for its commit to arrive).
+fn ends(now: u64, span: u64) -> u64 {
+    now + span + span.div_ceil(10).max(50)
+}
 
 /// One request as it asks: tier, tenant, work, KV tokens, deadline (0: none), how long it may
 /// wait (queueing in tollgate).
@@ -130,13 +137,13 @@ impl Run {
                 self.asked += 1;
                 let id = format!("r{}", self.asked);
                 if let PoolOutcome::Admitted { start_delay_ms, .. } = self.ask(&id, *a).await {
-                    self.ends.insert(id, self.now + start_delay_ms + a.work);
+                    self.ends.insert(id, ends(self.now, start_delay_ms + a.work));
                 }
             }
             Op::Progress { i, left } => {
                 if let Some(id) = nth(&self.ends, *i) {
                     self.h.admission.protocol().pool_progress(&self.h.pool, &id, *left).await.unwrap();
-                    self.ends.insert(id, self.now + left);
+                    self.ends.insert(id, ends(self.now, *left));
                 }
             }
             Op::Release { i } => {
@@ -239,14 +246,15 @@ fn a_full_pools_retry_is_admitted() {
         // Four holds of 1,500 ms on three slots (the fourth starts in 1,500 ms, the most the
         // tier may queue); a fifth would start in 2,000 ms. The old hint, the pool drained by
         // time to 1,500 ms of queue, said 500 ms, and admission then refused it again. As the
-        // first three end, when predicted, one hold is left: it is admitted then.
+        // first three end, when predicted (1,650 ms: a tenth more), one hold is left: it is
+        // admitted then.
         let critical = |work| Ask { tier: 0, tenant: 0, work, kv: 1, deadline: 0, wait: 0 };
         let ops: Vec<Op> = (0..4).map(|_| Op::Ask(critical(1_500))).collect();
         let retry = hints_are_the_earliest(PoolQueue::Backend, ops, critical(1_500)).await;
         assert_eq!(
             retry,
-            Some(PoolRetry::In(1_500 - 4)),
-            "the first three end 1,500 ms after they came, four steps ago"
+            Some(PoolRetry::In(1_650 - 4)),
+            "the first three end 1,650 ms after they came, four steps ago"
         );
     });
 }

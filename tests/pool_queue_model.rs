@@ -134,7 +134,7 @@ fn refilled(b: Bucket, cap: f64, rate: f64, now: u64) -> f64 {
 #[derive(Debug, Default)]
 struct Model {
     /// id → (work, tier, tenant, KV tokens, what its admission added to its tenant's finish tag,
-    /// its predicted end: admitted at once, then its work)
+    /// its predicted end: admitted at once, then its work, and a tenth more)
     holds: BTreeMap<String, (u64, usize, String, u64, u64, u64)>,
     /// id → the prompt and output tokens its hold took from the provider's limits.
     charged: BTreeMap<String, (u64, u64)>,
@@ -152,6 +152,11 @@ enum Reply {
     Admitted,
     Waiting(u64),
     Refused(u64),
+}
+
+/// When a hold that takes `span` ms from `now` is predicted to end: a tenth more, at least 50 ms.
+fn pool_ends(now: u64, span: u64) -> u64 {
+    now + span + span.div_ceil(10).max(50)
 }
 
 fn cost(work: u64, weight: u64) -> u64 {
@@ -266,7 +271,7 @@ impl Model {
             };
             for p in &before {
                 let start = slot(&mut ends);
-                ends.push(Reverse(start + p.work));
+                ends.push(Reverse(pool_ends(start, p.work)));
             }
             let start = slot(&mut ends) - now;
             if kv_room { start } else { start.max(first_end - now) }
@@ -284,7 +289,7 @@ impl Model {
             self.waiting.remove(id);
             self.charged.insert(id.to_string(), split(kv));
             let added = cost(work, weight);
-            self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added, now + work));
+            self.holds.insert(id.to_string(), (work, rank, tenant.to_string(), kv, added, pool_ends(now, work)));
             let finish = mine + added;
             let had = self.tags[rank].get(tenant).copied().unwrap_or(0);
             self.tags[rank].insert(tenant.to_string(), had.max(finish));

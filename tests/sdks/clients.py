@@ -162,6 +162,48 @@ def openai_client() -> None:
                 rate=rate_headers(e.response.headers))
 
 
+def flood() -> None:
+    """FLOOD callers at once, each one non-streaming call with the SDK's retries as shipped (two,
+    waiting the retry-after-ms it is sent): one JSON line each, with every answer it got."""
+    import os
+    import threading
+    import time
+
+    import openai
+
+    count = int(os.environ.get("FLOOD", "8"))
+    results = [None] * count
+    ready = threading.Barrier(count)
+
+    def one(i: int) -> None:
+        answers = []
+        began = time.monotonic()
+
+        def hook(response: httpx.Response) -> None:
+            answers.append({"status": response.status_code, "at_ms": int((time.monotonic() - began) * 1000),
+                            "retry_after_ms": response.headers.get("retry-after-ms"),
+                            "reason": response.headers.get("x-tollgate-reason")})
+
+        client = openai.OpenAI(base_url=BASE + "/v1", api_key="test", default_headers=HEADERS,
+                               http_client=httpx.Client(event_hooks={"response": [hook]}))
+        ready.wait()
+        began = time.monotonic()
+        try:
+            client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=40)
+            results[i] = {"admitted": True, "answers": answers}
+        except openai.APIStatusError as e:
+            results[i] = {"admitted": False, "answers": answers, "message": e.message}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        print(json.dumps(r), flush=True)
+
+
 def anthropic_client() -> None:
     import anthropic
 
@@ -207,4 +249,5 @@ def embeddings() -> None:
     "openai": openai_client,
     "anthropic": anthropic_client,
     "embeddings": embeddings,
+    "flood": flood,
 }[FAMILY]()

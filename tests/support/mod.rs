@@ -47,10 +47,8 @@ pub async fn sim_backend_counted(
     decode_tokens_per_second: f64,
     text: tollgate::tools::sim::formats::Text,
 ) -> (u16, tokio_util::sync::CancellationToken, Arc<tollgate::tools::sim::backend::SimStats>) {
-    use tollgate::tools::sim::backend::{self, SimConfig, SimStats};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let config = SimConfig {
+    use tollgate::tools::sim::backend::SimConfig;
+    sim_backend_with(SimConfig {
         slots: 4,
         prefill_tokens_per_second: 1_000_000.0,
         decode_tokens_per_second,
@@ -58,7 +56,17 @@ pub async fn sim_backend_counted(
         tollgate: None,
         text,
         ..SimConfig::default()
-    };
+    })
+    .await
+}
+
+/// The simulated backend as `config` says, on a free port, with the count of what it answered.
+pub async fn sim_backend_with(
+    config: tollgate::tools::sim::backend::SimConfig,
+) -> (u16, tokio_util::sync::CancellationToken, Arc<tollgate::tools::sim::backend::SimStats>) {
+    use tollgate::tools::sim::backend::{self, SimStats};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let stats = Arc::new(SimStats::default());
     tokio::spawn(backend::serve(listener, config, shutdown.clone(), Arc::clone(&stats)));

@@ -633,7 +633,9 @@ impl Model {
             let retry_after_ms = self.pool_retry(ask, work, now);
             return Err(Denial { retry_after_ms, ..Denial::now(reason, "") });
         }
-        self.pool.holds.insert(id.to_string(), (work, kv, now + lease, now + delay + work));
+        // Predicted to end after its start and its work, a tenth more (at least 50 ms).
+        let span = delay + work;
+        self.pool.holds.insert(id.to_string(), (work, kv, now + lease, now + span + span.div_ceil(10).max(50)));
         self.pool.owners.insert(id.to_string(), (ask.priority, ask.tenant.clone()));
         Ok(delay)
     }

@@ -47,6 +47,16 @@ impl Stack {
         Stack { tollgate, envoy, admission, shutdown: Some(shutdown), upstream: None }
     }
 
+    /// In front of the simulated backend as `config` sets it (its slots, speeds and lengths), with
+    /// the shipped Envoy config.
+    pub async fn sim_with(policy: &str, config: tollgate::tools::sim::backend::SimConfig) -> Stack {
+        let tollgate = Tollgate::start(policy);
+        let (port, shutdown, _) = super::sim_backend_with(config).await;
+        let envoy = Envoy::start_edited(tollgate.addr, port, |c| c);
+        let admission = admission_of(&tollgate);
+        Stack { tollgate, envoy, admission, shutdown: Some(shutdown), upstream: None }
+    }
+
     /// In front of the test upstream of `support::upstream`, whose headers steer each answer.
     pub async fn test_upstream(policy: &str) -> Stack {
         let tollgate = Tollgate::start(policy);
