@@ -380,6 +380,10 @@ pub struct OverloadArgs {
     /// Seconds of calibration at capacity before the speed halves (0: none).
     #[arg(long, default_value_t = 60)]
     pub calibrate: u64,
+    /// A refused request waits exactly its hint and is sent again, up to this many times (as the
+    /// OpenAI SDK does, 2): the matrix then shows how many its first retry got in.
+    #[arg(long, default_value_t = 0)]
+    pub retries: u32,
 }
 
 /// The burst experiment's settings.

@@ -255,6 +255,7 @@ async fn the_overload_matrix_drives_envoy_and_the_fleet_it_starts() {
         seconds: 3,
         rounds: 1,
         calibrate: 0,
+        retries: 2,
     };
     let report = overload::run(&options).await.unwrap();
     assert!((2.0..4.0).contains(&report.capacity_rps), "{report}");
@@ -267,4 +268,9 @@ async fn the_overload_matrix_drives_envoy_and_the_fleet_it_starts() {
     assert!((0.0..=1.0).contains(&cell.interactive_admitted) && (0.0..=1.0).contains(&cell.deadline_hits), "{report}");
     assert!((0.0..=1.0).contains(&cell.wasted) && (0.0..=1.0).contains(&cell.jain), "{report}");
     assert!(report.to_string().contains("| 2x |"), "{report}");
+    // At twice the capacity some are refused and follow their hints: the shares of them admitted
+    // at the first retry and later are shares, and the table says so.
+    assert!(cell.retried > 0, "{report}");
+    assert!((0.0..=1.0).contains(&(cell.first_retry + cell.later)), "{report}");
+    assert!(report.to_string().contains("admitted at the first retry"), "{report}");
 }

@@ -106,6 +106,7 @@ impl From<OverloadArgs> for OverloadOptions {
             seconds: a.seconds,
             rounds: a.rounds,
             calibrate: a.calibrate,
+            retries: a.retries,
         }
     }
 }
@@ -300,6 +301,7 @@ pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
         duration: Duration::from_secs(args.seconds),
         timeout: Duration::from_millis(args.timeout_ms),
         classes: load::mixed(args.interactive_rate, args.standard_rate, args.batch_rate),
+        retries: 0,
     };
     let before = match &args.sim {
         Some(sim) => load::fleet_busy(sim).await.map(|b| (b, std::time::Instant::now())),

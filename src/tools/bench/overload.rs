@@ -62,6 +62,9 @@ pub struct OverloadOptions {
     pub rounds: usize,
     /// Seconds of calibration before the halved speed (0: skip calibration).
     pub calibrate: u64,
+    /// Retries on the hint a refused request may make (0: none; the matrix's figures then count
+    /// the retries' load too).
+    pub retries: u32,
 }
 
 /// The three tiers' shares of the offered load, and each class's ceiling.
@@ -87,6 +90,12 @@ pub struct Cell {
     /// The weighted cell: heavier over lighter tenant's tokens.
     pub weight_ratio: f64,
     pub sent: u64,
+    /// Refused requests that retried on their hint, the share of them admitted at the first
+    /// retry and at a later one, and the median of how late the hint was for the latter (ms).
+    pub retried: u64,
+    pub first_retry: f64,
+    pub later: f64,
+    pub lateness_ms: f64,
 }
 
 /// The whole run.
@@ -211,6 +220,7 @@ async fn cell(o: &OverloadOptions, fleet: &Fleet, classes: Vec<Class>) -> (Vec<C
         duration: Duration::from_secs(o.seconds),
         timeout: Duration::from_secs(30),
         classes,
+        retries: o.retries,
     };
     let sampling = CancellationToken::new();
     let sampler = {
@@ -284,6 +294,7 @@ fn figures(
     let fair = fair_shares(served.iter().sum(), &demand, &weights);
     let relative: Vec<f64> = served.iter().zip(&fair).map(|(s, f)| if *f > 0.0 { s / f } else { 1.0 }).collect();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    let retried: u64 = reports.iter().map(|r| r.retried).sum();
     Cell {
         interactive_admitted: ratio(interactive.admitted as f64, interactive.sent as f64),
         deadline_hits: ratio((interactive.admitted - interactive.late) as f64, interactive.admitted as f64),
@@ -292,7 +303,17 @@ fn figures(
         jain: jain(&relative),
         weight_ratio: if served.len() == 2 { ratio(served[0], served[1]) } else { 0.0 },
         sent: reports.iter().map(|r| r.sent).sum(),
+        retried,
+        first_retry: ratio(reports.iter().map(|r| r.first_retry_admitted).sum::<u64>() as f64, retried as f64),
+        later: ratio(reports.iter().map(|r| r.later_admitted).sum::<u64>() as f64, retried as f64),
+        lateness_ms: median(reports.iter().flat_map(|r| r.lateness_ms.iter().copied()).collect()),
     }
+}
+
+/// The median of `v` (0 when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 async fn learned(o: &OverloadOptions, client: &mut AdmissionClient<Channel>) -> Result<(f64, f64), OverloadError> {
@@ -321,22 +342,22 @@ pub async fn run(o: &OverloadOptions) -> Result<OverloadReport, OverloadError> {
             (fleet.stats.tokens.load(Ordering::Relaxed), fleet.stats.decode_micros.load(Ordering::Relaxed))
         };
         let speed = |(t0, m0): (u64, u64), (t1, m1): (u64, u64)| (t1 - t0) as f64 / ((m1 - m0).max(1) as f64 / 1e6);
-        let warm = OverloadOptions { seconds: o.calibrate.saturating_sub(30).max(1), ..o.clone() };
+        let warm = OverloadOptions { seconds: o.calibrate.saturating_sub(30).max(1), retries: 0, ..o.clone() };
         cell(&warm, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         let before = achieved(&fleet);
-        cell(&OverloadOptions { seconds: 30, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
+        cell(&OverloadOptions { seconds: 30, retries: 0, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         let (decode, prefill) = learned(o, &mut client).await?;
         report.decode = Some((speed(before, achieved(&fleet)), decode));
         report.prefill = Some((o.prefill_tokens_per_second, prefill));
         fleet.stats.set_decode_speed(o.decode_tokens_per_second / 2.0);
         let before = achieved(&fleet);
-        let slowed = OverloadOptions { seconds: 30, ..o.clone() };
+        let slowed = OverloadOptions { seconds: 30, retries: 0, ..o.clone() };
         cell(&slowed, &fleet, mix(capacity / 2.0, &STANDARD_TENANTS)).await;
         report.halved = Some((speed(before, achieved(&fleet)), learned(o, &mut client).await?.0));
         fleet.stats.set_decode_speed(o.decode_tokens_per_second);
         drain(o, &fleet, &mut client).await;
         // The pool relearns the restored speed before the matrix.
-        cell(&OverloadOptions { seconds: 30, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
+        cell(&OverloadOptions { seconds: 30, retries: 0, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         drain(o, &fleet, &mut client).await;
     }
 
@@ -402,6 +423,22 @@ impl std::fmt::Display for OverloadReport {
                 pct(spread(cells, |c| c.utilisation)),
                 num(spread(cells, |c| c.jain)),
             )?;
+        }
+        if self.cells.iter().flat_map(|(_, c)| c).any(|c| c.retried > 0) {
+            writeln!(
+                f,
+                "\n| offered | refused and retried on the hint | admitted at the first retry | at a later one | later by (median ms) |\n|---|---|---|---|---|"
+            )?;
+            for (load, cells) in &self.cells {
+                writeln!(
+                    f,
+                    "| {load}x | {:.0} | {} | {} | {} |",
+                    spread(cells, |c| c.retried as f64).0,
+                    pct(spread(cells, |c| c.first_retry)),
+                    pct(spread(cells, |c| c.later)),
+                    num(spread(cells, |c| c.lateness_ms)),
+                )?;
+            }
         }
         if !self.weighted.is_empty() {
             writeln!(

@@ -61,6 +61,9 @@ pub struct LoadPlan {
     pub duration: Duration,
     pub timeout: Duration,
     pub classes: Vec<Class>,
+    /// A refused request that may retry (a `retry-after-ms`, no `x-should-retry: false`) waits
+    /// exactly its hint and is sent again, up to this many times (0: never), as an SDK does.
+    pub retries: u32,
 }
 
 /// What one class saw.
@@ -84,6 +87,12 @@ pub struct ClassReport {
     pub late_tokens: u64,
     /// The class's requests name a deadline.
     pub deadline: bool,
+    /// Refused requests that retried on their hint; of them, admitted at the first retry, and
+    /// admitted at a later one, with how long after the first retry (ms): how late its hint was.
+    pub retried: u64,
+    pub first_retry_admitted: u64,
+    pub later_admitted: u64,
+    pub lateness_ms: Vec<f64>,
 }
 
 impl ClassReport {
@@ -111,6 +120,14 @@ enum Outcome {
     TimedOut(f64),
 }
 
+/// How a request fared with its hints: whether it was refused and retried, and when it was
+/// admitted after retrying, at which retry and how long after the first.
+#[derive(Debug, Default, Clone, Copy)]
+struct Followed {
+    retried: bool,
+    admitted_at: Option<(u32, f64)>,
+}
+
 /// Runs the plan and reports per class, in the plan's order.
 pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build_http();
@@ -128,6 +145,7 @@ pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
             continue;
         }
         let (client, reports, target, timeout) = (client.clone(), reports.clone(), plan.target.clone(), plan.timeout);
+        let retries = plan.retries;
         schedulers.push(tokio::spawn(async move {
             let mut ticks = tokio::time::interval_at(start, Duration::from_secs_f64(1.0 / class.rate));
             // Open loop: a late tick is sent at once, never skipped.
@@ -140,16 +158,27 @@ pub async fn run(plan: &LoadPlan) -> Vec<ClassReport> {
                     break;
                 }
                 let (client, class, target) = (client.clone(), class.clone(), target.clone());
-                requests.push(tokio::spawn(async move { send(&client, &target, &class, scheduled, timeout).await }));
+                requests.push(tokio::spawn(async move {
+                    send(&client, &target, &class, scheduled, timeout, retries).await
+                }));
             }
             let mut outcomes = Vec::with_capacity(requests.len());
             for r in requests {
-                outcomes.push(r.await.unwrap_or(Outcome::Failed));
+                outcomes.push(r.await.unwrap_or((Outcome::Failed, Followed::default())));
             }
             let mut all = reports.lock().await;
             let report = &mut all[index];
-            for outcome in outcomes {
+            for (outcome, followed) in outcomes {
                 report.sent += 1;
+                report.retried += u64::from(followed.retried);
+                match followed.admitted_at {
+                    Some((1, _)) => report.first_retry_admitted += 1,
+                    Some((_, late)) => {
+                        report.later_admitted += 1;
+                        report.lateness_ms.push(late);
+                    }
+                    None => {}
+                }
                 match outcome {
                     Outcome::Admitted(ms, tokens) => {
                         report.admitted += 1;
@@ -193,13 +222,46 @@ pub fn utilisation((slots, before): (u64, u64), (_, after): (u64, u64), elapsed:
     if capacity > 0.0 { after.saturating_sub(before) as f64 / capacity } else { 0.0 }
 }
 
+/// Sends one request, and (up to `retries` times) again after each hint it is refused with.
 async fn send(
     client: &Client<HttpConnector, Full<Bytes>>,
     target: &str,
     class: &Class,
     scheduled: Instant,
     timeout: Duration,
-) -> Outcome {
+    retries: u32,
+) -> (Outcome, Followed) {
+    let mut followed = Followed::default();
+    let mut first_retry = None;
+    for attempt in 0..=retries {
+        let (outcome, hint) = send_once(client, target, class, scheduled, timeout).await;
+        match (&outcome, hint) {
+            (Outcome::Admitted(..), _) if attempt > 0 => {
+                let since: Option<Instant> = first_retry;
+                let late = since.map_or(0.0, |at| at.elapsed().as_secs_f64() * 1000.0);
+                followed.admitted_at = Some((attempt, late));
+            }
+            (Outcome::Denied(_), Some(ms)) if attempt < retries && Instant::now() + ms < scheduled + timeout => {
+                followed.retried = true;
+                tokio::time::sleep(ms).await;
+                first_retry.get_or_insert_with(Instant::now);
+                continue;
+            }
+            _ => {}
+        }
+        return (outcome, followed);
+    }
+    unreachable!("the last attempt returns")
+}
+
+/// One attempt: its outcome, and for a refusal a client may retry, its hint.
+async fn send_once(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    target: &str,
+    class: &Class,
+    scheduled: Instant,
+    timeout: Duration,
+) -> (Outcome, Option<Duration>) {
     let mut body = serde_json::json!({
         "model": "sim",
         "max_tokens": class.max_tokens,
@@ -221,20 +283,25 @@ async fn send(
     if let Some(n) = class.output_tokens {
         req = req.header("x-sim-output-tokens", n.to_string());
     }
-    let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else { return Outcome::Failed };
+    let Ok(req) = req.body(Full::new(Bytes::from(body.to_string()))) else { return (Outcome::Failed, None) };
     let exchange = async {
         let res = client.request(req).await.ok()?;
         let status = res.status().as_u16();
-        let reason = res.headers().get("x-tollgate-reason").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let header = |name: &str| res.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let reason = header("x-tollgate-reason");
+        let hint = header("retry-after-ms")
+            .and_then(|ms| ms.parse().ok())
+            .filter(|_| header("x-should-retry").as_deref() != Some("false"))
+            .map(Duration::from_millis);
         let body = res.into_body().collect().await.ok()?.to_bytes();
-        Some((status, reason, output_tokens(&body)))
+        Some((status, reason, output_tokens(&body), hint))
     };
     match tokio::time::timeout_at(scheduled + timeout, exchange).await {
-        Err(_) => Outcome::TimedOut(timeout.as_secs_f64() * 1000.0),
-        Ok(None) => Outcome::Failed,
-        Ok(Some((200, _, tokens))) => Outcome::Admitted(scheduled.elapsed().as_secs_f64() * 1000.0, tokens),
-        Ok(Some((_, Some(reason), _))) => Outcome::Denied(reason),
-        Ok(Some(_)) => Outcome::Failed,
+        Err(_) => (Outcome::TimedOut(timeout.as_secs_f64() * 1000.0), None),
+        Ok(None) => (Outcome::Failed, None),
+        Ok(Some((200, _, tokens, _))) => (Outcome::Admitted(scheduled.elapsed().as_secs_f64() * 1000.0, tokens), None),
+        Ok(Some((_, Some(reason), _, hint))) => (Outcome::Denied(reason), hint),
+        Ok(Some(_)) => (Outcome::Failed, None),
     }
 }
 
