@@ -425,31 +425,84 @@ local function read_scope(key, l, now, at)
   return s
 end
 
+-- When `need` more slots of scope `s` free, in ms from now, or `cap` when that is later or not
+-- known: the lease ends, oldest first, in the lease index `leases` of the holds holding a slot
+-- there (each names its scopes in the holds hash `holds`, "<hold> <day> <policy> <cost> <scope
+-- keys…>"; a replica's lease, `@…`, is renewed while it lives and frees nothing). A commit
+-- usually frees a slot far sooner than a lease ends, and when, nobody can say: `cap` is the
+-- back-off for that.
+local function slot_frees(s, need, leases, holds, cap, now)
+  local found, from, page_size = 0, 0, 32
+  local wanted = ' ' .. s.key .. ' '
+  while true do
+    local page = call('ZRANGE', leases, from, from + page_size - 1, 'WITHSCORES')
+    for i = 1, #page, 2 do
+      local ms = tonumber(page[i + 1]) - now
+      if ms >= cap then
+        return cap
+      end
+      local e = string.sub(page[i], 1, 1) ~= '@' and call('HGET', holds, page[i])
+      if e and string.find(' ' .. e .. ' ', wanted, 1, true) then
+        found = found + 1
+        if found >= need then
+          return max(1, ms)
+        end
+      end
+    end
+    if #page < 2 * page_size then
+      return cap
+    end
+    from = from + page_size
+  end
+end
+
 -- Calls `deny(reason, ms)` for every limit of scope `s` that taking `n` more ({u tokens, c cost,
 -- p prompt tokens, g output tokens}), `requests` and `slots` would break, with how long until it
 -- would not. `at`: the current periods, in the zone `offset` minutes east of UTC. Budgets are
--- named `budget:<counter>`.
-local function check_scope(s, n, requests, slots, leases, wait_cap, now, at, offset, deny)
+-- named `budget:<counter>`. A concurrency slot: slot_frees over the tenant's lease index and holds
+-- hash (`leases`, `holds`), at most `wait_cap`.
+local function check_scope(s, n, requests, slots, leases, holds, wait_cap, now, at, offset, deny)
+  -- How long until a bucket at `level` now holds `need`: the least whole ms after which
+  -- read_scope, reading its stored level (field `k`, written at field `kt`), finds it there (its
+  -- arithmetic decides, not this division's rounding). A tier's part of a scope reads shifted
+  -- levels: the division alone.
+  local function wait(level, need, cap, rate, k, kt)
+    local ms = max(1, ceil((need - level) / rate))
+    local stored = not s.part and s.f[k]
+    if not stored then
+      return ms
+    end
+    local function holds_then(t)
+      return refilled(stored, s.f[kt], cap, rate, now + t) >= need
+    end
+    for _ = 1, 3 do
+      if holds_then(ms) then
+        break
+      end
+      ms = ms + 1
+    end
+    for _ = 1, 3 do
+      if ms <= 1 or not holds_then(ms - 1) then
+        break
+      end
+      ms = ms - 1
+    end
+    return ms
+  end
   if s.tcap > 0 and n.u > 0 and s.t < n.u then
-    deny('token_rate', (n.u - s.t) / s.trate)
+    deny('token_rate', wait(s.t, n.u, s.tcap, s.trate, 't', 'tt'))
   end
   if s.pcap > 0 and n.p > 0 and s.pt < n.p then
-    deny('input_rate', (n.p - s.pt) / s.prate)
+    deny('input_rate', wait(s.pt, n.p, s.pcap, s.prate, 'pt', 'ptt'))
   end
   if s.gcap > 0 and n.g > 0 and s.gt < n.g then
-    deny('output_rate', (n.g - s.gt) / s.grate)
+    deny('output_rate', wait(s.gt, n.g, s.gcap, s.grate, 'gt', 'gtt'))
   end
   if s.rcap > 0 and requests > 0 and s.r < requests then
-    deny('request_rate', (requests - s.r) / s.rrate)
+    deny('request_rate', wait(s.r, requests, s.rcap, s.rrate, 'r', 'rt'))
   end
   if s.cmax > 0 and slots > 0 and s.c + slots > s.cmax then
-    -- A slot frees at the latest when the oldest lease runs out; usually sooner, by a commit.
-    local first = call('ZRANGE', leases, 0, 0, 'WITHSCORES')
-    local ms = wait_cap
-    if first[2] then
-      ms = min(ms, tonumber(first[2]) - now)
-    end
-    deny('concurrency', ms)
+    deny('concurrency', slot_frees(s, s.c + slots - s.cmax, leases, holds, wait_cap, now))
   end
   if not s.l.any_budget then
     return
@@ -492,6 +545,7 @@ local function scope_part(s, part)
     budgets[c] = max(1, floor(limit * part))
   end
   return setmetatable({
+    part = true,
     t = s.t and s.t - s.tcap * keep, tcap = s.tcap * part,
     pt = s.pt and s.pt - s.pcap * keep, pcap = s.pcap * part,
     gt = s.gt and s.gt - s.gcap * keep, gcap = s.gcap * part,

@@ -180,7 +180,7 @@ local reason, where, wait = '', 0, -1
 for i = 1, n do
   local s = scopes[i]
   local a = args[i]
-  check_scope(s, amounts(a[20], a[21], 0, 0), a[22], a[23], leases, wait_cap, now, at, 0, function(why, ms)
+  check_scope(s, amounts(a[20], a[21], 0, 0), a[22], a[23], leases, holds, wait_cap, now, at, 0, function(why, ms)
     ms = max(1, ceil(ms))
     if ms > wait then
       reason, where, wait = why, i, ms

@@ -188,7 +188,7 @@ local function provider_wait(budgets_only)
     return 'unsatisfiable', 0
   end
   local limit, retry = nil, 0
-  check_scope(part, ask, 1, 0, leases, 0, now, provider_at, 0, function(why, ms)
+  check_scope(part, ask, 1, 0, leases, holds, 0, now, provider_at, 0, function(why, ms)
     ms = max(1, ceil(ms))
     local counts = not budgets_only or string.sub(why, 1, 7) == 'budget:'
     if counts and ms > retry then

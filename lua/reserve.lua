@@ -229,7 +229,7 @@ local function deny(why, i, ms)
 end
 if #would_refuse == 0 then
   for i, s in ipairs(scopes) do
-    check_scope(s, n, 1, 1, leases, concurrency_wait_cap, now, at, offset, function(why, ms)
+    check_scope(s, n, 1, 1, leases, holds, concurrency_wait_cap, now, at, offset, function(why, ms)
       deny(why, i, ms)
     end)
   end

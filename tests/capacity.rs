@@ -114,9 +114,15 @@ async fn scenario(capacity: Capacity) -> (ClassReport, ClassReport) {
         duration: Duration::from_millis(3_500),
         timeout: Duration::from_secs(5),
         classes: vec![interactive],
+        retries: 0,
     };
-    let flood =
-        LoadPlan { target, duration: Duration::from_secs(3), timeout: Duration::from_secs(5), classes: vec![batch] };
+    let flood = LoadPlan {
+        target,
+        duration: Duration::from_secs(3),
+        timeout: Duration::from_secs(5),
+        classes: vec![batch],
+        retries: 0,
+    };
     let flood = async {
         tokio::time::sleep(Duration::from_millis(500)).await;
         load::run(&flood).await

@@ -446,7 +446,10 @@ impl<S: Store> Admission<S> {
                     _ => retry_after_ms,
                 };
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = refusal_reason(reason, scope, policy.max_attempts);
+                let (reason, mut message) = refusal_reason(reason, scope, policy.max_attempts);
+                if reason == Reason::Concurrency {
+                    message.push_str(&slot_frees(retry_after_ms, policy.concurrency_retry_ms));
+                }
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
@@ -518,6 +521,19 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
         Refusal::Unsatisfiable => {
             (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
         }
+    }
+}
+
+/// When a concurrency slot frees, as the refusal says it: at the end of a hold's lease, when that
+/// is within the back-off; else nobody can say (a commit usually frees one first), and the caller
+/// backs off.
+fn slot_frees(retry_after_ms: u64, back_off_ms: u64) -> String {
+    if retry_after_ms < back_off_ms {
+        format!("; one frees at the latest when a hold's lease ends, in {retry_after_ms} ms")
+    } else {
+        format!(
+            "; when one frees cannot be predicted (a commit usually frees one before a lease ends): back off {retry_after_ms} ms"
+        )
     }
 }
 

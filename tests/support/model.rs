@@ -782,12 +782,15 @@ impl Model {
             /// Every counter the scope counts (its budgets, ALWAYS, what it has counted), in the
             /// current period.
             used: BTreeMap<BudgetKey, u64>,
+            /// As stored: its buckets' levels then, which the wait for each is counted from.
+            stored: Scope,
         }
         let reads: Vec<Read> = scope_keys
             .iter()
             .map(|(key, l)| {
                 let s = self.scopes.get(key).cloned().unwrap_or_default();
                 Read {
+                    stored: s.clone(),
                     key: key.clone(),
                     l: *l,
                     t: if l.token_capacity > 0 {
@@ -914,25 +917,51 @@ impl Model {
                 verdict = Some((why, ms));
             }
         };
-        let first_lease = self.leases.get(&ask.tenant).and_then(|set| set.iter().next().map(|(le, _)| *le));
+        // The least whole ms after which a bucket, refilled from its stored level (`then`), holds
+        // `need`: the division's rounding is not the refill's.
+        let wait = |level: f64, need: f64, rate: f64, then: &dyn Fn(u64) -> f64| {
+            let mut ms = ((need - level) / rate).ceil().max(1.0) as u64;
+            while then(now + ms) < need {
+                ms += 1;
+            }
+            while ms > 1 && then(now + ms - 1) >= need {
+                ms -= 1;
+            }
+            ms as f64
+        };
         for s in &reads {
-            if s.l.token_capacity > 0 && s.t < hold as f64 {
-                deny(Reason::TokenRate, (hold as f64 - s.t) / s.l.tokens_per_ms);
+            let st = &s.stored;
+            let l = &s.l;
+            if l.token_capacity > 0 && s.t < hold as f64 {
+                let then = |t| refilled(st.t, st.tt, l.token_capacity, l.tokens_per_ms, t);
+                deny(Reason::TokenRate, wait(s.t, hold as f64, l.tokens_per_ms, &then));
             }
-            if s.l.input_capacity > 0 && ask.prompt > 0 && s.input < ask.prompt as f64 {
-                deny(Reason::TokenRate, (ask.prompt as f64 - s.input) / s.l.input_per_ms);
+            if l.input_capacity > 0 && ask.prompt > 0 && s.input < ask.prompt as f64 {
+                let then = |t| side_level(st.input, l.input_capacity, l.input_per_ms, t);
+                deny(Reason::TokenRate, wait(s.input, ask.prompt as f64, l.input_per_ms, &then));
             }
-            if s.l.output_capacity > 0 && ask.max_tokens > 0 && s.output < ask.max_tokens as f64 {
-                deny(Reason::TokenRate, (ask.max_tokens as f64 - s.output) / s.l.output_per_ms);
+            if l.output_capacity > 0 && ask.max_tokens > 0 && s.output < ask.max_tokens as f64 {
+                let then = |t| side_level(st.output, l.output_capacity, l.output_per_ms, t);
+                deny(Reason::TokenRate, wait(s.output, ask.max_tokens as f64, l.output_per_ms, &then));
             }
-            if s.l.request_capacity > 0 && s.r < 1.0 {
-                deny(Reason::RequestRate, (1.0 - s.r) / s.l.requests_per_ms);
+            if l.request_capacity > 0 && s.r < 1.0 {
+                let then = |t| refilled(st.r, st.rt, l.request_capacity, l.requests_per_ms, t);
+                deny(Reason::RequestRate, wait(s.r, 1.0, l.requests_per_ms, &then));
             }
             if s.l.max_concurrency > 0 && s.c >= s.l.max_concurrency {
-                let ms = first_lease.map_or(self.concurrency_cap_ms as f64, |le| {
-                    (self.concurrency_cap_ms as f64).min(le as f64 - now as f64)
-                });
-                deny(Reason::Concurrency, ms);
+                // The lease end of the hold whose end frees the slot needed, among this scope's
+                // holds (oldest lease first), or the back-off when that is later.
+                let mut ends: Vec<u64> = self
+                    .holds
+                    .values()
+                    .filter(|h| h.state == State::Reserved && h.slot && h.scopes.contains(&s.key))
+                    .map(|h| h.lease_end)
+                    .collect();
+                ends.sort_unstable();
+                let need = (s.c + 1 - s.l.max_concurrency) as usize;
+                let cap = self.concurrency_cap_ms;
+                let ms = ends.get(need - 1).map_or(cap, |le| cap.min(le.saturating_sub(now).max(1)));
+                deny(Reason::Concurrency, ms as f64);
             }
             for (key, used) in &s.used {
                 let (limit, amount) = (s.l.budget(*key), n.of(key.measure));

@@ -1,16 +1,23 @@
-//! A pool's retry hints are the earliest time, not merely a safe one (`pool_reserve.lua`). Over
-//! random pool states (holds of every tier and three tenants, admitted at random times, some of
-//! them reporting progress, some released, some left past their predicted end) and a random
-//! request refused with a hint: the same request sent again at now + hint, nothing else arriving
-//! and every hold ending when it was predicted to (its admission, its predicted start and its
-//! work; or its last progress and the work it had left; a tenth more, at least 50 ms, for speeds a
-//! little off and the commit's way to the store), is admitted; one millisecond earlier it
-//! is refused. A hold already past its predicted end is not counted on: where the request waits
-//! on one, the reply says no time can be predicted, and indeed no hold ending as predicted lets it
-//! in. Queueing at the backend and in tollgate (where admitted means it would wait no longer than
-//! it may; there a request may wait on a hold past its end, taken to end at once, so with one in
-//! the pool a retry may be let in sooner than its hint, never later), on the embedded store with a
-//! manual clock.
+//! Retry hints are the earliest time, not merely a safe one.
+//!
+//! A pool's (`pool_reserve.lua`): over random pool states (holds of every tier and three tenants,
+//! admitted at random times, some of them reporting progress, some released, some left past their
+//! predicted end) and a random request refused with a hint: the same request sent again at now +
+//! hint, nothing else arriving and every hold ending when it was predicted to (its admission, its
+//! predicted start and its work; or its last progress and the work it had left; a tenth more, at
+//! least 50 ms, for speeds a little off and the commit's way to the store), is admitted; one
+//! millisecond earlier it is refused. A hold already past its predicted end is not counted on:
+//! where the request waits on one, the reply says no time can be predicted, and indeed no hold
+//! ending as predicted lets it in. Queueing at the backend and in tollgate (where admitted means it
+//! would wait no longer than it may; there a request may wait on a hold past its end, taken to end
+//! at once, so with one in the pool a retry may be let in sooner than its hint, never later).
+//!
+//! A tenant's (`reserve.lua`, through `Admission::reserve`): over random holds, commits and time
+//! against a token bucket, a request bucket, concurrency slots and a day's budget, a refusal's
+//! hint is when the buckets have refilled, the day has turned and the holds holding the slots
+//! have reached their leases' ends: admitted then, refused a millisecond earlier.
+//!
+//! On the embedded store with a manual clock.
 
 mod support;
 
@@ -257,4 +264,78 @@ fn a_full_pools_retry_is_admitted() {
             "the first three end 1,650 ms after they came, four steps ago"
         );
     });
+}
+
+/// What happens to a tenant before its probe.
+#[derive(Debug, Clone)]
+enum TenantOp {
+    Reserve {
+        prompt: u64,
+        max_tokens: u64,
+    },
+    /// The `i`-th hold still live commits this much of its output.
+    Commit {
+        i: usize,
+        output: u64,
+    },
+    Advance {
+        ms: u64,
+    },
+}
+
+fn tenant_op() -> impl Strategy<Value = TenantOp> {
+    prop_oneof![
+        5 => (1..400u64, 1..900u64).prop_map(|(prompt, max_tokens)| TenantOp::Reserve { prompt, max_tokens }),
+        2 => (0..4usize, 0..900u64).prop_map(|(i, output)| TenantOp::Commit { i, output }),
+        2 => prop_oneof![1..200u64, 300..1_500u64].prop_map(|ms| TenantOp::Advance { ms }),
+    ]
+}
+
+/// A tenant's limits: 3,000 tokens a bucket refilled at 100 a second, six requests a minute, three
+/// requests at once (each held for its 800 ms lease unless it commits: below the 1 s back-off, so
+/// the hint is the lease's end), and 12,000 tokens a day.
+const TENANT: &str = "lease_ttl_ms: 800\nlimits: { tokens_per_minute: 6000, burst_tokens: 3000, requests_per_minute: 6, max_concurrency: 3, tokens_per_day: 12000 }\n";
+
+async fn tenant_hints_are_the_earliest(ops: Vec<TenantOp>, probe: (u64, u64)) {
+    use tollgate::admission::Decision;
+    let h = support::embedded(TENANT).await;
+    let mut live: Vec<(String, u64)> = Vec::new();
+    for op in &ops {
+        match *op {
+            TenantOp::Reserve { prompt, max_tokens } => {
+                if let Decision::Admitted(a) = h.reserve(prompt, max_tokens).await {
+                    live.push((a.reservation_id, prompt));
+                }
+            }
+            TenantOp::Commit { i, output } => {
+                if !live.is_empty() {
+                    let (id, prompt) = live.remove(i % live.len());
+                    h.admission.commit(&id, prompt, output).await.unwrap();
+                }
+            }
+            TenantOp::Advance { ms } => h.advance(ms).await,
+        }
+        h.advance(1).await;
+    }
+    let Decision::Denied(no) = h.reserve(probe.0, probe.1).await else { return };
+    let Some(ms) = no.retry_after_ms.filter(|_| no.reason.retryable()) else { return };
+    // Nothing arrives and nothing commits: the buckets refill, the day turns, the holds' leases end.
+    h.advance(ms - 1).await;
+    let early = h.reserve(probe.0, probe.1).await;
+    assert!(matches!(early, Decision::Denied(_)), "admitted 1 ms before its {ms} ms hint ({no:?}): {early:?}");
+    h.advance(1).await;
+    let on_time = h.reserve(probe.0, probe.1).await;
+    assert!(matches!(on_time, Decision::Admitted(_)), "refused at its {ms} ms hint ({no:?}): {on_time:?}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn a_tenants_hint_is_the_earliest_admission(
+        ops in prop::collection::vec(tenant_op(), 1..24),
+        probe in (1..400u64, 1..900u64),
+    ) {
+        runtime().block_on(tenant_hints_are_the_earliest(ops, probe));
+    }
 }
