@@ -342,6 +342,10 @@ pub struct SimLoadArgs {
     /// The simulated fleet's base URL (`tollgate sim-backend`): the printout adds its utilisation.
     #[arg(long)]
     pub sim: Option<String>,
+    /// A refused request waits exactly its hint and is sent again, up to this many times (as the
+    /// OpenAI SDK does, 2); the printout then says how many its first retry got in.
+    #[arg(long, default_value_t = 0)]
+    pub retries: u32,
 }
 
 /// The overload matrix's settings.

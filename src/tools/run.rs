@@ -301,7 +301,7 @@ pub async fn sim_load(args: SimLoadArgs) -> ExitCode {
         duration: Duration::from_secs(args.seconds),
         timeout: Duration::from_millis(args.timeout_ms),
         classes: load::mixed(args.interactive_rate, args.standard_rate, args.batch_rate),
-        retries: 0,
+        retries: args.retries,
     };
     let before = match &args.sim {
         Some(sim) => load::fleet_busy(sim).await.map(|b| (b, std::time::Instant::now())),

@@ -362,5 +362,14 @@ pub fn table(reports: &[ClassReport]) -> String {
             pct(990)
         ));
     }
+    let retried: u64 = reports.iter().map(|r| r.retried).sum();
+    if retried > 0 {
+        let first: u64 = reports.iter().map(|r| r.first_retry_admitted).sum();
+        let later: u64 = reports.iter().map(|r| r.later_admitted).sum();
+        out.push_str(&format!(
+            "\nrefused and retried on the hint: {retried}; admitted at the first retry {first} ({:.0}%), at a later one {later}\n",
+            100.0 * first as f64 / retried as f64
+        ));
+    }
     out
 }
