@@ -139,11 +139,12 @@ local n, w, used_kv = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) o
 local resume = tonumber(v[6]) or 0
 -- A refusal: this request's place, if it had one, is given up; and a pool left with nobody (its
 -- place gone, or expired places read away) forgets, as pool_drop's does.
-local function refuse(reason, retry, delay)
+-- `retry` nil: no time can be predicted, and `at_least` (ms, when given) is as soon as it could be.
+local function refuse(reason, retry, delay, at_least)
   call('HDEL', waiting, id)
   pool_forget_if_idle(KEYS, n)
   if not retry then
-    return { 0, reason, 0, delay, 1 }
+    return { 0, reason, at_least or 0, delay, 1 }
   end
   return { 0, reason, retry, delay, 0 }
 end
@@ -340,21 +341,9 @@ if in_tollgate then
       before[#before + 1] = e
     end
   end
-  table.sort(before, function(a, b)
-    if a.rank ~= b.rank then
-      return a.rank < b.rank
-    end
-    if a.rank == rank and a.start ~= b.start then
-      return a.start < b.start
-    end
-    if a.arrival ~= b.arrival then
-      return a.arrival < b.arrival
-    end
-    return a.id < b.id
-  end)
-  local before_works, before_work = {}, 0
-  for i, e in ipairs(before) do
-    before_works[i], before_work = e.work, before_work + e.work
+  local before_work = 0
+  for _, e in ipairs(before) do
+    before_work = before_work + e.work
   end
   -- More KV than its tier may ever hold: no wait would help.
   if tier_kv > 0 and kv > tier_kv then
@@ -362,9 +351,29 @@ if in_tollgate then
   end
   local kv_room = tier_kv == 0 or used_kv + kv <= tier_kv
   local starts = n + #before < tier_slots and kv_room
+  -- Where it cannot start: the holds by their ends, and the works of those before it in the order
+  -- they start.
+  local ahead, late, before_works = nil, nil, {}
+  if not starts then
+    ahead, late = holds_by_end()
+    table.sort(before, function(a, b)
+      if a.rank ~= b.rank then
+        return a.rank < b.rank
+      end
+      if a.rank == rank and a.start ~= b.start then
+        return a.start < b.start
+      end
+      if a.arrival ~= b.arrival then
+        return a.arrival < b.arrival
+      end
+      return a.id < b.id
+    end)
+    for i, e in ipairs(before) do
+      before_works[i] = e.work
+    end
+  end
   -- Its predicted start: a hold past its predicted end is taken to end now (each ask looks again).
   -- Short of KV room, not before the first hold ends.
-  local ahead, late = holds_by_end()
   local delay = 0
   if not starts then
     local ends = {}
@@ -380,16 +389,28 @@ if in_tollgate then
     end
   end
   -- A refusal's retry: when, sent again, it would wait no longer than it may and finish within its
-  -- deadline, its start predicted by the holds still ahead of their ends alone (nil: it waits on
-  -- one past its end, or on more holds than the pool knows ends of; 0: no wait helps).
+  -- deadline, its start predicted by the holds still ahead of their ends alone, and not before
+  -- they free the KV it needs (nil: it waits on one past its end, or on more holds than the pool
+  -- knows ends of; 0: no wait helps).
   local function retry()
+    if deadline > 0 and finish > deadline then
+      return 0
+    end
     local ends = {}
     for _, h in ipairs(ahead) do
       ends[#ends + 1] = h.ends
     end
     local at = start_behind(ends, before_works, tier_slots - n)
-    if deadline > 0 and finish > deadline then
-      return 0
+    if at and not kv_room then
+      local freed, room = 0, nil
+      for _, h in ipairs(ahead) do
+        freed = freed + h.kv
+        if used_kv - freed + kv <= tier_kv then
+          room = h.ends - now
+          break
+        end
+      end
+      at = room and max(at, room)
     end
     if not at then
       return nil
@@ -536,17 +557,29 @@ if resumes > 0 then
   why = 'throttled'
 end
 if why then
-  local at = earliest(pool, resumes)
-  if not at and ((deadline > 0 and finish > deadline) or (tier_kv > 0 and kv > tier_kv)) then
-    -- No wait helps.
-    at = 0
+  -- No wait helps: a deadline shorter than its own finish, more KV than its tier may hold, more
+  -- than the provider's limits ever take.
+  if deadline > 0 and finish > deadline then
+    return refuse('deadline', 0, delay)
   end
-  -- Where the provider's limits free later still, theirs is the wait (and the reason).
+  if tier_kv > 0 and kv > tier_kv then
+    return refuse('queue_full', 0, delay)
+  end
   local limit, ms = provider_wait(false)
   if limit == 'unsatisfiable' then
     return refuse('provider:unsatisfiable', 0, delay)
   end
-  if limit and at and at > 0 and ms > at then
+  -- Throttled alone, the pool admits it once the provider's Retry-After passes; else walk the
+  -- holds' ends.
+  local at = resumes
+  if resumes == 0 or refusal_at(pool, resumes) then
+    at = earliest(pool, resumes)
+  end
+  if not at then
+    return refuse(why, nil, delay, max(resumes, ms or 0))
+  end
+  -- Where the provider's limits free later still, theirs is the wait (and the reason).
+  if limit and ms > at then
     return refuse('provider:' .. limit, ms, delay)
   end
   return refuse(why, at, delay)

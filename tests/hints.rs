@@ -211,7 +211,7 @@ async fn hints_are_the_earliest(queue: PoolQueue, ops: Vec<Op>, probe: Ask) -> O
             let on_time = run.ask("probe", probe).await;
             assert!(run.admits(&on_time), "refused at its hint of {ms} ms: {on_time:?}");
         }
-        PoolRetry::Unpredictable => {
+        PoolRetry::Unpredictable { .. } => {
             // Every hold with an end ahead ends: still no room without those past theirs.
             let last = run.ends.values().copied().filter(|end| *end > from).max().unwrap_or(from);
             run.ends_as_predicted(from, last.max(from + 1)).await;
@@ -338,4 +338,18 @@ proptest! {
     ) {
         runtime().block_on(tenant_hints_are_the_earliest(ops, probe));
     }
+}
+
+/// Queueing in tollgate, a request with a slot free but short of its tier's KV tokens is told when
+/// the holds that keep them end (not at once: it would be refused again the same way).
+#[test]
+fn a_request_short_of_kv_is_told_when_the_kv_frees() {
+    runtime().block_on(async {
+        let critical = |kv, wait| Ask { tier: 0, tenant: 0, work: 1_000, kv, deadline: 0, wait };
+        // Two holds of 400 of the tier's 1,000 KV tokens; a third slot free.
+        let ops = vec![Op::Ask(critical(400, 0)), Op::Ask(critical(400, 0))];
+        let retry = hints_are_the_earliest(PoolQueue::Tollgate, ops, critical(400, 100)).await;
+        // The first ends 1,100 ms after it came (two steps ago): sent 100 ms before, it waits.
+        assert_eq!(retry, Some(PoolRetry::In(1_100 - 2 - 100)), "{retry:?}");
+    });
 }

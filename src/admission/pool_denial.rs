@@ -71,7 +71,10 @@ pub(super) fn refused(
         PoolRetry::In(ms) => {
             (Some(ms), format!("sent again in {ms} ms, as the pool's holds end when predicted, it would be admitted"))
         }
-        PoolRetry::Unpredictable => (Some(back_off), unpredictable(back_off)),
+        PoolRetry::Unpredictable { at_least } => {
+            let back_off = back_off.max(at_least);
+            (Some(back_off), unpredictable(back_off))
+        }
         PoolRetry::Never if refusal == PoolRefusal::Deadline => {
             (None, "its own predicted finish is longer than the deadline: no wait helps".to_string())
         }
@@ -107,7 +110,8 @@ fn provider(limit: Refusal, retry: PoolRetry, pool: &str, tier: Priority) -> Den
     };
     let retry_after_ms = match retry {
         PoolRetry::In(ms) => Some(ms),
-        PoolRetry::Unpredictable | PoolRetry::Never => None,
+        PoolRetry::Unpredictable { at_least } => Some(at_least.max(1)),
+        PoolRetry::Never => None,
     };
     Denial { retry_after_ms, ..Denial::now(reason, message) }
 }

@@ -320,7 +320,13 @@ impl<S: Store> Admission<S> {
         let outcome = loop {
             let outcome = self.protocol.pool_reserve(&call).await;
             let Ok(PoolOutcome::Waiting { start_delay_ms }) = outcome else { break outcome };
-            let pause = Duration::from_millis((start_delay_ms / 4).clamp(POLL_MIN_MS, POLL_MAX_MS));
+            // A start predicted now that has not come waits on a hold past its predicted end (or
+            // on KV): when it ends nobody can say, so the longest pause (a slot given back on
+            // this replica wakes it at once).
+            let pause = match start_delay_ms {
+                0 => Duration::from_millis(POLL_MAX_MS),
+                ms => Duration::from_millis((ms / 4).clamp(POLL_MIN_MS, POLL_MAX_MS)),
+            };
             tokio::select! {
                 () = self.pool_freed.notified() => {}
                 () = tokio::time::sleep(pause) => {}

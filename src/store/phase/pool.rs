@@ -194,8 +194,8 @@ pub enum PoolRetry {
     /// In this many ms, at the earliest.
     In(u64),
     /// It waits on a hold past its predicted end (or one with none): when that ends, nobody can
-    /// say.
-    Unpredictable,
+    /// say; not before `at_least` ms (the provider's Retry-After, or its limits' wait), though.
+    Unpredictable { at_least: u64 },
     /// No wait helps (too large for the tier, or a deadline shorter than its own finish).
     Never,
 }
@@ -256,7 +256,7 @@ impl<S: Store> Protocol<S> {
                     },
                 };
                 let retry = match (r.uint(2)?, r.flag(4)?) {
-                    (_, true) => PoolRetry::Unpredictable,
+                    (at_least, true) => PoolRetry::Unpredictable { at_least },
                     (0, false) => PoolRetry::Never,
                     (ms, false) => PoolRetry::In(ms),
                 };
