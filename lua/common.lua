@@ -456,50 +456,51 @@ local function slot_frees(s, need, leases, holds, cap, now)
   end
 end
 
+-- How long until a bucket of scope `s` at `level` now holds `need`: the least whole ms after which
+-- read_scope, reading its stored level (field `k`, written at field `kt`), finds it there (its
+-- arithmetic decides, not this division's rounding). A tier's part of a scope reads shifted
+-- levels: the division alone.
+local function refill_wait(s, level, need, cap, rate, k, kt, now)
+  local ms = max(1, ceil((need - level) / rate))
+  local stored = not s.part and s.f[k]
+  if not stored then
+    return ms
+  end
+  local function holds_then(t)
+    return refilled(stored, s.f[kt], cap, rate, now + t) >= need
+  end
+  for _ = 1, 3 do
+    if holds_then(ms) then
+      break
+    end
+    ms = ms + 1
+  end
+  for _ = 1, 3 do
+    if ms <= 1 or not holds_then(ms - 1) then
+      break
+    end
+    ms = ms - 1
+  end
+  return ms
+end
+
 -- Calls `deny(reason, ms)` for every limit of scope `s` that taking `n` more ({u tokens, c cost,
 -- p prompt tokens, g output tokens}), `requests` and `slots` would break, with how long until it
 -- would not. `at`: the current periods, in the zone `offset` minutes east of UTC. Budgets are
 -- named `budget:<counter>`. A concurrency slot: slot_frees over the tenant's lease index and holds
 -- hash (`leases`, `holds`), at most `wait_cap`.
 local function check_scope(s, n, requests, slots, leases, holds, wait_cap, now, at, offset, deny)
-  -- How long until a bucket at `level` now holds `need`: the least whole ms after which
-  -- read_scope, reading its stored level (field `k`, written at field `kt`), finds it there (its
-  -- arithmetic decides, not this division's rounding). A tier's part of a scope reads shifted
-  -- levels: the division alone.
-  local function wait(level, need, cap, rate, k, kt)
-    local ms = max(1, ceil((need - level) / rate))
-    local stored = not s.part and s.f[k]
-    if not stored then
-      return ms
-    end
-    local function holds_then(t)
-      return refilled(stored, s.f[kt], cap, rate, now + t) >= need
-    end
-    for _ = 1, 3 do
-      if holds_then(ms) then
-        break
-      end
-      ms = ms + 1
-    end
-    for _ = 1, 3 do
-      if ms <= 1 or not holds_then(ms - 1) then
-        break
-      end
-      ms = ms - 1
-    end
-    return ms
-  end
   if s.tcap > 0 and n.u > 0 and s.t < n.u then
-    deny('token_rate', wait(s.t, n.u, s.tcap, s.trate, 't', 'tt'))
+    deny('token_rate', refill_wait(s, s.t, n.u, s.tcap, s.trate, 't', 'tt', now))
   end
   if s.pcap > 0 and n.p > 0 and s.pt < n.p then
-    deny('input_rate', wait(s.pt, n.p, s.pcap, s.prate, 'pt', 'ptt'))
+    deny('input_rate', refill_wait(s, s.pt, n.p, s.pcap, s.prate, 'pt', 'ptt', now))
   end
   if s.gcap > 0 and n.g > 0 and s.gt < n.g then
-    deny('output_rate', wait(s.gt, n.g, s.gcap, s.grate, 'gt', 'gtt'))
+    deny('output_rate', refill_wait(s, s.gt, n.g, s.gcap, s.grate, 'gt', 'gtt', now))
   end
   if s.rcap > 0 and requests > 0 and s.r < requests then
-    deny('request_rate', wait(s.r, requests, s.rcap, s.rrate, 'r', 'rt'))
+    deny('request_rate', refill_wait(s, s.r, requests, s.rcap, s.rrate, 'r', 'rt', now))
   end
   if s.cmax > 0 and slots > 0 and s.c + slots > s.cmax then
     deny('concurrency', slot_frees(s, s.c + slots - s.cmax, leases, holds, wait_cap, now))
@@ -1198,6 +1199,17 @@ local function pool_ends(now, span)
   return now + span + max(ceil(span / 10), 50)
 end
 
+-- An order for table.sort of records by their `field`, then their `id` (every replica sorts
+-- alike).
+local function by_then_id(field)
+  return function(a, b)
+    if a[field] ~= b[field] then
+      return a[field] < b[field]
+    end
+    return a.id < b.id
+  end
+end
+
 -- A binary min-heap of numbers in a table: push, and pop the least (nil when empty).
 local function heap_push(heap, x)
   local i = #heap + 1
@@ -1392,12 +1404,7 @@ end
 -- Start tags of `entries` (one tier's), in place, from the tier's virtual time and tenants' finish
 -- tags in `tags`.
 local function start_tags(entries, tags, virtual)
-  table.sort(entries, function(a, b)
-    if a.arrival ~= b.arrival then
-      return a.arrival < b.arrival
-    end
-    return a.id < b.id
-  end)
+  table.sort(entries, by_then_id('arrival'))
   local next_start = {}
   for _, e in ipairs(entries) do
     local s = next_start[e.tenant]

@@ -41,8 +41,9 @@
 --    finds the hold and answers with the pool as it stands: the work is held once)
 -- Reply, waiting:  {2, predicted start delay ms, holds outstanding, work outstanding (ms)}: call
 --   again (same id) to take the slot when it comes; pool_release.lua gives the place up
--- Reply, denied:   {0, reason, retry after ms, predicted start delay ms, 1 when no time can be
---   predicted (the retry is then 0: the caller backs off)}
+-- Reply, denied:   {0, reason, retry after ms (0: no wait helps), predicted start delay ms, 1 when
+--   no time can be predicted (the retry is then the soonest it could be, 0 when nothing bounds it:
+--   the caller backs off at least that long)}
 --   reason: deadline | queue_full | throttled (the provider's Retry-After has not passed) |
 --           fair_share (the tier is contended and the tenant holds its share of it already) |
 --           provider:<limit> (the provider's limits, as the tier may use them, cannot take the
@@ -93,8 +94,9 @@
 -- (holds + those before it - the tier's slots + 1): the holds end at their predicted ends (one past
 -- its end, at once), and each request before it, once started, holds its slot for its work.
 -- Refused when that start (plus its finish) passes its deadline, or passes what the caller may
--- still wait (queue_full); the retry is then when, sent again, it would wait no longer than that. Fair shares by held work (above) apply only to a pool that queues
--- at the backend: in tollgate the order is the share.
+-- still wait (queue_full); the retry is then when, sent again, it would wait no longer than that.
+-- Fair shares by held work (above) apply only to a pool that queues at the backend: in tollgate
+-- the order is the share.
 
 local state, holds, leases = KEYS[1], KEYS[2], KEYS[3]
 local id = ARGV[1]
@@ -210,10 +212,10 @@ local function provider_refusal(delay, budgets_only)
 end
 
 -- The pool's holds by their predicted ends: those still ahead of them ({id, work, kv, tier,
--- tenant, ends}, sorted by end, then id), and the ids of those past their end or with none
--- (`late`: when they end, nobody can say).
+-- tenant, ends}, sorted by end, then id), and how many are past their end or have none (`late`:
+-- when they end, nobody can say).
 local function holds_by_end()
-  local all, ahead, late = call('HGETALL', holds), {}, {}
+  local all, ahead, late = call('HGETALL', holds), {}, 0
   for i = 1, #all, 2 do
     local key = all[i]
     if string.sub(key, -1) ~= '+' then
@@ -223,34 +225,34 @@ local function holds_by_end()
         ahead[#ahead + 1] = { id = key, work = tonumber(p[1]), kv = tonumber(p[2]), tier = p[3], tenant = p[4],
           ends = ends }
       else
-        late[#late + 1] = key
+        late = late + 1
       end
     end
   end
-  table.sort(ahead, function(a, b)
-    if a.ends ~= b.ends then
-      return a.ends < b.ends
-    end
-    return a.id < b.id
-  end)
+  table.sort(ahead, by_then_id('ends'))
   return ahead, late
 end
 
-local function start_delay(over_slots)
-  if n < over_slots then
+-- When a request starts (ms from now) behind `held` holds of `held_work` ms over `over` slots:
+-- at once while a slot is free, else after the work spread over them.
+local function start_over(held, held_work, over)
+  if held < over then
     return 0
   end
-  return ceil(w / over_slots)
+  return ceil(held_work / over)
 end
 
 -- Queueing in tollgate: when this request would start (ms from now) behind `before` (the works of
 -- the requests waiting before it, in their order), with `free` slots of its tier free now, as
--- holds end at `ends` (absolute ms, sorted) and each request before it, once started, holds its
--- slot for its work. Nil when more holds must end than have an end in `ends`.
-local function start_behind(ends, before, free)
+-- `late` holds end now and those `ahead` at their ends, and each request before it, once started,
+-- holds its slot for its work. Nil when more holds must end than that.
+local function start_behind(ahead, late, before, free)
   local heap, at = {}, now
-  for _, e in ipairs(ends) do
-    heap_push(heap, e)
+  for _ = 1, late do
+    heap_push(heap, now)
+  end
+  for _, h in ipairs(ahead) do
+    heap_push(heap, h.ends)
   end
   local function slot()
     while free <= 0 do
@@ -326,18 +328,32 @@ if in_tollgate then
   local kept = mine[5] and tonumber(mine[5]) > now
   local me = { id = id, rank = rank, tenant = tenant, work = work, weight = weight,
     arrival = kept and tonumber(mine[4]) or now }
-  local before, same = {}, { me }
+  local others, same = {}, { me }
   for _, e in ipairs(waiters_of(waiting, now)) do
-    if e.rank < rank then
-      before[#before + 1] = e
-    elseif e.rank == rank and e.id ~= id then
-      same[#same + 1] = e
+    if e.id ~= id and e.rank <= rank then
+      others[#others + 1] = e
+      if e.rank == rank then
+        same[#same + 1] = e
+      end
     end
   end
   start_tags(same, tags, tonumber(call('HGET', state, 'v' .. tier)) or 0)
-  for _, e in ipairs(same) do
-    if e ~= me and (e.start < me.start or (e.start == me.start and
-        (e.arrival < me.arrival or (e.arrival == me.arrival and e.id < id)))) then
+  -- The order they start in: tier, then (its own tier's) start tag, then arrival and id.
+  local function starts_first(a, b)
+    if a.rank ~= b.rank then
+      return a.rank < b.rank
+    end
+    if a.rank == rank and a.start ~= b.start then
+      return a.start < b.start
+    end
+    if a.arrival ~= b.arrival then
+      return a.arrival < b.arrival
+    end
+    return a.id < b.id
+  end
+  local before = {}
+  for _, e in ipairs(others) do
+    if starts_first(e, me) then
       before[#before + 1] = e
     end
   end
@@ -353,39 +369,19 @@ if in_tollgate then
   local starts = n + #before < tier_slots and kv_room
   -- Where it cannot start: the holds by their ends, and the works of those before it in the order
   -- they start.
-  local ahead, late, before_works = nil, nil, {}
-  if not starts then
-    ahead, late = holds_by_end()
-    table.sort(before, function(a, b)
-      if a.rank ~= b.rank then
-        return a.rank < b.rank
-      end
-      if a.rank == rank and a.start ~= b.start then
-        return a.start < b.start
-      end
-      if a.arrival ~= b.arrival then
-        return a.arrival < b.arrival
-      end
-      return a.id < b.id
-    end)
-    for i, e in ipairs(before) do
-      before_works[i] = e.work
-    end
-  end
+  local ahead, late, before_works = nil, 0, {}
   -- Its predicted start: a hold past its predicted end is taken to end now (each ask looks again).
   -- Short of KV room, not before the first hold ends.
   local delay = 0
   if not starts then
-    local ends = {}
-    for _ = 1, #late do
-      ends[#ends + 1] = now
+    ahead, late = holds_by_end()
+    table.sort(before, starts_first)
+    for i, e in ipairs(before) do
+      before_works[i] = e.work
     end
-    for _, h in ipairs(ahead) do
-      ends[#ends + 1] = h.ends
-    end
-    delay = start_behind(ends, before_works, tier_slots - n)
-    if delay and not kv_room then
-      delay = max(delay, (ends[1] or now) - now)
+    delay = start_behind(ahead, late, before_works, tier_slots - n)
+    if delay and not kv_room and late == 0 and ahead[1] then
+      delay = max(delay, ahead[1].ends - now)
     end
   end
   -- A refusal's retry: when, sent again, it would wait no longer than it may and finish within its
@@ -396,11 +392,7 @@ if in_tollgate then
     if deadline > 0 and finish > deadline then
       return 0
     end
-    local ends = {}
-    for _, h in ipairs(ahead) do
-      ends[#ends + 1] = h.ends
-    end
-    local at = start_behind(ends, before_works, tier_slots - n)
+    local at = start_behind(ahead, 0, before_works, tier_slots - n)
     if at and not kv_room then
       local freed, room = 0, nil
       for _, h in ipairs(ahead) do
@@ -454,16 +446,10 @@ local weight_held = weight
 -- from now: nil when they admit the request, else why not.
 local function refusal_at(p, at)
   local s, ts = slots_at(at)
-  local function start_over(over)
-    if p.n < over then
-      return 0
-    end
-    return ceil(p.w / over)
-  end
-  if deadline > 0 and start_over(s) + finish > deadline then
+  if deadline > 0 and start_over(p.n, p.w, s) + finish > deadline then
     return 'deadline'
   end
-  if start_over(ts) > max_delay then
+  if start_over(p.n, p.w, ts) > max_delay then
     -- Past what this tier may queue behind.
     return 'queue_full'
   end
@@ -546,7 +532,7 @@ local function earliest(p, from)
   return nil
 end
 
-local delay = start_delay(slots)
+local delay = start_over(n, w, slots)
 local pool = { n = n, w = w, kv = used_kv, tw = 0, ws = 0, mine = 0, holds = 0 }
 if n >= tier_slots then
   pool.tw, pool.ws, pool.mine, weight_held, pool.holds = fair_read(state, tier, tenant, weight)

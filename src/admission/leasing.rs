@@ -5,9 +5,10 @@
 
 use std::sync::Arc;
 
+use super::denials::{refusal_reason, store_unavailable};
 use super::lease::{self, Called, Local};
 use super::plan::Plan;
-use super::reserve::{Tidy, refusal_reason, store_unavailable};
+use super::reserve::Tidy;
 use super::retry::Settlement;
 use super::{Admission, Admitted, Decision, Denial, Reason};
 use crate::config::Policy;
@@ -84,7 +85,7 @@ impl<S: Store> Admission<S> {
                 soft_limit: None,
                 tier: plan.tier,
                 forecast: None,
-                output_ceiling: plan.output_limit,
+                output_ceiling: plan.output_ceiling,
             }),
             Local::Refused { scope, reason, retry_after_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());

@@ -27,6 +27,7 @@
 mod budgets;
 mod claims;
 mod decision;
+mod denials;
 mod estimates;
 pub mod fleet;
 mod lease;
@@ -34,7 +35,6 @@ mod leasing;
 mod local;
 pub mod log;
 mod plan;
-mod pool_denial;
 mod pools;
 mod reserve;
 pub mod retry;

@@ -192,7 +192,7 @@ impl<S> Admission<S> {
             ceiling,
             // (Only a limit the request itself named: without one, its backend's own default
             // applies, which the policy's ceiling does not bound.)
-            output_limit: a.max_tokens.filter(|_| !a.input_only).map(|_| ceiling),
+            output_ceiling: a.max_tokens.filter(|_| !a.input_only).map(|_| ceiling),
             scopes,
             pool,
             deadline_ms: a.deadline_ms.or(tp.default_deadline_ms),
@@ -258,7 +258,7 @@ pub(super) struct Plan {
     pub(super) ceiling: u64,
     /// The most output the request itself allows (its `max_tokens`, times its outputs), when it
     /// named a limit tollgate read: its backend stops there, so a metered count is held to it.
-    pub(super) output_limit: Option<u64>,
+    pub(super) output_ceiling: Option<u64>,
     pub(super) scopes: Vec<Scope>,
     pub(super) pool: Option<PoolLeg>,
     pub(super) deadline_ms: Option<u64>,

@@ -37,10 +37,10 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
+use super::denials::{self, refusal_reason, slot_frees, store_unavailable};
 use super::lease::Local;
 use super::log::{self, StoreMode};
 use super::plan::{Plan, PoolLeg, cost_of};
-use super::pool_denial;
 use super::retry::Settlement;
 use super::{
     Admission, AdmissionError, Admitted, Attributes, Decision, Denial, Forecast, KeyRepeat, Priority, Reason,
@@ -148,11 +148,10 @@ impl<S: Store> Admission<S> {
         self.tasks.spawn(async move {
             let (mut tidy, mut waited) = (Tidy::default(), Duration::ZERO);
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
-            let unmetered = matches!(decided, Decision::Unmetered(_));
             let sent = answer.send((decided, waited, tidy.store_mode(&plan)));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
             // second timeout to it).
-            this.tidy(&plan, tidy, unmetered).await;
+            this.tidy(&plan, tidy).await;
             if let Err((Decision::Admitted(undelivered), _, _)) = sent
                 && !undelivered.replayed
             {
@@ -180,9 +179,10 @@ impl<S: Store> Admission<S> {
                 Ok(forecast) => Some(forecast),
                 Err(denial) if denial.reason == Reason::StoreUnavailable => {
                     // The call may have run and only its reply been lost.
-                    tidy.pool_leg = true;
                     tidy.store_failed = true;
-                    return self.on_store_error(plan, denial);
+                    let decision = self.on_store_error(plan, denial);
+                    tidy.pool_leg = Some(pool_leg_end(&decision));
+                    return decision;
                 }
                 Err(denial) => return Decision::Denied(denial),
             },
@@ -202,7 +202,7 @@ impl<S: Store> Admission<S> {
             // The pool gives the work back before a refusal is answered, as the refusal says; after
             // a store failure it is tidied up later, so the answer does not wait on the store twice.
             if tidy.store_failed {
-                tidy.pool_leg = true;
+                tidy.pool_leg = Some(pool_leg_end(&decision));
             } else {
                 self.release_pool_leg(&leg.name, &plan.id, PoolEnd::Unused).await;
             }
@@ -210,14 +210,9 @@ impl<S: Store> Admission<S> {
         decision
     }
 
-    /// What a decision left to tidy up, once it has been answered. `unmetered`: the request was
-    /// admitted without a hold (the store failed and the tenant's `on_store_error` let it
-    /// through), so it reaches the backend all the same: its pool leg's provider charge stays as
-    /// held; any other pool leg to tidy never reached it.
-    pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy, unmetered: bool) {
-        let end = if unmetered { PoolEnd::AsHeld } else { PoolEnd::Unused };
-        let pool_leg = (tidy.pool_leg && plan.pool.is_some()).then_some(end);
-        self.give_back_legs(plan, &plan.id, tidy.hold, pool_leg).await;
+    /// What a decision left to tidy up, once it has been answered.
+    pub(super) async fn tidy(&self, plan: &Plan, tidy: Tidy) {
+        self.give_back_legs(plan, &plan.id, tidy.hold, tidy.pool_leg).await;
     }
 
     /// Gives back legs of a hold nobody will use, now or, when the store does not answer, through
@@ -347,10 +342,10 @@ impl<S: Store> Admission<S> {
                 Ok(Forecast { start_delay_ms, output_tokens: leg.output_tokens })
             }
             Ok(PoolOutcome::Waiting { start_delay_ms }) => {
-                Err(pool_denial::waited_out(start_delay_ms, leg, may_wait, plan))
+                Err(denials::waited_out(start_delay_ms, leg, may_wait, plan))
             }
             Ok(PoolOutcome::Denied { reason, retry, start_delay_ms }) => {
-                Err(pool_denial::refused(reason, retry, start_delay_ms, leg, plan))
+                Err(denials::refused(reason, retry, start_delay_ms, leg, plan))
             }
             Err(e) => Err(store_unavailable(&e, plan)),
         }
@@ -443,7 +438,7 @@ impl<S: Store> Admission<S> {
                     soft_limit: soft.map(|(budget, _)| budget),
                     tier: plan.tier,
                     forecast: None,
-                    output_ceiling: plan.output_limit,
+                    output_ceiling: plan.output_ceiling,
                 })
             }
             Ok(ReserveOutcome::Denied { reason, scope, retry_after_ms, headroom }) => {
@@ -508,45 +503,11 @@ impl<S: Store> Admission<S> {
     }
 }
 
-/// The reason and message of a store refusal on `scope`.
-pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, String) {
-    match refusal {
-        Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
-        Refusal::InputRate => (Reason::TokenRate, format!("input token rate limit of scope {scope} reached")),
-        Refusal::OutputRate => (Reason::TokenRate, format!("output token rate limit of scope {scope} reached")),
-        Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
-        Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
-        Refusal::Budget(b) => (Reason::Budget, format!("{} of scope {scope} is spent", b.describe())),
-        Refusal::Attempts => {
-            (Reason::InvalidRequest, format!("idempotency key has made its most reserves ({max_attempts})"))
-        }
-        Refusal::Conflict => (
-            Reason::InvalidRequest,
-            "idempotency key was first used for a different request (user, model or size)".to_string(),
-        ),
-        Refusal::Unsatisfiable => {
-            (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
-        }
-    }
-}
-
-/// When a concurrency slot frees, as the refusal says it: at the end of a hold's lease, when that
-/// is within the back-off; else nobody can say (a commit usually frees one first), and the caller
-/// backs off.
-fn slot_frees(retry_after_ms: u64, back_off_ms: u64) -> String {
-    if retry_after_ms < back_off_ms {
-        format!("; one frees at the latest when a hold's lease ends, in {retry_after_ms} ms")
-    } else {
-        format!(
-            "; when one frees cannot be predicted (a commit usually frees one before a lease ends): back off {retry_after_ms} ms"
-        )
-    }
-}
-
-pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {
-    let mode = plan.tp.on_store_error.as_str();
-    tracing::error!(error = %e, tenant = %plan.tenant, mode, "store call failed; the tenant's store-down mode answers");
-    Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
+/// How a pool leg left to tidy after a store failure ended, by the decision: a request admitted
+/// without a hold (the tenant's `on_store_error` let it through) reaches the backend all the same,
+/// so its provider charge stays as held; any other never reached it.
+fn pool_leg_end(decision: &Decision) -> PoolEnd {
+    if matches!(decision, Decision::Unmetered(_)) { PoolEnd::AsHeld } else { PoolEnd::Unused }
 }
 
 /// Store calls a decision leaves behind after a store failure, made once it is answered: a
@@ -560,8 +521,9 @@ pub(super) struct Tidy {
     pub(super) from_lease: bool,
     /// Release the tenant leg's hold: its reserve failed, and may have run all the same.
     pub(super) hold: bool,
-    /// Release the pool leg's hold: its call failed, or the tenant leg's did.
-    pub(super) pool_leg: bool,
+    /// Release the pool leg's hold (and settle its provider charge so): its call failed, or the
+    /// tenant leg's did.
+    pub(super) pool_leg: Option<PoolEnd>,
 }
 
 impl Tidy {

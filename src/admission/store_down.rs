@@ -4,8 +4,8 @@
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+use super::denials::refusal_reason;
 use super::plan::Plan;
-use super::reserve::refusal_reason;
 use super::{Admission, AdmissionError, Decision, Denial, Unmetered};
 use crate::config::OnStoreError;
 use crate::metrics::Outcome;

@@ -183,8 +183,8 @@ impl<S: Store> admission_server::Admission for AdmissionService<S> {
     #[tracing::instrument(name = "pool_status", skip_all)]
     async fn pool_status(&self, request: Request<PoolStatusRequest>) -> Result<Response<PoolStatusResponse>, Status> {
         let pool = request.into_inner().pool;
-        let status_now = self.admission.pool_status(&pool).await.map_err(status)?;
-        let (v, provider) = (status_now.load, status_now.provider);
+        let crate::admission::PoolStatus { load: v, provider } =
+            self.admission.pool_status(&pool).await.map_err(status)?;
         let speeds = self.admission.pool_speeds(&pool).map_err(status)?;
         Ok(Response::new(PoolStatusResponse {
             holds: v.holds,

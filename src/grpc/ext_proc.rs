@@ -219,7 +219,7 @@ impl Exchange {
             let (reservation, model, forecast, ceiling) = forwarded(metadata);
             self.learn(reservation, model, admission);
             self.forecast = forecast.and_then(headers::parse_forecast);
-            self.output_ceiling = ceiling.and_then(|c| c.parse().ok());
+            self.output_ceiling = ceiling.and_then(headers::parse_output_ceiling);
         }
         let reply = match message.request? {
             Phase::RequestHeaders(h) => {
@@ -231,7 +231,8 @@ impl Exchange {
                 if self.reservation.is_none() {
                     self.learn(header(&headers, RESERVATION), header(&headers, headers::MODEL), admission);
                     self.forecast = header(&headers, headers::FORECAST).and_then(headers::parse_forecast);
-                    self.output_ceiling = header(&headers, headers::OUTPUT_CEILING).and_then(|c| c.trim().parse().ok());
+                    self.output_ceiling =
+                        header(&headers, headers::OUTPUT_CEILING).and_then(headers::parse_output_ceiling);
                 }
                 self.watch.sent = Some(std::time::Instant::now());
                 Reply::RequestHeaders(HeadersResponse::default())

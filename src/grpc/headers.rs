@@ -108,6 +108,11 @@ pub fn parse_forecast(value: &str) -> Option<Forecast> {
     })
 }
 
+/// An [`OUTPUT_CEILING`] value (or its metadata field's) read back; `None` if it is not one.
+pub fn parse_output_ceiling(value: &str) -> Option<u64> {
+    value.trim().parse().ok()
+}
+
 /// A gRPC call's deadline as its caller sent it (`grpc-timeout`: Envoy's ext_authz `timeout`, a
 /// client's deadline).
 pub const GRPC_TIMEOUT: &str = "grpc-timeout";

@@ -188,6 +188,7 @@ impl Meter {
 
     /// What the whole body used, at its end (or at a disconnect: what passed until then).
     pub fn measured(&mut self) -> Measured {
+        self.capped = false;
         match self.format {
             Format::Json if !self.overflowed => {
                 let body = std::mem::take(&mut self.pending);

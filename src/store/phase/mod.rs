@@ -25,8 +25,6 @@ pub mod sweep;
 use super::{Reply, Script, StoreError};
 use crate::hold::{BudgetKey, Measure, Period, Refusal, Settled, Window, WouldRefuse};
 
-/// A script's `ARGV` as a codec builds it: each value pushed under the name the script's header
-/// gives its position. `names` is the fixed part; `group` repeats after it (per scope, per entry).
 /// Two argument lists, one after the other, as one (`N` their lengths' sum).
 // Evaluated at compile time over lists of a few dozen: indices stay below `N`.
 #[allow(clippy::arithmetic_side_effects)]
@@ -48,6 +46,8 @@ pub(crate) const fn joined<const A: usize, const B: usize, const N: usize>(
     all
 }
 
+/// A script's `ARGV` as a codec builds it: each value pushed under the name the script's header
+/// gives its position. `names` is the fixed part; `group` repeats after it (per scope, per entry).
 pub(crate) struct Argv {
     script: &'static str,
     names: &'static [&'static str],

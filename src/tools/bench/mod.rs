@@ -30,6 +30,21 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use report::{QuotaFigures, Report};
 
+/// The median (of an even count, the upper middle), the lowest and the highest of `v`; zeros
+/// when it is empty.
+fn spread_of(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    match (v.first(), v.last()) {
+        (Some(&lo), Some(&hi)) => (v[v.len() / 2], lo, hi),
+        _ => (0.0, 0.0, 0.0),
+    }
+}
+
+/// The median of `v` ([`spread_of`]'s); 0 when it is empty.
+fn median(v: Vec<f64>) -> f64 {
+    spread_of(v).0
+}
+
 use crate::tools::sim::lengths::{OutputLengths, Sampler};
 
 use crate::proto::CommitRequest;

@@ -41,6 +41,8 @@ use crate::tools::sim::backend::{self, SimConfig, SimStats};
 use crate::tools::sim::lengths::{OutputLengths, Sampler};
 use crate::tools::sim::load::{self, Class, ClassReport, LoadPlan};
 
+use super::{median, spread_of};
+
 /// What to run.
 #[derive(Debug, Clone)]
 pub struct OverloadOptions {
@@ -294,7 +296,7 @@ fn figures(
     let fair = fair_shares(served.iter().sum(), &demand, &weights);
     let relative: Vec<f64> = served.iter().zip(&fair).map(|(s, f)| if *f > 0.0 { s / f } else { 1.0 }).collect();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    let retried: u64 = reports.iter().map(|r| r.retried).sum();
+    let (retried, first, later) = load::hint_totals(reports);
     Cell {
         interactive_admitted: ratio(interactive.admitted as f64, interactive.sent as f64),
         deadline_hits: ratio((interactive.admitted - interactive.late) as f64, interactive.admitted as f64),
@@ -304,16 +306,10 @@ fn figures(
         weight_ratio: if served.len() == 2 { ratio(served[0], served[1]) } else { 0.0 },
         sent: reports.iter().map(|r| r.sent).sum(),
         retried,
-        first_retry: ratio(reports.iter().map(|r| r.first_retry_admitted).sum::<u64>() as f64, retried as f64),
-        later: ratio(reports.iter().map(|r| r.later_admitted).sum::<u64>() as f64, retried as f64),
+        first_retry: ratio(first as f64, retried as f64),
+        later: ratio(later as f64, retried as f64),
         lateness_ms: median(reports.iter().flat_map(|r| r.lateness_ms.iter().copied()).collect()),
     }
-}
-
-/// The median of `v` (0 when empty).
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 async fn learned(o: &OverloadOptions, client: &mut AdmissionClient<Channel>) -> Result<(f64, f64), OverloadError> {
@@ -342,22 +338,23 @@ pub async fn run(o: &OverloadOptions) -> Result<OverloadReport, OverloadError> {
             (fleet.stats.tokens.load(Ordering::Relaxed), fleet.stats.decode_micros.load(Ordering::Relaxed))
         };
         let speed = |(t0, m0): (u64, u64), (t1, m1): (u64, u64)| (t1 - t0) as f64 / ((m1 - m0).max(1) as f64 / 1e6);
-        let warm = OverloadOptions { seconds: o.calibrate.saturating_sub(30).max(1), retries: 0, ..o.clone() };
+        // Calibration's cells follow no hints.
+        let thirty = OverloadOptions { seconds: 30, retries: 0, ..o.clone() };
+        let warm = OverloadOptions { seconds: o.calibrate.saturating_sub(30).max(1), ..thirty.clone() };
         cell(&warm, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         let before = achieved(&fleet);
-        cell(&OverloadOptions { seconds: 30, retries: 0, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
+        cell(&thirty, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         let (decode, prefill) = learned(o, &mut client).await?;
         report.decode = Some((speed(before, achieved(&fleet)), decode));
         report.prefill = Some((o.prefill_tokens_per_second, prefill));
         fleet.stats.set_decode_speed(o.decode_tokens_per_second / 2.0);
         let before = achieved(&fleet);
-        let slowed = OverloadOptions { seconds: 30, retries: 0, ..o.clone() };
-        cell(&slowed, &fleet, mix(capacity / 2.0, &STANDARD_TENANTS)).await;
+        cell(&thirty, &fleet, mix(capacity / 2.0, &STANDARD_TENANTS)).await;
         report.halved = Some((speed(before, achieved(&fleet)), learned(o, &mut client).await?.0));
         fleet.stats.set_decode_speed(o.decode_tokens_per_second);
         drain(o, &fleet, &mut client).await;
         // The pool relearns the restored speed before the matrix.
-        cell(&OverloadOptions { seconds: 30, retries: 0, ..o.clone() }, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
+        cell(&thirty, &fleet, mix(capacity, &STANDARD_TENANTS)).await;
         drain(o, &fleet, &mut client).await;
     }
 
@@ -388,12 +385,22 @@ pub async fn run(o: &OverloadOptions) -> Result<OverloadReport, OverloadError> {
 
 /// Median, and the lowest and highest, of one figure over the rounds.
 fn spread(cells: &[Cell], pick: fn(&Cell) -> f64) -> (f64, f64, f64) {
-    let mut v: Vec<f64> = cells.iter().map(pick).collect();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return (0.0, 0.0, 0.0);
+    spread_of(cells.iter().map(pick).collect())
+}
+
+/// A table with a row per offered load: its `head`ings after "offered", and each load's `row`
+/// from its rounds' cells.
+fn by_load(
+    f: &mut std::fmt::Formatter<'_>,
+    loads: &[(f64, Vec<Cell>)],
+    head: &[&str],
+    row: impl Fn(&[Cell]) -> Vec<String>,
+) -> std::fmt::Result {
+    writeln!(f, "| offered | {} |\n|{}", head.join(" | "), "---|".repeat(head.len() + 1))?;
+    for (load, cells) in loads {
+        writeln!(f, "| {load}x | {} |", row(cells).join(" | "))?;
     }
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+    Ok(())
 }
 
 impl std::fmt::Display for OverloadReport {
@@ -408,37 +415,34 @@ impl std::fmt::Display for OverloadReport {
         }
         let pct = |(m, lo, hi): (f64, f64, f64)| format!("{:.1}% ({:.1}-{:.1})", m * 100.0, lo * 100.0, hi * 100.0);
         let num = |(m, lo, hi): (f64, f64, f64)| format!("{m:.3} ({lo:.3}-{hi:.3})");
-        writeln!(
-            f,
-            "| offered | requests | interactive admitted | deadline hits | wasted | utilisation | Jain (standard tenants) |\n|---|---|---|---|---|---|---|"
-        )?;
-        for (load, cells) in &self.cells {
-            writeln!(
-                f,
-                "| {load}x | {:.0} | {} | {} | {} | {} | {} |",
-                spread(cells, |c| c.sent as f64).0,
+        let head =
+            ["requests", "interactive admitted", "deadline hits", "wasted", "utilisation", "Jain (standard tenants)"];
+        by_load(f, &self.cells, &head, |cells| {
+            vec![
+                format!("{:.0}", spread(cells, |c| c.sent as f64).0),
                 pct(spread(cells, |c| c.interactive_admitted)),
                 pct(spread(cells, |c| c.deadline_hits)),
                 pct(spread(cells, |c| c.wasted)),
                 pct(spread(cells, |c| c.utilisation)),
                 num(spread(cells, |c| c.jain)),
-            )?;
-        }
+            ]
+        })?;
         if self.cells.iter().flat_map(|(_, c)| c).any(|c| c.retried > 0) {
-            writeln!(
-                f,
-                "\n| offered | refused and retried on the hint | admitted at the first retry | at a later one | later by (median ms) |\n|---|---|---|---|---|"
-            )?;
-            for (load, cells) in &self.cells {
-                writeln!(
-                    f,
-                    "| {load}x | {:.0} | {} | {} | {} |",
-                    spread(cells, |c| c.retried as f64).0,
+            writeln!(f)?;
+            let head = [
+                "refused and retried on the hint",
+                "admitted at the first retry",
+                "at a later one",
+                "later by (median ms)",
+            ];
+            by_load(f, &self.cells, &head, |cells| {
+                vec![
+                    format!("{:.0}", spread(cells, |c| c.retried as f64).0),
                     pct(spread(cells, |c| c.first_retry)),
                     pct(spread(cells, |c| c.later)),
                     num(spread(cells, |c| c.lateness_ms)),
-                )?;
-            }
+                ]
+            })?;
         }
         if !self.weighted.is_empty() {
             writeln!(

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::{BenchError, BenchOptions, Control, Report, run_with};
+use super::{BenchError, BenchOptions, Control, Report, median, run_with};
 
 /// What to sweep.
 #[derive(Debug, Clone)]
@@ -94,11 +94,6 @@ pub struct SweepReport {
     pub defended_capacity: Option<u32>,
     /// Ctrl-C stopped the sweep; the figures cover what ran.
     pub stopped_early: bool,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
 }
 
 fn summarize(offered: u32, runs: Vec<RunFigures>, o: &SweepOptions) -> RateSummary {

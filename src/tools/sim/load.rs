@@ -17,6 +17,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::Mutex;
 use tokio::time::{Instant, MissedTickBehavior};
 
+use crate::grpc::headers;
+
 /// One kind of traffic.
 #[derive(Debug, Clone)]
 pub struct Class {
@@ -121,11 +123,17 @@ enum Outcome {
 }
 
 /// How a request fared with its hints: whether it was refused and retried, and when it was
-/// admitted after retrying, at which retry and how long after the first.
+/// admitted after retrying, at which retry and how long after the first (ms).
 #[derive(Debug, Default, Clone, Copy)]
 struct Followed {
     retried: bool,
     admitted_at: Option<(u32, f64)>,
+}
+
+/// The refused requests that retried on their hint, of them those admitted at the first retry,
+/// and those admitted at a later one, over `reports`.
+pub fn hint_totals(reports: &[ClassReport]) -> (u64, u64, u64) {
+    reports.iter().fold((0, 0, 0), |(r, f, l), c| (r + c.retried, f + c.first_retry_admitted, l + c.later_admitted))
 }
 
 /// Runs the plan and reports per class, in the plan's order.
@@ -231,27 +239,22 @@ async fn send(
     timeout: Duration,
     retries: u32,
 ) -> (Outcome, Followed) {
-    let mut followed = Followed::default();
-    let mut first_retry = None;
-    for attempt in 0..=retries {
+    let (mut attempt, mut first_retry) = (0, None::<Instant>);
+    loop {
         let (outcome, hint) = send_once(client, target, class, scheduled, timeout).await;
-        match (&outcome, hint) {
-            (Outcome::Admitted(..), _) if attempt > 0 => {
-                let since: Option<Instant> = first_retry;
-                let late = since.map_or(0.0, |at| at.elapsed().as_secs_f64() * 1000.0);
-                followed.admitted_at = Some((attempt, late));
-            }
-            (Outcome::Denied(_), Some(ms)) if attempt < retries && Instant::now() + ms < scheduled + timeout => {
-                followed.retried = true;
-                tokio::time::sleep(ms).await;
-                first_retry.get_or_insert_with(Instant::now);
-                continue;
-            }
-            _ => {}
+        if let (Outcome::Denied(_), Some(ms)) = (&outcome, hint)
+            && attempt < retries
+            && Instant::now() + ms < scheduled + timeout
+        {
+            tokio::time::sleep(ms).await;
+            first_retry.get_or_insert_with(Instant::now);
+            attempt += 1;
+            continue;
         }
-        return (outcome, followed);
+        let since_first = first_retry.map_or(0.0, |at| at.elapsed().as_secs_f64() * 1000.0);
+        let admitted_at = (matches!(outcome, Outcome::Admitted(..)) && attempt > 0).then_some((attempt, since_first));
+        return (outcome, Followed { retried: attempt > 0, admitted_at });
     }
-    unreachable!("the last attempt returns")
 }
 
 /// One attempt: its outcome, and for a refusal a client may retry, its hint.
@@ -287,11 +290,11 @@ async fn send_once(
     let exchange = async {
         let res = client.request(req).await.ok()?;
         let status = res.status().as_u16();
-        let header = |name: &str| res.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
-        let reason = header("x-tollgate-reason");
-        let hint = header("retry-after-ms")
+        let header = |name: &str| res.headers().get(name).and_then(|v| v.to_str().ok());
+        let reason = header(headers::REASON).map(str::to_string);
+        let hint = header(headers::RETRY_AFTER_MS)
             .and_then(|ms| ms.parse().ok())
-            .filter(|_| header("x-should-retry").as_deref() != Some("false"))
+            .filter(|_| header(headers::SHOULD_RETRY) != Some("false"))
             .map(Duration::from_millis);
         let body = res.into_body().collect().await.ok()?.to_bytes();
         Some((status, reason, output_tokens(&body), hint))
@@ -362,10 +365,8 @@ pub fn table(reports: &[ClassReport]) -> String {
             pct(990)
         ));
     }
-    let retried: u64 = reports.iter().map(|r| r.retried).sum();
+    let (retried, first, later) = hint_totals(reports);
     if retried > 0 {
-        let first: u64 = reports.iter().map(|r| r.first_retry_admitted).sum();
-        let later: u64 = reports.iter().map(|r| r.later_admitted).sum();
         out.push_str(&format!(
             "\nrefused and retried on the hint: {retried}; admitted at the first retry {first} ({:.0}%), at a later one {later}\n",
             100.0 * first as f64 / retried as f64

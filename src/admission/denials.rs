@@ -1,14 +1,14 @@
-//! What a pool leg's refusal says: its reason, its retry hint and its message, for each refusal of
-//! `pool_reserve.lua` and for a wait for a slot that ran out. The hint and the message state the
-//! same time: when the same request, sent again with nothing else arriving, would be admitted as
-//! the pool's holds end when predicted; or that no time can be predicted, and the back-off.
+//! What a refusal says: its reason, its retry hint and its message. A tenant leg's refusal on a
+//! scope; a pool leg's, for each refusal of `pool_reserve.lua` and for a wait for a slot that ran
+//! out, its hint and message stating the same time (when the same request, sent again with nothing
+//! else arriving, would be admitted as the pool's holds end when predicted; or that no time can be
+//! predicted, and the back-off); the store being out of reach.
 
 use super::plan::{Plan, PoolLeg};
-use super::reserve::refusal_reason;
 use super::{Denial, Reason};
 use crate::config::{PoolQueue, Priority};
 use crate::hold::{PoolRefusal, Refusal};
-use crate::store::PoolRetry;
+use crate::store::{PoolRetry, StoreError};
 
 /// A request queueing in tollgate for which no slot came within the `may_wait` ms its caller
 /// could wait; `start_delay_ms` the start predicted last, which the holds before it overran: no
@@ -100,18 +100,58 @@ fn unpredictable(back_off_ms: u64) -> String {
 /// larger than the tier may ever take), for a `tier` request: said as a scope's, under the
 /// provider's reasons.
 fn provider(limit: Refusal, retry: PoolRetry, pool: &str, tier: Priority) -> Denial {
-    let (reason, message) = refusal_reason(limit, &format!("pool {pool}'s provider"), 0);
+    let (_, message) = refusal_reason(limit, &format!("pool {pool}'s provider"), 0);
     let message = format!("{message} for {} requests", tier.as_str());
-    let reason = match reason {
-        Reason::TokenRate | Reason::RequestRate => Reason::ProviderRate,
-        Reason::Budget => Reason::ProviderBudget,
-        Reason::Unsatisfiable => return Denial::now(Reason::Unsatisfiable, message),
-        other => other,
+    let reason = match limit {
+        Refusal::Unsatisfiable => return Denial::now(Reason::Unsatisfiable, message),
+        Refusal::Budget(_) => Reason::ProviderBudget,
+        _ => Reason::ProviderRate,
     };
+    // (The script always says when the provider's limits take it.)
     let retry_after_ms = match retry {
         PoolRetry::In(ms) => Some(ms),
-        PoolRetry::Unpredictable { at_least } => Some(at_least.max(1)),
-        PoolRetry::Never => None,
+        PoolRetry::Unpredictable { .. } | PoolRetry::Never => None,
     };
     Denial { retry_after_ms, ..Denial::now(reason, message) }
+}
+
+/// The reason and message of a store refusal on `scope`.
+pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -> (Reason, String) {
+    match refusal {
+        Refusal::TokenRate => (Reason::TokenRate, format!("token rate limit of scope {scope} reached")),
+        Refusal::InputRate => (Reason::TokenRate, format!("input token rate limit of scope {scope} reached")),
+        Refusal::OutputRate => (Reason::TokenRate, format!("output token rate limit of scope {scope} reached")),
+        Refusal::RequestRate => (Reason::RequestRate, format!("request rate limit of scope {scope} reached")),
+        Refusal::Concurrency => (Reason::Concurrency, format!("all concurrency slots of scope {scope} are held")),
+        Refusal::Budget(b) => (Reason::Budget, format!("{} of scope {scope} is spent", b.describe())),
+        Refusal::Attempts => {
+            (Reason::InvalidRequest, format!("idempotency key has made its most reserves ({max_attempts})"))
+        }
+        Refusal::Conflict => (
+            Reason::InvalidRequest,
+            "idempotency key was first used for a different request (user, model or size)".to_string(),
+        ),
+        Refusal::Unsatisfiable => {
+            (Reason::Unsatisfiable, format!("the hold is larger than scope {scope} can ever hold"))
+        }
+    }
+}
+
+/// When a concurrency slot frees, as the refusal says it: at the end of a hold's lease, when that
+/// is within the back-off; else nobody can say (a commit usually frees one first), and the caller
+/// backs off.
+pub(super) fn slot_frees(retry_after_ms: u64, back_off_ms: u64) -> String {
+    if retry_after_ms < back_off_ms {
+        format!("; one frees at the latest when a hold's lease ends, in {retry_after_ms} ms")
+    } else {
+        format!(
+            "; when one frees cannot be predicted (a commit usually frees one before a lease ends): back off {retry_after_ms} ms"
+        )
+    }
+}
+
+pub(super) fn store_unavailable(e: &StoreError, plan: &Plan) -> Denial {
+    let mode = plan.tp.on_store_error.as_str();
+    tracing::error!(error = %e, tenant = %plan.tenant, mode, "store call failed; the tenant's store-down mode answers");
+    Denial { retry_after_ms: Some(1_000), ..Denial::now(Reason::StoreUnavailable, "admission store unavailable") }
 }
