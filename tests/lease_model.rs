@@ -862,12 +862,14 @@ impl World {
         }
     }
 
-    /// Waits (real time, bounded) until every replica's retry queue is empty: a forwarded operation
-    /// whose application failed is applied by it, within the step the reference sees it in.
+    /// Waits (real time, bounded) until every replica's reserves have tidied up (a give-back of a
+    /// hold nobody received runs on the reserve's task, after its answer) and its retry queue is
+    /// empty: a forwarded operation whose application failed is applied by it, within the step
+    /// the reference sees it in.
     async fn drain_retries(&self) {
         for r in &self.replicas {
-            let drained =
-                r.eventually(std::time::Duration::from_secs(20), || async { r.admission.retries_waiting() == 0 });
+            let idle = || async { r.admission.reserves_running() == 0 && r.admission.retries_waiting() == 0 };
+            let drained = r.eventually(std::time::Duration::from_secs(20), idle);
             assert!(drained.await, "settlements left in the retry queue");
         }
     }
