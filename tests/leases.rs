@@ -716,6 +716,30 @@ async fn a_leased_hold_nobody_waits_for_is_released() {
     assert!(charged.abs() < 0.5, "{charged} tokens still charged");
 }
 
+/// A miss whose lease call answers after the slices' window ran out is decided in the store (the
+/// slices cannot cover it): if its caller stopped waiting, that store hold is released at once,
+/// not left charged until its lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_plan_decided_in_the_store_that_nobody_waits_for_is_released() {
+    use support::faults::{Fault, Faulty};
+    let h = support::embedded(&policy(SLOW)).await;
+    let slow = h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(300)))).await;
+    let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), slow.reserve(10, 90)).await;
+    assert!(gave_up.is_err(), "the caller stopped waiting");
+    // The lease record's term runs out while the lease call's reply is on its way.
+    let term = slow.admission.policy().tenants[&slow.tenant].lease_ttl_ms;
+    slow.advance(term + 1).await;
+    let settled =
+        slow.eventually(std::time::Duration::from_secs(5), || async { slow.admission.reserves_running() == 0 }).await;
+    assert!(settled, "the reserve's task never ended");
+    assert_eq!(slow.admission.leased_holds(&slow.tenant), (0, 0), "decided in the store, not by the slices");
+    // Released in the store: settled there (its entry answers a repeat), nothing left in flight.
+    // (Its tokens would come back by refill over the lease's term anyway: the entry is the proof.)
+    let settled = slow.settled().await;
+    assert_eq!(settled.len(), 1, "the store hold nobody received is still live: {settled:?}");
+    assert_eq!(slow.in_flight().await, 0.0);
+}
+
 #[test]
 fn lease_keys_share_the_tenant_slot() {
     for key in [keys::lease_record("acme", "0a1b2c3d4e5f"), keys::forwarded("acme", "0a1b2c3d4e5f")] {

@@ -478,9 +478,10 @@ impl<S: Store> Admission<S> {
     /// Releases a hold this call made but nobody received: both legs.
     pub(super) async fn give_back(&self, plan: &Plan, id: &str) {
         let in_store = match (&self.leases, plan.leased) {
+            // A leased plan the slices could not cover after its lease call was decided in the
+            // store (see `leased_leg`): the slices do not know the hold, the store has it.
             (Some(leases), true) => {
-                leases.release(&plan.tenant, id, Ending::Released);
-                false
+                matches!(leases.release(&plan.tenant, id, Ending::Released), ReleaseOutcome::NotFound)
             }
             _ => true,
         };
