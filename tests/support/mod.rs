@@ -235,6 +235,29 @@ pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
     h
 }
 
+/// Every period a test's budgets or counters belong to (an hour; a day, week or month in UTC or in
+/// a whole- or half-hour zone) turns on a UTC half hour.
+const TURN_MS: u64 = 30 * 60_000;
+
+/// How long a test on the real clock spends from its store's start to its last assertion, unless
+/// it says otherwise ([`clear_of_a_turn`]).
+pub const REAL_CLOCK_SPAN: Duration = Duration::from_secs(10);
+
+/// How long to wait so that no UTC half hour turns within `span` from now: nothing, unless one is
+/// about to, and then until it has.
+pub fn wait_for_a_turn(span: Duration) -> Duration {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let left = TURN_MS - now % TURN_MS;
+    if u128::from(left) <= span.as_millis() { Duration::from_millis(left + 50) } else { Duration::ZERO }
+}
+
+/// Waits, when a UTC half hour turns within `span`, until it has turned: a test on the real clock
+/// (Redis reads this machine's) then counts inside one period of every budget it uses, as its
+/// assertions expect. Waits at most `span`, and only in the `span` before a turn.
+pub async fn clear_of_a_turn(span: Duration) {
+    tokio::time::sleep(wait_for_a_turn(span)).await;
+}
+
 /// A policy section placed before `store:` (e.g. `leasing:`): `"<top>\n---top---\n<body>"`.
 pub const TOP_SEPARATOR: &str = "---top---";
 
@@ -255,6 +278,7 @@ pub async fn redis_at(url: &str, body: &str, command_timeout: Duration) -> Harne
     let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
     let options = RedisOptions { command_timeout, ..RedisOptions::default() };
     let store = RedisStore::connect(&RedisTarget::Single(url.to_string()), options).await.expect("redis");
+    clear_of_a_turn(REAL_CLOCK_SPAN).await;
     Harness::build(store, policy, tenant, pool, None).await
 }
 
@@ -268,6 +292,7 @@ async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
         _ => RedisTarget::Single(redis_url()),
     };
     let store = RedisStore::connect(&target, RedisOptions::default()).await.expect("redis");
+    clear_of_a_turn(REAL_CLOCK_SPAN).await;
     Harness::build(store, policy, tenant, pool, None).await
 }
 

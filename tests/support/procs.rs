@@ -114,6 +114,8 @@ impl Tollgate {
 
     /// tollgate serving the policy file at `config` (which the test may change), logging into `dir`.
     pub fn start_in(dir: TempDir, config: &Path, extra: &[&str]) -> Tollgate {
+        // On the real clock: its test's budgets count inside one period (see `wait_for_a_turn`).
+        std::thread::sleep(super::wait_for_a_turn(super::REAL_CLOCK_SPAN));
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
         // (`--log info` unless the test gives its own filter.)
