@@ -161,6 +161,15 @@ mod scenarios {
         assert_eq!(no.reason, Reason::Concurrency);
         let wait = no.retry_after_ms.unwrap();
         assert!((1..=1000).contains(&wait), "capped by concurrency_retry_ms, got {wait}");
+        // The message states the same time: a lease's end within the back-off, or the back-off.
+        let said = if wait < 1000 {
+            format!("one frees at the latest when a hold's lease ends, in {wait} ms")
+        } else {
+            format!(
+                "when one frees cannot be predicted (a commit usually frees one before a lease ends): back off {wait} ms"
+            )
+        };
+        assert!(no.message.contains(&said), "{no:?}");
         let r = h.admission.release(&a).await.unwrap();
         assert_eq!(r, ReleaseOutcome::Released { refunded: 2, repeated: false });
         admitted(&h.reserve(1, 1).await);
@@ -689,6 +698,13 @@ mod scenarios {
             // retry does not count on them: it is when the third ends (its start in 1,100 ms and its
             // work, a tenth more: 2,420 ms after it came), leaving two holds of work.
             assert_eq!(denied(&h.admission.reserve(&crit(None)).await).retry_after_ms, Some(1_210));
+            // Past the third's predicted end too: no hold can be counted on, so no time can be
+            // predicted, and the hint is the back-off (`concurrency_retry_ms`), said so.
+            h.advance(1_211).await;
+            let d = h.admission.reserve(&crit(None)).await;
+            let no = denied(&d);
+            assert_eq!((no.reason, no.retry_after_ms), (Reason::QueueFull, Some(1_000)), "{no:?}");
+            assert!(no.message.contains("cannot be predicted") && no.message.contains("back off 1000 ms"), "{no:?}");
             // They end.
             h.admission.commit(&a, 1, 1).await.unwrap();
             h.admission.commit(&b, 1, 1).await.unwrap();
@@ -1507,8 +1523,15 @@ mod scenarios {
         let mut short = pooled(&h, Priority::Critical, None);
         short.wait_ms = Some(50);
         let d = h.admission.reserve(&short).await;
-        assert_eq!(denied(&d).reason, Reason::QueueFull, "{d:?}");
-        assert!(denied(&d).retry_after_ms.is_some_and(|ms| ms > 0), "{d:?}");
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::QueueFull, "{d:?}");
+        let ms = no.retry_after_ms.unwrap();
+        assert!(ms > 0, "{d:?}");
+        assert!(no.message.contains("is later than it may wait"), "{no:?}");
+        assert!(
+            no.message.contains(&format!("sent again in {ms} ms, it would wait for its slot no longer than it may")),
+            "the message states the hint: {no:?}"
+        );
         // Predicted to finish in 550 + 1,100 ms: past a 1,500 ms deadline, refused at once.
         let d = h.admission.reserve(&pooled(&h, Priority::Critical, Some(1_500))).await;
         assert_eq!(denied(&d).reason, Reason::Deadline, "{d:?}");
@@ -1654,6 +1677,12 @@ macro_rules! conformance {
             scenario!(a_release_keeps_the_request_and_an_expiry_keeps_the_tokens, &provider_policy("{}", PROVIDER_RATES));
             scenario!(lower_tiers_keep_the_providers_headroom, &provider_policy("{}", PROVIDER_RATES));
             scenario!(a_providers_day_budget_turns_at_utc_midnight, &provider_policy("{}", "{ tokens_per_day: 400 }"));
+            scenario!(a_providers_hour_budget_turns_on_the_utc_hour, &provider_policy("{}", "{ tokens_per_hour: 400 }"));
+            scenario!(a_providers_week_budget_turns_on_monday_utc, &provider_policy("{}", "{ tokens_per_week: 400 }"));
+            scenario!(
+                a_providers_month_budget_turns_on_the_first_utc,
+                &provider_policy("{}", "{ tokens_per_month: 400 }")
+            );
             scenario!(pool_status_shows_the_providers_limits, &provider_policy("{}", PROVIDER_RATES));
             scenario!(a_release_of_a_settled_hold_keeps_the_provider_charged, &provider_policy("{}", PROVIDER_RATES));
             scenario!(a_commit_without_counts_charges_the_provider_what_it_knows, &provider_policy("{}", PROVIDER_RATES));

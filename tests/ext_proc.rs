@@ -300,21 +300,44 @@ async fn responses_api_json_and_streams_are_committed_exactly() {
 /// reservation from the metadata, and commits the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filter_forwarded_the_metadata_instead_of_the_request_headers_commits_the_same() {
-    const DEFERRED: &str = "                      deferred_close_timeout: 0.1s\n";
-    let stack = Stack::sim(POLICY, 10_000.0, Text::Tok, |config| {
-        assert!(config.contains(DEFERRED) && config.contains("request_header_mode: SEND"), "envoy.yaml changed");
-        let forwarding = "                      metadata_options:\n\
-                          \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
-        config
-            .replacen(DEFERRED, &format!("{DEFERRED}{forwarding}"), 1)
-            .replacen("request_header_mode: SEND", "request_header_mode: SKIP", 1)
-    })
-    .await;
+    let stack = Stack::sim(POLICY, 10_000.0, Text::Tok, forwarding_the_metadata).await;
     let r = post(stack.envoy.port, CHAT, &[TENANT], chat(true, true)).await;
     assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
     let (prompt, completion) = stream_usage(&r.body).expect("a usage chunk");
     let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
     assert_eq!((c.used_tokens, c.metered), (prompt + completion, false), "{c:?}");
+    // (The output ceiling comes the same way: `a_metered_stream_is_held_to_its_max_tokens_from_the_metadata`.)
+}
+
+/// The shipped Envoy config with ext_proc skipping the request headers and forwarding `Check`'s
+/// dynamic metadata instead.
+fn forwarding_the_metadata(config: String) -> String {
+    const DEFERRED: &str = "                      deferred_close_timeout: 0.1s\n";
+    assert!(config.contains(DEFERRED) && config.contains("request_header_mode: SEND"), "envoy.yaml changed");
+    let forwarding = "                      metadata_options:\n\
+                      \x20                       forwarding_namespaces: { untyped: [envoy.filters.http.ext_authz] }\n";
+    config.replacen(DEFERRED, &format!("{DEFERRED}{forwarding}"), 1).replacen(
+        "request_header_mode: SEND",
+        "request_header_mode: SKIP",
+        1,
+    )
+}
+
+/// The output ceiling read from `Check`'s dynamic metadata (`output_ceiling`) holds a metered
+/// count as the request header does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metered_stream_is_held_to_its_max_tokens_from_the_metadata() {
+    let policy = POLICY.replace("bytes_per_token: 4 }", "bytes_per_token: 1 }");
+    let stack = Stack::sim(&policy, 10_000.0, Text::Tok, forwarding_the_metadata).await;
+    let body = chat(true, false);
+    let r = post(stack.envoy.port, CHAT, &[TENANT], body.clone()).await;
+    assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!(
+        (c.used_tokens, c.metered, c.ending.as_str()),
+        (body.len() as u64 + 100, true, "metered_capped"),
+        "{c:?}"
+    );
 }
 
 /// A route whose backends commit themselves turns the filter off; other routes keep it.

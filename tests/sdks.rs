@@ -163,6 +163,18 @@ async fn bedrock_through_boto3() {
     );
 }
 
+/// A rate's refusal is Bedrock's `ThrottlingException`, which botocore (standard mode, its default:
+/// three attempts) retries twice, each retry refused again within the minute, before it raises it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn botocore_retries_a_throttled_bedrock_call() {
+    let (_, refused) = refused_for_rate("bedrock").await;
+    assert_eq!(
+        (&refused["error"], &refused["code"], &refused["attempts"]),
+        (&"ThrottlingException".into(), &"ThrottlingException".into(), &2.into()),
+        "{refused}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ollama_through_its_client() {
     admitted_tightly_and_charged_exactly("ollama", &["generate", "stream"]).await;

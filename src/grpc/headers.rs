@@ -157,6 +157,15 @@ mod tests {
     }
 
     #[test]
+    fn an_output_ceiling_is_a_whole_number_or_none() {
+        assert_eq!(parse_output_ceiling("100"), Some(100));
+        assert_eq!(parse_output_ceiling(" 100 "), Some(100));
+        for bad in ["", "-1", "1.5", "ten", "18446744073709551616"] {
+            assert_eq!(parse_output_ceiling(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
     fn a_forecast_reads_back_as_written() {
         let f = Forecast { start_delay_ms: 12, output_tokens: 120 };
         assert_eq!(forecast(f), "start=12;output=120");

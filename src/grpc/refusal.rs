@@ -141,4 +141,35 @@ mod tests {
             assert_eq!(kind == "insufficient_quota", quota, "{reason:?}: {kind}");
         }
     }
+
+    /// Google's status name and Bedrock's error and status for each reason, as docs/providers.md
+    /// tables them.
+    #[test]
+    fn google_and_bedrock_name_each_reason_as_the_docs_say() {
+        use Reason::*;
+        let expected = [
+            (TokenRate, "RESOURCE_EXHAUSTED", 429, "ThrottlingException"),
+            (RequestRate, "RESOURCE_EXHAUSTED", 429, "ThrottlingException"),
+            (Concurrency, "RESOURCE_EXHAUSTED", 429, "ThrottlingException"),
+            (Budget, "RESOURCE_EXHAUSTED", 400, "ServiceQuotaExceededException"),
+            (QueueFull, "UNAVAILABLE", 503, "ServiceUnavailableException"),
+            (ProviderRate, "UNAVAILABLE", 503, "ServiceUnavailableException"),
+            (ProviderBudget, "UNAVAILABLE", 503, "ServiceUnavailableException"),
+            (StoreUnavailable, "UNAVAILABLE", 503, "ServiceUnavailableException"),
+            (Deadline, "DEADLINE_EXCEEDED", 408, "ModelTimeoutException"),
+            (Unsatisfiable, "FAILED_PRECONDITION", 400, "ValidationException"),
+            (InvalidRequest, "INVALID_ARGUMENT", 400, "ValidationException"),
+            (Unauthenticated, "UNAUTHENTICATED", 403, "AccessDeniedException"),
+        ];
+        assert_eq!(expected.len(), Reason::ALL.len(), "every reason tabled");
+        for (reason, google, status, error) in expected {
+            let d = Denial::now(reason, "why");
+            let gemini = refusal(Family::Gemini, &d);
+            let body: serde_json::Value = serde_json::from_str(&gemini.body).unwrap();
+            assert_eq!(body["error"]["status"], google, "{reason:?}");
+            let bedrock = refusal(Family::Bedrock, &d);
+            let (name, value) = bedrock.header.unwrap();
+            assert_eq!((bedrock.status, name, value), (status, "x-amzn-errortype", error), "{reason:?}");
+        }
+    }
 }

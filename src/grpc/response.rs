@@ -299,6 +299,7 @@ mod tests {
             other => panic!("{k}: {other:?}"),
         };
         assert_eq!((text(RESERVATION_FIELD), text(MODEL_FIELD)), ("acme:r1".to_string(), "m".to_string()));
+        assert_eq!(headers::parse_output_ceiling(&text(headers::OUTPUT_CEILING_FIELD)), Some(100));
         assert!(!fields.contains_key(SOFT_LIMIT_FIELD) && headers(&r).iter().all(|(k, _)| k != SOFT_LIMIT));
         // Past a soft budget: marked upstream and to the client, and in the metadata with its tier.
         let soft = crate::admission::Admitted {

@@ -34,7 +34,7 @@ pub const MONEY_HOURLY_WEEKLY: &str =
 
 /// Ms from now until period `p` turns in a zone `offset` minutes east of UTC, by the clock the
 /// store reads.
-fn to_turn<S: Store>(h: &Harness<S>, offset: i64, p: Period) -> u64 {
+pub fn to_turn<S: Store>(h: &Harness<S>, offset: i64, p: Period) -> u64 {
     let now = h.now_ms();
     let local = i64::try_from(now).unwrap() + offset * 60_000;
     let day = local.div_euclid(DAY as i64);

@@ -150,6 +150,27 @@ pub async fn lower_tiers_keep_the_providers_headroom<S: Store>(h: Harness<S>) {
 }
 
 pub async fn a_providers_day_budget_turns_at_utc_midnight<S: Store>(h: Harness<S>) {
+    provider_budget_turns(h, Period::Day, "daily").await;
+}
+
+pub async fn a_providers_hour_budget_turns_on_the_utc_hour<S: Store>(h: Harness<S>) {
+    provider_budget_turns(h, Period::Hour, "hourly").await;
+}
+
+/// (The manual clock's Sunday noon: the week turns at midnight, Monday.)
+pub async fn a_providers_week_budget_turns_on_monday_utc<S: Store>(h: Harness<S>) {
+    provider_budget_turns(h, Period::Week, "weekly").await;
+}
+
+/// (The manual clock's 29 November: the month turns a day and a half later.)
+pub async fn a_providers_month_budget_turns_on_the_first_utc<S: Store>(h: Harness<S>) {
+    provider_budget_turns(h, Period::Month, "monthly").await;
+}
+
+/// A provider's token budget of 400 for `period`: two holds take it, the third is refused
+/// `provider_budget` (503) until the period turns in UTC, as its message says; once it has
+/// turned, admitted.
+async fn provider_budget_turns<S: Store>(h: Harness<S>, period: Period, named: &str) {
     for other in [false, true] {
         admitted(&h.admission.reserve(&ask(&h, Priority::Critical, other)).await);
     }
@@ -157,14 +178,19 @@ pub async fn a_providers_day_budget_turns_at_utc_midnight<S: Store>(h: Harness<S
     let no = denied(&no);
     assert_eq!(no.reason, Reason::ProviderBudget, "{no:?}");
     assert_eq!(no.reason.http_status(), 503);
-    let to_midnight = 86_400_000 - h.now_ms() % 86_400_000;
-    assert!(
-        no.retry_after_ms.is_some_and(|ms| ms <= to_midnight + 1_000 && ms + 5_000 >= to_midnight),
-        "{no:?} {to_midnight}"
-    );
-    assert!(no.message.contains("daily token budget"), "{}", no.message);
+    let turn = super::periods::to_turn(&h, 0, period);
+    assert!(no.retry_after_ms.is_some_and(|ms| ms <= turn + 1_000 && ms + 5_000 >= turn), "{no:?} {turn}");
     if h.exact_time() {
-        h.advance(to_midnight).await;
+        assert_eq!(no.retry_after_ms, Some(turn), "{no:?}");
+    }
+    assert!(no.message.contains(&format!("{named} token budget")), "{}", no.message);
+    if h.exact_time() {
+        h.advance(turn - 1).await;
+        assert_eq!(
+            denied(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await).reason,
+            Reason::ProviderBudget
+        );
+        h.advance(1).await;
         admitted(&h.admission.reserve(&ask(&h, Priority::Critical, true)).await);
     }
 }

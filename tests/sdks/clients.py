@@ -87,9 +87,11 @@ def bedrock() -> None:
     client.meta.events.register("before-send.bedrock-runtime.*", tenant)
     model = "amazon.nova-lite-v1:0"
     messages = [{"role": "user", "content": [{"text": PROMPT}]}]
+    call = "generate"
     try:
         r = client.converse(modelId=model, messages=messages, inferenceConfig={"maxTokens": 40})
         report("generate", r["ResponseMetadata"]["HTTPHeaders"], r["output"]["message"]["content"][0]["text"])
+        call = "stream"
         r = client.converse_stream(modelId=model, messages=messages, inferenceConfig={"maxTokens": 40})
         text = "".join(e["contentBlockDelta"]["delta"]["text"] for e in r["stream"] if "contentBlockDelta" in e)
         report("stream", r["ResponseMetadata"]["HTTPHeaders"], text)
@@ -97,16 +99,17 @@ def bedrock() -> None:
         # in the last chunk's invocation metrics), not in a body tollgate reads.
         llama = "meta.llama3-8b-instruct-v1:0"
         body = json.dumps({"prompt": PROMPT, "max_gen_len": 40})
+        call = "invoke"
         r = client.invoke_model(modelId=llama, body=body)
         report("invoke", r["ResponseMetadata"]["HTTPHeaders"], json.loads(r["body"].read())["generation"])
+        call = "invoke-stream"
         r = client.invoke_model_with_response_stream(modelId=llama, body=body)
         text = "".join(json.loads(e["chunk"]["bytes"])["generation"] for e in r["body"] if "chunk" in e)
         report("invoke-stream", r["ResponseMetadata"]["HTTPHeaders"], text)
     except ClientError as e:
-        error = e.response["Error"]
-        refused("generate", e, code=error.get("Code"), message=error.get("Message"),
-                status=e.response["ResponseMetadata"]["HTTPStatusCode"],
-                attempts=e.response["ResponseMetadata"].get("RetryAttempts"))
+        error, meta = e.response["Error"], e.response["ResponseMetadata"]
+        refused(call, e, code=error.get("Code"), message=error.get("Message"), status=meta["HTTPStatusCode"],
+                attempts=meta.get("RetryAttempts"), rate=rate_headers(meta.get("HTTPHeaders", {})))
 
 
 def ollama_client() -> None:

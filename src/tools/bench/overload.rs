@@ -98,6 +98,9 @@ pub struct Cell {
     pub first_retry: f64,
     pub later: f64,
     pub lateness_ms: f64,
+    /// The most any timing of the hints could have admitted at a first retry, as a share of the
+    /// retried ([`load::HintTotals::room`]).
+    pub first_retry_room: f64,
 }
 
 /// The whole run.
@@ -296,7 +299,7 @@ fn figures(
     let fair = fair_shares(served.iter().sum(), &demand, &weights);
     let relative: Vec<f64> = served.iter().zip(&fair).map(|(s, f)| if *f > 0.0 { s / f } else { 1.0 }).collect();
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    let (retried, first, later) = load::hint_totals(reports);
+    let hints = load::HintTotals::over(reports);
     Cell {
         interactive_admitted: ratio(interactive.admitted as f64, interactive.sent as f64),
         deadline_hits: ratio((interactive.admitted - interactive.late) as f64, interactive.admitted as f64),
@@ -305,9 +308,10 @@ fn figures(
         jain: jain(&relative),
         weight_ratio: if served.len() == 2 { ratio(served[0], served[1]) } else { 0.0 },
         sent: reports.iter().map(|r| r.sent).sum(),
-        retried,
-        first_retry: ratio(first as f64, retried as f64),
-        later: ratio(later as f64, retried as f64),
+        retried: hints.retried,
+        first_retry: ratio(hints.first as f64, hints.retried as f64),
+        later: ratio(hints.later as f64, hints.retried as f64),
+        first_retry_room: ratio(hints.room as f64, hints.retried as f64),
         lateness_ms: median(reports.iter().flat_map(|r| r.lateness_ms.iter().copied()).collect()),
     }
 }
@@ -432,6 +436,7 @@ impl std::fmt::Display for OverloadReport {
             let head = [
                 "refused and retried on the hint",
                 "admitted at the first retry",
+                "at most (the room the classes got)",
                 "at a later one",
                 "later by (median ms)",
             ];
@@ -439,6 +444,7 @@ impl std::fmt::Display for OverloadReport {
                 vec![
                     format!("{:.0}", spread(cells, |c| c.retried as f64).0),
                     pct(spread(cells, |c| c.first_retry)),
+                    pct(spread(cells, |c| c.first_retry_room)),
                     pct(spread(cells, |c| c.later)),
                     num(spread(cells, |c| c.lateness_ms)),
                 ]

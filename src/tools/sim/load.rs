@@ -130,10 +130,29 @@ struct Followed {
     admitted_at: Option<(u32, f64)>,
 }
 
-/// The refused requests that retried on their hint, of them those admitted at the first retry,
-/// and those admitted at a later one, over `reports`.
-pub fn hint_totals(reports: &[ClassReport]) -> (u64, u64, u64) {
-    reports.iter().fold((0, 0, 0), |(r, f, l), c| (r + c.retried, f + c.first_retry_admitted, l + c.later_admitted))
+/// How the refused requests that retried on their hint fared, over every class.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HintTotals {
+    pub retried: u64,
+    /// Of them, admitted at the first retry, and at a later one.
+    pub first: u64,
+    pub later: u64,
+    /// The most that any timing of the hints could have admitted at a first retry with the room
+    /// each class got: its retried requests, or its admissions if fewer (a hint says when, it
+    /// makes no room; a class whose room is spent by the tiers above it and by its own new
+    /// arrivals cannot admit more of its retries than it admits in all).
+    pub room: u64,
+}
+
+impl HintTotals {
+    pub fn over(reports: &[ClassReport]) -> HintTotals {
+        reports.iter().fold(HintTotals::default(), |t, c| HintTotals {
+            retried: t.retried + c.retried,
+            first: t.first + c.first_retry_admitted,
+            later: t.later + c.later_admitted,
+            room: t.room + c.retried.min(c.admitted),
+        })
+    }
 }
 
 /// Runs the plan and reports per class, in the plan's order.
@@ -365,12 +384,34 @@ pub fn table(reports: &[ClassReport]) -> String {
             pct(990)
         ));
     }
-    let (retried, first, later) = hint_totals(reports);
+    let HintTotals { retried, first, later, room } = HintTotals::over(reports);
     if retried > 0 {
+        let pct = |n: u64| 100.0 * n as f64 / retried as f64;
         out.push_str(&format!(
-            "\nrefused and retried on the hint: {retried}; admitted at the first retry {first} ({:.0}%), at a later one {later}\n",
-            100.0 * first as f64 / retried as f64
+            "\nrefused and retried on the hint: {retried}; admitted at the first retry {first} ({:.0}%), at a later one {later}; \
+             the most the room the classes got could admit at a first retry: {room} ({:.0}%)\n",
+            pct(first),
+            pct(room)
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_class_admits_no_more_of_its_retries_than_it_admits() {
+        let class = |retried, first_retry_admitted, later_admitted, admitted| ClassReport {
+            retried,
+            first_retry_admitted,
+            later_admitted,
+            admitted,
+            ..ClassReport::default()
+        };
+        // Batch: 10 retried, 3 admitted in all; standard: 2 retried, 5 admitted in all.
+        let totals = HintTotals::over(&[class(10, 1, 1, 3), class(2, 2, 0, 5)]);
+        assert_eq!(totals, HintTotals { retried: 12, first: 3, later: 1, room: 5 });
+    }
 }
