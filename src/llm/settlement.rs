@@ -45,8 +45,10 @@ pub fn verdict(status: Option<u16>, meter: Option<&mut Meter>, stop: Stop) -> Ve
     let status = status.unwrap_or(0);
     let ending = match status {
         500..=599 => Ending::UpstreamError,
-        200..=299 if stop == Stop::CutShort => Ending::ClientLeft,
+        // Held to the request's own ceiling: what the record must say, whether the client stayed
+        // to the end or not (the charge is the ceiling, not what passed).
         200..=299 if meter.capped() => Ending::MeteredCapped,
+        200..=299 if stop == Stop::CutShort => Ending::ClientLeft,
         200..=299 => Ending::of(measured),
         // Any other answer (a 4xx, a redirect) is the backend's refusal.
         _ => Ending::UpstreamRefused,
@@ -95,6 +97,14 @@ mod tests {
         capped.cap_output(1);
         assert_eq!(
             verdict(Some(200), Some(&mut capped), Complete),
+            Verdict::Commit(Measured::Metered { output: 1 }, Ending::MeteredCapped)
+        );
+        // Cut short past it too: charged the ceiling, and the ending says that rather than that
+        // the client left.
+        let mut cut = meter("text/event-stream", STREAMED);
+        cut.cap_output(1);
+        assert_eq!(
+            verdict(Some(200), Some(&mut cut), CutShort),
             Verdict::Commit(Measured::Metered { output: 1 }, Ending::MeteredCapped)
         );
         let gzip = &mut Meter::new(Some("application/json"), Some("gzip"), 4.0);
