@@ -12,6 +12,19 @@ use crate::metrics::Estimate;
 use crate::store::{CommitTerms, Learning, PoolEnd, Store};
 
 impl<S: Store> Admission<S> {
+    /// The terms a commit of `tenant`'s hold in the store is made under: the policy's retention,
+    /// and debt counted in the periods the tenant's zone is in now (a tenant the policy no longer
+    /// has: the zone its hold was made in); with `learn`, teaching the tenant's output estimate
+    /// where its output adapts.
+    pub(super) fn commit_terms(&self, policy: &Policy, tenant: &str, learn: bool) -> CommitTerms {
+        let tp = self.tenant_policy(policy, tenant);
+        let learning = tp.filter(|_| learn).and_then(|tp| {
+            tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
+        });
+        let zone = tp.map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
+        CommitTerms { learning, retention_ms: policy.record_retention_ms, zone_offset_min: zone }
+    }
+
     /// The commit phase: reconcile a hold against the usage its caller reports, then free its pool
     /// work.
     pub async fn commit(
@@ -60,14 +73,7 @@ impl<S: Store> Admission<S> {
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
         let at_store = || async {
-            let tp = self.tenant_policy(&policy, r.tenant);
-            let learning = tp.and_then(|tp| {
-                tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
-            });
-            // Debt counts in the periods the tenant's zone is in now (a tenant the policy no
-            // longer has: the zone its hold was made in).
-            let zone = tp.map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
-            let terms = CommitTerms { learning, retention_ms: policy.record_retention_ms, zone_offset_min: zone };
+            let terms = self.commit_terms(&policy, r.tenant, true);
             self.protocol.commit(r.tenant, reservation_id, counted, ending, terms).await
         };
         let outcome = match self.home(&r) {
