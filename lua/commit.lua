@@ -16,8 +16,8 @@
 -- ARGV[9] cache reads: of the prompt, tokens the provider read from its cache ('' when unsaid)
 -- ARGV[10] cache writes: of the prompt, tokens written to the provider's cache ('' when unsaid)
 -- ARGV[11] reasoning tokens: of the output ('' when unsaid; charged at their weight and price)
--- ARGV[12] how the request ended: completed | metered | as_held | client_left | upstream_refused |
---          upstream_error (kept with the settled hold, entered in the ledger)
+-- ARGV[12] how the request ended: completed | metered | metered_capped | as_held | client_left |
+--          upstream_refused | upstream_error (kept with the settled hold, entered in the ledger)
 -- ARGV[13] the tenant's time zone: its offset from UTC now, in minutes east ('' when the policy no
 --          longer has the tenant: the offset the hold was made with); debt counts in its periods
 --

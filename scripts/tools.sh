@@ -76,9 +76,12 @@ PY
 # SDK_PYTHON to its python.
 ensure_sdks() {
   local venv=$TOLLGATE_TOOLS/venv
-  if ! "$venv/bin/python" -c 'import google.genai, boto3, ollama, openai, anthropic' 2>/dev/null; then
-    echo "installing google-genai, boto3, ollama, openai and anthropic from PyPI into $venv" >&2
-    "$venv/bin/pip" install -q google-genai boto3 ollama openai anthropic
+  # (botocore from 1.44 retries in its standard mode by default, three attempts: tests/sdks.rs
+  # reads that; an older one is upgraded.)
+  if ! "$venv/bin/python" -c 'import google.genai, boto3, ollama, openai, anthropic, botocore
+assert tuple(int(p) for p in botocore.__version__.split(".")[:2]) >= (1, 44)' 2>/dev/null; then
+    echo "installing google-genai, boto3 (1.44 or later), ollama, openai and anthropic from PyPI into $venv" >&2
+    "$venv/bin/pip" install -q google-genai 'boto3>=1.44' 'botocore>=1.44' ollama openai anthropic
   fi
   SDK_PYTHON=$venv/bin/python
   export SDK_PYTHON

@@ -272,8 +272,6 @@ async fn the_overload_matrix_drives_envoy_and_the_fleet_it_starts() {
     // at the first retry and later are shares, and the table says so.
     assert!(cell.retried > 0, "{report}");
     assert!((0.0..=1.0).contains(&(cell.first_retry + cell.later)), "{report}");
-    // No timing of the hints admits more at a first retry than the room its classes got.
-    assert!(cell.first_retry <= cell.first_retry_room && cell.first_retry_room <= 1.0, "{report}");
     assert!(report.to_string().contains("admitted at the first retry"), "{report}");
-    assert!(report.to_string().contains("at most (the room the classes got)"), "{report}");
+    assert!(report.to_string().contains("at most (with the admissions each class got)"), "{report}");
 }

@@ -161,15 +161,13 @@ mod scenarios {
         assert_eq!(no.reason, Reason::Concurrency);
         let wait = no.retry_after_ms.unwrap();
         assert!((1..=1000).contains(&wait), "capped by concurrency_retry_ms, got {wait}");
-        // The message states the same time: a lease's end within the back-off, or the back-off.
-        let said = if wait < 1000 {
-            format!("one frees at the latest when a hold's lease ends, in {wait} ms")
-        } else {
-            format!(
-                "when one frees cannot be predicted (a commit usually frees one before a lease ends): back off {wait} ms"
-            )
-        };
-        assert!(no.message.contains(&said), "{no:?}");
+        // Both holds' leases (two minutes) end past the back-off: when a slot frees cannot be
+        // predicted, and the message says the back-off it hints.
+        assert_eq!(wait, 1000);
+        assert!(
+            no.message.contains("when one frees cannot be predicted") && no.message.contains("back off 1000 ms"),
+            "{no:?}"
+        );
         let r = h.admission.release(&a).await.unwrap();
         assert_eq!(r, ReleaseOutcome::Released { refunded: 2, repeated: false });
         admitted(&h.reserve(1, 1).await);
@@ -405,25 +403,50 @@ mod scenarios {
         assert!((29_000..=30_000).contains(&wait), "{wait}");
     }
 
+    /// A concurrency refusal whose slot frees within the back-off, when the hold's lease ends
+    /// (300 ms), hints that time, and its message says so; sent again then, admitted.
+    pub async fn a_concurrency_refusal_says_when_a_lease_frees_the_slot<S: Store>(h: Harness<S>) {
+        admitted(&h.reserve(1, 1).await);
+        let d = h.reserve(1, 1).await;
+        let no = denied(&d);
+        assert_eq!(no.reason, Reason::Concurrency);
+        let wait = no.retry_after_ms.unwrap();
+        assert!((200..=300).contains(&wait), "{no:?}");
+        assert!(
+            no.message.contains(&format!("one frees at the latest when a hold's lease ends, in {wait} ms")),
+            "{no:?}"
+        );
+        if h.exact_time() {
+            assert_eq!(wait, 300);
+            h.advance(wait - 1).await;
+            assert_eq!(denied(&h.reserve(1, 1).await).retry_after_ms, Some(1), "not a ms sooner");
+            h.advance(1).await;
+            admitted(&h.reserve(1, 1).await);
+        }
+    }
+
     pub async fn the_limit_that_frees_last_is_the_reason<S: Store>(h: Harness<S>) {
         admitted(&h.reserve(0, 600).await);
         // Both the bucket (200 tokens short, 200 s) and the day (until midnight) refuse.
         let d = h.reserve(0, 600).await;
         let no = denied(&d);
         let wait = no.retry_after_ms.unwrap();
-        let to_midnight = if h.exact_time() {
-            43_200_000 // The manual clock starts at noon UTC.
-        } else {
-            let now = tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock);
-            86_400_000 - now % 86_400_000
-        };
-        // On the real clock, within 200 s of midnight the bucket frees last and is the reason.
+        let to_midnight = 86_400_000 - h.now_ms() % 86_400_000;
+        if h.exact_time() {
+            // The manual clock starts at noon: the day frees last, exactly at midnight.
+            assert_eq!((no.reason, wait), (Reason::Budget, to_midnight), "{no:?}");
+        }
+        // On the real clock, within 200 s of midnight the bucket frees last and is the reason; at
+        // about 200 s either may be.
         if to_midnight > 201_000 {
             assert_eq!(no.reason, Reason::Budget, "{no:?}");
             assert!(wait > 200_000 && wait.abs_diff(to_midnight) < 5_000, "{wait} vs {to_midnight}");
         } else if to_midnight < 199_000 {
             assert_eq!(no.reason, Reason::TokenRate, "{no:?}");
             assert!((199_000..=200_000).contains(&wait), "{wait}");
+        } else {
+            assert!(matches!(no.reason, Reason::Budget | Reason::TokenRate), "{no:?}");
+            assert!(wait.abs_diff(200_000) < 5_000, "{wait}");
         }
     }
 
@@ -1656,6 +1679,7 @@ macro_rules! conformance {
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
+            scenario!(a_concurrency_refusal_says_when_a_lease_frees_the_slot, LEASE_CHARGE);
             scenario!(every_key_carries_a_ttl, BUCKET);
             scenario!(a_busy_scope_sets_its_ttl_once_in_a_while, BUCKET);
             scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);

@@ -726,7 +726,10 @@ async fn a_leased_plan_decided_in_the_store_that_nobody_waits_for_is_released() 
     let slow = h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(300)))).await;
     let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), slow.reserve(10, 90)).await;
     assert!(gave_up.is_err(), "the caller stopped waiting");
-    // The lease record's term runs out while the lease call's reply is on its way.
+    // The lease record's term runs out while the lease call's reply is on its way (sent first).
+    let sent =
+        slow.eventually(std::time::Duration::from_secs(5), || async { slow.admission.protocol().store().calls() == 1 });
+    assert!(sent.await, "the lease call was never sent");
     let term = slow.admission.policy().tenants[&slow.tenant].lease_ttl_ms;
     slow.advance(term + 1).await;
     let settled =
@@ -737,6 +740,7 @@ async fn a_leased_plan_decided_in_the_store_that_nobody_waits_for_is_released() 
     // (Its tokens would come back by refill over the lease's term anyway: the entry is the proof.)
     let settled = slow.settled().await;
     assert_eq!(settled.len(), 1, "the store hold nobody received is still live: {settled:?}");
+    assert!(settled.values().all(|(entry, _)| entry.starts_with('r')), "settled as released: {settled:?}");
     assert_eq!(slow.in_flight().await, 0.0);
 }
 

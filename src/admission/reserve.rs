@@ -50,7 +50,7 @@ use crate::config::Policy;
 use crate::hold::{Counted, Ending, Refusal, ReleaseOutcome, ReserveOutcome, ScopeLimits, Settled};
 use crate::metrics::{Decided, Outcome};
 use crate::store::{
-    KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
+    CommitTerms, KeyCall, PoolCall, PoolEnd, PoolOutcome, ProviderCall, ReserveCall, ReserveReply, Store, StoreError,
 };
 
 /// How long a request's place in a pool's queue lives without its next call: well past the
@@ -251,7 +251,8 @@ impl<S: Store> Admission<S> {
             // Its lease ran out first (the store was out of reach that long) and charged it as
             // held: nothing used it, so it is reconciled to nothing, as a late commit would be.
             if released == ReleaseOutcome::Settled(Settled::Expired) {
-                let terms = self.commit_terms(&policy, r.tenant, false);
+                // (Nothing ran: nothing to teach the estimate.)
+                let terms = CommitTerms { learning: None, ..self.commit_terms(&policy, r.tenant) };
                 self.protocol.commit(r.tenant, id, Counted::exact(0, 0), Ending::Released, terms).await?;
             }
         }

@@ -13,12 +13,12 @@ use crate::store::{CommitTerms, Learning, PoolEnd, Store};
 
 impl<S: Store> Admission<S> {
     /// The terms a commit of `tenant`'s hold in the store is made under: the policy's retention,
-    /// and debt counted in the periods the tenant's zone is in now (a tenant the policy no longer
-    /// has: the zone its hold was made in); with `learn`, teaching the tenant's output estimate
-    /// where its output adapts.
-    pub(super) fn commit_terms(&self, policy: &Policy, tenant: &str, learn: bool) -> CommitTerms {
+    /// debt counted in the periods the tenant's zone is in now (a tenant the policy no longer has:
+    /// the zone its hold was made in), and the tenant's output estimate taught where its output
+    /// adapts.
+    pub(super) fn commit_terms(&self, policy: &Policy, tenant: &str) -> CommitTerms {
         let tp = self.tenant_policy(policy, tenant);
-        let learning = tp.filter(|_| learn).and_then(|tp| {
+        let learning = tp.and_then(|tp| {
             tp.adaptive_output.map(|a| Learning { ttl_ms: ESTIMATE_TTL_MS.max(tp.idle_ttl_ms), window: a.window })
         });
         let zone = tp.map(|tp| tp.zone.offset_minutes_at(self.clock.now_ms()));
@@ -73,7 +73,7 @@ impl<S: Store> Admission<S> {
         let r = parse_id(reservation_id)?;
         let policy = self.policy();
         let at_store = || async {
-            let terms = self.commit_terms(&policy, r.tenant, true);
+            let terms = self.commit_terms(&policy, r.tenant);
             self.protocol.commit(r.tenant, reservation_id, counted, ending, terms).await
         };
         let outcome = match self.home(&r) {

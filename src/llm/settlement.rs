@@ -4,8 +4,8 @@
 //!
 //! | the response | settled as | ending |
 //! |---|---|---|
-//! | 2xx, complete | committed: its reported usage, else metered | `completed`, `metered` or `as_held` |
-//! | 2xx, cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far | `client_left` |
+//! | 2xx, complete | committed: its reported usage, else metered | `completed`, `metered`, `metered_capped` or `as_held` |
+//! | 2xx, cut short mid-stream (the client went away, Envoy reset the stream) | committed: what was generated so far | `client_left`, or `metered_capped` when held to the request's ceiling |
 //! | cut short before any response | committed: the prompt held, no output (the backend read the prompt) | `client_left` |
 //! | 429 or 5xx before any output | released: nothing was generated (a 429 also throttles the pool) | `upstream_refused` (429), `upstream_error` (5xx) |
 //! | 429 or 5xx after output | committed: what was generated | the same |

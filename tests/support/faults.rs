@@ -53,6 +53,11 @@ impl<S> Faulty<S> {
     pub fn new(inner: S, script: &'static str, fault: Fault) -> Self {
         Faulty { inner, script, fault, calls: Arc::new(AtomicU32::new(0)) }
     }
+
+    /// Calls of the faulty script made so far (each counted as it is sent).
+    pub fn calls(&self) -> u32 {
+        self.calls.load(Ordering::SeqCst)
+    }
 }
 
 fn timeout() -> StoreError {

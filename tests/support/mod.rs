@@ -246,14 +246,15 @@ pub const REAL_CLOCK_SPAN: Duration = Duration::from_secs(10);
 /// How long to wait so that no UTC half hour turns within `span` from now: nothing, unless one is
 /// about to, and then until it has.
 pub fn wait_for_a_turn(span: Duration) -> Duration {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    use tollgate::store::clock::Clock;
+    let now = tollgate::store::clock::SystemClock.now_ms();
     let left = TURN_MS - now % TURN_MS;
     if u128::from(left) <= span.as_millis() { Duration::from_millis(left + 50) } else { Duration::ZERO }
 }
 
 /// Waits, when a UTC half hour turns within `span`, until it has turned: a test on the real clock
 /// (Redis reads this machine's) then counts inside one period of every budget it uses, as its
-/// assertions expect. Waits at most `span`, and only in the `span` before a turn.
+/// assertions expect. Waits at most `span` and 50 ms, and only in the `span` before a turn.
 pub async fn clear_of_a_turn(span: Duration) {
     tokio::time::sleep(wait_for_a_turn(span)).await;
 }

@@ -98,8 +98,8 @@ pub struct Cell {
     pub first_retry: f64,
     pub later: f64,
     pub lateness_ms: f64,
-    /// The most any timing of the hints could have admitted at a first retry, as a share of the
-    /// retried ([`load::HintTotals::room`]).
+    /// The most that could have been admitted at a first retry with the admissions each class got,
+    /// as a share of the retried ([`load::HintTotals::room`]).
     pub first_retry_room: f64,
 }
 
@@ -436,7 +436,7 @@ impl std::fmt::Display for OverloadReport {
             let head = [
                 "refused and retried on the hint",
                 "admitted at the first retry",
-                "at most (the room the classes got)",
+                "at most (with the admissions each class got)",
                 "at a later one",
                 "later by (median ms)",
             ];

@@ -137,10 +137,10 @@ pub struct HintTotals {
     /// Of them, admitted at the first retry, and at a later one.
     pub first: u64,
     pub later: u64,
-    /// The most that any timing of the hints could have admitted at a first retry with the room
-    /// each class got: its retried requests, or its admissions if fewer (a hint says when, it
-    /// makes no room; a class whose room is spent by the tiers above it and by its own new
-    /// arrivals cannot admit more of its retries than it admits in all).
+    /// The most that could have been admitted at a first retry with the admissions each class
+    /// got: its retried requests, or its admissions if fewer (an admission at a first retry is
+    /// both). With the pool kept busy, a different timing of the hints moves room between
+    /// requests; it does not make more of it.
     pub room: u64,
 }
 
@@ -389,7 +389,7 @@ pub fn table(reports: &[ClassReport]) -> String {
         let pct = |n: u64| 100.0 * n as f64 / retried as f64;
         out.push_str(&format!(
             "\nrefused and retried on the hint: {retried}; admitted at the first retry {first} ({:.0}%), at a later one {later}; \
-             the most the room the classes got could admit at a first retry: {room} ({:.0}%)\n",
+             at most, with the admissions each class got: {room} ({:.0}%)\n",
             pct(first),
             pct(room)
         ));
