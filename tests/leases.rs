@@ -211,6 +211,27 @@ mod scenarios {
         assert_eq!(leases.load(Ordering::SeqCst), calls.saturating_add(1), "one call refused; the rest from memory");
     }
 
+    /// A concurrency refusal the slices answer says what kind of wait it is, as a store decision's
+    /// does: the only slot is this replica's own lease, which nobody can say when a commit frees,
+    /// so the store told the back-off; remembered, the refusal says what is left of it.
+    pub async fn a_leased_concurrency_refusal_says_its_wait<S: Store + Clone>(h: Harness<S>) {
+        admitted(&h.reserve(1, 1).await);
+        let no = h.reserve(1, 1).await;
+        let no = denied(&no);
+        assert_eq!((no.reason, no.retry_after_ms), (Reason::Concurrency, Some(1_000)), "{no:?}");
+        assert!(no.message.contains("cannot be predicted") && no.message.contains("back off 1000 ms"), "{no:?}");
+        if h.exact_time() {
+            h.advance(100).await; // (Within the window, 250 ms, that a refusal is remembered.)
+            let again = h.reserve(1, 1).await;
+            let again = denied(&again);
+            assert_eq!(again.retry_after_ms, Some(900), "from memory: {again:?}");
+            assert!(
+                again.message.contains("cannot be predicted") && again.message.contains("back off 900 ms"),
+                "{again:?}"
+            );
+        }
+    }
+
     /// A strict tenant's decisions, and any request with an idempotency key, go to the store: their
     /// holds are store holds (no replica in the id), charged there at once.
     pub async fn strict_tenants_and_keyed_requests_bypass_leasing<S: Store + Clone>(h: Harness<S>) {
@@ -617,6 +638,7 @@ macro_rules! leasing {
             scenario!(concurrency_is_exact_across_replicas, CONCURRENCY);
             scenario!(a_commit_at_another_replica_reaches_the_owner, SLOW);
             scenario!(a_refusal_is_remembered_for_its_wait, SLOW);
+            scenario!(a_leased_concurrency_refusal_says_its_wait, &format!("{SLOW}  max_concurrency: 1\n"));
             scenario!(an_overrun_of_a_leased_hold_is_debt_in_the_store, SLOW);
             scenario!(cached_prompt_tokens_of_a_leased_hold_count_as_in_the_store, SLOW);
             scenario!(a_re_sent_lease_call_counts_once, SLOW);

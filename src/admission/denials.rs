@@ -137,11 +137,12 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
     }
 }
 
-/// When a concurrency slot frees, as the refusal says it: at the end of a hold's lease, when that
-/// is within the back-off; else nobody can say (a commit usually frees one first), and the caller
-/// backs off.
-pub(super) fn slot_frees(retry_after_ms: u64, back_off_ms: u64) -> String {
-    if retry_after_ms < back_off_ms {
+/// When a concurrency slot frees, in `retry_after_ms`, as the refusal says it: at the end of a
+/// hold's lease, when the store told a wait (`told_ms`) within the back-off; else nobody can say
+/// (a commit usually frees one first), and the caller backs off. (A refusal the lease slices
+/// remember tells what is left of the store's wait.)
+pub(super) fn slot_frees(retry_after_ms: u64, told_ms: u64, back_off_ms: u64) -> String {
+    if told_ms < back_off_ms {
         format!("; one frees at the latest when a hold's lease ends, in {retry_after_ms} ms")
     } else {
         format!(

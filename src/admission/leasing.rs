@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::denials::{refusal_reason, store_unavailable};
+use super::denials::{refusal_reason, slot_frees, store_unavailable};
 use super::lease::{self, Called, Local};
 use super::plan::Plan;
 use super::reserve::Tidy;
@@ -54,7 +54,8 @@ impl<S: Store> Admission<S> {
                 self.follow_up(followups).await;
                 match refused {
                     Some((scope, reason, retry_after_ms)) => {
-                        self.leased_decision(plan, Local::Refused { scope, reason, retry_after_ms })
+                        let told_ms = retry_after_ms;
+                        self.leased_decision(plan, Local::Refused { scope, reason, retry_after_ms, told_ms })
                     }
                     None => match leases.try_admit(&t, &ask) {
                         // Granted but not covered: only if the policy changed under it, or an
@@ -87,9 +88,12 @@ impl<S: Store> Admission<S> {
                 forecast: None,
                 output_ceiling: plan.output_ceiling,
             }),
-            Local::Refused { scope, reason, retry_after_ms } => {
+            Local::Refused { scope, reason, retry_after_ms, told_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, message) = refusal_reason(reason, label, plan.policy.max_attempts);
+                let (reason, mut message) = refusal_reason(reason, label, plan.policy.max_attempts);
+                if reason == Reason::Concurrency {
+                    message.push_str(&slot_frees(retry_after_ms, told_ms, plan.policy.concurrency_retry_ms));
+                }
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
             }

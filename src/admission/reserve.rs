@@ -448,7 +448,7 @@ impl<S: Store> Admission<S> {
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
                 let (reason, mut message) = refusal_reason(reason, scope, policy.max_attempts);
                 if reason == Reason::Concurrency {
-                    message.push_str(&slot_frees(retry_after_ms, policy.concurrency_retry_ms));
+                    message.push_str(&slot_frees(retry_after_ms, retry_after_ms, policy.concurrency_retry_ms));
                 }
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })

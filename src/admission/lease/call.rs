@@ -145,7 +145,7 @@ impl Leases {
                 if let Some(slice) = scopes.get(*scope).and_then(|sc| s.slices.get_mut(&sc.key)) {
                     let until = now.saturating_add((*retry_after_ms).clamp(1, window));
                     let retry_at = now.saturating_add(*retry_after_ms);
-                    slice.blocked = Some(Blocked { until, retry_at, reason: *reason });
+                    slice.blocked = Some(Blocked { until, retry_at, reason: *reason, told_ms: *retry_after_ms });
                 }
                 Some((*scope, *reason, *retry_after_ms))
             }

@@ -90,11 +90,13 @@ pub(super) enum Local {
     Admitted {
         headroom: Headroom,
     },
-    /// The store refused this scope (index into the ask's scopes) a moment ago.
+    /// The store refused this scope (index into the ask's scopes) a moment ago: the wait left of
+    /// the one it told (`told_ms`).
     Refused {
         scope: usize,
         reason: Refusal,
         retry_after_ms: u64,
+        told_ms: u64,
     },
     /// The slices cannot cover it: a lease call must.
     Miss,
@@ -303,9 +305,12 @@ impl Leases {
                 continue;
             }
             return match slice.blocked {
-                Some(b) if b.until > now => {
-                    Local::Refused { scope: i, reason: b.reason, retry_after_ms: b.retry_at.saturating_sub(now).max(1) }
-                }
+                Some(b) if b.until > now => Local::Refused {
+                    scope: i,
+                    reason: b.reason,
+                    retry_after_ms: b.retry_at.saturating_sub(now).max(1),
+                    told_ms: b.told_ms,
+                },
                 _ => Local::Miss,
             };
         }

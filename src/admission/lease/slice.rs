@@ -104,6 +104,9 @@ pub(super) struct Blocked {
     /// When the store said the request could fit: what a refusal from memory tells the client.
     pub(super) retry_at: u64,
     pub(super) reason: Refusal,
+    /// The wait the store said (ms), which says what kind of wait it is (a concurrency wait at
+    /// the back-off is one nobody could predict).
+    pub(super) told_ms: u64,
 }
 
 impl Slice {
