@@ -171,3 +171,10 @@ start_test_redis() {
   cat "$RUN_DIR/cluster-create.log" >&2
   return 1
 }
+
+# The script calls the Redis on port $1 served since its stats were last reset (`config
+# resetstat`), and the µs it spent in them (`INFO commandstats`): "calls usec".
+script_calls() {
+  redis-cli -p "$1" info commandstats | grep -E '^cmdstat_(evalsha|fcall):' |
+    sed -E 's/.*calls=([0-9]+),usec=([0-9]+),.*/\1 \2/' | awk '{ n += $1; s += $2 } END { print n + 0, s + 0 }'
+}
