@@ -431,7 +431,7 @@ mod scenarios {
         let d = h.reserve(0, 600).await;
         let no = denied(&d);
         let wait = no.retry_after_ms.unwrap();
-        let to_midnight = 86_400_000 - h.now_ms() % 86_400_000;
+        let to_midnight = to_turn(&h, 0, tollgate::hold::Period::Day);
         if h.exact_time() {
             // The manual clock starts at noon: the day frees last, exactly at midnight.
             assert_eq!((no.reason, wait), (Reason::Budget, to_midnight), "{no:?}");

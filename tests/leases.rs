@@ -720,15 +720,25 @@ async fn a_dead_replicas_slots_come_back_after_its_lease_embedded() {
     scenarios::a_dead_replicas_slots_come_back_after_its_lease(h).await;
 }
 
-/// A miss whose caller stops waiting (Envoy's ext_authz timeout) still finishes its lease call, and
-/// the hold nobody received is released at once, in memory.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leased_hold_nobody_waits_for_is_released() {
+/// A replica whose lease calls answer `reply_ms` late, and a miss on it whose caller stops waiting
+/// (Envoy's ext_authz timeout) while its lease call is under way.
+async fn a_caller_leaves_a_slow_lease_call(
+    reply_ms: u64,
+) -> Harness<support::faults::Faulty<tollgate::store::embedded::EmbeddedStore>> {
     use support::faults::{Fault, Faulty};
     let h = support::embedded(&policy(SLOW)).await;
-    let slow = h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(200)))).await;
+    let slow =
+        h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(reply_ms)))).await;
     let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), slow.reserve(10, 90)).await;
     assert!(gave_up.is_err(), "the caller stopped waiting");
+    slow
+}
+
+/// A miss whose caller stops waiting still finishes its lease call, and the hold nobody received
+/// is released at once, in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_hold_nobody_waits_for_is_released() {
+    let slow = a_caller_leaves_a_slow_lease_call(200).await;
     let released = slow
         .eventually(std::time::Duration::from_secs(5), || async { slow.admission.leased_holds(&slow.tenant) == (0, 1) })
         .await;
@@ -743,11 +753,7 @@ async fn a_leased_hold_nobody_waits_for_is_released() {
 /// not left charged until its lease expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_plan_decided_in_the_store_that_nobody_waits_for_is_released() {
-    use support::faults::{Fault, Faulty};
-    let h = support::embedded(&policy(SLOW)).await;
-    let slow = h.wrapped(|s| Faulty::new(s, "lease", Fault::SlowReply(std::time::Duration::from_millis(300)))).await;
-    let gave_up = tokio::time::timeout(std::time::Duration::from_millis(20), slow.reserve(10, 90)).await;
-    assert!(gave_up.is_err(), "the caller stopped waiting");
+    let slow = a_caller_leaves_a_slow_lease_call(300).await;
     // The lease record's term runs out while the lease call's reply is on its way (sent first).
     let sent =
         slow.eventually(std::time::Duration::from_secs(5), || async { slow.admission.protocol().store().calls() == 1 });
