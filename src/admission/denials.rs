@@ -6,7 +6,7 @@
 
 use super::plan::{Plan, PoolLeg};
 use super::{Denial, Reason};
-use crate::config::{PoolQueue, Priority};
+use crate::config::{Policy, PoolQueue, Priority};
 use crate::hold::{PoolRefusal, Refusal};
 use crate::store::{PoolRetry, StoreError};
 
@@ -137,11 +137,27 @@ pub(super) fn refusal_reason(refusal: Refusal, scope: &str, max_attempts: u32) -
     }
 }
 
+/// A tenant scope's refusal, as its reason and message: a concurrency refusal says when its slot
+/// frees, in `retry_after_ms`, of the wait the store told (`told_ms`; see [`slot_frees`]).
+pub(super) fn scope_refusal(
+    refusal: Refusal,
+    scope: &str,
+    policy: &Policy,
+    retry_after_ms: u64,
+    told_ms: u64,
+) -> (Reason, String) {
+    let (reason, mut message) = refusal_reason(refusal, scope, policy.max_attempts);
+    if reason == Reason::Concurrency {
+        message.push_str(&slot_frees(retry_after_ms, told_ms, policy.concurrency_retry_ms));
+    }
+    (reason, message)
+}
+
 /// When a concurrency slot frees, in `retry_after_ms`, as the refusal says it: at the end of a
 /// hold's lease, when the store told a wait (`told_ms`) within the back-off; else nobody can say
 /// (a commit usually frees one first), and the caller backs off. (A refusal the lease slices
 /// remember tells what is left of the store's wait.)
-pub(super) fn slot_frees(retry_after_ms: u64, told_ms: u64, back_off_ms: u64) -> String {
+fn slot_frees(retry_after_ms: u64, told_ms: u64, back_off_ms: u64) -> String {
     if told_ms < back_off_ms {
         format!("; one frees at the latest when a hold's lease ends, in {retry_after_ms} ms")
     } else {

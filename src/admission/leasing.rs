@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use super::denials::{refusal_reason, slot_frees, store_unavailable};
+use super::denials::{scope_refusal, store_unavailable};
 use super::lease::{self, Called, Local};
 use super::plan::Plan;
 use super::reserve::Tidy;
@@ -90,10 +90,7 @@ impl<S: Store> Admission<S> {
             }),
             Local::Refused { scope, reason, retry_after_ms, told_ms } => {
                 let label = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, mut message) = refusal_reason(reason, label, plan.policy.max_attempts);
-                if reason == Reason::Concurrency {
-                    message.push_str(&slot_frees(retry_after_ms, told_ms, plan.policy.concurrency_retry_ms));
-                }
+                let (reason, message) = scope_refusal(reason, label, &plan.policy, retry_after_ms, told_ms);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom: Headroom::default() })
             }

@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 
-use super::denials::{self, refusal_reason, slot_frees, store_unavailable};
+use super::denials::{self, refusal_reason, scope_refusal, store_unavailable};
 use super::lease::Local;
 use super::log::{self, StoreMode};
 use super::plan::{Plan, PoolLeg, cost_of};
@@ -446,10 +446,7 @@ impl<S: Store> Admission<S> {
                     _ => retry_after_ms,
                 };
                 let scope = plan.scopes.get(scope).map_or("?", |s| s.label.as_str());
-                let (reason, mut message) = refusal_reason(reason, scope, policy.max_attempts);
-                if reason == Reason::Concurrency {
-                    message.push_str(&slot_frees(retry_after_ms, retry_after_ms, policy.concurrency_retry_ms));
-                }
+                let (reason, message) = scope_refusal(reason, scope, policy, retry_after_ms, retry_after_ms);
                 let retry_after_ms = reason.retryable().then_some(retry_after_ms);
                 Decision::Denied(Denial { reason, message, retry_after_ms, headroom })
             }
