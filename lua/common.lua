@@ -108,7 +108,13 @@ local DAY_MS = 86400000
 
 -- The UTC calendar month of a day number (days since 1970-01-01), as year x 12 + month - 1; and
 -- the day number a month starts on. (Days from and to the civil calendar, after H. Hinnant.)
+-- (The last day asked and its month are kept: a phase asks for the same day again and again, and
+-- on Redis the library's locals outlive a call. The answer is the arithmetic's either way.)
+local last_day, last_month
 local function month_of(day)
+  if day == last_day then
+    return last_month
+  end
   local z = day + 719468
   local era = floor(z / 146097)
   local doe = z - era * 146097
@@ -123,7 +129,8 @@ local function month_of(day)
   if m <= 2 then
     y = y + 1
   end
-  return y * 12 + m - 1
+  last_day, last_month = day, y * 12 + m - 1
+  return last_month
 end
 
 local function month_start(month)
@@ -281,13 +288,34 @@ for i = 1, #PERIODS do
 end
 local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
 local IS_ALWAYS = { du = true, dc = true, mu = true, mc = true }
+-- Each counter's place in COUNTERS; and each period's counters beside ALWAYS, the ones a scope
+-- counts only when a budget names them or its hash has counted them.
+local PLACE, BESIDE = {}, {}
+for i = 1, #COUNTERS do
+  local c = COUNTERS[i]
+  PLACE[c] = i
+  if not IS_ALWAYS[c] then
+    local p = PERIOD_OF[c]
+    BESIDE[p] = BESIDE[p] or {}
+    BESIDE[p][#BESIDE[p] + 1] = c
+  end
+end
 
 -- What a hold charged beside ALWAYS, per scope, as its record keeps it (`kc`): for each scope in
 -- `ks` order, the other counters its reserve charged, comma-separated, scopes separated by '|'
 -- ('' when no scope charged any: the record then has no `kc`). A refund goes only to what the
 -- hold charged, so a budget a reload added after it is never credited with what it never held.
 local function charged_counters(scopes)
-  local all, any = {}, false
+  local any = false
+  for _, s in ipairs(scopes) do
+    for c in pairs(s.used) do
+      any = any or not IS_ALWAYS[c]
+    end
+  end
+  if not any then
+    return ''
+  end
+  local all = {}
   for i, s in ipairs(scopes) do
     local mine = {}
     for _, c in ipairs(COUNTERS) do
@@ -296,10 +324,6 @@ local function charged_counters(scopes)
       end
     end
     all[i] = table.concat(mine, ',')
-    any = any or #mine > 0
-  end
-  if not any then
-    return ''
   end
   return table.concat(all, '|')
 end
@@ -380,7 +404,15 @@ local function scope_limits(args, b)
     if mark == '~' then
       l.soft[c], l.any_soft = tonumber(n), true
     else
-      l.budgets[c], l.any_budget = tonumber(n), true
+      l.budgets[c] = tonumber(n)
+      -- (`named`: the budgets' counters in COUNTERS order, as a refusal names them.)
+      l.named = l.named or {}
+      local named, i = l.named, #l.named + 1
+      while i > 1 and PLACE[named[i - 1]] > PLACE[c] do
+        named[i] = named[i - 1]
+        i = i - 1
+      end
+      named[i] = c
     end
   end
   return l
@@ -407,19 +439,36 @@ local function read_scope(key, l, now, at)
   end
   s.c = tonumber(f.c) or 0
   -- Which periods the hash counts already (its marker is the current one: `current`), and every
-  -- counter the scope counts: ALWAYS, its budgets, and what its hash has counted.
-  s.f, s.used, s.current = f, {}, {}
+  -- counter the scope counts: ALWAYS, its budgets, and what its hash has counted (a counter is
+  -- written only with its period's marker, so only a period with a marker can have counted any).
+  local used, current = {}, {}
+  s.f, s.used, s.current = f, used, current
   for i = 1, #PERIODS do
     local p = PERIODS[i]
-    s.current[p] = at[p] ~= nil and tonumber(f[PERIOD_MARKERS[p]]) == at[p]
-  end
-  for i = 1, #COUNTERS do
-    local c = COUNTERS[i]
-    if IS_ALWAYS[c] or l.budgets[c] or l.soft[c] or f[c] then
-      s.used[c] = 0
-      if s.current[PERIOD_OF[c]] then
-        s.used[c] = tonumber(f[c]) or 0
+    local marker = f[PERIOD_MARKERS[p]]
+    current[p] = at[p] ~= nil and tonumber(marker) == at[p]
+    if marker then
+      local beside = BESIDE[p]
+      for j = 1, #beside do
+        local c = beside[j]
+        if f[c] then
+          used[c] = 0
+        end
       end
+    end
+  end
+  for i = 1, #ALWAYS do
+    used[ALWAYS[i]] = 0
+  end
+  for c in pairs(l.budgets) do
+    used[c] = 0
+  end
+  for c in pairs(l.soft) do
+    used[c] = 0
+  end
+  for c in pairs(used) do
+    if current[PERIOD_OF[c]] then
+      used[c] = tonumber(f[c]) or 0
     end
   end
   return s
@@ -505,12 +554,13 @@ local function check_scope(s, n, requests, slots, leases, holds, wait_cap, now, 
   if s.cmax > 0 and slots > 0 and s.c + slots > s.cmax then
     deny('concurrency', slot_frees(s, s.c + slots - s.cmax, leases, holds, wait_cap, now))
   end
-  if not s.l.any_budget then
+  local named = s.l.named
+  if not named then
     return
   end
-  for i = 1, #COUNTERS do
-    local c = COUNTERS[i]
-    local limit, amount = s.l.budgets[c] or 0, n[MEASURE_OF[c]]
+  for i = 1, #named do
+    local c = named[i]
+    local limit, amount = s.l.budgets[c], n[MEASURE_OF[c]]
     if limit > 0 and amount > 0 and s.used[c] + amount > limit then
       deny('budget:' .. c, period_ends(PERIOD_OF[c], at, now, offset))
     end
@@ -551,7 +601,7 @@ local function scope_part(s, part)
     pt = s.pt and s.pt - s.pcap * keep, pcap = s.pcap * part,
     gt = s.gt and s.gt - s.gcap * keep, gcap = s.gcap * part,
     r = s.r and s.r - s.rcap * keep, rcap = s.rcap * part,
-    l = { budgets = budgets, any_budget = s.l.any_budget },
+    l = { budgets = budgets, named = s.l.named },
   }, { __index = s })
 end
 
@@ -698,6 +748,86 @@ local function free_slots(w, c, slots)
   return 0
 end
 
+-- Appends to `w` (`nw` places filled; returns the count after) the writes that move the counters
+-- of period `p` in a scope hash read as `f` by `n` (see adjust): each counter the hash has moves
+-- where its amount is not zero and the period it is for (`hold_at`'s for a refund, where
+-- `may_refund` allows it; `now_at`'s for debt) is the one counted, or, for debt, an older one; debt
+-- for a newer period starts the period's count afresh (every counter of it at zero, the marker
+-- moved). Only what moves is written.
+local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
+  local marker = PERIOD_MARKERS[p]
+  local was = tonumber(f[marker])
+  -- (A period the hash has no marker for counts nothing here.)
+  if not was then
+    return nw
+  end
+  local names, from = COUNTER_OF[p], nw
+  -- Most moves count in the period counted: each counter moves on its own.
+  for x = 1, #MEASURES do
+    local m = MEASURES[x]
+    local amount = n[m]
+    if amount ~= 0 then
+      local name, at = names[m], now_at[p]
+      if amount < 0 then
+        at = may_refund[name] and hold_at[p]
+      end
+      local count = at and f[name]
+      if count then
+        if at == was or (amount > 0 and at < was) then
+          w[nw + 1], w[nw + 2], nw = name, max(0, tonumber(count) + amount), nw + 2
+        elseif amount > 0 then
+          nw = nil
+          break
+        end
+      end
+    end
+  end
+  if nw then
+    return nw
+  end
+  -- Debt in a newer period: the measures in order, the period's count started afresh at the first
+  -- such debt, what came before it then counted in the period that ended.
+  nw = from
+  local u, moved = { at = was }, {}
+  for x = 1, #MEASURES do
+    local m = MEASURES[x]
+    u[m] = tonumber(f[names[m]])
+  end
+  for x = 1, #MEASURES do
+    local m = MEASURES[x]
+    local amount, at = n[m], now_at[p]
+    if amount < 0 then
+      at = hold_at[p]
+    end
+    if amount < 0 and not may_refund[names[m]] then
+      at = nil
+    end
+    if u[m] and amount ~= 0 and at then
+      if u.at == at or (amount > 0 and at < u.at) then
+        u[m], moved[m] = max(0, u[m] + amount), true
+      elseif amount > 0 then
+        for y = 1, #MEASURES do
+          local other = MEASURES[y]
+          if u[other] then
+            u[other], moved[other] = 0, true
+          end
+        end
+        u.at, u[m], moved[m] = at, amount, true
+      end
+    end
+  end
+  if u.at ~= was then
+    w[nw + 1], w[nw + 2], nw = marker, u.at, nw + 2
+  end
+  for x = 1, #MEASURES do
+    local m = MEASURES[x]
+    if moved[m] then
+      w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
+    end
+  end
+  return nw
+end
+
 -- Moves each scope by `n` ({u, c, p, g}: debt when positive, a refund when negative) and frees
 -- `slots` concurrency slots there (nil: none), one read and one write a scope. A bucket moves from
 -- its level now: refilled first, so a full bucket's refill (which it could not hold) never pays
@@ -735,50 +865,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
         end
       end
       for j = 1, #PERIODS do
-        local p = PERIODS[j]
-        local marker, names = PERIOD_MARKERS[p], COUNTER_OF[p]
-        local was = tonumber(f[marker])
-        -- (A period the hash has no marker for counts nothing here.)
-        if was then
-          local u, moved = { at = was }, {}
-          for x = 1, #MEASURES do
-            local m = MEASURES[x]
-            u[m] = tonumber(f[names[m]])
-          end
-          for x = 1, #MEASURES do
-            local m = MEASURES[x]
-            local amount, at = n[m], now_at[p]
-            if amount < 0 then
-              at = hold_at[p]
-            end
-            if amount < 0 and not may_refund[names[m]] then
-              at = nil
-            end
-            if u[m] and amount ~= 0 and at then
-              if u.at == at or (amount > 0 and at < u.at) then
-                u[m], moved[m] = max(0, u[m] + amount), true
-              elseif amount > 0 then
-                for y = 1, #MEASURES do
-                  local other = MEASURES[y]
-                  if u[other] then
-                    u[other], moved[other] = 0, true
-                  end
-                end
-                u.at, u[m], moved[m] = at, amount, true
-              end
-            end
-          end
-          -- (Only what moved is written: the marker when a new period starts, and its counters.)
-          if u.at ~= was then
-            w[nw + 1], w[nw + 2], nw = marker, u.at, nw + 2
-          end
-          for x = 1, #MEASURES do
-            local m = MEASURES[x]
-            if moved[m] then
-              w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
-            end
-          end
-        end
+        nw = move_period(w, nw, f, PERIODS[j], n, hold_at, now_at, may_refund)
       end
     end
     -- A hash that has expired is not made again for its TTL's sake: only a write keeps it.
@@ -787,7 +874,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
       w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
     end
     if nw > 0 then
-      call('HSET', k, unpack(w))
+      call('HSET', k, unpack(w, 1, nw))
     end
     if until_ms then
       keep_for(k, until_ms - now)
