@@ -40,6 +40,8 @@
 -- answered with, as one short value (see file_settled). A repeat looks in the current period's
 -- bucket and the one before, so a settled hold answers repeats for at least R and at most 2R.
 -- One bucket entry costs about a third of a record of its own (no key, no TTL, no field names).
+-- Beside the entries, the field `ttl` (never a hold's: those are hex) marks a bucket that has its
+-- TTL, so only the filing that makes a bucket sets it (see file_settled).
 -- Beside each bucket, `<bucket>e` keeps the endings its entries do not imply (see file_settled).
 -- (A repeat after a bucket is gone is a new call: a commit, release or renew answers not_found
 -- and changes nothing; a re-sent reserve, which only the Redis client makes and within its
@@ -1010,9 +1012,14 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
   end
   local field = settled_field(id)
   local expires = (period + 2) * settled.retention - now
-  call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
-    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost))
-  call('PEXPIRE', bucket, expires)
+  -- (The bucket's field `ttl` is written with its TTL, in one script, so a bucket that has it has
+  -- its TTL: the write says whether it had, as the count of fields it added. A bucket without it
+  -- that has the entry already can only be an older version's, which gave it its TTL.)
+  local added = call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
+    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost), 'ttl', '1')
+  if added ~= 1 then
+    call('PEXPIRE', bucket, expires)
+  end
   if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
     call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
     call('PEXPIRE', bucket .. 'e', expires)

@@ -164,7 +164,8 @@ return out
 "#;
 
 /// Reads a tenant's settled buckets, the previous period's and the current one's (`ARGV`: the
-/// bucket prefix, the retention), as {field, value, the bucket's PTTL} each. `KEYS[1]` is
+/// bucket prefix, the retention), as {field, value, the bucket's PTTL} each settled hold (not the
+/// bucket's `ttl` mark). `KEYS[1]` is
 /// any key of the tenant, for a Cluster to route the call.
 const SETTLED: &str = r#"
 local t = redis.call('TIME')
@@ -175,7 +176,9 @@ for _, n in ipairs({ period - 1, period }) do
   local k = ARGV[1] .. n
   local flat = redis.call('HGETALL', k)
   for i = 1, #flat, 2 do
-    out[#out + 1] = { flat[i], flat[i + 1], redis.call('PTTL', k) }
+    if flat[i] ~= 'ttl' then
+      out[#out + 1] = { flat[i], flat[i + 1], redis.call('PTTL', k) }
+    end
   end
 end
 return out
