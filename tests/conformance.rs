@@ -467,6 +467,30 @@ mod scenarios {
         }
     }
 
+    /// A settled bucket an earlier version filed in (entries, no `ttl` mark) is given its TTL by
+    /// the first filing of this one, whether the earlier one had given it one or not: the mark, not
+    /// the entries, says the bucket has it. (Here the earlier bucket has none, the worst case.)
+    pub async fn a_settled_bucket_an_earlier_version_made_gets_its_ttl<S: Store>(h: Harness<S>) {
+        let retention = h.admission.policy().record_retention_ms;
+        let period = h.now_ms() / retention;
+        let bucket = format!("{}{period}", keys::settled_prefix(&h.tenant));
+        let earlier = tollgate::store::Script::new(
+            "earlier",
+            "return redis.call('HSET', KEYS[1], '0123456789abcdef0123', 'c0 20 1 10 7 13000')".to_string(),
+        );
+        let store = h.admission.protocol().store();
+        store.eval(&earlier, vec![bucket.clone()], vec![]).await.expect("an earlier version's entry");
+        assert_eq!(h.scope(&bucket).await.unwrap().pttl, -1, "no TTL yet");
+        let id = admitted(&h.reserve(10, 10).await).reservation_id.clone();
+        h.admission.commit(&id, 1, 1).await.unwrap();
+        if h.now_ms() / retention != period {
+            return; // (the period turned: this hold was filed in a bucket of its own)
+        }
+        let view = h.scope(&bucket).await.unwrap();
+        assert!(view.pttl > 0 && view.pttl <= 2 * i64::try_from(retention).unwrap(), "{view:?}");
+        assert_eq!(view.fields.get("ttl").map(String::as_str), Some("1"), "{view:?}");
+    }
+
     /// A busy scope's TTL is set about once in every sixteenth of its idle TTL, not at every call
     /// (see `lasting` in lua/common.lua), and a call that writes it never leaves it less than the
     /// idle TTL to live.
@@ -1679,11 +1703,13 @@ macro_rules! conformance {
             );
             scenario!(a_budget_a_reload_adds_is_not_credited_by_older_holds, DAY_ONLY);
             scenario!(debt_in_an_earlier_period_than_the_counted_one_is_kept, DAY_ONLY);
+            scenario!(debt_after_the_period_turned_starts_the_new_one, DAY_ONLY);
             scenario!(a_budget_in_money_holds_the_worst_case_and_charges_the_actual, MONEY);
             scenario!(the_request_rate_is_limited, REQUESTS);
             scenario!(the_limit_that_frees_last_is_the_reason, DAILY_AND_BUCKET);
             scenario!(a_concurrency_refusal_says_when_a_lease_frees_the_slot, LEASE_CHARGE);
             scenario!(every_key_carries_a_ttl, BUCKET);
+            scenario!(a_settled_bucket_an_earlier_version_made_gets_its_ttl, BUCKET);
             scenario!(a_busy_scope_sets_its_ttl_once_in_a_while, BUCKET);
             scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);
             scenario!(an_expired_hold_waits_its_time_for_a_late_commit, LEASE_REFUND);

@@ -346,3 +346,23 @@ pub async fn debt_in_an_earlier_period_than_the_counted_one_is_kept<S: Store>(h:
     let scope = h.tenant_scope().await;
     assert_eq!((scope.num("d"), scope.num("du")), (day, 2_500.0), "{scope:?}");
 }
+
+/// Debt charged after the period its hold was counted in has turned starts the new period's count
+/// (every counter of the period the scope has at zero, then the debt, tokens and money alike): the
+/// hold's own tokens stay with the day that ended, and the month, which has not turned, counts
+/// them all.
+pub async fn debt_after_the_period_turned_starts_the_new_one<S: Store>(h: Harness<S>) {
+    if !h.exact_time() {
+        return;
+    }
+    // Sunday 29 November, 12:00 UTC: a hold of 1,000; Monday 30 November, 01:00: it used 1,500.
+    let first = admitted(&h.reserve(0, 1000).await).reservation_id.clone();
+    let day = h.tenant_scope().await.num("d");
+    h.advance(13 * HOUR).await;
+    h.admission.commit(&first, 0, 1500).await.unwrap();
+    let scope = h.tenant_scope().await;
+    // (The harness's model costs 3,000 nanos an output token: the debt's money moves as its tokens.)
+    assert_eq!((scope.num("d"), scope.num("du"), scope.num("dc")), (day + 1.0, 500.0, 1_500_000.0), "{scope:?}");
+    assert_eq!((scope.num("mu"), scope.num("mc")), (1_500.0, 4_500_000.0), "{scope:?}");
+    assert_eq!(used(&h, Measure::Tokens, Period::Day).await, (500, 0), "counted, held");
+}
