@@ -70,7 +70,9 @@
 --   h d w mo    period markers, in the tenant's zone: hour, day, week (from Monday) and month
 --               (year x 12 + month - 1) numbers
 --   <period><measure>  what the period counted: period h d w m, measure u (tokens), c (cost,
---               nanos), p (prompt tokens), g (output tokens); e.g. du, mc, wg (see PERIODS)
+--               nanos), p (prompt tokens), g (output tokens); e.g. du, mc, wg (see PERIODS);
+--               written only with its period's marker, never without it (read_scope looks for
+--               counters only in the periods that have one)
 --
 -- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
 -- appended by the very script that settles it, so what billing reads and what the counters

@@ -262,6 +262,9 @@ struct World<S> {
     /// Per tenant, what its ledger entries charged (tokens, cost) when it last went idle: the
     /// counters that held it have run out since.
     ledger_before_idle: BTreeMap<String, (u64, u64)>,
+    /// Per tenant, when (store clock) its counters last started afresh: the case's start, or its
+    /// last idle.
+    counted_since: BTreeMap<String, u64>,
     idles: usize,
     /// What each replica that hears reserves' answers (`h`, then `twice`) last heard of each
     /// tenant's soft budgets: until when (store clock) it is past one, and so demotes the
@@ -447,6 +450,10 @@ impl<S: Store + Clone> World<S> {
                     }
                     let scopes: Vec<String> = self.model.scopes.keys().cloned().collect();
                     clock.advance_ms(IDLE_MS);
+                    let now = self.now();
+                    for tenant in &self.tenants {
+                        self.counted_since.insert(tenant.clone(), now);
+                    }
                     self.elapsed = 0;
                     self.model.forget_idle();
                     let mut gone = scopes;
@@ -625,6 +632,14 @@ impl<S: Store + Clone> World<S> {
                 let field = if *period == Period::Month { "mo" } else { &period.as_str()[..1] };
                 assert_eq!(num(field), Some(*marker as f64), "{at}: the {period:?} marker of {key}: {v:?}");
             }
+            // A counter is written only with its period's marker (what read_scope relies on).
+            for field in v.fields.keys() {
+                let b = field.as_bytes();
+                if b.len() == 2 && b"hdwm".contains(&b[0]) && b"ucpg".contains(&b[1]) {
+                    let marker = if b[0] == b'm' { "mo" } else { &field[..1] };
+                    assert!(v.fields.contains_key(marker), "{at}: {field} of {key} without its marker: {v:?}");
+                }
+            }
             for (side, level) in [("pt", s.input), ("gt", s.output)] {
                 if let Some(b) = level {
                     let got = num(side).unwrap();
@@ -664,6 +679,13 @@ impl<S: Store + Clone> World<S> {
                 self.model.scopes.get(&keys::tenant_scope(tenant)).and_then(|s| s.counts.get(k).copied()).unwrap_or(0)
             };
             let (du, dc) = (counted(&model::ALWAYS[0]), counted(&model::ALWAYS[1]));
+            // (The day's counters hold only the day's: once the tenant's day has turned since they
+            // started, the ledger's entries charge more than they do.)
+            let offset = self.model.rules[tenant].zone_offset_min * 60_000;
+            let local_day = |ms: u64| (i64::try_from(ms).unwrap() + offset).div_euclid(model::DAY_MS as i64);
+            if local_day(self.counted_since[tenant]) != local_day(self.now()) {
+                continue;
+            }
             // What was charged before the last idle spell is no longer in any counter.
             let (before_tokens, before_cost) = self.ledger_before_idle.get(tenant).copied().unwrap_or_default();
             let since =
@@ -850,10 +872,12 @@ async fn world_on<S: Store + Clone>(
     };
     let lossy = h.wrapped(|_| Breaker::new(faults.clone(), settings)).await;
     lossy.admission.run_retries(stop.clone()).expect("the lossy replica's retry worker");
-    let first_day = match &clock {
+    let started = match &clock {
         Some(c) => tollgate::store::clock::Clock::now_ms(c),
         None => tollgate::store::clock::Clock::now_ms(&tollgate::store::clock::SystemClock),
-    } / model::DAY_MS;
+    };
+    let first_day = started / model::DAY_MS;
+    let counted_since = tenants.iter().map(|t| (t.clone(), started)).collect();
     World {
         h,
         twice,
@@ -871,6 +895,7 @@ async fn world_on<S: Store + Clone>(
         answered: BTreeMap::new(),
         first_day,
         ledger_before_idle: BTreeMap::new(),
+        counted_since,
         idles: 0,
         soft_seen: [BTreeMap::new(), BTreeMap::new()],
     }
