@@ -75,13 +75,21 @@ impl Drop for TempDir {
 
 /// Waits until something accepts TCP connections on `addr`, or panics after `limit`.
 pub fn wait_for_port(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) {
+    if let Err(status) = listening(addr, limit, what, child) {
+        panic!("{what} exited with {status} before listening on {addr}");
+    }
+}
+
+/// Waits until something accepts TCP connections on `addr`: the child's exit status if it exited
+/// first; panics after `limit`.
+fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) -> Result<(), ExitStatus> {
     let start = Instant::now();
     while start.elapsed() < limit {
         if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
-            return;
+            return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {
-            panic!("{what} exited with {status} before listening on {addr}");
+            return Err(status);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -116,26 +124,38 @@ impl Tollgate {
     pub fn start_in(dir: TempDir, config: &Path, extra: &[&str]) -> Tollgate {
         // On the real clock: its test's budgets count inside one period (see `wait_for_a_turn`).
         std::thread::sleep(super::wait_for_a_turn(super::REAL_CLOCK_SPAN));
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
         // (`--log info` unless the test gives its own filter.)
         let filter: &[&str] = if extra.contains(&"--log") { &[] } else { &["--log", "info"] };
-        let mut child = Command::new(tollgate_bin())
-            .args(["serve", "--config"])
-            .arg(config)
-            .args(["--listen", &addr.to_string()])
-            .args(filter)
-            .args(extra)
-            .env_remove("TOLLGATE_LOG_FORMAT")
-            .env_remove("RUST_LOG")
-            .env_remove("NO_COLOR")
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn tollgate");
-        wait_for_port(addr, Duration::from_secs(20), "tollgate", &mut child);
-        Tollgate { child, addr, dir }
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+            let log = std::fs::File::create(dir.0.join("tollgate.log")).unwrap();
+            let mut child = Command::new(tollgate_bin())
+                .args(["serve", "--config"])
+                .arg(config)
+                .args(["--listen", &addr.to_string()])
+                .args(filter)
+                .args(extra)
+                .env_remove("TOLLGATE_LOG_FORMAT")
+                .env_remove("RUST_LOG")
+                .env_remove("NO_COLOR")
+                .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("spawn tollgate");
+            let Err(status) = listening(addr, Duration::from_secs(20), "tollgate", &mut child) else {
+                return Tollgate { child, addr, dir };
+            };
+            let log = std::fs::read_to_string(dir.0.join("tollgate.log")).unwrap_or_default();
+            // (A free port can be taken before tollgate binds it, by an outgoing connection's
+            // ephemeral port among others: another one is tried.)
+            if attempts < 3 && log.contains("cannot listen on") {
+                continue;
+            }
+            panic!("tollgate exited with {status} before listening on {addr}:\n{log}");
+        }
     }
 
     pub fn endpoint(&self) -> String {
@@ -353,7 +373,7 @@ impl OwnRedis {
 
     pub fn start_with(port: u16, extra: &[&str]) -> OwnRedis {
         let dir = TempDir::new("own-redis");
-        let child = Command::new("redis-server")
+        let mut child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&dir.0)
@@ -362,12 +382,27 @@ impl OwnRedis {
             .spawn()
             .expect("redis-server on PATH (scripts/test installs it)");
         let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        // (Redis itself answering, not whatever took the port first: then this one has exited.)
+        while !answers_ping(port) {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("redis-server exited with {status}: port {port} was taken");
+            }
             assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
         OwnRedis { child, port, _dir: dir }
     }
+}
+
+/// Whether a Redis on loopback `port` answers PING.
+fn answers_ping(port: u16) -> bool {
+    use std::io::Read;
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut reply = [0u8; 7];
+    stream.write_all(b"PING\r\n").is_ok() && stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
 }
 
 impl Drop for OwnRedis {
