@@ -752,12 +752,17 @@ local function free_slots(w, c, slots)
   return 0
 end
 
--- Appends to `w` (`nw` places filled; returns the count after) the writes that move the counters
--- of period `p` in a scope hash read as `f` by `n` (see adjust): each counter the hash has moves
--- where its amount is not zero and the period it is for (`hold_at`'s for a refund, where
--- `may_refund` allows it; `now_at`'s for debt) is the one counted, or, for debt, an older one; debt
--- for a newer period starts the period's count afresh (every counter of it at zero, the marker
--- moved). Only what moves is written.
+-- The number of period `p` that `amount` of counter `name` counts in (see adjust): the hold's for
+-- a refund, where `may_refund` allows it, now's for debt; nil when it counts in none.
+local function period_for(p, amount, name, hold_at, now_at, may_refund)
+  if amount < 0 then
+    return may_refund[name] and hold_at[p] or nil
+  end
+  return now_at[p]
+end
+
+-- Appends to `w` (`nw` places filled; returns the count after) the writes that move period `p`'s
+-- counters in a scope hash read as `f` by `n`, as adjust says. Only what moves is written.
 local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
   local marker = PERIOD_MARKERS[p]
   local was = tonumber(f[marker])
@@ -765,32 +770,30 @@ local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
   if not was then
     return nw
   end
-  local names, from = COUNTER_OF[p], nw
-  -- Most moves count in the period counted: each counter moves on its own.
+  local names, from, newer = COUNTER_OF[p], nw, false
+  -- Most moves count in the period counted, or debt in an older one: each counter on its own.
   for x = 1, #MEASURES do
     local m = MEASURES[x]
     local amount = n[m]
     if amount ~= 0 then
-      local name, at = names[m], now_at[p]
-      if amount < 0 then
-        at = may_refund[name] and hold_at[p]
-      end
+      local name = names[m]
+      local at = period_for(p, amount, name, hold_at, now_at, may_refund)
       local count = at and f[name]
       if count then
         if at == was or (amount > 0 and at < was) then
           w[nw + 1], w[nw + 2], nw = name, max(0, tonumber(count) + amount), nw + 2
         elseif amount > 0 then
-          nw = nil
+          newer = true
           break
         end
       end
     end
   end
-  if nw then
+  if not newer then
     return nw
   end
-  -- Debt in a newer period: the measures in order, the period's count started afresh at the first
-  -- such debt, what came before it then counted in the period that ended.
+  -- Debt in a newer period: the measures again in order, from the writes before this period's,
+  -- the period's count started afresh at the first such debt.
   nw = from
   local u, moved = { at = was }, {}
   for x = 1, #MEASURES do
@@ -799,13 +802,8 @@ local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
   end
   for x = 1, #MEASURES do
     local m = MEASURES[x]
-    local amount, at = n[m], now_at[p]
-    if amount < 0 then
-      at = hold_at[p]
-    end
-    if amount < 0 and not may_refund[names[m]] then
-      at = nil
-    end
+    local amount = n[m]
+    local at = period_for(p, amount, names[m], hold_at, now_at, may_refund)
     if u[m] and amount ~= 0 and at then
       if u.at == at or (amount > 0 and at < u.at) then
         u[m], moved[m] = max(0, u[m] + amount), true
@@ -877,6 +875,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     if until_ms and nw > 0 then
       w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
     end
+    -- (Only `nw` places: a period's writes that move_period took back may lie past them.)
     if nw > 0 then
       call('HSET', k, unpack(w, 1, nw))
     end

@@ -681,9 +681,9 @@ impl<S: Store + Clone> World<S> {
             let (du, dc) = (counted(&model::ALWAYS[0]), counted(&model::ALWAYS[1]));
             // (The day's counters hold only the day's: once the tenant's day has turned since they
             // started, the ledger's entries charge more than they do.)
-            let offset = self.model.rules[tenant].zone_offset_min * 60_000;
-            let local_day = |ms: u64| (i64::try_from(ms).unwrap() + offset).div_euclid(model::DAY_MS as i64);
-            if local_day(self.counted_since[tenant]) != local_day(self.now()) {
+            let offset = self.model.rules[tenant].zone_offset_min;
+            let day = |ms: u64| model::Periods::at(ms, offset).day;
+            if day(self.counted_since[tenant]) != day(self.now()) {
                 continue;
             }
             // What was charged before the last idle spell is no longer in any counter.

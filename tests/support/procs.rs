@@ -1,7 +1,7 @@
 //! Processes started by tests: tollgate itself, Envoy and grpcurl. Each is started on free
 //! loopback ports and killed when its handle drops, so a failing test leaves nothing running.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -24,7 +24,6 @@ pub fn free_port() -> u16 {
 
 /// An HTTP/1.1 GET (the admin port's `/metrics`): the status line and the body.
 pub fn http_get(addr: SocketAddr, path: &str) -> (String, String) {
-    use std::io::Read;
     let mut stream = TcpStream::connect(addr).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(stream, "GET {path} HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n\r\n").unwrap();
@@ -107,6 +106,9 @@ pub struct Tollgate {
     pub dir: TempDir,
 }
 
+/// How many ports a test's tollgate start tries before it gives up (see `Tollgate::start_in`).
+const START_ATTEMPTS: u32 = 3;
+
 impl Tollgate {
     /// Starts tollgate with this policy text on a free port and waits until it listens.
     pub fn start(policy: &str) -> Tollgate {
@@ -151,7 +153,7 @@ impl Tollgate {
             let log = std::fs::read_to_string(dir.0.join("tollgate.log")).unwrap_or_default();
             // (A free port can be taken before tollgate binds it, by an outgoing connection's
             // ephemeral port among others: another one is tried.)
-            if attempts < 3 && log.contains("cannot listen on") {
+            if attempts < START_ATTEMPTS && log.contains("cannot listen on") {
                 continue;
             }
             panic!("tollgate exited with {status} before listening on {addr}:\n{log}");
@@ -385,7 +387,7 @@ impl OwnRedis {
         // (Redis itself answering, not whatever took the port first: then this one has exited.)
         while !answers_ping(port) {
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("redis-server exited with {status}: port {port} was taken");
+                panic!("redis-server exited with {status} before it answered on port {port} (was the port taken?)");
             }
             assert!(start.elapsed() < Duration::from_secs(10), "redis-server did not start");
             std::thread::sleep(Duration::from_millis(20));
@@ -396,7 +398,6 @@ impl OwnRedis {
 
 /// Whether a Redis on loopback `port` answers PING.
 fn answers_ping(port: u16) -> bool {
-    use std::io::Read;
     let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
     };
