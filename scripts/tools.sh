@@ -172,6 +172,11 @@ start_test_redis() {
   return 1
 }
 
+# A process's CPU so far (user and system), in clock ticks; 0 for no pid.
+ticks() {
+  if [ -n "$1" ]; then awk '{ print $14 + $15 }' "/proc/$1/stat"; else echo 0; fi
+}
+
 # The script calls the Redis on port $1 served since its stats were last reset (`config
 # resetstat`), and the µs it spent in them (`INFO commandstats`): "calls usec".
 script_calls() {

@@ -385,7 +385,7 @@ impl OwnRedis {
             .expect("redis-server on PATH (scripts/test installs it)");
         let start = Instant::now();
         // (Redis itself answering, not whatever took the port first: then this one has exited.)
-        while !answers_ping(port) {
+        while redis_cli(port, &["PING"]).trim() != "PONG" {
             if let Ok(Some(status)) = child.try_wait() {
                 panic!("redis-server exited with {status} before it answered on port {port} (was the port taken?)");
             }
@@ -394,16 +394,6 @@ impl OwnRedis {
         }
         OwnRedis { child, port, _dir: dir }
     }
-}
-
-/// Whether a Redis on loopback `port` answers PING.
-fn answers_ping(port: u16) -> bool {
-    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
-    let mut reply = [0u8; 7];
-    stream.write_all(b"PING\r\n").is_ok() && stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
 }
 
 impl Drop for OwnRedis {
