@@ -1593,3 +1593,83 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
   end
   recompute(key, n, quantile, window)
 end
+
+-- The commit phase of one hold (commit.lua; commit_many.lua runs it for each of a batch): `rk` its
+-- record, `t` its tenant's terms now ({estimate_ttl, window, settled, zone}: ARGV 4, 5, 7, 8 and
+-- 13 of commit.lua), `c` the commit ({id, prompt, output, measure, read, written, reasoning,
+-- ending}: ARGV 1, 2, 3, 6, 9, 10, 11 and 12). Returns commit.lua's reply.
+local function commit_hold(rk, leases, holds, ledger, t, c, now)
+  local id, ending, settled = c.id, c.ending, t.settled
+  local metered = c.measure == 'metered'
+  local r = load_hold(rk, id, settled, now)
+  if not r then
+    return { 'not_found', 0, 0, 0, 0, 0, 0, '', -1, 0, '' }
+  end
+  if r.st == 'committed' or r.st == 'late_committed' then
+    local us = tonumber(r.us)
+    return { r.st, 1, us, r.h, max(0, r.h - us), max(0, us - r.h), tonumber(r.mx) or 0, r.md or '',
+      tonumber(r.oh) or -1, r.cc, r.en or '' }
+  end
+  if r.st == 'released' then
+    return { 'released', 0, 0, r.h, 0, 0, 0, r.md or '', tonumber(r.oh) or -1, 0, r.en or '' }
+  end
+  local output_held = min(r.h, tonumber(r.oh) or 0)
+  local prompt = tonumber(c.prompt) or (r.h - output_held)
+  local output = tonumber(c.output) or output_held
+
+  if r.st == 'reserved' and now >= r.le then
+    -- Entered in the ledger once, as the late commit below.
+    expire(rk, id, r, leases, holds, now, nil)
+  end
+
+  local keys = split(r.ks)
+  -- Cached and reasoning tokens count at their weight and price only beside reported counts.
+  local read, written, reasoning = tonumber(c.read), tonumber(c.written), tonumber(c.reasoning)
+  if metered or c.prompt == '' then
+    read, written, reasoning = nil, nil, nil
+  end
+  local used, cost, used_in, used_out = charged_for(r, prompt, output, read or 0, written or 0, reasoning or 0)
+  local slots = 0
+  if r.sl == '1' then
+    slots = 1
+  end
+  local had = charged_of(r)
+  local now_at = periods_at(now, tonumber(t.zone) or r.zo)
+  if not settle(keys, amounts(used - had.u, cost - had.c, used_in - had.p, used_out - had.g), periods_of(r.dy, r.hr),
+    now_at, now, r.kc, slots, r.it) then
+    keep_scopes(keys, r.it)
+  end
+
+  local state = 'committed'
+  if r.st == 'expired' then
+    state = 'late_committed'
+  end
+  local refunded = max(0, r.h - used)
+  local overrun = max(0, used - r.h)
+  local mx = 0
+  if metered then
+    mx = 1
+  end
+  close(id, r, leases, holds)
+  file_settled(rk, id, r, settled, now, state, used, cost, mx, ending)
+  -- How the charge was counted: the output is what is metered, so a commit without it stands on
+  -- the hold; a metered one charges the prompt held.
+  local usage = 'exact'
+  if c.output == '' then
+    usage = 'held'
+  elseif metered then
+    usage = 'metered'
+  elseif c.prompt == '' then
+    usage = 'held'
+  end
+  if has_ledger(r) then
+    local entry = ledger_entry(id, r, state, usage, used, cost, ending)
+    entry.prompt, entry.output = prompt, output
+    entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
+    ledger_append(ledger, r.lg, entry, now)
+  end
+  if r.ok and r.ok ~= '' and t.window > 0 and not metered then
+    learn(r.ok, output, used, overrun, tonumber(r.oq), t.window, t.estimate_ttl)
+  end
+  return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1, cost, ending }
+end

@@ -125,6 +125,10 @@ fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it()
     let says = |s: &str| assert!(summary.contains(s), "{s:?} missing from:\n{summary}");
     says("calls time out after 250 ms; 5 failures in a row stop them for 100-500 ms");
     says("tenant acme:");
+    assert!(!summary.contains("batched"), "commits go one by one unless the policy says: {summary}");
+    let batched = text.replace("  breaker:", "  commit_window_ms: 5\n  breaker:");
+    let summary = Policy::parse("batched.yaml", &batched).unwrap().summary();
+    assert!(summary.contains("; commits from responses batched by tenant over 5 ms"), "{summary}");
     for (tenant, mode) in [("acme", "local"), ("paid", "fail_open"), ("free", "fail_closed")] {
         let line = summary.lines().find(|l| l.contains(&format!("tenant {tenant}:"))).unwrap();
         assert!(line.contains(&format!("store down: {mode}")), "{line}");

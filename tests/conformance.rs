@@ -12,7 +12,7 @@ use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{Store, keys};
+use tollgate::store::{CommitCall, CommitTerms, Store, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
@@ -125,6 +125,70 @@ mod scenarios {
         let t = h.tenant_scope().await.num("t");
         assert!((850.0..851.0).contains(&t), "1000 - 600 + 450 = 850, got {t}");
         admitted(&h.reserve(100, 500).await);
+    }
+
+    /// `commit_many.lua` against `commit.lua`: holds made alike, one of each pair committed alone
+    /// and the other in one batch with the same counts, answer and charge alike; a batch answers a
+    /// repeat inside it, a released hold and an unknown id as single commits would.
+    pub async fn a_batch_of_commits_charges_what_each_alone_would<S: Store>(h: Harness<S>) {
+        let reasoned = Detail { cache_read: Some(40), cache_write: Some(10), reasoning: Some(20) };
+        let counts = [
+            Counted::exact(100, 50),
+            Counted::exact(300, 900),
+            Counted::Metered { output: 40 },
+            Counted::AsHeld,
+            Counted::Exact { prompt: 100, output: 80, detail: reasoned },
+        ];
+        let mut holds = Vec::new();
+        for _ in 0..2 * counts.len() + 1 {
+            holds.push(admitted(&h.reserve(100, 200).await).reservation_id.clone());
+        }
+        let (alone, rest) = holds.split_at(counts.len());
+        let (batched, released) = rest.split_at(counts.len());
+        let released = &released[0];
+        h.admission.release(released).await.unwrap();
+
+        let (day, tokens) = (h.day_usage().await, h.tenant_scope().await.num("t"));
+        let mut one_by_one = Vec::new();
+        for (id, counted) in alone.iter().zip(counts) {
+            one_by_one.push(h.admission.commit_counted(id, counted).await.unwrap());
+        }
+        let (day_alone, tokens_alone) = (h.day_usage().await - day, h.tenant_scope().await.num("t") - tokens);
+
+        let unknown = format!("{}:{}", h.tenant, "ab".repeat(16));
+        let mut calls: Vec<CommitCall> = batched
+            .iter()
+            .zip(counts)
+            .map(|(id, counted)| CommitCall { id: id.clone(), counted, ending: Ending::of(counted) })
+            .collect();
+        calls.push(CommitCall { id: batched[0].clone(), counted: Counted::exact(1, 1), ending: Ending::Completed });
+        calls.push(CommitCall { id: released.clone(), counted: Counted::exact(1, 1), ending: Ending::Completed });
+        calls.push(CommitCall { id: unknown, counted: Counted::exact(1, 1), ending: Ending::Completed });
+        let terms = CommitTerms {
+            learning: None,
+            retention_ms: h.admission.policy().record_retention_ms,
+            zone_offset_min: Some(0),
+        };
+        let (day, tokens) = (h.day_usage().await, h.tenant_scope().await.num("t"));
+        let in_one = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await.unwrap();
+        let (day_batched, tokens_batched) = (h.day_usage().await - day, h.tenant_scope().await.num("t") - tokens);
+
+        assert_eq!(in_one.len(), calls.len(), "one outcome a commit: {in_one:?}");
+        assert_eq!(in_one[..counts.len()], one_by_one[..], "each as it would alone");
+        assert_eq!(day_batched, day_alone, "the day's counter moves alike");
+        // (What each used less the 300 its hold charged: exact, overrun, metered, as held, detailed.)
+        assert_eq!(day_alone, 150 + 1200 + 140 + 300 + 180 - 5 * 300);
+        // (1 token a second of refill while a real store's calls run.)
+        assert!(
+            (tokens_batched - tokens_alone).abs() < 2.0,
+            "the bucket moves alike: {tokens_batched} vs {tokens_alone}"
+        );
+        let first = in_one[0].usage().expect("committed");
+        let repeat = in_one[counts.len()].usage().expect("a repeat answers the first commit");
+        assert_eq!((repeat.duplicate, repeat.used), (true, first.used), "{repeat:?}");
+        assert_eq!(in_one[counts.len() + 1], CommitOutcome::Released);
+        assert_eq!(in_one[counts.len() + 2], CommitOutcome::NotFound);
+        assert_eq!(h.in_flight().await, 0.0, "every slot freed");
     }
 
     pub async fn a_second_commit_returns_the_first_result_and_charges_nothing<S: Store>(h: Harness<S>) {
@@ -1632,6 +1696,8 @@ mod scenarios {
     }
 
     pub const BUCKET: &str = SLOW_BUCKET;
+    pub const BATCHED: &str =
+        "limits:\n  tokens_per_minute: 60\n  burst_tokens: 100000\n  tokens_per_day: 1000000\n  max_concurrency: 20\n";
     pub const SHADOW: &str = "shadow: true\nlimits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n";
     pub const REFILL: &str = "limits:\n  tokens_per_minute: 600\n  burst_tokens: 100\n";
     pub const CONCURRENCY: &str = "limits:\n  tokens_per_minute: 60\n  burst_tokens: 1000\n  max_concurrency: 2\n";
@@ -1673,6 +1739,7 @@ macro_rules! conformance {
             scenario!(a_shadow_tenant_is_held_past_its_limits_and_told_why, SHADOW);
             scenario!(commit_refunds_the_unused_hold, BUCKET);
             scenario!(a_second_commit_returns_the_first_result_and_charges_nothing, BUCKET);
+            scenario!(a_batch_of_commits_charges_what_each_alone_would, BATCHED);
             scenario!(an_overrun_is_debt_bounded_by_the_capacity, BUCKET);
             scenario!(concurrency_slots_are_held_until_release, CONCURRENCY);
             scenario!(an_expired_hold_keeps_its_tokens_under_charge_reserved, LEASE_CHARGE);

@@ -90,6 +90,27 @@ async fn a_stream_with_a_usage_chunk_is_committed_exactly() {
     assert_eq!((c.used_tokens, c.metered), (prompt + output, false));
 }
 
+/// With commits from responses batched by tenant (`store.commit_window_ms`), each lands within
+/// its window all the same, charged the response's own usage, JSON and streams alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_commits_from_responses_land_with_each_its_own_usage() {
+    let policy = format!("store:\n  commit_window_ms: 50\n{POLICY}");
+    let stack = Stack::sim(&policy, 10_000.0, Text::Tok, |c| c).await;
+    let sends = (0..6).map(|i| post(stack.envoy.port, CHAT, &[TENANT], chat(i % 2 == 1, true)));
+    for r in futures_util::future::join_all(sends).await {
+        assert_eq!(r.status, 200, "{r:?}\n{}", stack.diagnostics());
+        let (prompt, output) = match stream_usage(&r.body) {
+            Some(counts) => counts,
+            None => {
+                let usage = &r.json()["usage"];
+                (usage["prompt_tokens"].as_u64().unwrap(), usage["completion_tokens"].as_u64().unwrap())
+            }
+        };
+        let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+        assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (prompt + output, false, "completed"), "{c:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_without_usage_is_committed_metered() {
     let stack = start(10_000.0).await;

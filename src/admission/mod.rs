@@ -19,11 +19,13 @@
 //!   learned output estimates. [`fleet`]: what this replica learned of the fleet's speeds and its
 //!   tenants' output lengths, which capacity admission predicts from.
 //! - `sweeper`: every expired hold settled within a bound, even of a tenant that never calls again.
+//! - `batch`: commits from responses, batched by tenant.
 //! - [`retry`]: settlements that could not reach the store, tried again.
 
 // Token arithmetic: no unchecked +, -, * (see Cargo.toml's [lints] for the casts).
 #![warn(clippy::arithmetic_side_effects)]
 
+mod batch;
 mod budgets;
 mod claims;
 mod decision;
@@ -144,6 +146,8 @@ pub struct Admission<S> {
     /// takes it ([`Admission::run_retries`]).
     retries: retry::Retries,
     retry_inbox: std::sync::Mutex<Option<retry::Inbox>>,
+    /// Commits from responses waiting for their tenant's batch (`store.commit_window_ms`).
+    batches: batch::Batches,
     /// Tenants served since the sweeper last wrote its notes, with the longest lease noted.
     noted: RwLock<HashMap<String, u64>>,
     /// The sweeper's next shard to look at (starting where the replica's name says, so replicas
@@ -203,6 +207,7 @@ impl<S: Store> Admission<S> {
             sweep_turn: std::sync::atomic::AtomicU32::new(sweep_turn),
             retries,
             retry_inbox: std::sync::Mutex::new(Some(retry_inbox)),
+            batches: batch::Batches::default(),
             tasks: TaskTracker::new(),
             metrics: Metrics::disabled(),
             clock,
@@ -316,10 +321,12 @@ impl<S: Store> Admission<S> {
     }
 
     /// Waits for every reserve still running on its own task (their callers may be gone), once no
-    /// new one can start: the server has drained.
-    pub async fn finish_tasks(&self) {
+    /// new one can start: the server has drained. Then commits every batch of commits waiting for
+    /// its window (see `batch`), and waits for those too.
+    pub async fn finish_tasks(self: &Arc<Self>) {
         self.tasks.close();
         self.tasks.wait().await;
+        self.flush_batches().await;
     }
 
     /// The metrics this admission records into.

@@ -53,24 +53,7 @@ impl<S: Store> Admission<S> {
         counted: Counted,
         ending: Ending,
     ) -> Result<CommitOutcome, AdmissionError> {
-        let (prompt, output, detail) = match counted {
-            Counted::Exact { prompt, output, detail } => (prompt, output, detail),
-            Counted::Metered { output } => (0, output, Detail::default()),
-            Counted::AsHeld => (0, 0, Detail::default()),
-        };
-        let said = |n: Option<u64>| n.unwrap_or(0);
-        for (what, value) in [
-            ("prompt_tokens", prompt),
-            ("completion_tokens", output),
-            ("cache_read_tokens", said(detail.cache_read)),
-            ("cache_write_tokens", said(detail.cache_write)),
-            ("reasoning_tokens", said(detail.reasoning)),
-        ] {
-            if value > MAX_TOKEN_COUNT {
-                return Err(AdmissionError::TooLarge { what, value });
-            }
-        }
-        let r = parse_id(reservation_id)?;
+        let r = checked_commit(reservation_id, counted)?;
         let policy = self.policy();
         let at_store = || async {
             let terms = self.commit_terms(&policy, r.tenant);
@@ -79,8 +62,8 @@ impl<S: Store> Admission<S> {
         let outcome = match self.home(&r) {
             Home::Store => {
                 let outcome = at_store().await?;
-                self.record_commit(&policy, r.tenant, &outcome, counted, ending);
-                outcome
+                self.after_store_commit(&policy, &r, reservation_id, &outcome, counted, ending).await;
+                return Ok(outcome);
             }
             Home::Slice(leases) => {
                 let outcome = match leases.commit(r.tenant, reservation_id, counted, ending) {
@@ -105,6 +88,23 @@ impl<S: Store> Admission<S> {
             self.release_pool_leg(pool, reservation_id, end).await;
         }
         Ok(outcome)
+    }
+
+    /// What a commit of a hold in the store does once the store answered: counts it, and releases
+    /// its pool leg (see `commit_ended`).
+    pub(super) async fn after_store_commit(
+        &self,
+        policy: &Policy,
+        r: &ids::ReservationRef<'_>,
+        reservation_id: &str,
+        outcome: &CommitOutcome,
+        counted: Counted,
+        ending: Ending,
+    ) {
+        self.record_commit(policy, r.tenant, outcome, counted, ending);
+        if let (Some(pool), Some(end)) = (r.pool, commit_end(counted, outcome)) {
+            self.release_pool_leg(pool, reservation_id, end).await;
+        }
     }
 
     /// Counts a commit that settled a hold now (not a repeat of an earlier one), and, when the
@@ -223,7 +223,7 @@ impl<S: Store> Admission<S> {
     /// leased id of this replica that its slices do not know (they answer `NotFound`) is a store
     /// hold: a leased decision its slices could not cover after all (a reload took the scope out of
     /// leasing under it) was made at the store.
-    fn home<'a>(&'a self, r: &ids::ReservationRef<'a>) -> Home<'a> {
+    pub(super) fn home<'a>(&'a self, r: &ids::ReservationRef<'a>) -> Home<'a> {
         match (r.replica, &self.leases) {
             (None, _) => Home::Store,
             (Some(replica), Some(leases)) if leases.replica == replica => Home::Slice(leases),
@@ -248,8 +248,34 @@ impl<S: Store> Admission<S> {
     }
 }
 
+/// A commit's id, read, once its counts are known to be in bounds: a count no response can have
+/// is refused before anything is charged.
+pub(super) fn checked_commit(
+    reservation_id: &str,
+    counted: Counted,
+) -> Result<ids::ReservationRef<'_>, AdmissionError> {
+    let (prompt, output, detail) = match counted {
+        Counted::Exact { prompt, output, detail } => (prompt, output, detail),
+        Counted::Metered { output } => (0, output, Detail::default()),
+        Counted::AsHeld => (0, 0, Detail::default()),
+    };
+    let said = |n: Option<u64>| n.unwrap_or(0);
+    for (what, value) in [
+        ("prompt_tokens", prompt),
+        ("completion_tokens", output),
+        ("cache_read_tokens", said(detail.cache_read)),
+        ("cache_write_tokens", said(detail.cache_write)),
+        ("reasoning_tokens", said(detail.reasoning)),
+    ] {
+        if value > MAX_TOKEN_COUNT {
+            return Err(AdmissionError::TooLarge { what, value });
+        }
+    }
+    parse_id(reservation_id)
+}
+
 /// Where a hold lives, read from its id.
-enum Home<'a> {
+pub(super) enum Home<'a> {
     /// In the store: its scripts settle it.
     Store,
     /// In this replica's slices: settled in memory, no store call (or, when they do not know it, in

@@ -123,6 +123,10 @@ pub struct StoreSettings {
     /// and when none is left no new hold is made until some settle. (Redis has its own
     /// `maxmemory`.)
     pub max_memory_bytes: usize,
+    /// How long a commit from a response waits for more of its tenant's to go in one store call
+    /// (`store.commit_window_ms`; zero, the default: each goes at once, and the response's end
+    /// waits for it). See `admission::batch`.
+    pub commit_window: Duration,
 }
 
 /// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,

@@ -99,6 +99,7 @@ pub(super) struct RawStore {
     pub breaker: Option<RawBreaker>,
     pub local_factor: Option<f64>,
     pub max_memory_mb: Option<u64>,
+    pub commit_window_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

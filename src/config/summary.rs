@@ -50,11 +50,15 @@ impl Policy {
             b.open.as_millis(),
             b.max_open.as_millis()
         );
+        let batched = match self.store.commit_window.as_millis() {
+            0 => String::new(),
+            ms => format!("; commits from responses batched by tenant over {ms} ms"),
+        };
         let store = match &self.store.choice {
             StoreChoice::Embedded => {
-                format!("embedded (single replica), capped at {} MB", self.store.max_memory_bytes >> 20)
+                format!("embedded (single replica), capped at {} MB{batched}", self.store.max_memory_bytes >> 20)
             }
-            _ => format!("{}{guarded}", self.store_address()),
+            _ => format!("{}{guarded}{batched}", self.store_address()),
         };
         let mut names: Vec<_> = self.tenants.keys().cloned().collect();
         names.sort();

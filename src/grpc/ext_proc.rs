@@ -210,7 +210,7 @@ impl Exchange {
     async fn read<S: Store>(
         &mut self,
         message: ProcessingRequest,
-        admission: &Admission<S>,
+        admission: &Arc<Admission<S>>,
     ) -> Option<ProcessingResponse> {
         let observing = message.observability_mode;
         if self.reservation.is_none()
@@ -344,7 +344,7 @@ impl Exchange {
     }
 
     /// Commits or releases the hold, once, by how the response ended (the rules: `crate::llm::settlement`).
-    async fn settle<S: Store>(&mut self, admission: &Admission<S>, stop: Stop) {
+    async fn settle<S: Store>(&mut self, admission: &Arc<Admission<S>>, stop: Stop) {
         if std::mem::replace(&mut self.settled, true) {
             return;
         }
@@ -366,7 +366,7 @@ impl Exchange {
                 {
                     admission.observed_prompt(id, model, bytes, prompt);
                 }
-                commit(admission, id, measured, ending).await;
+                admission.commit_from_response(id, measured, ending).await;
             }
             Verdict::Release(ending) => release(admission, id, ending).await,
         }
@@ -453,23 +453,6 @@ impl Exchange {
                 Err(e) => tracing::debug!(error = %e, reservation = %id, "reporting a stream's progress failed"),
             }
         }));
-    }
-}
-
-async fn commit<S: Store>(admission: &Admission<S>, id: &str, measured: Measured, ending: Ending) {
-    match admission.commit_ended(id, measured, ending).await {
-        Ok(outcome) => tracing::debug!(
-            reservation = id,
-            state = outcome.state(),
-            ?measured,
-            ending = ending.as_str(),
-            "committed from the response"
-        ),
-        Err(AdmissionError::Store(e)) if e.is_transient() => {
-            tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
-            admission.retry(Settlement::Commit { id: id.to_string(), measured, ending });
-        }
-        Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
     }
 }
 

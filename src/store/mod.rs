@@ -30,7 +30,7 @@ pub use phase::estimate::EstimateView;
 pub use phase::lease::{Earlier, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
 pub use phase::pool::{PoolCall, PoolEnd, PoolOutcome, PoolRetry, PoolView, ProviderCall, ThrottleCall};
 pub use phase::reserve::{KeyCall, ReserveCall, ReserveReply};
-pub use phase::settle::{CommitTerms, Learning};
+pub use phase::settle::{CommitCall, CommitTerms, Learning};
 pub use phase::sweep::Swept;
 pub use protocol::Protocol;
 pub use scripts::Script;

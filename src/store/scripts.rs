@@ -50,9 +50,10 @@ impl Script {
 const COMMON: &str = include_str!("../../lua/common.lua");
 
 /// The phases, by name, as their files say them.
-const PHASES: [(&str, &str); 20] = [
+const PHASES: [(&str, &str); 21] = [
     ("reserve", include_str!("../../lua/reserve.lua")),
     ("commit", include_str!("../../lua/commit.lua")),
+    ("commit_many", include_str!("../../lua/commit_many.lua")),
     ("renew", include_str!("../../lua/renew.lua")),
     ("release", include_str!("../../lua/release.lua")),
     ("pool_reserve", include_str!("../../lua/pool_reserve.lua")),
@@ -106,6 +107,7 @@ fn function_name(phase: &str, version: &str) -> String {
 pub struct Scripts {
     pub reserve: Script,
     pub commit: Script,
+    pub commit_many: Script,
     pub renew: Script,
     pub release: Script,
     pub pool_reserve: Script,
@@ -138,6 +140,7 @@ impl Scripts {
         Scripts {
             reserve: phase("reserve"),
             commit: phase("commit"),
+            commit_many: phase("commit_many"),
             renew: phase("renew"),
             release: phase("release"),
             pool_reserve: phase("pool_reserve"),
@@ -159,10 +162,11 @@ impl Scripts {
         }
     }
 
-    pub fn all(&self) -> [&Script; 20] {
+    pub fn all(&self) -> [&Script; 21] {
         [
             &self.reserve,
             &self.commit,
+            &self.commit_many,
             &self.renew,
             &self.release,
             &self.pool_reserve,

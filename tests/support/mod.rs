@@ -218,6 +218,7 @@ pub const CLOCK_START_MS: u64 = 1_795_953_600_000;
 pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
     let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
+    let (store, body) = store_section("", body);
     // A ledger on the embedded store is a file: the scenario's `ledger:` section gets one.
     let ledger_file = top
         .contains("ledger:")
@@ -226,7 +227,8 @@ pub async fn embedded(body: &str) -> Harness<EmbeddedStore> {
         Some(f) => top.replace("ledger:\n", &format!("ledger:\n  file: {}\n", f.display())),
         None => top.to_string(),
     };
-    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, &top)).expect("test policy");
+    let policy = Policy::parse("test.yaml", &policy_yaml(&tenant, &pool, body, &format!("{top}\n{store}")))
+        .expect("test policy");
     let clock = ManualClock::new(CLOCK_START_MS);
     let store = match &ledger_file {
         Some(f) => EmbeddedStore::with_ledger_file(Arc::new(clock.clone()), f),
@@ -265,6 +267,24 @@ pub async fn clear_of_a_turn(span: Duration) {
 /// A policy section placed before `store:` (e.g. `leasing:`): `"<top>\n---top---\n<body>"`.
 pub const TOP_SEPARATOR: &str = "---top---";
 
+/// Settings of the policy's `store:` section beside the backend's own (indented as under it):
+/// `"<settings>\n---store---\n<body>"`, outside any `---top---` part.
+pub const STORE_SEPARATOR: &str = "---store---";
+
+/// The policy's `store:` section: the backend's (`backend`, which may be empty) with the settings
+/// a body gives before a [`STORE_SEPARATOR`]; and the rest of the body.
+fn store_section<'a>(backend: &str, body: &'a str) -> (String, &'a str) {
+    match body.split_once(STORE_SEPARATOR) {
+        None => (backend.to_string(), body),
+        Some((settings, body)) => {
+            let settings: String =
+                settings.lines().filter(|l| !l.trim().is_empty()).map(|l| format!("\n  {l}")).collect();
+            let section = if backend.is_empty() { format!("store:{settings}") } else { format!("{backend}{settings}") };
+            (section, body)
+        }
+    }
+}
+
 pub async fn redis(tenant_body: &str) -> Harness<RedisStore> {
     redis_backend(Backend::Redis, tenant_body).await
 }
@@ -278,7 +298,8 @@ pub async fn cluster(tenant_body: &str) -> Harness<RedisStore> {
 pub async fn redis_at(url: &str, body: &str, command_timeout: Duration) -> Harness<RedisStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
     let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
-    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\nstore:\n  redis_url: {url}"));
+    let (store, body) = store_section(&format!("store:\n  redis_url: {url}"), body);
+    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\n{store}"));
     let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
     let options = RedisOptions { command_timeout, ..RedisOptions::default() };
     let store = RedisStore::connect(&RedisTarget::Single(url.to_string()), options).await.expect("redis");
@@ -289,7 +310,8 @@ pub async fn redis_at(url: &str, body: &str, command_timeout: Duration) -> Harne
 async fn redis_backend(backend: Backend, body: &str) -> Harness<RedisStore> {
     let (tenant, pool) = (unique_tenant("t"), unique_tenant("p"));
     let (top, body) = body.split_once(TOP_SEPARATOR).unwrap_or(("", body));
-    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\n{}", backend.store_yaml()));
+    let (store, body) = store_section(&backend.store_yaml(), body);
+    let yaml = policy_yaml(&tenant, &pool, body, &format!("{top}\n{store}"));
     let policy = Policy::parse("test.yaml", &yaml).expect("test policy");
     let target = match backend {
         Backend::Cluster => RedisTarget::Cluster(redis_cluster_nodes()),

@@ -30,6 +30,10 @@ const MAX_LEASE_MS: u64 = 86_400_000;
 const DAY_MS: u64 = 86_400_000;
 /// The embedded store's memory cap unless `store.max_memory_mb` says otherwise.
 const DEFAULT_MAX_MEMORY_MB: u64 = 128;
+/// The longest a commit from a response waits for its batch (`store.commit_window_ms`); and it
+/// waits at most this fraction of any hold's lease, so a batched commit lands well inside it.
+const MAX_COMMIT_WINDOW_MS: u64 = 100;
+const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
@@ -179,6 +183,16 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
         },
         max_memory_bytes,
+        commit_window: Duration::from_millis(match raw.store.commit_window_ms {
+            None => 0,
+            Some(ms) if ms <= MAX_COMMIT_WINDOW_MS => ms,
+            Some(ms) => {
+                return Err(problem(
+                    "store.commit_window_ms",
+                    format!("{ms} is more than {MAX_COMMIT_WINDOW_MS}: a commit may wait that long at most"),
+                ));
+            }
+        }),
     };
 
     let d = raw.defaults;
@@ -330,6 +344,24 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .map(|t| t.lease_ttl_ms)
         .max()
         .unwrap_or(lease_ttl_ms);
+    let shortest_lease = tenants
+        .values()
+        .chain(default_tenant.iter())
+        .chain(plans.values())
+        .map(|t| t.lease_ttl_ms)
+        .min()
+        .unwrap_or(lease_ttl_ms)
+        .min(lease_ttl_ms);
+    let window = u64::try_from(store.commit_window.as_millis()).unwrap_or(u64::MAX);
+    if window.saturating_mul(COMMIT_WINDOWS_IN_A_LEASE) > shortest_lease {
+        return Err(problem(
+            "store.commit_window_ms",
+            format!(
+                "{window} is more than a {COMMIT_WINDOWS_IN_A_LEASE}th of the shortest lease ({shortest_lease} ms): \
+                 a batched commit must land well inside its hold's lease"
+            ),
+        ));
+    }
     let pools = pools
         .into_iter()
         .map(|(name, mut p)| {

@@ -274,9 +274,15 @@ mod tests {
     use super::*;
 
     /// Every codec's argument list, with the script whose header it follows.
-    const CODECS: [(&str, &str, &[&str], &[&str]); 22] = [
+    const CODECS: [(&str, &str, &[&str], &[&str]); 23] = [
         ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
+        (
+            "commit_many.lua",
+            include_str!("../../../lua/commit_many.lua"),
+            &settle::COMMIT_MANY_ARGV,
+            &settle::COMMIT_MANY_GROUP,
+        ),
         ("renew.lua", include_str!("../../../lua/renew.lua"), &settle::RENEW_ARGV, &[]),
         ("release.lua", include_str!("../../../lua/release.lua"), &settle::RELEASE_ARGV, &[]),
         ("lease.lua", include_str!("../../../lua/lease.lua"), &lease::ARGV, &lease::SCOPE_ARGV),

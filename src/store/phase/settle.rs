@@ -21,6 +21,27 @@ pub(crate) const COMMIT_ARGV: [&str; 13] = [
     "the tenant's time zone",
 ];
 
+/// `commit_many.lua`'s `ARGV`: the tenant's terms, then [`COMMIT_MANY_GROUP`] for each commit.
+pub(crate) const COMMIT_MANY_ARGV: [&str; 5] = [
+    "TTL of the output estimate",
+    "samples the estimate keeps",
+    "the tenant's settled-bucket prefix",
+    "retention of settled records",
+    "the tenant's time zone",
+];
+
+/// `commit_many.lua`'s `ARGV` for each commit of the batch.
+pub(crate) const COMMIT_MANY_GROUP: [&str; 8] = [
+    "reservation id",
+    "prompt tokens used",
+    "output tokens used",
+    "exact | metered",
+    "cache reads",
+    "cache writes",
+    "reasoning tokens",
+    "how the request ended",
+];
+
 /// `renew.lua`'s `ARGV`, in order.
 pub(crate) const RENEW_ARGV: [&str; 5] =
     ["reservation id", "new lease", "idle TTL", "the tenant's settled-bucket prefix", "retention of settled records"];
@@ -50,6 +71,51 @@ pub struct CommitTerms {
     pub zone_offset_min: Option<i32>,
 }
 
+/// One commit of a batch (see [`Protocol::commit_many`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitCall {
+    pub id: String,
+    pub counted: Counted,
+    pub ending: Ending,
+}
+
+/// A commit's counts as its script takes them: prompt and output ('' where the hold stands for
+/// them), exact | metered, and the detail beside reported counts.
+fn counts(counted: Counted) -> (String, String, &'static str, Detail) {
+    match counted {
+        Counted::Exact { prompt, output, detail } => (prompt.to_string(), output.to_string(), "exact", detail),
+        Counted::Metered { output } => (String::new(), output.to_string(), "metered", Detail::default()),
+        Counted::AsHeld => (String::new(), String::new(), "metered", Detail::default()),
+    }
+}
+
+/// A count the response may not have said: '' when it did not.
+fn said(n: Option<u64>) -> String {
+    n.map_or_else(String::new, |n| n.to_string())
+}
+
+/// What `commit.lua` replied (or `commit_many.lua`, for each of its commits).
+fn commit_outcome(r: &Fields<'_>) -> Result<CommitOutcome, StoreError> {
+    Ok(match r.text(0)? {
+        "not_found" => CommitOutcome::NotFound,
+        "released" => CommitOutcome::Released,
+        state @ ("committed" | "late_committed") => CommitOutcome::Committed(Usage {
+            late: state == "late_committed",
+            duplicate: r.flag(1)?,
+            metered: r.flag(6)?,
+            used: r.uint(2)?,
+            held: r.uint(3)?,
+            refunded: r.uint(4)?,
+            overrun: r.uint(5)?,
+            model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
+            output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
+            cost_nanos: r.uint(9).unwrap_or(0),
+            ending: r.text(10).ok().and_then(Ending::parse),
+        }),
+        _ => return Err(r.bad()),
+    })
+}
+
 impl<S: Store> Protocol<S> {
     /// Charges a hold what it used and refunds the rest (or charges the overrun as debt), once,
     /// and keeps how its request ended. A repeat within `retention_ms` of the first is answered with the first's result (as
@@ -64,12 +130,7 @@ impl<S: Store> Protocol<S> {
     ) -> Result<CommitOutcome, StoreError> {
         let CommitTerms { learning, retention_ms, zone_offset_min } = terms;
         let script = &self.scripts.commit;
-        let (prompt, output, measure, detail) = match counted {
-            Counted::Exact { prompt, output, detail } => (prompt.to_string(), output.to_string(), "exact", detail),
-            Counted::Metered { output } => (String::new(), output.to_string(), "metered", Detail::default()),
-            Counted::AsHeld => (String::new(), String::new(), "metered", Detail::default()),
-        };
-        let count = |n: Option<u64>| n.map_or_else(String::new, |n| n.to_string());
+        let (prompt, output, measure, detail) = counts(counted);
         let mut a = Argv::new("commit", &COMMIT_ARGV, 0);
         a.push("reservation id", id.to_string());
         a.push("prompt tokens used", prompt);
@@ -78,31 +139,51 @@ impl<S: Store> Protocol<S> {
         a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
         a.push("exact | metered", measure.to_string());
         push_settled(&mut a, tenant, retention_ms);
-        a.push("cache reads", count(detail.cache_read));
-        a.push("cache writes", count(detail.cache_write));
-        a.push("reasoning tokens", count(detail.reasoning));
+        a.push("cache reads", said(detail.cache_read));
+        a.push("cache writes", said(detail.cache_write));
+        a.push("reasoning tokens", said(detail.reasoning));
         a.push("how the request ended", ending.as_str().to_string());
-        a.push("the tenant's time zone", zone_offset_min.map_or_else(String::new, |m| m.to_string()));
+        a.push("the tenant's time zone", said_zone(zone_offset_min));
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
-        let r = Fields::of(script, &reply)?;
-        Ok(match r.text(0)? {
-            "not_found" => CommitOutcome::NotFound,
-            "released" => CommitOutcome::Released,
-            state @ ("committed" | "late_committed") => CommitOutcome::Committed(Usage {
-                late: state == "late_committed",
-                duplicate: r.flag(1)?,
-                metered: r.flag(6)?,
-                used: r.uint(2)?,
-                held: r.uint(3)?,
-                refunded: r.uint(4)?,
-                overrun: r.uint(5)?,
-                model: r.text(7).ok().filter(|m| !m.is_empty()).map(str::to_string),
-                output_held: r.int(8).ok().and_then(|n| u64::try_from(n).ok()),
-                cost_nanos: r.uint(9).unwrap_or(0),
-                ending: r.text(10).ok().and_then(Ending::parse),
-            }),
-            _ => return Err(r.bad()),
-        })
+        commit_outcome(&Fields::of(script, &reply)?)
+    }
+
+    /// Commits a batch of `tenant`'s holds in one call, each as [`Protocol::commit`] would alone,
+    /// in order, at one time: the outcomes in the order of `commits`. (One reply for all: a call
+    /// that fails, fails for every commit of the batch, and none of them is known to have run.)
+    pub async fn commit_many(
+        &self,
+        tenant: &str,
+        commits: &[CommitCall],
+        terms: CommitTerms,
+    ) -> Result<Vec<CommitOutcome>, StoreError> {
+        let CommitTerms { learning, retention_ms, zone_offset_min } = terms;
+        let script = &self.scripts.commit_many;
+        let mut a = Argv::grouped("commit_many", &COMMIT_MANY_ARGV, &COMMIT_MANY_GROUP, commits.len());
+        a.push("TTL of the output estimate", learning.map_or(0, |l| l.ttl_ms).to_string());
+        a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
+        push_settled(&mut a, tenant, retention_ms);
+        a.push("the tenant's time zone", said_zone(zone_offset_min));
+        let mut keys = Vec::with_capacity(commits.len().saturating_add(3));
+        keys.extend([keys::leases(tenant), keys::holds(tenant), keys::ledger(tenant)]);
+        for c in commits {
+            let (prompt, output, measure, detail) = counts(c.counted);
+            a.push("reservation id", c.id.clone());
+            a.push("prompt tokens used", prompt);
+            a.push("output tokens used", output);
+            a.push("exact | metered", measure.to_string());
+            a.push("cache reads", said(detail.cache_read));
+            a.push("cache writes", said(detail.cache_write));
+            a.push("reasoning tokens", said(detail.reasoning));
+            a.push("how the request ended", c.ending.as_str().to_string());
+            keys.push(keys::record(tenant, &c.id));
+        }
+        let reply = self.store.eval(script, keys, a.finish()).await?;
+        let all = Fields::of(script, &reply)?;
+        if all.len() != commits.len() {
+            return Err(all.bad());
+        }
+        (0..all.len()).map(|i| commit_outcome(&Fields::of(script, all.get(i).ok_or_else(|| all.bad())?)?)).collect()
     }
 
     /// Extends a live hold's lease to `lease_ms` from now.
@@ -151,6 +232,11 @@ impl<S: Store> Protocol<S> {
             other => ReleaseOutcome::Settled(r.settled(other)?),
         })
     }
+}
+
+/// The tenant's zone offset as a commit takes it: '' when the policy no longer has the tenant.
+fn said_zone(offset_min: Option<i32>) -> String {
+    offset_min.map_or_else(String::new, |m| m.to_string())
 }
 
 /// KEYS of commit, renew and release: the record, the lease index, the holds hash, the ledger.

@@ -1,7 +1,8 @@
 //! `tollgate bench decision`: the decision itself, in process. Check requests of the benchmark's
 //! mix go straight to tollgate's `Authorization` service (attribute extraction, body parsing, the
 //! decision, the response), with no network and no load generator beside it; each admitted hold
-//! is committed at once, untimed. On a leasing policy, after the first calls every decision is a
+//! is committed at once, untimed, as ext_proc commits (in batches where the policy has a commit
+//! window). On a leasing policy, after the first calls every decision is a
 //! lease hit: this times what a hit costs, from the request handed to the service to the answer
 //! it returns.
 
@@ -13,7 +14,7 @@ use envoy_types::pb::envoy::service::auth::v3::authorization_server::Authorizati
 use super::{RequestMix, check_request, reservation_of};
 use crate::admission::Admission;
 use crate::grpc::authz::AuthzService;
-use crate::hold::Counted;
+use crate::hold::{Counted, Ending};
 use crate::store::Store;
 
 /// Percentiles of the timed decisions.
@@ -67,13 +68,15 @@ pub async fn run<S: Store>(
         let id = response.ok().as_ref().and_then(reservation_of);
         if let Some(id) = &id {
             let used = Counted::exact(mixed.prompt_tokens, mixed.output_tokens);
-            let _ = admission.commit_counted(id, used).await;
+            admission.commit_from_response(id, used, Ending::of(used)).await;
         }
         if i >= warmup {
             times.push(took);
             admitted += usize::from(id.is_some());
         }
     }
+    // (Commits the policy batches land now.)
+    admission.finish_tasks().await;
     times.sort_unstable();
     let pct = |per_mille: usize| {
         let rank = (per_mille * times.len()).div_ceil(1000);

@@ -1,0 +1,127 @@
+//! Commits from responses batched by tenant (`store.commit_window_ms`), on every store: a
+//! tenant's commits made within a window go in one store call, each charged as alone; the drain
+//! commits what waits at once; a batch the store does not take is retried commit by commit.
+//! (What a batch charges against single commits: the conformance scenario
+//! `a_batch_of_commits_charges_what_each_alone_would`.)
+//!
+//! The tests run on one thread: a window's timer cannot fire while a test makes its commits
+//! (nothing in the batched path awaits), so what goes in which batch does not depend on timing.
+
+mod support;
+
+use std::time::Duration;
+
+use support::faults::{Fault, Faulty};
+use support::{Harness, admitted};
+use tokio_util::sync::CancellationToken;
+use tollgate::hold::{CommitOutcome, Counted, Ending, RenewOutcome};
+use tollgate::store::Store;
+
+/// A window far longer than the few statements between a test's commits, far shorter than a lease.
+const BODY: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 20 }\n";
+const WAIT: Duration = Duration::from_secs(10);
+
+/// The state of a hold, read by a renew (never batched).
+async fn state<S: Store>(h: &Harness<S>, id: &str) -> &'static str {
+    match h.admission.renew(id, 0).await.unwrap() {
+        RenewOutcome::Renewed { .. } => "reserved",
+        other => other.state(),
+    }
+}
+
+/// What a committed hold's commit charged, as a repeat of it answers.
+async fn used<S: Store>(h: &Harness<S>, id: &str) -> u64 {
+    match h.admission.commit(id, 1, 1).await.unwrap() {
+        CommitOutcome::Committed(u) if u.duplicate => u.used,
+        other => panic!("{id} is not committed: {other:?}"),
+    }
+}
+
+async fn holds<S: Store>(h: &Harness<S>, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        ids.push(admitted(&h.reserve(100, 100).await).reservation_id.clone());
+    }
+    ids
+}
+
+async fn a_tenants_commits_in_one_window_go_in_one_call<S: Store + Clone>(h: Harness<S>) {
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Unreachable(0))).await;
+    let ids = holds(&batched, 5).await;
+    for (i, id) in (0u64..).zip(&ids) {
+        let counted = Counted::exact(100, 10 * i);
+        batched.admission.commit_from_response(id, counted, Ending::Completed).await;
+    }
+    // (Nothing has yielded to the window's timer yet.)
+    let store = batched.admission.protocol().store();
+    assert_eq!(store.calls(), 0, "the commits wait for their window");
+    let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
+    assert!(landed, "the window's commits never landed");
+    assert_eq!(store.calls(), 1, "five commits, one call");
+    for (i, id) in (0u64..).zip(&ids) {
+        assert_eq!(used(&batched, id).await, 100 + 10 * i, "{id}: charged its own counts");
+    }
+}
+
+async fn the_drain_commits_what_waits_at_once<S: Store + Clone>(h: Harness<S>) {
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Unreachable(0))).await;
+    let ids = holds(&batched, 3).await;
+    for id in &ids[..2] {
+        batched.admission.commit_from_response(id, Counted::exact(50, 5), Ending::Completed).await;
+    }
+    batched.admission.finish_tasks().await;
+    let store = batched.admission.protocol().store();
+    assert_eq!(store.calls(), 1, "the waiting batch went when the drain began");
+    for id in &ids[..2] {
+        assert_eq!(state(&batched, id).await, "committed", "{id}: committed before the drain ended");
+    }
+    // Draining, a commit goes alone and has landed when the call returns.
+    batched.admission.commit_from_response(&ids[2], Counted::exact(50, 6), Ending::Completed).await;
+    assert_eq!(store.calls(), 1, "no batch once the drain began");
+    assert_eq!(used(&batched, &ids[2]).await, 56);
+}
+
+async fn a_batch_the_store_does_not_take_is_retried_commit_by_commit<S: Store + Clone>(h: Harness<S>) {
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Unreachable(u32::MAX))).await;
+    let stop = CancellationToken::new();
+    let worker = batched.admission.run_retries(stop.clone()).expect("the admission's own retry worker");
+    let ids = holds(&batched, 2).await;
+    batched.admission.commit_from_response(&ids[0], Counted::exact(100, 7), Ending::Completed).await;
+    batched.admission.commit_from_response(&ids[1], Counted::Metered { output: 9 }, Ending::Metered).await;
+    let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
+    assert!(landed, "the retries never landed");
+    assert_eq!(batched.admission.protocol().store().calls(), 1, "the batch was tried once");
+    assert_eq!(used(&batched, &ids[0]).await, 107, "exactly its counts, once");
+    assert_eq!(used(&batched, &ids[1]).await, 109, "metered: the prompt held and the output counted");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), worker).await.expect("the worker stops").unwrap();
+}
+
+macro_rules! everywhere {
+    ($($scenario:ident),* $(,)?) => {
+        mod embedded {
+            $(#[tokio::test]
+            async fn $scenario() {
+                super::$scenario(crate::support::embedded(super::BODY).await).await;
+            })*
+        }
+        mod redis {
+            $(#[tokio::test]
+            async fn $scenario() {
+                super::$scenario(crate::support::redis(super::BODY).await).await;
+            })*
+        }
+        mod cluster {
+            $(#[tokio::test]
+            async fn $scenario() {
+                super::$scenario(crate::support::cluster(super::BODY).await).await;
+            })*
+        }
+    };
+}
+
+everywhere!(
+    a_tenants_commits_in_one_window_go_in_one_call,
+    the_drain_commits_what_waits_at_once,
+    a_batch_the_store_does_not_take_is_retried_commit_by_commit,
+);
