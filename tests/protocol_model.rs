@@ -41,12 +41,13 @@ use tokio_util::sync::CancellationToken;
 use tollgate::admission::{Attributes, Decision, Denial, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
+use tollgate::hold::{Counted, Ending};
 use tollgate::hold::{Headroom, Period};
 use tollgate::store::breaker::{Breaker, BreakerSettings};
 use tollgate::store::clock::ManualClock;
 use tollgate::store::embedded::EmbeddedStore;
 use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
-use tollgate::store::{Store, keys};
+use tollgate::store::{CommitCall, Store, keys};
 
 /// One step of a sequence.
 #[derive(Debug, Clone)]
@@ -76,6 +77,12 @@ enum Op {
     Renew {
         hold: usize,
         twice: bool,
+    },
+    /// Commits the ids picked as `Commit` does, those of the first one's tenant, together in one
+    /// call (`Admission::commit_together`, as a batch of commits from responses goes): each must
+    /// be answered, and charge, as if committed alone in turn.
+    CommitTogether {
+        commits: Vec<(usize, u64, u64)>,
     },
     /// Commits an id no reserve issued.
     CommitUnknown,
@@ -139,6 +146,8 @@ fn plain_op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(hold, twice)| Op::Release { hold, twice }),
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(hold, twice)| Op::Renew { hold, twice }),
         1 => Just(Op::CommitUnknown),
+        1 => prop::collection::vec((any::<usize>(), 0..400u64, 0..900u64), 1..5)
+            .prop_map(|commits| Op::CommitTogether { commits }),
         1 => any::<bool>().prop_map(|tight| Op::Reload { tight }),
         2 => prop_oneof![3 => 0..400u64, 1 => 900..2600u64].prop_map(|ms| Op::Advance { ms }),
         1 => prop::bool::weighted(0.1).prop_map(|idle| if idle { Op::Idle } else { Op::Advance { ms: 0 } }),
@@ -410,6 +419,35 @@ impl<S: Store + Clone> World<S> {
                     self.h.admission.renew(&id, 0).await
                 };
                 let got = got.unwrap_or_else(|e| panic!("{at}: {e}"));
+                assert_eq!(got, expected, "{at}");
+            }
+            Op::CommitTogether { commits } => {
+                let picked: Vec<(String, u64, u64)> = commits
+                    .iter()
+                    .filter_map(|&(hold, prompt, output)| Some((self.pick(hold)?, prompt, output)))
+                    .collect();
+                let Some(tenant) = picked.first().map(|(id, ..)| id.split_once(':').expect("an id").0.to_string())
+                else {
+                    return;
+                };
+                let picked: Vec<_> =
+                    picked.into_iter().filter(|(id, ..)| id.starts_with(&format!("{tenant}:"))).collect();
+                let calls: Vec<CommitCall> = picked
+                    .iter()
+                    .map(|(id, prompt, output)| {
+                        let counted = Counted::exact(*prompt, *output);
+                        CommitCall { id: id.clone(), counted, ending: Ending::of(counted) }
+                    })
+                    .collect();
+                let expected: Vec<_> =
+                    picked.iter().map(|(id, prompt, output)| self.model.commit(id, *prompt, *output, now)).collect();
+                let got =
+                    self.h.admission.commit_together(&tenant, &calls).await.unwrap_or_else(|e| panic!("{at}: {e}"));
+                for ((id, ..), outcome) in picked.iter().zip(&got) {
+                    if let tollgate::hold::CommitOutcome::Committed(u) = outcome {
+                        self.answered.entry(id.clone()).or_insert(Some(u.used));
+                    }
+                }
                 assert_eq!(got, expected, "{at}");
             }
             Op::CommitUnknown => {

@@ -108,31 +108,52 @@ impl<S: Store> Admission<S> {
         }
     }
 
-    /// One call for `tenant`'s batch; then, for each commit, what a commit of a hold in the store
-    /// does after it (metrics, its pool leg), or its retry.
+    /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
+    /// commit kept for the retry queue.
     async fn commit_batch(&self, tenant: &str, batch: Vec<CommitCall>) {
         if batch.is_empty() {
             return;
         }
-        let policy = self.policy();
-        let terms = self.commit_terms(&policy, tenant);
-        match self.protocol.commit_many(tenant, &batch, terms).await {
+        match self.commit_together(tenant, &batch).await {
             Ok(outcomes) => {
-                for (c, outcome) in batch.iter().zip(outcomes) {
-                    let r = checked_commit(&c.id, c.counted).expect("checked when batched");
-                    self.after_store_commit(&policy, &r, &c.id, &outcome, c.counted, c.ending).await;
-                    self.committed_from_response(&c.id, c.counted, c.ending, Ok(&outcome));
+                for (c, outcome) in batch.iter().zip(&outcomes) {
+                    self.committed_from_response(&c.id, c.counted, c.ending, Ok(outcome));
                 }
             }
+            // (None of the batch is known to have run: each is retried, and a commit that did run
+            // answers its retry as a repeat, charging nothing more.)
             Err(e) => {
-                // (None of the batch is known to have run: each is retried, and a commit that did
-                // run answers its retry as a repeat, charging nothing more.)
-                let e = AdmissionError::Store(e);
                 for c in &batch {
                     self.committed_from_response(&c.id, c.counted, c.ending, Err(&e));
                 }
             }
         }
+    }
+
+    /// Commits `tenant`'s holds in the store in one call, each as [`Admission::commit_ended`]
+    /// would alone, in order: the outcomes in the order of `commits`, after each one's metrics
+    /// and pool leg. An id of another tenant, of a hold not in the store (a leased one), or with a
+    /// count out of bounds refuses the whole batch, before any is made.
+    pub async fn commit_together(
+        &self,
+        tenant: &str,
+        commits: &[CommitCall],
+    ) -> Result<Vec<CommitOutcome>, AdmissionError> {
+        let mut holds = Vec::with_capacity(commits.len());
+        for c in commits {
+            let r = checked_commit(&c.id, c.counted)?;
+            if r.tenant != tenant || !matches!(self.home(&r), Home::Store) {
+                return Err(AdmissionError::BadReservationId(c.id.clone()));
+            }
+            holds.push(r);
+        }
+        let policy = self.policy();
+        let terms = self.commit_terms(&policy, tenant);
+        let outcomes = self.protocol.commit_many(tenant, commits, terms).await?;
+        for ((c, r), outcome) in commits.iter().zip(&holds).zip(&outcomes) {
+            self.after_store_commit(&policy, r, &c.id, outcome, c.counted, c.ending).await;
+        }
+        Ok(outcomes)
     }
 
     /// Logs how a commit from a response went, and keeps one that could not reach the store for
