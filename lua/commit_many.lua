@@ -2,7 +2,9 @@
 -- commit as commit.lua would make it alone, in order, at one time (common.lua's commit_hold), so
 -- a batch charges exactly what its commits made one by one would. The gateway batches the commits
 -- it makes from responses (store.commit_window_ms): one call settles a few, where each would pay
--- for a call of its own.
+-- for a call of its own; and the writes to the keys they share (their scopes, the lease index,
+-- the holds hash, the settled bucket, the records dropped) are made once, at the end (common.lua's
+-- gather).
 --
 -- KEYS[1] the tenant's lease index      KEYS[2] the tenant's holds hash
 -- KEYS[3] the tenant's usage ledger     KEYS[4..] the reservation records, one per commit
@@ -22,10 +24,18 @@ local terms = { estimate_ttl = tonumber(ARGV[1]), window = tonumber(ARGV[2]),
   settled = { prefix = ARGV[3], retention = tonumber(ARGV[4]) }, zone = ARGV[5] }
 local now = now_ms()
 local replies = {}
+gather()
 for i = FIRST_RECORD, #KEYS do
   local b = FIRST_ARG + (i - FIRST_RECORD) * PER_COMMIT
   local c = { id = ARGV[b + 1], prompt = ARGV[b + 2], output = ARGV[b + 3], measure = ARGV[b + 4],
     read = ARGV[b + 5], written = ARGV[b + 6], reasoning = ARGV[b + 7], ending = ARGV[b + 8] }
+  -- (A record the batch dropped already: its commit is a repeat, read once the batch's writes are
+  -- made, as a commit after it would read them.)
+  if gathered.dropped[KEYS[i]] then
+    made()
+    gather()
+  end
   replies[#replies + 1] = commit_hold(KEYS[i], KEYS[1], KEYS[2], KEYS[3], terms, c, now)
 end
+made()
 return replies

@@ -102,10 +102,16 @@ local function standard()
   return redis.call, tonumber, ipairs, pairs, unpack, math.floor, math.max, math.min, math.ceil
 end
 local call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil
+-- The writes a batch of commits gathers (commit_many.lua, see gather), or nil outside one. (Set
+-- back to nil as every phase starts: on Redis the library's locals outlive a call, even one that
+-- failed half way.)
+local gathered = nil
+
 local function bind()
   if not call then
     call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil = standard()
   end
+  gathered = nil
 end
 
 local DAY_MS = 86400000
@@ -383,6 +389,51 @@ local function fields_of(key)
     f[flat[i]] = flat[i + 1]
   end
   return f
+end
+
+-- A scope hash's fields as adjust reads them: from the store, or in a batch of commits as the
+-- batch has left them (read once, the batch's writes kept in them).
+local function scope_fields(key)
+  if not gathered then
+    return fields_of(key)
+  end
+  local f = gathered.scopes[key]
+  if not f then
+    f = fields_of(key)
+    gathered.scopes[key] = f
+  end
+  return f
+end
+
+-- Writes the first `nw` places of `w` (field, value, ...) to scope hash `key`: at once, or in a
+-- batch into its fields (see scope_fields), all written once at the batch's end.
+local function write_scope(key, w, nw)
+  if not gathered then
+    call('HSET', key, unpack(w, 1, nw))
+    return
+  end
+  local f, dirty = scope_fields(key), gathered.dirty[key]
+  if not dirty then
+    dirty = {}
+    gathered.dirty[key] = dirty
+    gathered.dirty[#gathered.dirty + 1] = key
+  end
+  for j = 1, nw, 2 do
+    f[w[j]], dirty[w[j]] = w[j + 1], w[j + 1]
+  end
+end
+
+-- keep_for of a scope hash: at once, or in a batch once its writes are made (the longest asked).
+local function keep_scope(key, ms)
+  if not gathered then
+    keep_for(key, ms)
+    return
+  end
+  local kept = gathered.kept
+  if not kept[key] then
+    kept[#kept + 1] = key
+  end
+  kept[key] = max(kept[key] or 0, ms)
 end
 
 -- A scope's limits, from ten ARGV after `b`: token capacity, tokens per ms, request capacity,
@@ -850,13 +901,13 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
   end
   for i, k in ipairs(keys) do
     local w, nw, kx = {}, 0, nil
-    if not moves then
+    if not moves and not gathered then
       -- Only slots: one field read, one written.
       local f = call('HMGET', k, 'c', 'kx')
       nw, kx = free_slots(w, tonumber(f[1]), slots), f[2]
     else
       local may_refund = (allowed and allowed[i]) or IS_ALWAYS
-      local f = fields_of(k)
+      local f = scope_fields(k)
       nw, kx = free_slots(w, tonumber(f.c), slots), f.kx
       for j = 1, #BUCKET_FIELDS do
         local b = BUCKET_FIELDS[j]
@@ -877,10 +928,10 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     end
     -- (Only `nw` places: a period's writes that move_period took back may lie past them.)
     if nw > 0 then
-      call('HSET', k, unpack(w, 1, nw))
+      write_scope(k, w, nw)
     end
     if until_ms then
-      keep_for(k, until_ms - now)
+      keep_scope(k, until_ms - now)
     end
   end
 end
@@ -939,7 +990,7 @@ local function keep_scopes(keys, idle)
     return
   end
   for _, k in ipairs(keys) do
-    keep_for(k, idle)
+    keep_scope(k, idle)
   end
 end
 
@@ -959,8 +1010,14 @@ end
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer
 -- pointing at it (the key keeps counting attempts until its own TTL).
 local function close(id, r, leases, holds)
-  call('ZREM', leases, id)
-  call('HDEL', holds, id, id .. '+')
+  if gathered then
+    local g = gathered.closed
+    g.leases, g.holds = leases, holds
+    g.ids[#g.ids + 1], g.fields[#g.fields + 1], g.fields[#g.fields + 2] = id, id, id .. '+'
+  else
+    call('ZREM', leases, id)
+    call('HDEL', holds, id, id .. '+')
+  end
   if r.ik and r.ik ~= '' and call('HGET', r.ik, 'id') == id then
     call('HDEL', r.ik, 'id')
   end
@@ -1016,16 +1073,29 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
   -- (The bucket's field `ttl` is written with its TTL, in one script, so a bucket that has it has
   -- its TTL: the write says whether it had, as the count of fields it added. A bucket without it
   -- that has the entry already can only be an older version's, which gave it its TTL.)
-  local added = call('HSET', bucket, field, string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state],
-    metered, r.h, attempts, tonumber(r.oh) or -1, result, cost), 'ttl', '1')
-  if added ~= 1 then
-    call('PEXPIRE', bucket, expires)
+  local entry = string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state], metered, r.h, attempts,
+    tonumber(r.oh) or -1, result, cost)
+  if gathered then
+    local g = gathered.filed
+    local b = g[bucket]
+    if not b then
+      b = { expires = expires, n = 0 }
+      g[bucket] = b
+      g[#g + 1] = bucket
+    end
+    b[#b + 1], b[#b + 2], b.n = field, entry, b.n + 1
+    gathered.dropped[rk] = true
+    gathered.dropped[#gathered.dropped + 1] = rk
+  else
+    if call('HSET', bucket, field, entry, 'ttl', '1') ~= 1 then
+      call('PEXPIRE', bucket, expires)
+    end
+    call('DEL', rk)
   end
   if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
     call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
     call('PEXPIRE', bucket .. 'e', expires)
   end
-  call('DEL', rk)
 end
 
 -- A settled hold as file_settled filed it, read as load reads a record (st h at oh es mx, and us
@@ -1592,6 +1662,50 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
     end
   end
   recompute(key, n, quantile, window)
+end
+
+-- A batch of commits gathers its writes to the keys its commits share, and makes each once at its
+-- end (made): every scope hash's fields (read once; see scope_fields), the lease index's and the
+-- holds hash's removals, the settled bucket's entries, the records dropped. Every other write goes
+-- at once. What a commit reads of these it reads as the batch left them (the scopes), or after
+-- made: a record the batch has dropped is loaded again only after (see commit_many.lua).
+local function gather()
+  gathered = { scopes = {}, dirty = {}, kept = {}, closed = { ids = {}, fields = {} }, filed = {}, dropped = {} }
+end
+
+-- Makes the writes gathered since gather, and gathers no more.
+local function made()
+  local g = gathered
+  gathered = nil
+  if not g then
+    return
+  end
+  for _, key in ipairs(g.dirty) do
+    local w = {}
+    for field, value in pairs(g.dirty[key]) do
+      w[#w + 1], w[#w + 2] = field, value
+    end
+    call('HSET', key, unpack(w))
+  end
+  for _, key in ipairs(g.kept) do
+    keep_for(key, g.kept[key])
+  end
+  local closed = g.closed
+  if #closed.ids > 0 then
+    call('ZREM', closed.leases, unpack(closed.ids))
+    call('HDEL', closed.holds, unpack(closed.fields))
+  end
+  for _, bucket in ipairs(g.filed) do
+    local b = g.filed[bucket]
+    b[#b + 1], b[#b + 2] = 'ttl', '1'
+    -- (As file_settled: a bucket that had its mark has its TTL.)
+    if call('HSET', bucket, unpack(b)) ~= b.n then
+      call('PEXPIRE', bucket, b.expires)
+    end
+  end
+  if #g.dropped > 0 then
+    call('DEL', unpack(g.dropped))
+  end
 end
 
 -- The commit phase of one hold (commit.lua; commit_many.lua runs it for each of a batch): `rk` its

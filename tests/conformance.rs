@@ -191,6 +191,39 @@ mod scenarios {
         assert_eq!(h.in_flight().await, 0.0, "every slot freed");
     }
 
+    /// A batch's writes, made once at its end (common.lua's gather), leave its keys as single
+    /// commits would: the first filing of a period's settled bucket gives it its TTL, the scope
+    /// keeps its TTL, the records are gone, and so are the lease index and the holds hash once
+    /// the batch settled every live hold.
+    pub async fn a_batch_leaves_its_keys_as_single_commits_would<S: Store>(h: Harness<S>) {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(admitted(&h.reserve(10, 10).await).reservation_id.clone());
+        }
+        let calls: Vec<CommitCall> = ids
+            .iter()
+            .map(|id| CommitCall { id: id.clone(), counted: Counted::exact(5, 5), ending: Ending::Completed })
+            .collect();
+        let retention = h.admission.policy().record_retention_ms;
+        let terms = CommitTerms { learning: None, retention_ms: retention, zone_offset_min: Some(0) };
+        let outcomes = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await.unwrap();
+        assert!(outcomes.iter().all(|o| o.state() == "committed"), "{outcomes:?}");
+        let settled = h.settled().await;
+        assert_eq!(settled.len(), 3, "{settled:?}");
+        let retention = i64::try_from(retention).unwrap();
+        for (field, (_, pttl)) in settled {
+            assert!(pttl > 0 && pttl <= 2 * retention, "{field}'s settled bucket expires in {pttl} ms");
+        }
+        let scope = h.tenant_scope().await;
+        assert!(scope.pttl > 0, "the scope keeps its TTL: {scope:?}");
+        assert_eq!((scope.num("c"), scope.num("du")), (0.0, 30.0), "every slot freed, the day charged 3 x 10");
+        let mut gone: Vec<String> = ids.iter().map(|id| keys::record(&h.tenant, id)).collect();
+        gone.extend([keys::leases(&h.tenant), keys::holds(&h.tenant)]);
+        for (key, view) in h.inspect(gone).await {
+            assert_eq!(view.kind, "none", "{key} is left: {view:?}");
+        }
+    }
+
     pub async fn a_second_commit_returns_the_first_result_and_charges_nothing<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
         let first = h.admission.commit(&id, 100, 50).await.unwrap();
@@ -1740,6 +1773,7 @@ macro_rules! conformance {
             scenario!(commit_refunds_the_unused_hold, BUCKET);
             scenario!(a_second_commit_returns_the_first_result_and_charges_nothing, BUCKET);
             scenario!(a_batch_of_commits_charges_what_each_alone_would, BATCHED);
+            scenario!(a_batch_leaves_its_keys_as_single_commits_would, BATCHED);
             scenario!(an_overrun_is_debt_bounded_by_the_capacity, BUCKET);
             scenario!(concurrency_slots_are_held_until_release, CONCURRENCY);
             scenario!(an_expired_hold_keeps_its_tokens_under_charge_reserved, LEASE_CHARGE);
