@@ -391,6 +391,18 @@ local function fields_of(key)
   return f
 end
 
+-- Runs `f` (which writes keys no other part of a batch reads): at once, or in a batch of commits
+-- at its end, in the order asked, before the writes to the keys the batch shares (a record an
+-- expiry rewrote is then dropped, as in a single commit). So a batch that fails half way has
+-- written nothing: see gather.
+local function later(f)
+  if gathered then
+    gathered.later[#gathered.later + 1] = f
+  else
+    f()
+  end
+end
+
 -- A scope hash's fields as adjust reads them: from the store, or in a batch of commits as the
 -- batch has left them (read once, the batch's writes kept in them).
 local function scope_fields(key)
@@ -1018,8 +1030,12 @@ local function close(id, r, leases, holds)
     call('ZREM', leases, id)
     call('HDEL', holds, id, id .. '+')
   end
-  if r.ik and r.ik ~= '' and call('HGET', r.ik, 'id') == id then
-    call('HDEL', r.ik, 'id')
+  if r.ik and r.ik ~= '' then
+    later(function()
+      if call('HGET', r.ik, 'id') == id then
+        call('HDEL', r.ik, 'id')
+      end
+    end)
   end
 end
 
@@ -1093,8 +1109,10 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
     call('DEL', rk)
   end
   if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
-    call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
-    call('PEXPIRE', bucket .. 'e', expires)
+    later(function()
+      call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
+      call('PEXPIRE', bucket .. 'e', expires)
+    end)
   end
 end
 
@@ -1192,8 +1210,10 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   end
   r.st = 'expired'
   r.sl = '0'
-  call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
-  call('PEXPIRE', rk, r.rt)
+  later(function()
+    call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
+    call('PEXPIRE', rk, r.rt)
+  end)
   close(id, r, leases, holds)
   local usage = 'held'
   if r.ch == 0 then
@@ -1664,13 +1684,16 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
   recompute(key, n, quantile, window)
 end
 
--- A batch of commits gathers its writes to the keys its commits share, and makes each once at its
--- end (made): every scope hash's fields (read once; see scope_fields), the lease index's and the
--- holds hash's removals, the settled bucket's entries, the records dropped. Every other write goes
--- at once. What a commit reads of these it reads as the batch left them (the scopes), or after
--- made: a record the batch has dropped is loaded again only after (see commit_many.lua).
+-- A batch of commits gathers its writes, and makes them at its end (made): the rest in order (see
+-- later), then those to the keys its commits share, once each (every scope hash's fields, read
+-- once, see scope_fields; the lease index's and the holds hash's removals; the settled bucket's
+-- entries; the records dropped). What a commit reads of these it reads as the batch left them
+-- (the scopes), or after made: a record the batch has dropped is loaded again only after (see
+-- commit_many.lua). A batch that fails half way (a script error: Redis undoes nothing) has so
+-- written nothing, and its commits can each be made again alone.
 local function gather()
-  gathered = { scopes = {}, dirty = {}, kept = {}, closed = { ids = {}, fields = {} }, filed = {}, dropped = {} }
+  gathered = { scopes = {}, dirty = {}, kept = {}, closed = { ids = {}, fields = {} }, filed = {}, dropped = {},
+    later = {} }
 end
 
 -- Makes the writes gathered since gather, and gathers no more.
@@ -1679,6 +1702,9 @@ local function made()
   gathered = nil
   if not g then
     return
+  end
+  for _, f in ipairs(g.later) do
+    f()
   end
   for _, key in ipairs(g.dirty) do
     local w = {}
@@ -1780,10 +1806,14 @@ local function commit_hold(rk, leases, holds, ledger, t, c, now)
     local entry = ledger_entry(id, r, state, usage, used, cost, ending)
     entry.prompt, entry.output = prompt, output
     entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
-    ledger_append(ledger, r.lg, entry, now)
+    later(function()
+      ledger_append(ledger, r.lg, entry, now)
+    end)
   end
   if r.ok and r.ok ~= '' and t.window > 0 and not metered then
-    learn(r.ok, output, used, overrun, tonumber(r.oq), t.window, t.estimate_ttl)
+    later(function()
+      learn(r.ok, output, used, overrun, tonumber(r.oq), t.window, t.estimate_ttl)
+    end)
   end
   return { state, 0, used, r.h, refunded, overrun, mx, r.md or '', tonumber(r.oh) or -1, cost, ending }
 end

@@ -59,7 +59,10 @@ pub enum Reloaded {
 pub async fn reload<S: Store>(path: &Path, admission: &Admission<S>, adjust: &Adjust) -> Reloaded {
     let file = path.to_path_buf();
     let adjust = Arc::clone(adjust);
-    let current = admission.policy().version.clone();
+    let (current, window) = {
+        let policy = admission.policy();
+        (policy.version.clone(), policy.store.commit_window)
+    };
     // Reading and validating a large policy is work: off the runtime's threads.
     let loaded = tokio::task::spawn_blocking(move || -> Result<Option<Policy>, ConfigError> {
         let text = std::fs::read_to_string(&file)
@@ -69,6 +72,7 @@ pub async fn reload<S: Store>(path: &Path, admission: &Admission<S>, adjust: &Ad
         }
         let mut policy = Policy::parse(&file.display().to_string(), &text)?;
         adjust(&mut policy)?;
+        policy.check_window_in_force(&file.display().to_string(), window)?;
         Ok(Some(policy))
     })
     .await;

@@ -97,6 +97,45 @@ async fn a_batch_the_store_does_not_take_is_retried_commit_by_commit<S: Store + 
     tokio::time::timeout(Duration::from_secs(5), worker).await.expect("the worker stops").unwrap();
 }
 
+/// A batch the store refuses (a script error) goes again commit by commit: each lands, with its
+/// own counts.
+async fn a_batch_the_store_refuses_goes_commit_by_commit<S: Store + Clone>(h: Harness<S>) {
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Refused)).await;
+    let ids = holds(&batched, 3).await;
+    for (i, id) in (0u64..).zip(&ids) {
+        batched.admission.commit_from_response(id, Counted::exact(100, i), Ending::Completed).await;
+    }
+    let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
+    assert!(landed, "the commits never landed");
+    assert_eq!(batched.admission.protocol().store().calls(), 1, "the batch was tried once");
+    for (i, id) in (0u64..).zip(&ids) {
+        assert_eq!(used(&batched, id).await, 100 + i, "{id}: exactly its counts, once");
+    }
+}
+
+/// The window in force stays until a restart (the store's settings do): a reload whose leases it
+/// would not fit ten times into is refused, and the policy in force stays.
+async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harness<S>) {
+    let dir = std::env::temp_dir().join(format!("tollgate-batches-{}", h.tenant));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.yaml");
+    let short =
+        format!("models:\n  m: {{ max_output_tokens: 100 }}\ntenants:\n  {}:\n    lease_ttl_ms: 500\n", h.tenant);
+    std::fs::write(&path, short).unwrap();
+    let keep: tollgate::reload::Adjust = std::sync::Arc::new(|_| Ok(()));
+    let before = h.admission.policy().version.clone();
+    let reloaded = tollgate::reload::reload(&path, &h.admission, &keep).await;
+    let tollgate::reload::Reloaded::Refused(why) = reloaded else { panic!("reloaded: {reloaded:?}") };
+    assert!(
+        why.contains(
+            "store.commit_window_ms: 100 (in force until a restart) is more than a 10th of the shortest lease (500 ms)"
+        ),
+        "{why}"
+    );
+    assert_eq!(h.admission.policy().version, before, "the policy in force stays");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 macro_rules! everywhere {
     ($($scenario:ident),* $(,)?) => {
         mod embedded {
@@ -124,4 +163,6 @@ everywhere!(
     a_tenants_commits_in_one_window_go_in_one_call,
     the_drain_commits_what_waits_at_once,
     a_batch_the_store_does_not_take_is_retried_commit_by_commit,
+    a_batch_the_store_refuses_goes_commit_by_commit,
+    a_reload_keeps_every_lease_ten_windows_long,
 );

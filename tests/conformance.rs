@@ -224,6 +224,38 @@ mod scenarios {
         }
     }
 
+    /// A batch that fails half way (a script error, which Redis does not undo) has written
+    /// nothing, not even for the commits before the one at fault: each can be made again alone,
+    /// as if the batch had never run.
+    pub async fn a_batch_that_fails_half_way_writes_nothing<S: Store>(h: Harness<S>) {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(admitted(&h.reserve(10, 10).await).reservation_id.clone());
+        }
+        // The second hold's record made into something no script reads as a record.
+        let broken = tollgate::store::Script::new(
+            "broken",
+            "redis.call('DEL', KEYS[1]) return redis.call('SET', KEYS[1], 'x')".to_string(),
+        );
+        let store = h.admission.protocol().store();
+        store.eval(&broken, vec![keys::record(&h.tenant, &ids[1])], vec![]).await.expect("a broken record");
+        let before = h.snapshot(&[&ids[0], &ids[2]]).await;
+        let calls: Vec<CommitCall> = ids
+            .iter()
+            .map(|id| CommitCall { id: id.clone(), counted: Counted::exact(5, 5), ending: Ending::Completed })
+            .collect();
+        let retention = h.admission.policy().record_retention_ms;
+        let terms = CommitTerms { learning: None, retention_ms: retention, zone_offset_min: Some(0) };
+        let failed = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await;
+        assert!(failed.is_err(), "{failed:?}");
+        assert_eq!(h.snapshot(&[&ids[0], &ids[2]]).await, before, "the batch wrote nothing");
+        for id in [&ids[0], &ids[2]] {
+            let alone = h.admission.commit(id, 5, 5).await.unwrap();
+            let usage = alone.usage().expect("committed");
+            assert_eq!((usage.duplicate, usage.used), (false, 10), "{id}: {alone:?}");
+        }
+    }
+
     pub async fn a_second_commit_returns_the_first_result_and_charges_nothing<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
         let first = h.admission.commit(&id, 100, 50).await.unwrap();
@@ -1774,6 +1806,7 @@ macro_rules! conformance {
             scenario!(a_second_commit_returns_the_first_result_and_charges_nothing, BUCKET);
             scenario!(a_batch_of_commits_charges_what_each_alone_would, BATCHED);
             scenario!(a_batch_leaves_its_keys_as_single_commits_would, BATCHED);
+            scenario!(a_batch_that_fails_half_way_writes_nothing, BATCHED);
             scenario!(an_overrun_is_debt_bounded_by_the_capacity, BUCKET);
             scenario!(concurrency_slots_are_held_until_release, CONCURRENCY);
             scenario!(an_expired_hold_keeps_its_tokens_under_charge_reserved, LEASE_CHARGE);

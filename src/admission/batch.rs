@@ -9,10 +9,14 @@
 //!
 //! What a window changes is when a commit lands, never what it charges: until then its hold stays
 //! charged as held (refunds come later, a debt beyond the hold lands later), and its slot stays
-//! taken. The window is at most a tenth of any lease (see the policy's validation), so a hold's
-//! lease covers its commit's wait. A batch that could not reach the store goes, commit by commit,
-//! to the retry queue, as a single commit from a response would. Stopping flushes every window at
-//! once (see [`Admission::finish_tasks`]); once the drain has begun, a commit goes alone.
+//! taken. The window is at most a tenth of any lease (see the policy's validation; a reload is
+//! held to the window in force), so a hold's lease covers its commit's wait. A batch that could
+//! not reach the store goes, commit by commit, to the retry queue, as a single commit from a
+//! response would; one the store refused (a script error, which writes nothing of a batch) goes
+//! again commit by commit, so only the one at fault fails. Stopping flushes every window at once
+//! (see [`Admission::finish_tasks`]); once the drain has begun, a commit goes alone. What waits
+//! in a window when the process dies (not a drain) is lost, as a commit on its way would be: its
+//! hold expires by its lease, settled per `expired_usage`.
 //!
 //! Only holds in the store are batched: a leased hold settles in this replica's memory, and
 //! another replica's is forwarded, neither with a store call of its own to save. Callers of
@@ -35,20 +39,62 @@ pub const MOST: usize = 64;
 /// The commits waiting for their tenant's window to end, and the windows' timers.
 #[derive(Debug, Default)]
 pub(super) struct Batches {
-    waiting: Mutex<HashMap<String, Vec<CommitCall>>>,
+    waiting: Mutex<Waiting>,
     /// The windows open and the batches on their way to the store: the drain waits for them.
     tasks: TaskTracker,
 }
 
+#[derive(Debug, Default)]
+struct Waiting {
+    by_tenant: HashMap<String, Vec<CommitCall>>,
+    /// Set as the drain begins (under the same lock as a commit joins a batch, so none joins one
+    /// the drain will not send): from then on a commit goes alone.
+    closed: bool,
+}
+
+/// Where a commit from a response went.
+enum Joined {
+    /// Its tenant's batch, opening it (its window starts now).
+    Opened,
+    /// Its tenant's batch, already open.
+    Waits,
+    /// Its tenant's batch, which it filled: the batch goes now.
+    Filled(Vec<CommitCall>),
+    /// None: the drain has begun.
+    Closed,
+}
+
 impl Batches {
-    /// Takes `tenant`'s batch, leaving none.
-    fn take(&self, tenant: &str) -> Vec<CommitCall> {
-        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).remove(tenant).unwrap_or_default()
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Every batch, leaving none.
-    fn take_all(&self) -> Vec<(String, Vec<CommitCall>)> {
-        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).drain().collect()
+    fn join(&self, tenant: &str, call: CommitCall) -> Joined {
+        let mut waiting = self.lock();
+        if waiting.closed {
+            return Joined::Closed;
+        }
+        let batch = waiting.by_tenant.entry(tenant.to_string()).or_default();
+        batch.push(call);
+        if batch.len() >= MOST {
+            Joined::Filled(std::mem::take(batch))
+        } else if batch.len() == 1 {
+            Joined::Opened
+        } else {
+            Joined::Waits
+        }
+    }
+
+    /// Takes `tenant`'s batch, leaving none.
+    fn take(&self, tenant: &str) -> Vec<CommitCall> {
+        self.lock().by_tenant.remove(tenant).unwrap_or_default()
+    }
+
+    /// Every batch, leaving none, and no more to come.
+    fn close(&self) -> Vec<(String, Vec<CommitCall>)> {
+        let mut waiting = self.lock();
+        waiting.closed = true;
+        waiting.by_tenant.drain().filter(|(_, batch)| !batch.is_empty()).collect()
     }
 }
 
@@ -59,53 +105,47 @@ impl<S: Store> Admission<S> {
     /// is retried ([`Admission::retry`]), and what happened is logged.
     pub async fn commit_from_response(self: &Arc<Self>, id: &str, counted: Counted, ending: Ending) {
         let window = self.policy().store.commit_window;
-        let batched = !window.is_zero()
-            && !self.batches.tasks.is_closed()
-            && checked_commit(id, counted).is_ok_and(|r| matches!(self.home(&r), Home::Store));
-        if !batched {
-            let outcome = self.commit_ended(id, counted, ending).await;
-            self.committed_from_response(id, counted, ending, outcome.as_ref());
-            return;
-        }
-        let Ok(r) = checked_commit(id, counted) else { return };
-        let call = CommitCall { id: id.to_string(), counted, ending };
-        let (opened, full) = {
-            let mut waiting = self.batches.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-            let batch = waiting.entry(r.tenant.to_string()).or_default();
-            batch.push(call);
-            let full = (batch.len() >= MOST).then(|| std::mem::take(batch));
-            (batch.len() == 1, full)
+        let in_store = checked_commit(id, counted).ok().filter(|r| matches!(self.home(r), Home::Store));
+        let joined = match in_store {
+            Some(r) if !window.is_zero() => {
+                let tenant = r.tenant.to_string();
+                let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
+                Some((tenant, joined))
+            }
+            _ => None,
         };
-        let tenant = r.tenant.to_string();
-        if let Some(batch) = full {
-            let admission = Arc::clone(self);
-            self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
-        } else if opened {
-            let admission = Arc::clone(self);
-            self.batches.tasks.spawn(async move {
-                tokio::time::sleep(window).await;
-                let batch = admission.batches.take(&tenant);
-                admission.commit_batch(&tenant, batch).await;
-            });
+        match joined {
+            None | Some((_, Joined::Closed)) => {
+                let outcome = self.commit_ended(id, counted, ending).await;
+                self.committed_from_response(id, counted, ending, outcome.as_ref());
+            }
+            Some((_, Joined::Waits)) => {}
+            Some((tenant, Joined::Filled(batch))) => {
+                let admission = Arc::clone(self);
+                self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
+            }
+            // (A window whose batch filled early sends the next batch when it ends: every batch
+            // has a timer running, some a shorter window.)
+            Some((tenant, Joined::Opened)) => {
+                let admission = Arc::clone(self);
+                self.batches.tasks.spawn(async move {
+                    tokio::time::sleep(window).await;
+                    let batch = admission.batches.take(&tenant);
+                    admission.commit_batch(&tenant, batch).await;
+                });
+            }
         }
     }
 
     /// Commits every batch waiting now, without waiting for their windows, and waits for those on
-    /// their way: the drain's, once no response can end any more.
+    /// their way: the drain's. From then on a commit from a response goes alone.
     pub(super) async fn flush_batches(self: &Arc<Self>) {
-        self.batches.tasks.close();
-        // (Again while any is left: a commit that saw the windows open as they closed.)
-        loop {
-            let batches = self.batches.take_all();
-            if batches.is_empty() && self.batches.tasks.is_empty() {
-                return;
-            }
-            for (tenant, batch) in batches {
-                let admission = Arc::clone(self);
-                self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
-            }
-            self.batches.tasks.wait().await;
+        for (tenant, batch) in self.batches.close() {
+            let admission = Arc::clone(self);
+            self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
         }
+        self.batches.tasks.close();
+        self.batches.tasks.wait().await;
     }
 
     /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
@@ -122,9 +162,18 @@ impl<S: Store> Admission<S> {
             }
             // (None of the batch is known to have run: each is retried, and a commit that did run
             // answers its retry as a repeat, charging nothing more.)
-            Err(e) => {
+            Err(e) if is_transient(&e) => {
                 for c in &batch {
                     self.committed_from_response(&c.id, c.counted, c.ending, Err(&e));
+                }
+            }
+            // A batch the store refused (a script that failed half way writes nothing of a batch:
+            // see common.lua's gather): each commit alone, so that only the one at fault fails.
+            Err(e) => {
+                tracing::warn!(error = %e, tenant, commits = batch.len(), "a batch of commits failed; committing each alone");
+                for c in &batch {
+                    let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
+                    self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
                 }
             }
         }
@@ -150,9 +199,12 @@ impl<S: Store> Admission<S> {
         let policy = self.policy();
         let terms = self.commit_terms(&policy, tenant);
         let outcomes = self.protocol.commit_many(tenant, commits, terms).await?;
-        for ((c, r), outcome) in commits.iter().zip(&holds).zip(&outcomes) {
-            self.after_store_commit(&policy, r, &c.id, outcome, c.counted, c.ending).await;
-        }
+        let after = commits
+            .iter()
+            .zip(&holds)
+            .zip(&outcomes)
+            .map(|((c, r), outcome)| self.after_store_commit(&policy, r, &c.id, outcome, c.counted, c.ending));
+        futures_util::future::join_all(after).await;
         Ok(outcomes)
     }
 
@@ -180,4 +232,9 @@ impl<S: Store> Admission<S> {
             Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
         }
     }
+}
+
+/// A store that could not be reached, or did not answer in time: the same call may land later.
+fn is_transient(e: &AdmissionError) -> bool {
+    matches!(e, AdmissionError::Store(e) if e.is_transient())
 }

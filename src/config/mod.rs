@@ -459,6 +459,22 @@ impl Policy {
         Ok(policy)
     }
 
+    /// Refuses a policy whose shortest lease is shorter than ten times `window`, the commit window
+    /// in force (a reload keeps the store's settings until a restart, so this policy's own window
+    /// is not the one its holds will see).
+    pub fn check_window_in_force(&self, file: &str, window: Duration) -> Result<(), ConfigError> {
+        let shortest = self
+            .tenants
+            .values()
+            .chain(self.default_tenant.iter())
+            .chain(self.plans.values())
+            .map(|t| t.lease_ttl_ms)
+            .min()
+            .unwrap_or(u64::MAX);
+        validate::commit_window_fits(window, shortest, " (in force until a restart)")
+            .map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
+    }
+
     /// The settings a running tollgate cannot change (its ports, TLS, store, leasing) that differ
     /// in `new`: a reload applies the rest and keeps these until a restart.
     pub fn restart_only_changes(&self, new: &Policy) -> Vec<&'static str> {

@@ -38,6 +38,8 @@ pub enum Fault {
     LostReply,
     /// The first N calls never reach the store: the caller sees a timeout.
     Unreachable(u32),
+    /// Every call is refused by the store (a script error): the caller sees it at once.
+    Refused,
 }
 
 /// Applies a [`Fault`] to every call of one script, and passes every other call through.
@@ -86,6 +88,7 @@ impl<S: Store> Store for Faulty<S> {
             }
             Fault::Unreachable(n) if call < n => Err(timeout()),
             Fault::Unreachable(_) => self.inner.eval(script, keys, args).await,
+            Fault::Refused => Err(StoreError::Script { script: script.name, message: "injected: refused".into() }),
         }
     }
 }
@@ -158,6 +161,9 @@ impl<S: Store> Store for Queued<S> {
                 let reply = self.inner.eval(script, keys, args).await;
                 tokio::time::sleep(delay).await;
                 reply
+            }
+            Some(Fault::Refused) => {
+                Err(StoreError::Script { script: script.name, message: "injected: refused".into() })
             }
         }
     }

@@ -47,6 +47,22 @@ const MAX_OUTPUT_CEILING: u64 = 10_000_000;
 /// the protocol's nouns (`hold`) re-export it for everything else.
 pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
+/// A commit window of at most a tenth of the shortest lease (`shortest_lease_ms`); `said` is what
+/// the error adds about where the window comes from.
+pub(super) fn commit_window_fits(window: Duration, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
+    let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+    if window.saturating_mul(COMMIT_WINDOWS_IN_A_LEASE) > shortest_lease_ms {
+        return Err(problem(
+            "store.commit_window_ms",
+            format!(
+                "{window}{said} is more than a {COMMIT_WINDOWS_IN_A_LEASE}th of the shortest lease \
+                 ({shortest_lease_ms} ms): a batched commit must land well inside its hold's lease"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn problem(field: impl Into<String>, why: impl Into<String>) -> Problem {
     (field.into(), why.into())
 }
@@ -352,16 +368,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .min()
         .unwrap_or(lease_ttl_ms)
         .min(lease_ttl_ms);
-    let window = u64::try_from(store.commit_window.as_millis()).unwrap_or(u64::MAX);
-    if window.saturating_mul(COMMIT_WINDOWS_IN_A_LEASE) > shortest_lease {
-        return Err(problem(
-            "store.commit_window_ms",
-            format!(
-                "{window} is more than a {COMMIT_WINDOWS_IN_A_LEASE}th of the shortest lease ({shortest_lease} ms): \
-                 a batched commit must land well inside its hold's lease"
-            ),
-        ));
-    }
+    commit_window_fits(store.commit_window, shortest_lease, "")?;
     let pools = pools
         .into_iter()
         .map(|(name, mut p)| {
