@@ -32,10 +32,10 @@ for i = FIRST_RECORD, #KEYS do
   -- (A record the batch dropped already: its commit is a repeat, read once the batch's writes are
   -- made, as a commit after it would read them.)
   if gathered.dropped[KEYS[i]] then
-    made()
+    make_gathered()
     gather()
   end
   replies[#replies + 1] = commit_hold(KEYS[i], KEYS[1], KEYS[2], KEYS[3], terms, c, now)
 end
-made()
+make_gathered()
 return replies

@@ -393,9 +393,8 @@ end
 
 -- Runs `f` (which writes keys no other part of a batch reads): at once, or in a batch of commits
 -- at its end, in the order asked, before the writes to the keys the batch shares (a record an
--- expiry rewrote is then dropped, as in a single commit). So a batch that fails half way has
--- written nothing: see gather.
-local function later(f)
+-- expiry rewrote is then dropped, as in a single commit). See gather.
+local function at_batch_end(f)
   if gathered then
     gathered.later[#gathered.later + 1] = f
   else
@@ -939,11 +938,20 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
       w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
     end
     -- (Only `nw` places: a period's writes that move_period took back may lie past them.)
+    -- (Outside a batch, at once: no call between.)
     if nw > 0 then
-      write_scope(k, w, nw)
+      if gathered then
+        write_scope(k, w, nw)
+      else
+        call('HSET', k, unpack(w, 1, nw))
+      end
     end
     if until_ms then
-      keep_scope(k, until_ms - now)
+      if gathered then
+        keep_scope(k, until_ms - now)
+      else
+        keep_for(k, until_ms - now)
+      end
     end
   end
 end
@@ -1031,7 +1039,7 @@ local function close(id, r, leases, holds)
     call('HDEL', holds, id, id .. '+')
   end
   if r.ik and r.ik ~= '' then
-    later(function()
+    at_batch_end(function()
       if call('HGET', r.ik, 'id') == id then
         call('HDEL', r.ik, 'id')
       end
@@ -1109,7 +1117,7 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
     call('DEL', rk)
   end
   if ending and ENDING_CODES[ending] and ending ~= implied_ending(state, metered) then
-    later(function()
+    at_batch_end(function()
       call('HSET', bucket .. 'e', field, ENDING_CODES[ending])
       call('PEXPIRE', bucket .. 'e', expires)
     end)
@@ -1210,9 +1218,10 @@ local function expire(rk, id, r, leases, holds, now, ledger)
   end
   r.st = 'expired'
   r.sl = '0'
-  later(function()
-    call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', r.ch, 'cc', r.cc)
-    call('PEXPIRE', rk, r.rt)
+  local charged, cost, waits = r.ch, r.cc, r.rt
+  at_batch_end(function()
+    call('HSET', rk, 'st', 'expired', 'sl', 0, 'ch', charged, 'cc', cost)
+    call('PEXPIRE', rk, waits)
   end)
   close(id, r, leases, holds)
   local usage = 'held'
@@ -1684,20 +1693,21 @@ local function learn(key, output, used, overrun, quantile, window, ttl)
   recompute(key, n, quantile, window)
 end
 
--- A batch of commits gathers its writes, and makes them at its end (made): the rest in order (see
--- later), then those to the keys its commits share, once each (every scope hash's fields, read
--- once, see scope_fields; the lease index's and the holds hash's removals; the settled bucket's
--- entries; the records dropped). What a commit reads of these it reads as the batch left them
--- (the scopes), or after made: a record the batch has dropped is loaded again only after (see
--- commit_many.lua). A batch that fails half way (a script error: Redis undoes nothing) has so
--- written nothing, and its commits can each be made again alone.
+-- A batch of commits gathers its writes, and makes them at its end (make_gathered): the rest in
+-- order (see at_batch_end), then those to the keys its commits share, once each (every scope
+-- hash's fields, read once, see scope_fields; the lease index's and the holds hash's removals;
+-- the settled bucket's entries; the records dropped). What a commit reads of these it reads as
+-- the batch left them (the scopes), or after make_gathered: a record the batch has dropped is
+-- loaded again only after (see commit_many.lua). So a script error before the batch's end (Redis
+-- undoes nothing) has written nothing of the commits gathered since the last make_gathered (the
+-- batch's start, unless a repeat inside it made them), and those can each be made again alone.
 local function gather()
   gathered = { scopes = {}, dirty = {}, kept = {}, closed = { ids = {}, fields = {} }, filed = {}, dropped = {},
     later = {} }
 end
 
 -- Makes the writes gathered since gather, and gathers no more.
-local function made()
+local function make_gathered()
   local g = gathered
   gathered = nil
   if not g then
@@ -1806,12 +1816,12 @@ local function commit_hold(rk, leases, holds, ledger, t, c, now)
     local entry = ledger_entry(id, r, state, usage, used, cost, ending)
     entry.prompt, entry.output = prompt, output
     entry.cache_read, entry.cache_write, entry.reasoning = read, written, reasoning
-    later(function()
+    at_batch_end(function()
       ledger_append(ledger, r.lg, entry, now)
     end)
   end
   if r.ok and r.ok ~= '' and t.window > 0 and not metered then
-    later(function()
+    at_batch_end(function()
       learn(r.ok, output, used, overrun, tonumber(r.oq), t.window, t.estimate_ttl)
     end)
   end

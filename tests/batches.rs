@@ -46,7 +46,7 @@ async fn holds<S: Store>(h: &Harness<S>, n: usize) -> Vec<String> {
 }
 
 async fn a_tenants_commits_in_one_window_go_in_one_call<S: Store + Clone>(h: Harness<S>) {
-    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Unreachable(0))).await;
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Passes)).await;
     let ids = holds(&batched, 5).await;
     for (i, id) in (0u64..).zip(&ids) {
         let counted = Counted::exact(100, 10 * i);
@@ -64,7 +64,7 @@ async fn a_tenants_commits_in_one_window_go_in_one_call<S: Store + Clone>(h: Har
 }
 
 async fn the_drain_commits_what_waits_at_once<S: Store + Clone>(h: Harness<S>) {
-    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Unreachable(0))).await;
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Passes)).await;
     let ids = holds(&batched, 3).await;
     for id in &ids[..2] {
         batched.admission.commit_from_response(id, Counted::exact(50, 5), Ending::Completed).await;
@@ -128,7 +128,7 @@ async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harnes
     let tollgate::reload::Reloaded::Refused(why) = reloaded else { panic!("reloaded: {reloaded:?}") };
     assert!(
         why.contains(
-            "store.commit_window_ms: 100 (in force until a restart) is more than a 10th of the shortest lease (500 ms)"
+            "store.commit_window_ms: 100 (in force until a restart) is more than a tenth of the shortest lease (500 ms)"
         ),
         "{why}"
     );

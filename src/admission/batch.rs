@@ -12,8 +12,9 @@
 //! taken. The window is at most a tenth of any lease (see the policy's validation; a reload is
 //! held to the window in force), so a hold's lease covers its commit's wait. A batch that could
 //! not reach the store goes, commit by commit, to the retry queue, as a single commit from a
-//! response would; one the store refused (a script error, which writes nothing of a batch) goes
-//! again commit by commit, so only the one at fault fails. Stopping flushes every window at once
+//! response would; one the store refused (a script error before its end, which writes nothing of
+//! the commits it gathered: see common.lua's `gather`) goes again commit by commit, so only the
+//! one at fault fails. Stopping flushes every window at once
 //! (see [`Admission::finish_tasks`]); once the drain has begun, a commit goes alone. What waits
 //! in a window when the process dies (not a drain) is lost, as a commit on its way would be: its
 //! hold expires by its lease, settled per `expired_usage`.
@@ -26,6 +27,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio_util::task::TaskTracker;
+use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use super::retry::Settlement;
 use super::settle::{Home, checked_commit};
@@ -52,14 +54,15 @@ struct Waiting {
     closed: bool,
 }
 
-/// Where a commit from a response went.
+/// Where a commit from a response went. A batch to send comes with a token of the batches'
+/// tracker, taken under the lock the drain closes them with, so the drain waits for it.
 enum Joined {
     /// Its tenant's batch, opening it (its window starts now).
-    Opened,
+    Opened(TaskTrackerToken),
     /// Its tenant's batch, already open.
     Waits,
     /// Its tenant's batch, which it filled: the batch goes now.
-    Filled(Vec<CommitCall>),
+    Filled(Vec<CommitCall>, TaskTrackerToken),
     /// None: the drain has begun.
     Closed,
 }
@@ -77,9 +80,9 @@ impl Batches {
         let batch = waiting.by_tenant.entry(tenant.to_string()).or_default();
         batch.push(call);
         if batch.len() >= MOST {
-            Joined::Filled(std::mem::take(batch))
+            Joined::Filled(std::mem::take(batch), self.tasks.token())
         } else if batch.len() == 1 {
-            Joined::Opened
+            Joined::Opened(self.tasks.token())
         } else {
             Joined::Waits
         }
@@ -120,19 +123,21 @@ impl<S: Store> Admission<S> {
                 self.committed_from_response(id, counted, ending, outcome.as_ref());
             }
             Some((_, Joined::Waits)) => {}
-            Some((tenant, Joined::Filled(batch))) => {
+            Some((tenant, Joined::Filled(batch, token))) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
+                drop(token);
             }
             // (A window whose batch filled early sends the next batch when it ends: every batch
             // has a timer running, some a shorter window.)
-            Some((tenant, Joined::Opened)) => {
+            Some((tenant, Joined::Opened(token))) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move {
                     tokio::time::sleep(window).await;
                     let batch = admission.batches.take(&tenant);
                     admission.commit_batch(&tenant, batch).await;
                 });
+                drop(token);
             }
         }
     }
@@ -167,8 +172,9 @@ impl<S: Store> Admission<S> {
                     self.committed_from_response(&c.id, c.counted, c.ending, Err(&e));
                 }
             }
-            // A batch the store refused (a script that failed half way writes nothing of a batch:
-            // see common.lua's gather): each commit alone, so that only the one at fault fails.
+            // A batch the store refused (a script error before its end has written nothing of the
+            // commits it gathered: see common.lua's gather): each commit alone, so that only the
+            // one at fault fails.
             Err(e) => {
                 tracing::warn!(error = %e, tenant, commits = batch.len(), "a batch of commits failed; committing each alone");
                 for c in &batch {
@@ -225,7 +231,7 @@ impl<S: Store> Admission<S> {
                 ending = ending.as_str(),
                 "committed from the response"
             ),
-            Err(AdmissionError::Store(e)) if e.is_transient() => {
+            Err(e) if is_transient(e) => {
                 tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
                 self.retry(Settlement::Commit { id: id.to_string(), measured: counted, ending });
             }

@@ -463,16 +463,20 @@ impl Policy {
     /// in force (a reload keeps the store's settings until a restart, so this policy's own window
     /// is not the one its holds will see).
     pub fn check_window_in_force(&self, file: &str, window: Duration) -> Result<(), ConfigError> {
-        let shortest = self
-            .tenants
+        validate::commit_window_fits(window, self.shortest_lease_ms(), " (in force until a restart)")
+            .map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
+    }
+
+    /// The shortest lease any hold of this policy is made with (its tenants', plans' and
+    /// `default_tenant`'s); `u64::MAX` when it has none of them.
+    pub fn shortest_lease_ms(&self) -> u64 {
+        self.tenants
             .values()
             .chain(self.default_tenant.iter())
             .chain(self.plans.values())
             .map(|t| t.lease_ttl_ms)
             .min()
-            .unwrap_or(u64::MAX);
-        validate::commit_window_fits(window, shortest, " (in force until a restart)")
-            .map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
+            .unwrap_or(u64::MAX)
     }
 
     /// The settings a running tollgate cannot change (its ports, TLS, store, leasing) that differ

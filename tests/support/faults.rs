@@ -40,6 +40,8 @@ pub enum Fault {
     Unreachable(u32),
     /// Every call is refused by the store (a script error): the caller sees it at once.
     Refused,
+    /// Every call goes through: [`Faulty`] only counts them.
+    Passes,
 }
 
 /// Applies a [`Fault`] to every call of one script, and passes every other call through.
@@ -89,6 +91,7 @@ impl<S: Store> Store for Faulty<S> {
             Fault::Unreachable(n) if call < n => Err(timeout()),
             Fault::Unreachable(_) => self.inner.eval(script, keys, args).await,
             Fault::Refused => Err(StoreError::Script { script: script.name, message: "injected: refused".into() }),
+            Fault::Passes => self.inner.eval(script, keys, args).await,
         }
     }
 }
@@ -165,6 +168,7 @@ impl<S: Store> Store for Queued<S> {
             Some(Fault::Refused) => {
                 Err(StoreError::Script { script: script.name, message: "injected: refused".into() })
             }
+            Some(Fault::Passes) => self.inner.eval(script, keys, args).await,
         }
     }
 }

@@ -30,9 +30,9 @@ const MAX_LEASE_MS: u64 = 86_400_000;
 const DAY_MS: u64 = 86_400_000;
 /// The embedded store's memory cap unless `store.max_memory_mb` says otherwise.
 const DEFAULT_MAX_MEMORY_MB: u64 = 128;
-/// The longest a commit from a response waits for its batch (`store.commit_window_ms`); and it
-/// waits at most this fraction of any hold's lease, so a batched commit lands well inside it.
+/// The longest a commit from a response waits for its batch (`store.commit_window_ms`).
 const MAX_COMMIT_WINDOW_MS: u64 = 100;
+/// Windows a lease is at least as long as, so a batched commit lands well inside its hold's lease.
 const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
@@ -55,8 +55,8 @@ pub(super) fn commit_window_fits(window: Duration, shortest_lease_ms: u64, said:
         return Err(problem(
             "store.commit_window_ms",
             format!(
-                "{window}{said} is more than a {COMMIT_WINDOWS_IN_A_LEASE}th of the shortest lease \
-                 ({shortest_lease_ms} ms): a batched commit must land well inside its hold's lease"
+                "{window}{said} is more than a tenth of the shortest lease ({shortest_lease_ms} ms): \
+                 a batched commit must land well inside its hold's lease"
             ),
         ));
     }
@@ -360,15 +360,6 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .map(|t| t.lease_ttl_ms)
         .max()
         .unwrap_or(lease_ttl_ms);
-    let shortest_lease = tenants
-        .values()
-        .chain(default_tenant.iter())
-        .chain(plans.values())
-        .map(|t| t.lease_ttl_ms)
-        .min()
-        .unwrap_or(lease_ttl_ms)
-        .min(lease_ttl_ms);
-    commit_window_fits(store.commit_window, shortest_lease, "")?;
     let pools = pools
         .into_iter()
         .map(|(name, mut p)| {
@@ -378,7 +369,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .collect();
 
     let ledger = raw.ledger.map(|l| ledger(l, &store.choice)).transpose()?;
-    Ok(Policy {
+    let policy = Policy {
         version: String::new(),
         server,
         store,
@@ -396,7 +387,9 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         ledger,
         leasing: raw.leasing.map(leasing).transpose()?,
         metrics: metrics(raw.metrics)?,
-    })
+    };
+    commit_window_fits(policy.store.commit_window, policy.shortest_lease_ms(), "")?;
+    Ok(policy)
 }
 
 /// What a tenant inherits from `defaults`.
