@@ -1176,6 +1176,25 @@ mod scenarios {
         assert_eq!(admitted(&h.reserve(0, 1000).await).reserved_tokens, 1000, "the ceiling is still held");
     }
 
+    /// A batch teaches the output estimate as its commits would one by one: each exact count
+    /// once, a metered one not at all.
+    pub async fn a_batch_teaches_the_estimate_as_single_commits_would<S: Store>(h: Harness<S>) {
+        let mut calls = Vec::new();
+        for i in 0..10u64 {
+            let id = admitted(&h.reserve(0, 1000).await).reservation_id.clone();
+            let counted = if i == 9 { Counted::Metered { output: 999 } } else { Counted::exact(0, 100 + i) };
+            calls.push(CommitCall { id, counted, ending: Ending::of(counted) });
+        }
+        let outcomes = h.admission.commit_together(&h.tenant, &calls).await.unwrap();
+        assert!(outcomes.iter().all(|o| o.state() == "committed"), "{outcomes:?}");
+        let e = h.admission.output_estimate(&h.tenant, "m").await.unwrap();
+        assert_eq!(
+            (e.samples, e.used_tokens),
+            (9, (100..109).sum::<u64>()),
+            "the nine exact counts, not the metered one: {e:?}"
+        );
+    }
+
     /// Renew keeps every scope hash the hold counts in alive, not just its record: four long
     /// streams of one user keep the user's four slots taken for as long as they run.
     pub async fn renewed_holds_keep_their_scopes_alive<S: Store>(h: Harness<S>) {
@@ -2014,6 +2033,10 @@ macro_rules! conformance {
                 &pool_policy("limits: {}\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
             );
             scenario!(metered_commits_charge_the_held_prompt_and_say_so, BUCKET);
+            scenario!(
+                a_batch_teaches_the_estimate_as_single_commits_would,
+                "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
+            );
             scenario!(
                 a_metered_commit_teaches_no_estimate,
                 "adaptive_output: { quantile: 0.9, min_samples: 10 }\nlimits: { tokens_per_minute: 600000 }\n"
