@@ -91,10 +91,12 @@ async fn a_stream_with_a_usage_chunk_is_committed_exactly() {
 }
 
 /// With commits from responses batched by tenant (`store.commit_window_ms`), each lands within
-/// its window all the same, charged the response's own usage, JSON and streams alike.
+/// its window all the same, charged the response's own usage, JSON and streams alike; the
+/// batches' sizes are in the metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_commits_from_responses_land_with_each_its_own_usage() {
-    let policy = format!("store:\n  commit_window_ms: 50\n{POLICY}");
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let policy = format!("server:\n  admin_listen: {admin}\nstore:\n  commit_window_ms: 50\n{POLICY}");
     let stack = Stack::sim(&policy, 10_000.0, Text::Tok, |c| c).await;
     let sends = (0..6).map(|i| post(stack.envoy.port, CHAT, &[TENANT], chat(i % 2 == 1, true)));
     for r in futures_util::future::join_all(sends).await {
@@ -109,6 +111,13 @@ async fn batched_commits_from_responses_land_with_each_its_own_usage() {
         let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
         assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (prompt + output, false, "completed"), "{c:?}");
     }
+    let (_, metrics) = support::procs::http_get(admin, "/metrics");
+    let sample = |name: &str| {
+        metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let (batches, commits) = (sample("tollgate_commit_batch_count"), sample("tollgate_commit_batch_sum"));
+    assert_eq!(commits, 6.0, "every commit in a batch:\n{metrics}");
+    assert!((1.0..=6.0).contains(&batches), "{batches} batches");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -159,6 +159,7 @@ impl<S: Store> Admission<S> {
         if batch.is_empty() {
             return;
         }
+        self.metrics.commit_batch(batch.len());
         match self.commit_together(tenant, &batch).await {
             Ok(outcomes) => {
                 for (c, outcome) in batch.iter().zip(&outcomes) {

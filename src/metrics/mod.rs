@@ -29,6 +29,8 @@ const LATENCY_BUCKETS: [f64; 14] =
 
 /// Waits for a pool's slot, in seconds: a slot comes in milliseconds to seconds, and Envoy's
 /// ext_authz timeout (5 s as shipped) bounds the wait.
+/// Commits a batch carries: at most `admission::batch::MOST` (64).
+const BATCH_BUCKETS: [f64; 7] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
 const WAIT_BUCKETS: [f64; 11] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 /// The GenAI semantic conventions' advice for `gen_ai.client.token.usage`.
@@ -122,6 +124,7 @@ pub struct Metrics {
     token_usage: Histogram<u64>,
     pub(crate) store_duration: Histogram<f64>,
     pub(crate) store_errors: Counter<u64>,
+    commit_batch: Histogram<u64>,
     reloads: Counter<u64>,
     /// Which tenants have series of their own, and the policy's version: both follow reloads.
     labels: Arc<RwLock<TenantLabels>>,
@@ -337,6 +340,12 @@ impl Metrics {
                 .with_description("Store calls that failed, by script and error (unavailable: unreachable, timed out or circuit open)")
                 .with_unit("{error}")
                 .build(),
+            commit_batch: meter
+                .u64_histogram("tollgate.commit.batch")
+                .with_description("Commits from responses each batch carried to the store (store.commit_window_ms)")
+                .with_unit("{commit}")
+                .with_boundaries(BATCH_BUCKETS.to_vec())
+                .build(),
             reloads: meter
                 .u64_counter("tollgate.policy.reloads")
                 .with_description("Policy reloads, by result: ok, or error (the policy in force was kept)")
@@ -418,6 +427,13 @@ impl Metrics {
         let kept: std::collections::HashSet<&str> = tenants.iter().map(String::as_str).collect();
         let mut seen = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
         seen.retain(|tenant, _| kept.contains(tenant.as_str()));
+    }
+
+    /// A batch of `commits` commits from responses went to the store.
+    pub fn commit_batch(&self, commits: usize) {
+        if self.enabled {
+            self.commit_batch.record(u64::try_from(commits).unwrap_or(u64::MAX), &[]);
+        }
     }
 
     /// A reload was tried: `ok`, or `error` when the new file was refused.
