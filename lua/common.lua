@@ -416,13 +416,9 @@ local function scope_fields(key)
   return f
 end
 
--- Writes the first `nw` places of `w` (field, value, ...) to scope hash `key`: at once, or in a
--- batch into its fields (see scope_fields), all written once at the batch's end.
-local function write_scope(key, w, nw)
-  if not gathered then
-    call('HSET', key, unpack(w, 1, nw))
-    return
-  end
+-- In a batch, gathers the first `nw` places of `w` (field, value, ...) for scope hash `key`: into
+-- its fields (see scope_fields), all written once at the batch's end.
+local function gather_scope_writes(key, w, nw)
   local f, dirty = scope_fields(key), gathered.dirty[key]
   if not dirty then
     dirty = {}
@@ -938,20 +934,13 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
       w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
     end
     -- (Only `nw` places: a period's writes that move_period took back may lie past them.)
-    -- (Outside a batch, at once: no call between.)
-    if nw > 0 then
-      if gathered then
-        write_scope(k, w, nw)
-      else
-        call('HSET', k, unpack(w, 1, nw))
-      end
+    if nw > 0 and gathered then
+      gather_scope_writes(k, w, nw)
+    elseif nw > 0 then
+      call('HSET', k, unpack(w, 1, nw))
     end
     if until_ms then
-      if gathered then
-        keep_scope(k, until_ms - now)
-      else
-        keep_for(k, until_ms - now)
-      end
+      keep_scope(k, until_ms - now)
     end
   end
 end

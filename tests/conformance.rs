@@ -12,7 +12,7 @@ use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{CommitCall, CommitTerms, Store, keys};
+use tollgate::store::{CommitCall, CommitTerms, Store, StoreError, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
@@ -164,13 +164,8 @@ mod scenarios {
         calls.push(CommitCall { id: batched[0].clone(), counted: Counted::exact(1, 1), ending: Ending::Completed });
         calls.push(CommitCall { id: released.clone(), counted: Counted::exact(1, 1), ending: Ending::Completed });
         calls.push(CommitCall { id: unknown, counted: Counted::exact(1, 1), ending: Ending::Completed });
-        let terms = CommitTerms {
-            learning: None,
-            retention_ms: h.admission.policy().record_retention_ms,
-            zone_offset_min: Some(0),
-        };
         let (day, tokens) = (h.day_usage().await, h.tenant_scope().await.num("t"));
-        let in_one = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await.unwrap();
+        let in_one = commit_many(&h, &calls).await.unwrap();
         let (day_batched, tokens_batched) = (h.day_usage().await - day, h.tenant_scope().await.num("t") - tokens);
 
         assert_eq!(in_one.len(), calls.len(), "one outcome a commit: {in_one:?}");
@@ -191,26 +186,37 @@ mod scenarios {
         assert_eq!(h.in_flight().await, 0.0, "every slot freed");
     }
 
+    /// `commit_many.lua` called as the gateway calls it for a tenant in UTC that does not learn.
+    async fn commit_many<S: Store>(h: &Harness<S>, calls: &[CommitCall]) -> Result<Vec<CommitOutcome>, StoreError> {
+        let retention_ms = h.admission.policy().record_retention_ms;
+        let terms = CommitTerms { learning: None, retention_ms, zone_offset_min: Some(0) };
+        h.admission.protocol().commit_many(&h.tenant, calls, terms).await
+    }
+
+    /// Three small holds (10 tokens of prompt, 10 of output), and a commit of each at 5 and 5.
+    async fn small_holds<S: Store>(h: &Harness<S>) -> (Vec<String>, Vec<CommitCall>) {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(admitted(&h.reserve(10, 10).await).reservation_id.clone());
+        }
+        let calls = ids
+            .iter()
+            .map(|id| CommitCall { id: id.clone(), counted: Counted::exact(5, 5), ending: Ending::Completed })
+            .collect();
+        (ids, calls)
+    }
+
     /// A batch's writes, made once at its end (common.lua's gather), leave its keys as single
     /// commits would: the first filing of a period's settled bucket gives it its TTL, the scope
     /// keeps its TTL, the records are gone, and so are the lease index and the holds hash once
     /// the batch settled every live hold.
     pub async fn a_batch_leaves_its_keys_as_single_commits_would<S: Store>(h: Harness<S>) {
-        let mut ids = Vec::new();
-        for _ in 0..3 {
-            ids.push(admitted(&h.reserve(10, 10).await).reservation_id.clone());
-        }
-        let calls: Vec<CommitCall> = ids
-            .iter()
-            .map(|id| CommitCall { id: id.clone(), counted: Counted::exact(5, 5), ending: Ending::Completed })
-            .collect();
-        let retention = h.admission.policy().record_retention_ms;
-        let terms = CommitTerms { learning: None, retention_ms: retention, zone_offset_min: Some(0) };
-        let outcomes = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await.unwrap();
+        let (ids, calls) = small_holds(&h).await;
+        let outcomes = commit_many(&h, &calls).await.unwrap();
         assert!(outcomes.iter().all(|o| o.state() == "committed"), "{outcomes:?}");
         let settled = h.settled().await;
         assert_eq!(settled.len(), 3, "{settled:?}");
-        let retention = i64::try_from(retention).unwrap();
+        let retention = i64::try_from(h.admission.policy().record_retention_ms).unwrap();
         for (field, (_, pttl)) in settled {
             assert!(pttl > 0 && pttl <= 2 * retention, "{field}'s settled bucket expires in {pttl} ms");
         }
@@ -228,10 +234,7 @@ mod scenarios {
     /// nothing, not even for the commits before the one at fault: each can be made again alone,
     /// as if the batch had never run.
     pub async fn a_batch_that_fails_half_way_writes_nothing<S: Store>(h: Harness<S>) {
-        let mut ids = Vec::new();
-        for _ in 0..3 {
-            ids.push(admitted(&h.reserve(10, 10).await).reservation_id.clone());
-        }
+        let (ids, calls) = small_holds(&h).await;
         // The second hold's record made into something no script reads as a record.
         let broken = tollgate::store::Script::new(
             "broken",
@@ -240,13 +243,7 @@ mod scenarios {
         let store = h.admission.protocol().store();
         store.eval(&broken, vec![keys::record(&h.tenant, &ids[1])], vec![]).await.expect("a broken record");
         let before = h.snapshot(&[&ids[0], &ids[2]]).await;
-        let calls: Vec<CommitCall> = ids
-            .iter()
-            .map(|id| CommitCall { id: id.clone(), counted: Counted::exact(5, 5), ending: Ending::Completed })
-            .collect();
-        let retention = h.admission.policy().record_retention_ms;
-        let terms = CommitTerms { learning: None, retention_ms: retention, zone_offset_min: Some(0) };
-        let failed = h.admission.protocol().commit_many(&h.tenant, &calls, terms).await;
+        let failed = commit_many(&h, &calls).await;
         assert!(failed.is_err(), "{failed:?}");
         assert_eq!(h.snapshot(&[&ids[0], &ids[2]]).await, before, "the batch wrote nothing");
         for id in [&ids[0], &ids[2]] {

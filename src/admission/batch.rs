@@ -108,15 +108,16 @@ impl<S: Store> Admission<S> {
     /// is retried ([`Admission::retry`]), and what happened is logged.
     pub async fn commit_from_response(self: &Arc<Self>, id: &str, counted: Counted, ending: Ending) {
         let window = self.policy().store.commit_window;
-        let in_store = checked_commit(id, counted).ok().filter(|r| matches!(self.home(r), Home::Store));
-        let joined = match in_store {
-            Some(r) if !window.is_zero() => {
-                let tenant = r.tenant.to_string();
-                let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
-                Some((tenant, joined))
-            }
-            _ => None,
-        };
+        // (No window, the default: nothing read here that commit_ended reads again.)
+        let in_store = (!window.is_zero())
+            .then(|| checked_commit(id, counted).ok())
+            .flatten()
+            .filter(|r| matches!(self.home(r), Home::Store));
+        let joined = in_store.map(|r| {
+            let tenant = r.tenant.to_string();
+            let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
+            (tenant, joined)
+        });
         match joined {
             None | Some((_, Joined::Closed)) => {
                 let outcome = self.commit_ended(id, counted, ending).await;
@@ -168,7 +169,7 @@ impl<S: Store> Admission<S> {
             }
             // (None of the batch is known to have run: each is retried, and a commit that did run
             // answers its retry as a repeat, charging nothing more.)
-            Err(e) if is_transient(&e) => {
+            Err(e) if e.is_transient() => {
                 for c in &batch {
                     self.committed_from_response(&c.id, c.counted, c.ending, Err(&e));
                 }
@@ -232,16 +233,11 @@ impl<S: Store> Admission<S> {
                 ending = ending.as_str(),
                 "committed from the response"
             ),
-            Err(e) if is_transient(e) => {
+            Err(e) if e.is_transient() => {
                 tracing::warn!(error = %e, reservation = id, "commit from the response could not reach the store; retrying");
                 self.retry(Settlement::Commit { id: id.to_string(), measured: counted, ending });
             }
             Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
         }
     }
-}
-
-/// A store that could not be reached, or did not answer in time: the same call may land later.
-fn is_transient(e: &AdmissionError) -> bool {
-    matches!(e, AdmissionError::Store(e) if e.is_transient())
 }

@@ -118,6 +118,13 @@ pub enum AdmissionError {
     Store(#[from] StoreError),
 }
 
+impl AdmissionError {
+    /// The store could not be reached, or did not answer in time: the same call may land later.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, AdmissionError::Store(e) if e.is_transient())
+    }
+}
+
 /// The admission service over a store. Shared (`Arc`) by the gRPC services, because a reserve
 /// runs its legs on a task of its own.
 #[derive(Debug)]

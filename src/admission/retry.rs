@@ -200,7 +200,7 @@ async fn drain<S: Store>(admission: &Admission<S>, pending: &mut VecDeque<Settle
     while let Some(s) = pending.front() {
         match s.settle(admission).await {
             Ok(()) => tracing::info!(reservation = s.id(), "settled on retry"),
-            Err(AdmissionError::Store(e)) if e.is_transient() => return Drained::StoreDown,
+            Err(e) if e.is_transient() => return Drained::StoreDown,
             Err(e) => tracing::warn!(error = %e, reservation = s.id(), "a retried settlement was refused; dropped"),
         }
         pending.pop_front();

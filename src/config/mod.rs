@@ -124,8 +124,7 @@ pub struct StoreSettings {
     /// `maxmemory`.)
     pub max_memory_bytes: usize,
     /// How long a commit from a response waits for more of its tenant's to go in one store call
-    /// (`store.commit_window_ms`; zero, the default: each goes at once, and the response's end
-    /// waits for it). See `admission::batch`.
+    /// (`store.commit_window_ms`; zero, the default: each goes at once). See `admission::batch`.
     pub commit_window: Duration,
 }
 

@@ -478,7 +478,7 @@ async fn release<S: Store>(admission: &Admission<S>, id: &str, ending: Ending) {
             ending = ending.as_str(),
             "released: the response generated nothing"
         ),
-        Err(AdmissionError::Store(e)) if e.is_transient() => {
+        Err(e) if e.is_transient() => {
             tracing::warn!(error = %e, reservation = id, "release from the response could not reach the store; retrying");
             admission.retry(Settlement::Release { id: id.to_string(), ending });
         }

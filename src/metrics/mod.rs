@@ -27,10 +27,11 @@ pub const OTHER_TENANT: &str = "other";
 const LATENCY_BUCKETS: [f64; 14] =
     [0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 
-/// Waits for a pool's slot, in seconds: a slot comes in milliseconds to seconds, and Envoy's
-/// ext_authz timeout (5 s as shipped) bounds the wait.
 /// Commits a batch carries: at most `admission::batch::MOST` (64).
 const BATCH_BUCKETS: [f64; 7] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0];
+
+/// Waits for a pool's slot, in seconds: a slot comes in milliseconds to seconds, and Envoy's
+/// ext_authz timeout (5 s as shipped) bounds the wait.
 const WAIT_BUCKETS: [f64; 11] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 /// The GenAI semantic conventions' advice for `gen_ai.client.token.usage`.

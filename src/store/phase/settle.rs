@@ -2,7 +2,7 @@
 
 use super::{Argv, Fields};
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
-use crate::store::{Protocol, Store, StoreError, keys};
+use crate::store::{Protocol, Reply, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
 pub(crate) const COMMIT_ARGV: [&str; 13] = [
@@ -89,8 +89,9 @@ fn counts(counted: Counted) -> (String, String, &'static str, Detail) {
     }
 }
 
-/// A count the response may not have said: '' when it did not.
-fn said(n: Option<u64>) -> String {
+/// What may be unsaid (a count the response did not give, the zone of a tenant the policy no
+/// longer has), as a script takes it: '' when unsaid.
+fn said<T: ToString>(n: Option<T>) -> String {
     n.map_or_else(String::new, |n| n.to_string())
 }
 
@@ -143,7 +144,7 @@ impl<S: Store> Protocol<S> {
         a.push("cache writes", said(detail.cache_write));
         a.push("reasoning tokens", said(detail.reasoning));
         a.push("how the request ended", ending.as_str().to_string());
-        a.push("the tenant's time zone", said_zone(zone_offset_min));
+        a.push("the tenant's time zone", said(zone_offset_min));
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         commit_outcome(&Fields::of(script, &reply)?)
     }
@@ -163,7 +164,7 @@ impl<S: Store> Protocol<S> {
         a.push("TTL of the output estimate", learning.map_or(0, |l| l.ttl_ms).to_string());
         a.push("samples the estimate keeps", learning.map_or(0, |l| l.window).to_string());
         push_settled(&mut a, tenant, retention_ms);
-        a.push("the tenant's time zone", said_zone(zone_offset_min));
+        a.push("the tenant's time zone", said(zone_offset_min));
         let mut keys = Vec::with_capacity(commits.len().saturating_add(3));
         keys.extend([keys::leases(tenant), keys::holds(tenant), keys::ledger(tenant)]);
         for c in commits {
@@ -179,11 +180,12 @@ impl<S: Store> Protocol<S> {
             keys.push(keys::record(tenant, &c.id));
         }
         let reply = self.store.eval(script, keys, a.finish()).await?;
-        let all = Fields::of(script, &reply)?;
-        if all.len() != commits.len() {
-            return Err(all.bad());
+        match &reply {
+            Reply::Array(each) if each.len() == commits.len() => {
+                each.iter().map(|one| commit_outcome(&Fields::of(script, one)?)).collect()
+            }
+            _ => Err(StoreError::BadReply { script: script.name, reply: reply.clone() }),
         }
-        (0..all.len()).map(|i| commit_outcome(&Fields::of(script, all.get(i).ok_or_else(|| all.bad())?)?)).collect()
     }
 
     /// Extends a live hold's lease to `lease_ms` from now.
@@ -232,11 +234,6 @@ impl<S: Store> Protocol<S> {
             other => ReleaseOutcome::Settled(r.settled(other)?),
         })
     }
-}
-
-/// The tenant's zone offset as a commit takes it: '' when the policy no longer has the tenant.
-fn said_zone(offset_min: Option<i32>) -> String {
-    offset_min.map_or_else(String::new, |m| m.to_string())
 }
 
 /// KEYS of commit, renew and release: the record, the lease index, the holds hash, the ledger.
