@@ -33,6 +33,11 @@
 -- Once committed or released the record is gone: what a repeat is answered with moves to its
 -- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)
 -- passes: a late commit reconciles against it.
+-- A hold given back because nobody received its reserve's answer (see release.lua) leaves a note
+-- at its record key, the one field `st` = `settled` for as long as its bucket entry lives: a
+-- re-send of that reserve, which may still arrive, looks in the settled buckets only then (see
+-- reserve.lua). Every other settlement follows an answer its reserve gave, so no re-send of that
+-- reserve can come after it. A note reads as no record (load).
 --
 -- Settled buckets (a hash per tenant and period of the settled-record retention R, at
 -- `<settled prefix><period number>`, kept until the end of the next period): for every hold
@@ -172,15 +177,19 @@ local function split(s)
   return out
 end
 
--- Reads a record into a table; returns nil when it does not exist. (One HGETALL: a record has
--- only the fields its hold uses, and naming every field it might have costs Redis more.)
+-- A record's state when its key holds only the note a give-back leaves (see above).
+local SETTLED_NOTE = 'settled'
+
+-- Reads a record into a table; returns nil when it does not exist (or is a give-back's note).
+-- (One HGETALL: a record has only the fields its hold uses, and naming every field it might have
+-- costs Redis more.)
 local function load(rk)
   local v = call('HGETALL', rk)
   local r = {}
   for i = 1, #v, 2 do
     r[v[i]] = v[i + 1]
   end
-  if not r.st then
+  if not r.st or r.st == SETTLED_NOTE then
     return nil
   end
   r.h = tonumber(r.h)
@@ -1145,6 +1154,17 @@ local function load_settled(id, settled, now)
 end
 
 -- A hold's record, or what its settled bucket kept once it settled, or nil.
+-- Leaves at a record key the note of a hold given back because nobody received its reserve's
+-- answer (see the record, above), for as long as a bucket filed now keeps its entry; only where
+-- the record is gone (an expired record, kept for a late commit, answers a re-send itself).
+local function leave_settled_note(rk, settled, now)
+  if call('HGET', rk, 'st') then
+    return
+  end
+  call('HSET', rk, 'st', SETTLED_NOTE)
+  call('PEXPIRE', rk, (floor(now / settled.retention) + 2) * settled.retention - now)
+end
+
 local function load_hold(rk, id, settled, now)
   return load(rk) or load_settled(id, settled, now)
 end

@@ -112,12 +112,15 @@ local at = periods_at(now, offset)
 
 -- 0. A re-sent call (its first run made this hold, or was answered with its key's hold) changes
 -- nothing, not even the sweep: it answers as the first run did, below, even when the hold has
--- settled since. (A new id has no record: one field tells, before the whole record is read.)
+-- been given back since (only a give-back can settle a hold before its reserve is answered: its
+-- note sends the re-send to the settled buckets). (A new id has no record: one field tells,
+-- before the whole record is read.)
 local mine = nil
-if call('HGET', KEYS[2], 'st') then
-  mine = load(KEYS[2])
-else
+local state = call('HGET', KEYS[2], 'st')
+if state == SETTLED_NOTE then
   mine = load_settled(id, settled, now)
+elseif state then
+  mine = load(KEYS[2])
 end
 local resent = mine ~= nil or (key_use ~= '' and call('HGET', KEYS[3], 'lc') == id)
 

@@ -1102,6 +1102,26 @@ mod scenarios {
         assert!(t >= 999.0, "the undelivered hold was given back: {t}");
     }
 
+    /// A reserve whose reply was lost is given back; the client's re-send of that very call,
+    /// arriving after the give-back, answers as its first run did and holds nothing: no slot, no
+    /// token, no second entry in the books.
+    pub async fn a_reserve_re_sent_after_its_give_back_holds_nothing<S: Store + Clone>(h: Harness<S>) {
+        let lossy = h.wrapped(|s| Faulty::new(s, "reserve", Fault::LostReply)).await;
+        let d = lossy.admission.reserve(&lossy.attributes(100, 100)).await;
+        assert_eq!(denied(&d).reason, Reason::StoreUnavailable);
+        let given_back = h.eventually(Duration::from_secs(3), || async { h.in_flight().await == 0.0 }).await;
+        assert!(given_back, "the hold nobody received was given back: {} in flight", h.in_flight().await);
+        let before = h.tenant_scope().await.num("t");
+        assert!(before >= 999.0, "every token came back: {before}");
+        lossy.admission.protocol().store().send_lost_again().await.expect("the re-send is answered");
+        assert_eq!(h.in_flight().await, 0.0, "the re-send took no slot");
+        let after = h.tenant_scope().await.num("t");
+        assert!(after >= before, "the re-send took no token: {before} -> {after}");
+        let ledger = h.ledger().await;
+        assert_eq!(ledger.len(), 1, "one hold, entered once: {ledger:?}");
+        assert_eq!(ledger[0]["outcome"], "released");
+    }
+
     /// A pool leg whose reply was lost may have run: it is released all the same.
     pub async fn a_pool_leg_that_failed_is_released<S: Store + Clone>(h: Harness<S>) {
         let lossy = h.wrapped(|s| Faulty::new(s, "pool_reserve", Fault::LostReply)).await;
@@ -2020,6 +2040,10 @@ macro_rules! conformance {
             scenario!(
                 a_reserve_nobody_waits_for_leaves_nothing_held,
                 &pool_policy("limits: { tokens_per_minute: 60, burst_tokens: 1000 }\n", "max_sequences: 4\nmax_queue_delay_ms: 60000\n")
+            );
+            scenario!(
+                a_reserve_re_sent_after_its_give_back_holds_nothing,
+                "ledger:\n  max_len: 1000\n---top---\non_store_error: fail_closed\nlimits: { tokens_per_minute: 60, burst_tokens: 1000, max_concurrency: 4 }\n"
             );
             scenario!(
                 a_pool_leg_that_failed_is_released,

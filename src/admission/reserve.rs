@@ -247,13 +247,15 @@ impl<S: Store> Admission<S> {
         if tenant_leg {
             let policy = self.policy();
             let retention_ms = policy.record_retention_ms;
-            let released = self.protocol.release(r.tenant, id, Ending::Released, retention_ms).await?;
+            let released = self.protocol.release_unanswered(r.tenant, id, retention_ms).await?;
             // Its lease ran out first (the store was out of reach that long) and charged it as
             // held: nothing used it, so it is reconciled to nothing, as a late commit would be.
             if released == ReleaseOutcome::Settled(Settled::Expired) {
                 // (Nothing ran: nothing to teach the estimate.)
                 let terms = CommitTerms { learning: None, ..self.commit_terms(&policy, r.tenant) };
                 self.protocol.commit(r.tenant, id, Counted::exact(0, 0), Ending::Released, terms).await?;
+                // (The commit took its record away: the note a re-send of its reserve looks for.)
+                self.protocol.release_unanswered(r.tenant, id, retention_ms).await?;
             }
         }
         if let (Some(end), Some(pool)) = (pool_leg, r.pool) {

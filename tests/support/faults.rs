@@ -29,12 +29,16 @@ impl<S: Store> Store for Resend<S> {
     }
 }
 
+/// A script call: the script, its keys, its arguments.
+type Call = (Script, Vec<String>, Vec<String>);
+
 /// What goes wrong with a call of the faulty script.
 #[derive(Clone, Copy, Debug)]
 pub enum Fault {
     /// It runs, then its reply takes this long to arrive.
     SlowReply(Duration),
-    /// It runs, then its reply is lost: the caller sees a timeout.
+    /// It runs, then its reply is lost: the caller sees a timeout. (The call is kept for
+    /// [`Faulty::send_lost_again`].)
     LostReply,
     /// The first N calls never reach the store: the caller sees a timeout.
     Unreachable(u32),
@@ -51,16 +55,28 @@ pub struct Faulty<S> {
     pub script: &'static str,
     pub fault: Fault,
     calls: Arc<AtomicU32>,
+    /// The last call whose reply was lost.
+    lost: Arc<std::sync::Mutex<Option<Call>>>,
 }
 
 impl<S> Faulty<S> {
     pub fn new(inner: S, script: &'static str, fault: Fault) -> Self {
-        Faulty { inner, script, fault, calls: Arc::new(AtomicU32::new(0)) }
+        Faulty { inner, script, fault, calls: Arc::new(AtomicU32::new(0)), lost: Arc::default() }
     }
 
     /// Calls of the faulty script made so far (each counted as it is sent).
     pub fn calls(&self) -> u32 {
         self.calls.load(Ordering::SeqCst)
+    }
+}
+
+impl<S: Store> Faulty<S> {
+    /// Sends the last call whose reply was lost again, as the client re-sending it on a new
+    /// connection, late: after its caller gave up on it.
+    pub async fn send_lost_again(&self) -> Result<Reply, StoreError> {
+        let lost = self.lost.lock().unwrap().clone();
+        let (script, keys, args) = lost.expect("a call whose reply was lost");
+        self.inner.eval(&script, keys, args).await
     }
 }
 
@@ -85,6 +101,7 @@ impl<S: Store> Store for Faulty<S> {
                 reply
             }
             Fault::LostReply => {
+                *self.lost.lock().unwrap() = Some((script.clone(), keys.clone(), args.clone()));
                 self.inner.eval(script, keys, args).await?;
                 Err(timeout())
             }

@@ -47,8 +47,13 @@ pub(crate) const RENEW_ARGV: [&str; 5] =
     ["reservation id", "new lease", "idle TTL", "the tenant's settled-bucket prefix", "retention of settled records"];
 
 /// `release.lua`'s `ARGV`.
-pub(crate) const RELEASE_ARGV: [&str; 4] =
-    ["reservation id", "the tenant's settled-bucket prefix", "retention of settled records", "how the request ended"];
+pub(crate) const RELEASE_ARGV: [&str; 5] = [
+    "reservation id",
+    "the tenant's settled-bucket prefix",
+    "retention of settled records",
+    "how the request ended",
+    "whether the reserve went unanswered",
+];
 
 /// What a commit teaches the output estimate of a hold that learns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,11 +226,35 @@ impl<S: Store> Protocol<S> {
         ending: Ending,
         retention_ms: u64,
     ) -> Result<ReleaseOutcome, StoreError> {
+        self.release_call(tenant, id, ending, retention_ms, false).await
+    }
+
+    /// Gives back a hold whose reserve nobody received the answer of, as `release` does, and
+    /// leaves a note at its record for a re-send of that reserve, which may still arrive: it then
+    /// answers as its first run did and holds nothing (see `release.lua`).
+    pub async fn release_unanswered(
+        &self,
+        tenant: &str,
+        id: &str,
+        retention_ms: u64,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.release_call(tenant, id, Ending::Released, retention_ms, true).await
+    }
+
+    async fn release_call(
+        &self,
+        tenant: &str,
+        id: &str,
+        ending: Ending,
+        retention_ms: u64,
+        unanswered: bool,
+    ) -> Result<ReleaseOutcome, StoreError> {
         let script = &self.scripts.release;
         let mut a = Argv::new("release", &RELEASE_ARGV, 0);
         a.push("reservation id", id.to_string());
         push_settled(&mut a, tenant, retention_ms);
         a.push("how the request ended", ending.as_str().to_string());
+        a.push("whether the reserve went unanswered", if unanswered { "1" } else { "" }.to_string());
         let reply = self.store.eval(script, hold_keys(tenant, id), a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         Ok(match r.text(0)? {
