@@ -78,6 +78,9 @@
 --               nanos), p (prompt tokens), g (output tokens); e.g. du, mc, wg (see PERIODS);
 --               written only with its period's marker, never without it (read_scope looks for
 --               counters only in the periods that have one)
+--   kx          a time before which the hash cannot expire (see lasting)
+--   lk          in a tenant's scope: a time before which neither its lease index nor its holds
+--               hash can expire (see reserve.lua); absent after a lease call made the index anew
 --
 -- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
 -- appended by the very script that settles it, so what billing reads and what the counters
@@ -727,11 +730,14 @@ end
 -- count (always there once a scope has taken): a counter that counts more, every counter of a
 -- period that starts now (with its marker: one left unwritten would count on from the period
 -- before), its buckets refilled to now and taken from, and a bucket's terms when a reload changed
--- them.
-local function take(s, n, requests, slots, at, now, idle)
+-- them; and `lk`, when given (reserve.lua), in the same write.
+local function take(s, n, requests, slots, at, now, idle, lk)
   local f, k = {}, 0
+  if lk then
+    f[1], f[2], k = 'lk', lk, 2
+  end
   if slots ~= 0 or not s.f.c then
-    f[1], f[2], k = 'c', s.c + slots, 2
+    f[k + 1], f[k + 2], k = 'c', s.c + slots, k + 2
   end
   local starts = nil
   for c, used in pairs(s.used) do

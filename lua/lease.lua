@@ -253,7 +253,14 @@ else
   call('HSET', record, '@', 1)
   call('PEXPIRE', record, idle)
   call('ZADD', leases, now + lease, member)
-  keep_for(leases, idle)
+  -- (An index this call made anew has no TTL yet: the tenant's scope's `lk` (see reserve.lua)
+  -- no longer says how long it lives. The tenant's scope is one of the call's.)
+  if call('PEXPIRE', leases, idle, 'GT') == 0 and call('PTTL', leases) == -1 then
+    call('PEXPIRE', leases, idle)
+    for i = FIRST_SCOPE, #KEYS do
+      call('HDEL', KEYS[i], 'lk')
+    end
+  end
 end
 
 -- 5. The ledger entries of the leased holds the replica settled, under the terms of the call.

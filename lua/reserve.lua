@@ -246,10 +246,32 @@ if reason then
 end
 
 -- 7. Hold: charge every scope, write the record, index its lease.
+-- The lease index and the holds hash keep their TTL lazily, as a scope does (see lasting): the
+-- tenant's scope keeps in `lk` a time before which neither can expire, and only a hold that finds
+-- it falling short of the idle TTL from now lengthens theirs (and writes `lk`). A tenant with no
+-- live hold before this one (c == 0) may have neither key (the last settlement emptied them, and
+-- Redis deleted them): this call makes both and gives them their TTL, which is at least any `lk`
+-- an earlier call wrote with the same idle TTL, so `lk` is written only where a reload shortened
+-- that. (A key made anew while c > 0 can only be the holds hash beside a replica's lease, and it
+-- has no TTL until `lk` falls short, so never one shorter than `lk`; a lease call that makes the
+-- index anew takes `lk` away.)
+local idle_ms = tonumber(idle)
+local first = scopes[1].c == 0
+local kept = tonumber(scopes[1].f.lk)
+local lk, keys_until = nil, nil
+if first then
+  keys_until = now + idle_ms + floor(idle_ms / 16)
+  if kept and kept > keys_until then
+    lk = keys_until
+  end
+else
+  lk = lasting(kept, idle_ms, now)
+  keys_until = lk
+end
 local names = {}
 local hourly = false
-for _, s in ipairs(scopes) do
-  take(s, n, 1, 1, at, now, idle)
+for i, s in ipairs(scopes) do
+  take(s, n, 1, 1, at, now, idle, i == 1 and lk or nil)
   names[#names + 1] = s.key
   hourly = hourly or s.used.hu ~= nil or s.used.hc ~= nil or s.used.hp ~= nil or s.used.hg ~= nil
 end
@@ -301,11 +323,7 @@ if kc ~= '' then
 end
 call('HSET', KEYS[2], unpack(record))
 call('PEXPIRE', KEYS[2], idle)
--- (A tenant with no live hold before this one has an empty lease index and holds hash: no key,
--- so this call makes both.)
-local first = scopes[1].c == 0
 call('ZADD', leases, expiry, id)
-keep_for(leases, idle, first)
 -- The holds hash's entry, and beside it the hold's detail where it has one (one write).
 local entry = { id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks) }
 local sided = false
@@ -320,7 +338,10 @@ if kc ~= '' or sided then
   entry[3], entry[4] = id .. '+', string.format('%d %d %s', output, hour, kc)
 end
 call('HSET', holds, unpack(entry))
-keep_for(holds, idle, first)
+if keys_until then
+  keep_for(leases, keys_until - now, first)
+  keep_for(holds, keys_until - now, first)
+end
 
 local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
 return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse,

@@ -640,6 +640,45 @@ mod scenarios {
         );
     }
 
+    /// A tenant with holds in flight keeps its lease index's and holds hash's TTL as a busy scope
+    /// does: set when its first hold makes them, then again only once it would fall short of the
+    /// idle TTL; every hold outlives its lease in both all the same.
+    pub async fn a_busy_tenant_sets_its_index_ttl_once_in_a_while<S: Store>(h: Harness<S>) {
+        if !h.exact_time() {
+            return; // Reads TTLs to the millisecond.
+        }
+        let idle = i64::try_from(h.admission.policy().tenants[&h.tenant].idle_ttl_ms).unwrap();
+        let slack = idle / 16;
+        let shared = [keys::leases(&h.tenant), keys::holds(&h.tenant)];
+        let ttls = || async { h.inspect(shared.to_vec()).await.into_values().map(|v| v.pttl).collect::<Vec<_>>() };
+        let first = admitted(&h.reserve(1, 1).await).reservation_id.clone();
+        assert_eq!(ttls().await, [idle + slack; 2], "the first hold makes both keys, with their TTL");
+        h.advance(slack.unsigned_abs() / 2).await;
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(ttls().await, [idle + slack; 2], "the first hold beside another notes how long they live");
+        h.advance(slack.unsigned_abs() / 2).await;
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(ttls().await, [idle + slack - slack / 2; 2], "not set again within a sixteenth");
+        h.advance((slack - slack / 2 + 1).unsigned_abs()).await;
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(ttls().await, [idle + slack; 2], "set again once it would fall short of the idle TTL");
+        // Every hold settled: the keys go, and the next hold makes them anew, with their TTL.
+        h.advance(1).await;
+        h.admission.commit(&first, 1, 1).await.unwrap();
+        let ids: Vec<String> = h.inspect(vec![shared[1].clone()]).await[&shared[1]]
+            .fields
+            .keys()
+            .filter(|f| !f.ends_with('+'))
+            .cloned()
+            .collect();
+        for id in ids {
+            h.admission.commit(&id, 1, 1).await.unwrap();
+        }
+        assert_eq!(ttls().await, [-2; 2], "no hold left: no index, no holds hash");
+        admitted(&h.reserve(1, 1).await);
+        assert_eq!(ttls().await, [idle + slack; 2]);
+    }
+
     /// A hold once committed or released leaves no record: one entry of its tenant's settled
     /// bucket, the last 20 hex digits of its id and a short value, answers a repeated commit,
     /// release or renew with the first result for at least the retention, and is gone after twice
@@ -1881,6 +1920,7 @@ macro_rules! conformance {
             scenario!(every_key_carries_a_ttl, BUCKET);
             scenario!(a_settled_bucket_an_earlier_version_made_gets_its_ttl, BUCKET);
             scenario!(a_busy_scope_sets_its_ttl_once_in_a_while, BUCKET);
+            scenario!(a_busy_tenant_sets_its_index_ttl_once_in_a_while, BUCKET);
             scenario!(a_settled_hold_is_one_short_entry_that_answers_repeats, BUCKET);
             scenario!(an_expired_hold_waits_its_time_for_a_late_commit, LEASE_REFUND);
             scenario!(a_reload_that_shortens_the_lease_leaves_old_holds_their_terms, CONCURRENCY);

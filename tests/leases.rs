@@ -255,6 +255,37 @@ mod scenarios {
         assert!(admitted(&leased).reservation_id.contains('@'), "{leased:?}");
     }
 
+    /// A lease call that makes the tenant's lease index anew (every hold before it settled, so
+    /// Redis deleted the index) gives it the idle TTL, and the tenant's scope forgets how long the
+    /// index it knew lived (`lk`): the next store hold, beside the replica's slots, gives the index
+    /// the TTL a hold needs rather than trusting what the deleted one had.
+    pub async fn an_index_a_lease_call_makes_anew_gets_its_ttl_from_the_next_store_hold<S: Store + Clone>(
+        h: Harness<S>,
+    ) {
+        let keyed = |key: &str| {
+            let mut a = h.attributes(10, 90);
+            a.idempotency = Some(tollgate::admission::IdempotencyKey {
+                key: key.into(),
+                repeat: tollgate::admission::KeyRepeat::ReturnHold,
+            });
+            a
+        };
+        let index = keys::leases(&h.tenant);
+        // Two store holds: the second, beside the first, notes how long the index lives.
+        let first = admitted(&h.admission.reserve(&keyed("k1")).await).reservation_id.clone();
+        let second = admitted(&h.admission.reserve(&keyed("k2")).await).reservation_id.clone();
+        h.admission.commit(&first, 10, 20).await.unwrap();
+        h.admission.commit(&second, 10, 20).await.unwrap();
+        assert!(h.scope(&index).await.is_none(), "every hold settled: no index");
+        assert!(h.tenant_scope().await.fields.contains_key("lk"), "{:?}", h.tenant_scope().await);
+        assert!(admitted(&h.reserve(10, 90).await).reservation_id.contains('@'), "a leased hold");
+        assert!(!h.tenant_scope().await.fields.contains_key("lk"), "{:?}", h.tenant_scope().await);
+        admitted(&h.admission.reserve(&keyed("k3")).await);
+        let idle = i64::try_from(h.admission.policy().tenants[&h.tenant].idle_ttl_ms).unwrap();
+        let ttl = h.scope(&index).await.unwrap().pttl;
+        assert!(ttl > idle, "the store hold lengthened the index's TTL: {ttl} ms, idle {idle}");
+    }
+
     /// A budget leasing does not decide from slices (an hour's or a week's, one side's, periods in
     /// a zone) sends the tenant's decisions to the store: its holds are store holds, and two
     /// replicas racing on it admit exactly the budget.
@@ -656,6 +687,7 @@ macro_rules! leasing {
                 scenarios::leased_holds_are_entered_in_the_ledger($make(&body).await).await;
             }
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
+            scenario!(an_index_a_lease_call_makes_anew_gets_its_ttl_from_the_next_store_hold, SLOW);
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn strict_tenants_and_keyed_requests_bypass_leasing() {
