@@ -34,15 +34,17 @@
 -- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)
 -- passes: a late commit reconciles against it.
 -- A hold given back because nobody received its reserve's answer (see release.lua) leaves a note
--- at its record key, the one field `st` = `settled` for as long as its bucket entry lives: a
--- re-send of that reserve, which may still arrive, looks in the settled buckets only then (see
--- reserve.lua). Every other settlement follows an answer its reserve gave, so no re-send of that
--- reserve can come after it. A note reads as no record (load).
+-- at its record key, the one field `st` = `settled`, until the end of the settled period after
+-- the give-back (at least as long as its bucket entry answers): a re-send of that reserve, which
+-- may still arrive, looks in the settled buckets only then (see reserve.lua). Every other
+-- settlement follows an answer its reserve gave, and the Redis client re-sends a call only before
+-- it has answered, so no re-send of that reserve comes after it. A note reads as no record (load).
 --
 -- Settled buckets (a hash per tenant and period of the settled-record retention R, at
 -- `<settled prefix><period number>`, kept until the end of the next period): for every hold
--- committed or released in that period, what a repeated commit, release, renew or reserve is
--- answered with, as one short value (see file_settled). A repeat looks in the current period's
+-- committed or released in that period, what a repeated commit, release or renew is answered
+-- with, and a re-sent reserve whose hold a give-back settled (see the note above), as one short
+-- value (see file_settled). A repeat looks in the current period's
 -- bucket and the one before, so a settled hold answers repeats for at least R and at most 2R.
 -- One bucket entry costs about a third of a record of its own (no key, no TTL, no field names).
 -- Beside the entries, the field `ttl` (never a hold's: those are hex) marks a bucket that has its
@@ -260,14 +262,19 @@ end
 -- first after PTTL tells.)
 -- `fresh`: the key was likely made by this call, so has no TTL yet: asking NX first makes that
 -- one call too (either order is right for any key; the hint only saves calls).
+-- True when the key had no TTL and was given its first here.
 local function keep_for(key, ms, fresh)
   if fresh then
     if call('PEXPIRE', key, ms, 'NX') == 0 then
       call('PEXPIRE', key, ms, 'GT')
+      return false
     end
+    return true
   elseif call('PEXPIRE', key, ms, 'GT') == 0 and call('PTTL', key) == -1 then
     call('PEXPIRE', key, ms)
+    return true
   end
+  return false
 end
 
 -- A scope hash keeps its TTL lazily. Its field `kx` is a time before which it cannot expire (the
@@ -455,26 +462,49 @@ local function keep_scope(key, ms)
   kept[key] = max(kept[key] or 0, ms)
 end
 
--- A scope's limits, from ten ARGV after `b`: token capacity, tokens per ms, request capacity,
--- requests per ms, max concurrency, input token capacity, input tokens per ms, output token
--- capacity, output tokens per ms (0 meaning no such limit), and its period budgets as
--- "<counter>:<limit> ..." (money in nanos; '' when none), a soft one written "~<counter>:<limit>"
--- (past it a request is admitted all the same, and marked).
-local function scope_limits(args, b)
+-- What changes only with the policy (a hold's terms, a scope's limits) may reach a phase as one
+-- string, read once per distinct string: on Redis the library's locals outlive a call, so a busy
+-- tenant's terms are parsed once, not at every call (the embedded store runs the library anew at
+-- every call, and parses them every time). What `parse` makes of a string is shared by every call
+-- that sends the same one: read only. At most 4,096 are kept; past that the cache starts afresh.
+local parsed, parsed_count = {}, 0
+local function parsed_once(s, parse)
+  local by = parsed[parse]
+  if not by or parsed_count >= 4096 then
+    if parsed_count >= 4096 then
+      parsed, parsed_count = {}, 0
+    end
+    by = {}
+    parsed[parse] = by
+  end
+  local v = by[s]
+  if v == nil then
+    v = parse(s)
+    by[s], parsed_count = v, parsed_count + 1
+  end
+  return v
+end
+
+-- A scope's limits: token capacity, tokens per ms, request capacity, requests per ms, max
+-- concurrency, input token capacity, input tokens per ms, output token capacity, output tokens
+-- per ms (0 meaning no such limit), and its period budgets as "<counter>:<limit> ..." (money in
+-- nanos; '' when none), a soft one written "~<counter>:<limit>" (past it a request is admitted all
+-- the same, and marked).
+local function limits_of(tcap, trate, rcap, rrate, cmax, pcap, prate, gcap, grate, budgets)
   local l = {
-    tcap = tonumber(args[b + 1]),
-    trate = tonumber(args[b + 2]),
-    rcap = tonumber(args[b + 3]),
-    rrate = tonumber(args[b + 4]),
-    cmax = tonumber(args[b + 5]),
-    pcap = tonumber(args[b + 6]),
-    prate = tonumber(args[b + 7]),
-    gcap = tonumber(args[b + 8]),
-    grate = tonumber(args[b + 9]),
+    tcap = tonumber(tcap),
+    trate = tonumber(trate),
+    rcap = tonumber(rcap),
+    rrate = tonumber(rrate),
+    cmax = tonumber(cmax),
+    pcap = tonumber(pcap),
+    prate = tonumber(prate),
+    gcap = tonumber(gcap),
+    grate = tonumber(grate),
     budgets = {},
     soft = {},
   }
-  for mark, c, n in string.gmatch(args[b + 10], '(~?)(%a%a):(%d+)') do
+  for mark, c, n in string.gmatch(budgets, '(~?)(%a%a):(%d+)') do
     if mark == '~' then
       l.soft[c], l.any_soft = tonumber(n), true
     else
@@ -490,6 +520,48 @@ local function scope_limits(args, b)
     end
   end
   return l
+end
+
+-- A scope's limits from ten ARGV after `b` (see limits_of).
+local function scope_limits(args, b)
+  return limits_of(args[b + 1], args[b + 2], args[b + 3], args[b + 4], args[b + 5], args[b + 6], args[b + 7],
+    args[b + 8], args[b + 9], args[b + 10])
+end
+
+-- A scope's limits from one string, the ten of limits_of space separated, the budgets last (as
+-- reserve.lua gets them), read once per distinct string (parsed_once).
+local function parse_limits(s)
+  local t = split(s)
+  if #t < 9 then
+    error('a scope\'s limits have ' .. #t .. ' fields, not at least 9: ' .. s)
+  end
+  return limits_of(t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], table.concat(t, ' ', 10))
+end
+local function packed_scope_limits(s)
+  return parsed_once(s, parse_limits)
+end
+
+-- A hold's terms, as reserve.lua gets them in one string (see its header), read once per distinct
+-- string (parsed_once). What the record keeps as it came stays a string.
+local function parse_hold_terms(s)
+  local t = split(s)
+  if #t ~= 22 then
+    error('a hold\'s terms have ' .. #t .. ' fields, not 22: ' .. s)
+  end
+  local terms = { lease = tonumber(t[1]), idle = t[2], late_commit_wait = t[3], policy = t[4],
+    batch = tonumber(t[5]), attempt_limit = tonumber(t[6]), concurrency_wait_cap = tonumber(t[7]),
+    min_samples = tonumber(t[8]), quantile = t[9], shadow = t[10] == '1', price_in = tonumber(t[11]),
+    price_out = tonumber(t[12]), retention = tonumber(t[13]), offset = tonumber(t[14]), ledger = '', cache = '' }
+  if t[15] ~= '-' then
+    terms.ledger = t[15] .. ' ' .. t[16]
+  end
+  if t[17] ~= '-' then
+    terms.cache = table.concat(t, ' ', 17, 22)
+  end
+  return terms
+end
+local function hold_terms(s)
+  return parsed_once(s, parse_hold_terms)
 end
 
 -- A scope as the admission scripts see it: its limits `l` (scope_limits), its buckets refilled to
@@ -1021,14 +1093,18 @@ end
 -- Keeps a live hold's keys alive for another idle TTL: every scope it counts in, the lease index
 -- and the holds hash. A renewed stream may outlive many TTLs; its slot must not vanish with them.
 -- (A hold that settles needs only its scopes kept: the index and the holds hash keep the TTL the
--- holds still in them were given.)
+-- holds still in them were given.) An index or holds hash that had no TTL (made anew beside a
+-- replica's lease: see reserve.lua) is given one here that may fall short of what the tenant's
+-- scope, the first of `keys`, notes in `lk`: the note goes.
 local function keep_alive(keys, leases, holds, idle)
   if not idle then
     return
   end
   keep_scopes(keys, idle)
-  keep_for(leases, idle)
-  keep_for(holds, idle)
+  local index_new = keep_for(leases, idle)
+  if keep_for(holds, idle) or index_new then
+    call('HDEL', keys[1], 'lk')
+  end
 end
 
 -- Ends a record's hold: off the lease index and the holds hash, its idempotency key no longer

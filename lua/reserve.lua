@@ -3,46 +3,44 @@
 --
 -- KEYS[1]   the tenant's lease index (sorted set: reservation id by lease expiry)
 -- KEYS[2]   the new reservation record
--- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[9] is empty)
--- KEYS[4]   the output-length estimate of this tenant and model (read when ARGV[13] > 0)
+-- KEYS[3]   the idempotency key (a placeholder of the same tenant when ARGV[5] is empty)
+-- KEYS[4]   the output-length estimate of this tenant and model (read when the terms' adaptive samples are above 0)
 -- KEYS[5]   the tenant's holds hash (what the sweep needs to settle each live hold)
 -- KEYS[6]   the tenant's usage ledger (a stream; see common.lua)
 -- KEYS[7..] the scope hashes: tenant first, then user and model where they apply
 --
 -- ARGV[1]  reservation id            ARGV[2]  record key prefix (prefix .. id = record key)
--- ARGV[3]  prompt tokens             ARGV[4]  lease (ms)
--- ARGV[5]  idle TTL of scope hashes, index and live records (ms)
--- ARGV[6]  how long an expired record waits for a late commit (ms)
--- ARGV[7]  expired-usage policy: charge | refund
--- ARGV[8]  sweep batch: most expired holds settled by this call
--- ARGV[9]  what a repeat of the idempotency key means: '' (no key) | same (the caller lost the
+-- ARGV[3]  prompt tokens             ARGV[4]  output ceiling: the request's max_tokens, or the model's
+-- ARGV[5]  what a repeat of the idempotency key means: '' (no key) | same (the caller lost the
 --          answer: return its live hold) | new (a retried request: a new attempt, its own hold)
--- ARGV[10] most reserves one idempotency key may make
--- ARGV[11] cap on the concurrency Retry-After (ms)
--- ARGV[12] output ceiling: the request's max_tokens, or the model's
--- ARGV[13] adaptive output: samples the estimate needs before it is used (0: always the ceiling)
--- ARGV[14] adaptive output: the quantile the estimate tracks (kept on the record for commit)
--- ARGV[15] the request's fingerprint (user, model, size): a key reused for another is refused
--- ARGV[16] shadow: 1 when the tenant's limits are only measured (a request they would refuse is
---          held and charged all the same, and the reply says why it would have been refused)
--- ARGV[17] the model the request names (kept on the record: commit reports it)
--- ARGV[18] the tenant          ARGV[19] the user ('' when none)          ARGV[20] the tier
--- ARGV[21] the usage ledger's terms, "<max entries> <retention ms>", or '' when there is none
---          (kept on the record: the hold is entered under the terms it was made with)
--- ARGV[22] the model's price per input token (nanos; 0: free)
--- ARGV[23] the model's price per output token (nanos; 0: free)
--- ARGV[24] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
--- ARGV[25] retention of settled records (ms): the period of the settled buckets
--- ARGV[26] the model's terms for weighted tokens, kept on the record for commit: "<cache read
---          weight> <cache write weight> <cache read price> <cache write price> <reasoning weight>
---          <reasoning price>" (thousandths of a whole token; nanos), or '' when every token counts
---          whole at its side's price
--- ARGV[27] the tenant's time zone: its offset from UTC now, in minutes east (its budgets' hours,
---          days, weeks and months are numbered in it; kept on the record)
--- then ten per scope, in KEYS order (see common.lua's scope_limits): token capacity, tokens per
---   ms, request capacity, requests per ms, max concurrency, input token capacity, input tokens per
---   ms, output token capacity, output tokens per ms (0 meaning "no such limit"), and the period
---   budgets, "<counter>:<limit> ..." (du:100000 wg:5000; money in nanos)
+-- ARGV[6]  the request's fingerprint (user, model, size): a key reused for another is refused
+-- ARGV[7]  the model the request names (kept on the record: commit reports it)
+-- ARGV[8]  the tenant          ARGV[9]  the user ('' when none)          ARGV[10] the tier
+-- ARGV[11] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
+-- ARGV[12] the hold's terms, what changes only with the policy, in one string (read once per
+--          distinct string: common.lua's parsed_once), space separated, in order:
+--            lease (ms); idle TTL of scope hashes, index and live records (ms); how long an
+--            expired record waits for a late commit (ms); expired-usage policy, charge | refund;
+--            sweep batch, the most expired holds settled by this call; the most reserves one
+--            idempotency key may make; cap on the concurrency Retry-After (ms); adaptive output,
+--            the samples the estimate needs before it is used (0: always the ceiling); adaptive
+--            output, the quantile the estimate tracks (kept on the record for commit); shadow, 1
+--            when the tenant's limits are only measured (a request they would refuse is held and
+--            charged all the same, and the reply says why it would have been refused); the
+--            model's price per input token and per output token (nanos; 0: free); retention of
+--            settled records (ms), the period of the settled buckets; the tenant's time zone, its
+--            offset from UTC now in minutes east (its budgets' hours, days, weeks and months are
+--            numbered in it; kept on the record); the usage ledger's terms, "<max entries>
+--            <retention ms>", or "- -" when there is none (kept on the record: the hold is entered
+--            under the terms it was made with); the model's terms for weighted tokens, kept on the
+--            record for commit, "<cache read weight> <cache write weight> <cache read price>
+--            <cache write price> <reasoning weight> <reasoning price>" (thousandths of a whole
+--            token; nanos), or six "-" when every token counts whole at its side's price
+-- then one per scope, in KEYS order: the scope's limits, the ten of common.lua's limits_of space
+--   separated (token capacity, tokens per ms, request capacity, requests per ms, max concurrency,
+--   input token capacity, input tokens per ms, output token capacity, output tokens per ms, 0
+--   meaning "no such limit"; then the period budgets, "<counter>:<limit> ...", du:100000 wg:5000,
+--   money in nanos), read once per distinct string
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
@@ -84,28 +82,20 @@ local holds = KEYS[5]
 local id = ARGV[1]
 local prefix = ARGV[2]
 local prompt = tonumber(ARGV[3])
-local lease = tonumber(ARGV[4])
--- (Values written as they came are kept as the strings they came as: Redis would format a number again.)
-local idle = ARGV[5]
-local late_commit_wait = ARGV[6]
-local policy = ARGV[7]
-local batch = tonumber(ARGV[8])
-local key_use = ARGV[9]
-local attempt_limit = tonumber(ARGV[10])
-local concurrency_wait_cap = tonumber(ARGV[11])
-local ceiling = tonumber(ARGV[12])
-local min_samples = tonumber(ARGV[13])
-local quantile = ARGV[14]
-local fingerprint = ARGV[15]
-local shadow = ARGV[16] == '1'
-local model = ARGV[17]
-local tenant, user, tier = ARGV[18], ARGV[19], ARGV[20]
-local ledger = { key = KEYS[6], terms = ARGV[21], tenant = tenant }
-local price_in, price_out = tonumber(ARGV[22]), tonumber(ARGV[23])
-local settled = { prefix = ARGV[24], retention = tonumber(ARGV[25]) }
-local cache_terms = ARGV[26]
-local offset = tonumber(ARGV[27])
-local FIRST_SCOPE, FIRST_ARG, PER_SCOPE = 7, 27, 10
+-- (Values written as they came are kept as the strings they came as: Redis would format a number
+-- again. The terms a phase uses once are read from `terms` where used: a chunk has at most 200
+-- locals, and the embedded store runs common.lua and this file as one.)
+local ceiling = tonumber(ARGV[4])
+local key_use = ARGV[5]
+local fingerprint = ARGV[6]
+local model = ARGV[7]
+local tenant, user, tier = ARGV[8], ARGV[9], ARGV[10]
+local terms = hold_terms(ARGV[12])
+local idle, min_samples, offset = terms.idle, terms.min_samples, terms.offset
+local ledger = { key = KEYS[6], terms = terms.ledger, tenant = tenant }
+local price_in, price_out = terms.price_in, terms.price_out
+local settled = { prefix = ARGV[11], retention = terms.retention }
+local FIRST_SCOPE = 7
 
 local now = now_ms()
 local at = periods_at(now, offset)
@@ -127,14 +117,13 @@ local resent = mine ~= nil or (key_use ~= '' and call('HGET', KEYS[3], 'lc') == 
 -- 1. Expiry: settle holds whose lease has run out, a bounded batch at a time.
 local swept = {}
 if not resent then
-  swept = sweep(leases, holds, prefix, batch, now, ledger)
+  swept = sweep(leases, holds, prefix, terms.batch, now, ledger)
 end
 
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  local b = FIRST_ARG + (i - FIRST_SCOPE) * PER_SCOPE
-  scopes[#scopes + 1] = read_scope(KEYS[i], scope_limits(ARGV, b), now, at)
+  scopes[#scopes + 1] = read_scope(KEYS[i], packed_scope_limits(ARGV[12 + i - FIRST_SCOPE + 1]), now, at)
 end
 
 -- What each scope's daily token budget has left once `taken` more is charged (-1: it has none).
@@ -184,14 +173,14 @@ if key_use ~= '' then
         if k[4] == id then
           return again(k[3], r, made, 1)
         end
-        if made >= attempt_limit then
+        if made >= terms.attempt_limit then
           return refuse('attempts')
         end
         call('HSET', KEYS[3], 'n', made + 1, 'lc', id)
         return again(k[3], r, made + 1, 1)
       end
     end
-    if made >= attempt_limit then
+    if made >= terms.attempt_limit then
       return refuse('attempts')
     end
     attempts = made + 1
@@ -214,7 +203,7 @@ local n = amounts(hold, cost, prompt, output)
 local would_refuse = {}
 for i, s in ipairs(scopes) do
   if never_fits(s, n) then
-    if not shadow then
+    if not terms.shadow then
       return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept, budget_left(0) }
     end
     would_refuse = { 'unsatisfiable', i, 0 }
@@ -232,12 +221,12 @@ local function deny(why, i, ms)
 end
 if #would_refuse == 0 then
   for i, s in ipairs(scopes) do
-    check_scope(s, n, 1, 1, leases, holds, concurrency_wait_cap, now, at, offset, function(why, ms)
+    check_scope(s, n, 1, 1, leases, holds, terms.concurrency_wait_cap, now, at, offset, function(why, ms)
       deny(why, i, ms)
     end)
   end
 end
-if reason and not shadow then
+if reason and not terms.shadow then
   local rem, lim, reset = headroom(scopes, 0, 0)
   return { 0, reason, where, wait, rem, lim, reset, swept, budget_left(0) }
 end
@@ -253,19 +242,17 @@ end
 -- Redis deleted them): this call makes both and gives them their TTL, which is at least any `lk`
 -- an earlier call wrote with the same idle TTL, so `lk` is written only where a reload shortened
 -- that. (A key made anew while c > 0 can only be the holds hash beside a replica's lease, and it
--- has no TTL until `lk` falls short, so never one shorter than `lk`; a lease call that makes the
--- index anew takes `lk` away.)
-local idle_ms = tonumber(idle)
+-- has no TTL until `lk` falls short; a renew or a lease call that gives the index or the holds
+-- hash a TTL it lacked takes `lk` away.)
 local first = scopes[1].c == 0
-local kept = tonumber(scopes[1].f.lk)
 local lk, keys_until = nil, nil
 if first then
-  keys_until = now + idle_ms + floor(idle_ms / 16)
-  if kept and kept > keys_until then
+  keys_until = lasting(nil, tonumber(idle), now)
+  if (tonumber(scopes[1].f.lk) or 0) > keys_until then
     lk = keys_until
   end
 else
-  lk = lasting(kept, idle_ms, now)
+  lk = lasting(scopes[1].f.lk, tonumber(idle), now)
   keys_until = lk
 end
 local names = {}
@@ -276,24 +263,24 @@ for i, s in ipairs(scopes) do
   hourly = hourly or s.used.hu ~= nil or s.used.hc ~= nil or s.used.hp ~= nil or s.used.hg ~= nil
 end
 
-local expiry = now + lease
+local expiry = now + terms.lease
 local ik = ''
 if key_use ~= '' then
   ik = KEYS[3]
   call('HSET', ik, 'fp', fingerprint, 'n', attempts, 'id', id, 'lc', id)
-  call('PEXPIRE', ik, lease)
+  call('PEXPIRE', ik, terms.lease)
 end
 local learn_into = ''
 if min_samples > 0 then
   learn_into = KEYS[4]
 end
 local ks = table.concat(names, ' ')
-local held, output_held, estimate_flag = string.format('%d', hold), ARGV[12], '0'
+local held, output_held, estimate_flag = string.format('%d', hold), ARGV[4], '0'
 if estimated == 1 then
   output_held, estimate_flag = output, '1'
 end
 local record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d, 'ks', ks,
-  'xp', policy, 'ik', ik, 'rt', late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', quantile, 'oh', output_held,
+  'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', terms.quantile, 'oh', output_held,
   'es', estimate_flag, 'md', model }
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
 -- record without them reads as free: see load).
@@ -308,8 +295,8 @@ end
 if price_in > 0 or price_out > 0 then
   also('pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
 end
-if cache_terms ~= '' then
-  also('cw', cache_terms)
+if terms.cache ~= '' then
+  also('cw', terms.cache)
 end
 if hourly then
   also('hr', at.h)
@@ -325,7 +312,7 @@ call('HSET', KEYS[2], unpack(record))
 call('PEXPIRE', KEYS[2], idle)
 call('ZADD', leases, expiry, id)
 -- The holds hash's entry, and beside it the hold's detail where it has one (one write).
-local entry = { id, string.format('%d %d %s %d %s', hold, at.d, policy, cost, ks) }
+local entry = { id, string.format('%d %d %s %d %s', hold, at.d, terms.policy, cost, ks) }
 local sided = false
 for _, s in ipairs(scopes) do
   sided = sided or s.pcap > 0 or s.gcap > 0

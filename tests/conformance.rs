@@ -1152,6 +1152,11 @@ mod scenarios {
         assert!(given_back, "the hold nobody received was given back: {} in flight", h.in_flight().await);
         let before = h.tenant_scope().await.num("t");
         assert!(before >= 999.0, "every token came back: {before}");
+        let ledger = h.ledger().await;
+        let record = keys::record(&h.tenant, &ledger[0]["id"]);
+        let note = h.scope(&record).await.expect("the give-back's note");
+        assert_eq!(note.fields.into_iter().collect::<Vec<_>>(), [("st".to_string(), "settled".to_string())]);
+        assert!(note.pttl > 0, "the note has a TTL: {}", note.pttl);
         lossy.admission.protocol().store().send_lost_again().await.expect("the re-send is answered");
         assert_eq!(h.in_flight().await, 0.0, "the re-send took no slot");
         let after = h.tenant_scope().await.num("t");

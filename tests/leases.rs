@@ -286,6 +286,37 @@ mod scenarios {
         assert!(ttl > idle, "the store hold lengthened the index's TTL: {ttl} ms, idle {idle}");
     }
 
+    /// Beside a replica's lease the lease index lives on when the tenant's store holds all settle,
+    /// and the holds hash goes: the next store hold makes it anew without a TTL (it trusts `lk`).
+    /// A renew that gives it one, the idle TTL from now, shorter than `lk`, takes `lk` away, so
+    /// the store hold after it gives the holds hash the TTL a hold needs.
+    pub async fn a_renew_that_gives_the_holds_hash_its_ttl_takes_lk_away<S: Store + Clone>(h: Harness<S>) {
+        let keyed = |key: &str| {
+            let mut a = h.attributes(10, 90);
+            a.idempotency = Some(tollgate::admission::IdempotencyKey {
+                key: key.into(),
+                repeat: tollgate::admission::KeyRepeat::ReturnHold,
+            });
+            a
+        };
+        let holds = keys::holds(&h.tenant);
+        assert!(admitted(&h.reserve(10, 90).await).reservation_id.contains('@'), "a leased hold");
+        let a = admitted(&h.admission.reserve(&keyed("k1")).await).reservation_id.clone();
+        let b = admitted(&h.admission.reserve(&keyed("k2")).await).reservation_id.clone();
+        h.admission.commit(&a, 10, 20).await.unwrap();
+        h.admission.commit(&b, 10, 20).await.unwrap();
+        assert!(h.scope(&holds).await.is_none(), "every store hold settled: no holds hash");
+        assert!(h.in_flight().await > 0.0, "the replica's slots");
+        let c = admitted(&h.admission.reserve(&keyed("k3")).await).reservation_id.clone();
+        assert_eq!(h.scope(&holds).await.unwrap().pttl, -1, "made anew beside the replica's slots");
+        h.admission.renew(&c, 0).await.unwrap();
+        assert!(!h.tenant_scope().await.fields.contains_key("lk"), "{:?}", h.tenant_scope().await);
+        admitted(&h.admission.reserve(&keyed("k4")).await);
+        let idle = i64::try_from(h.admission.policy().tenants[&h.tenant].idle_ttl_ms).unwrap();
+        let ttl = h.scope(&holds).await.unwrap().pttl;
+        assert!(ttl > idle, "the store hold lengthened the holds hash's TTL: {ttl} ms, idle {idle}");
+    }
+
     /// A budget leasing does not decide from slices (an hour's or a week's, one side's, periods in
     /// a zone) sends the tenant's decisions to the store: its holds are store holds, and two
     /// replicas racing on it admit exactly the budget.
@@ -688,6 +719,7 @@ macro_rules! leasing {
             }
             scenario!(a_request_with_an_idempotency_key_is_decided_by_the_store, SLOW);
             scenario!(an_index_a_lease_call_makes_anew_gets_its_ttl_from_the_next_store_hold, SLOW);
+            scenario!(a_renew_that_gives_the_holds_hash_its_ttl_takes_lk_away, &format!("{SLOW}  max_concurrency: 8\n"));
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn strict_tenants_and_keyed_requests_bypass_leasing() {

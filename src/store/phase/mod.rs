@@ -275,7 +275,7 @@ mod tests {
 
     /// Every codec's argument list, with the script whose header it follows.
     const CODECS: [(&str, &str, &[&str], &[&str]); 23] = [
-        ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::SCOPE_ARGV),
+        ("reserve.lua", include_str!("../../../lua/reserve.lua"), &reserve::ARGV, &reserve::PACKED_SCOPE_ARGV),
         ("commit.lua", include_str!("../../../lua/commit.lua"), &settle::COMMIT_ARGV, &[]),
         (
             "commit_many.lua",

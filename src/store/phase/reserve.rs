@@ -8,37 +8,26 @@ use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeL
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
-pub(crate) const ARGV: [&str; 27] = [
+pub(crate) const ARGV: [&str; 12] = [
     "reservation id",
     "record key prefix",
     "prompt tokens",
-    "lease (ms)",
-    "idle TTL",
-    "how long an expired record waits for a late commit",
-    "expired-usage policy",
-    "sweep batch",
-    "what a repeat of the idempotency key means",
-    "most reserves one idempotency key may make",
-    "cap on the concurrency Retry-After",
     "output ceiling",
-    "adaptive output: samples",
-    "adaptive output: the quantile",
+    "what a repeat of the idempotency key means",
     "the request's fingerprint",
-    "shadow",
     "the model the request names",
     "the tenant",
     "the user",
     "the tier",
-    "the usage ledger's terms",
-    "the model's price per input token",
-    "the model's price per output token",
     "the tenant's settled-bucket prefix",
-    "retention of settled records",
-    "the model's terms for weighted tokens",
-    "the tenant's time zone",
+    "the hold's terms",
 ];
 
-/// Then these, per scope, in `KEYS` order (`0`: no such limit).
+/// Then this, per scope, in `KEYS` order: [`SCOPE_ARGV`] in one string ([`packed_limits`]).
+pub(crate) const PACKED_SCOPE_ARGV: [&str; 1] = ["the scope's limits"];
+
+/// The limits of a scope, in order, as lease, budget_get and a pool's provider limits take them,
+/// one argument each (`0`: no such limit); and as reserve takes them, in one string.
 pub(crate) const SCOPE_ARGV: [&str; 10] = [
     "token capacity",
     "tokens per ms",
@@ -134,46 +123,27 @@ impl<S: Store> Protocol<S> {
         keys.push(keys::output_estimate(tenant, call.model));
         keys.push(keys::holds(tenant));
         keys.push(keys::ledger(tenant));
-        let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
         let repeat = match key.map(|k| k.repeat) {
             None => "",
             Some(KeyRepeat::ReturnHold) => "same",
             Some(KeyRepeat::NewAttempt) => "new",
         };
-        let mut a = Argv::grouped("reserve", &ARGV, &SCOPE_ARGV, call.scopes.len());
+        let mut a = Argv::grouped("reserve", &ARGV, &PACKED_SCOPE_ARGV, call.scopes.len());
         a.push("reservation id", call.id.to_string());
         a.push("record key prefix", keys::record_prefix(tenant));
         a.push("prompt tokens", call.prompt_tokens.to_string());
-        a.push("lease (ms)", call.lease_ms.to_string());
-        a.push("idle TTL", call.idle_ttl_ms.to_string());
-        a.push("how long an expired record waits for a late commit", call.late_commit_ms.to_string());
-        a.push("expired-usage policy", expired_usage(call.expired_usage).to_string());
-        a.push("sweep batch", call.sweep_batch.to_string());
-        a.push("what a repeat of the idempotency key means", repeat.to_string());
-        a.push("most reserves one idempotency key may make", call.max_attempts.to_string());
-        a.push("cap on the concurrency Retry-After", call.concurrency_retry_cap_ms.to_string());
         a.push("output ceiling", call.output_ceiling.to_string());
-        a.push("adaptive output: samples", min_samples.to_string());
-        a.push("adaptive output: the quantile", quantile.to_string());
+        a.push("what a repeat of the idempotency key means", repeat.to_string());
         a.push("the request's fingerprint", key.map_or_else(String::new, |k| k.fingerprint.to_string()));
-        a.push("shadow", if call.shadow { "1" } else { "0" }.to_string());
         a.push("the model the request names", call.model.to_string());
         a.push("the tenant", tenant.to_string());
         a.push("the user", call.user.unwrap_or("").to_string());
         a.push("the tier", call.tier.as_str().to_string());
-        a.push(
-            "the usage ledger's terms",
-            call.ledger.map_or_else(String::new, |l| format!("{} {}", l.max_len, l.retention_ms)),
-        );
-        a.push("the model's price per input token", call.price.input_nanos.to_string());
-        a.push("the model's price per output token", call.price.output_nanos.to_string());
         a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
-        a.push("retention of settled records", call.retention_ms.to_string());
-        a.push("the model's terms for weighted tokens", weighted_terms(call.price, call.token_weights));
-        a.push("the tenant's time zone", call.zone_offset_min.to_string());
+        a.push("the hold's terms", hold_terms(call));
         for (key, limits) in &call.scopes {
             keys.push(key.clone());
-            push_limits(&mut a, limits);
+            a.push("the scope's limits", packed_limits(limits));
         }
         let script = &self.scripts.reserve;
         let reply = self.store.eval(script, keys, a.finish()).await?;
@@ -220,24 +190,68 @@ impl<S: Store> Protocol<S> {
     }
 }
 
-/// The ten limits reserve, lease and budget_get send first for a scope, in their order.
+/// The ten limits lease, budget_get and a pool's provider limits send first for a scope, in
+/// their order.
 pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
+    for (name, value) in SCOPE_ARGV.iter().zip(limits(l)) {
+        a.push(name, value);
+    }
+}
+
+/// A scope's ten limits in one string, space separated, the period budgets last: as reserve takes
+/// them (`lua/common.lua`'s `parse_limits`).
+fn packed_limits(l: &ScopeLimits) -> String {
+    limits(l).join(" ").trim_end().to_string()
+}
+
+/// A scope's limits as the scripts take them, in [`SCOPE_ARGV`]'s order.
+fn limits(l: &ScopeLimits) -> [String; 10] {
     let capacity = |b: Option<Bucket>| or_zero(b.map(|b| b.capacity));
     let per_ms = |b: Option<Bucket>| b.map_or(0.0, |b| b.per_ms).to_string();
-    a.push("token capacity", capacity(l.tokens));
-    a.push("tokens per ms", per_ms(l.tokens));
-    a.push("request capacity", capacity(l.requests));
-    a.push("requests per ms", per_ms(l.requests));
-    a.push("max concurrency", or_zero(l.max_concurrency));
-    a.push("input token capacity", capacity(l.input));
-    a.push("input tokens per ms", per_ms(l.input));
-    a.push("output token capacity", capacity(l.output));
-    a.push("output tokens per ms", per_ms(l.output));
     let hard = BudgetKey::all().filter_map(|k| l.budget(k).map(|limit| format!("{}:{limit}", k.counter())));
     let soft = BudgetKey::all()
         .filter_map(|k| l.soft.get(k.index()).filter(|&&n| n > 0).map(|limit| format!("~{}:{limit}", k.counter())));
     let budgets: Vec<String> = hard.chain(soft).collect();
-    a.push("period budgets", budgets.join(" "));
+    [
+        capacity(l.tokens),
+        per_ms(l.tokens),
+        capacity(l.requests),
+        per_ms(l.requests),
+        or_zero(l.max_concurrency),
+        capacity(l.input),
+        per_ms(l.input),
+        capacity(l.output),
+        per_ms(l.output),
+        budgets.join(" "),
+    ]
+}
+
+/// `reserve.lua`'s terms of a hold, what changes only with the policy, in one string (its header
+/// gives the order; the script reads each distinct string once).
+fn hold_terms(call: &ReserveCall<'_>) -> String {
+    let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
+    let ledger = call.ledger.map_or_else(|| "- -".to_string(), |l| format!("{} {}", l.max_len, l.retention_ms));
+    let weighted = match weighted_terms(call.price, call.token_weights) {
+        w if w.is_empty() => "- - - - - -".to_string(),
+        w => w,
+    };
+    format!(
+        "{} {} {} {} {} {} {} {} {} {} {} {} {} {} {ledger} {weighted}",
+        call.lease_ms,
+        call.idle_ttl_ms,
+        call.late_commit_ms,
+        expired_usage(call.expired_usage),
+        call.sweep_batch,
+        call.max_attempts,
+        call.concurrency_retry_cap_ms,
+        min_samples,
+        quantile,
+        u8::from(call.shadow),
+        call.price.input_nanos,
+        call.price.output_nanos,
+        call.retention_ms,
+        call.zone_offset_min,
+    )
 }
 
 /// A limit as the scripts take it: `0` for none (the one place that sentinel is written).
