@@ -7,7 +7,7 @@
 --         0 to leave it 0 (the remaining-budget gauges want only what is left)
 -- ARGV[2] record key prefix (prefix .. id = a live hold's record: its output part and hour)
 -- ARGV[3] the tenant's time zone: its offset from UTC now, in minutes east (as reserve.lua's)
--- then ten per scope, in KEYS order, as reserve.lua takes them (see common.lua's scope_limits):
+-- then ten per scope, in KEYS order (see common.lua's scope_limits and limits_of):
 --   token capacity, tokens per ms, request capacity, requests per ms, max concurrency, input token
 --   capacity, input tokens per ms, output token capacity, output tokens per ms, period budgets
 --

@@ -82,7 +82,8 @@
 --               counters only in the periods that have one)
 --   kx          a time before which the hash cannot expire (see lasting)
 --   lk          in a tenant's scope: a time before which neither its lease index nor its holds
---               hash can expire (see reserve.lua); absent after a lease call made the index anew
+--               hash can expire (see reserve.lua); absent after a lease call or a renew gave one
+--               of them a TTL it lacked
 --
 -- Usage ledger (a stream, one per tenant, beside its lease index): one entry per settled hold,
 -- appended by the very script that settles it, so what billing reads and what the counters
@@ -467,23 +468,28 @@ end
 -- tenant's terms are parsed once, not at every call (the embedded store runs the library anew at
 -- every call, and parses them every time). What `parse` makes of a string is shared by every call
 -- that sends the same one: read only. At most 4,096 are kept; past that the cache starts afresh.
-local parsed, parsed_count = {}, 0
+-- (`parsed[parse][s]`, and `parsed.n` entries in all.)
+local parsed = { n = 0 }
 local function parsed_once(s, parse)
+  if parsed.n >= 4096 then
+    parsed = { n = 0 }
+  end
   local by = parsed[parse]
-  if not by or parsed_count >= 4096 then
-    if parsed_count >= 4096 then
-      parsed, parsed_count = {}, 0
-    end
+  if not by then
     by = {}
     parsed[parse] = by
   end
   local v = by[s]
   if v == nil then
     v = parse(s)
-    by[s], parsed_count = v, parsed_count + 1
+    by[s], parsed.n = v, parsed.n + 1
   end
   return v
 end
+
+-- The readers parsed_once is given, one a kind of string (in a table: a chunk has at most 200
+-- locals, and the embedded store runs this file and a phase as one).
+local PARSE = {}
 
 -- A scope's limits: token capacity, tokens per ms, request capacity, requests per ms, max
 -- concurrency, input token capacity, input tokens per ms, output token capacity, output tokens
@@ -530,7 +536,7 @@ end
 
 -- A scope's limits from one string, the ten of limits_of space separated, the budgets last (as
 -- reserve.lua gets them), read once per distinct string (parsed_once).
-local function parse_limits(s)
+function PARSE.limits(s)
   local t = split(s)
   if #t < 9 then
     error('a scope\'s limits have ' .. #t .. ' fields, not at least 9: ' .. s)
@@ -538,12 +544,12 @@ local function parse_limits(s)
   return limits_of(t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], table.concat(t, ' ', 10))
 end
 local function packed_scope_limits(s)
-  return parsed_once(s, parse_limits)
+  return parsed_once(s, PARSE.limits)
 end
 
 -- A hold's terms, as reserve.lua gets them in one string (see its header), read once per distinct
 -- string (parsed_once). What the record keeps as it came stays a string.
-local function parse_hold_terms(s)
+function PARSE.hold_terms(s)
   local t = split(s)
   if #t ~= 22 then
     error('a hold\'s terms have ' .. #t .. ' fields, not 22: ' .. s)
@@ -561,12 +567,12 @@ local function parse_hold_terms(s)
   return terms
 end
 local function hold_terms(s)
-  return parsed_once(s, parse_hold_terms)
+  return parsed_once(s, PARSE.hold_terms)
 end
 
--- A scope as the admission scripts see it: its limits `l` (scope_limits), its buckets refilled to
--- `now`, and what each counter it counts has used in the current period of `at` (periods_at).
--- Reads; writes nothing.
+-- A scope as the admission scripts see it: its limits `l` (scope_limits, or packed_scope_limits:
+-- then shared with other calls, so read only), its buckets refilled to `now`, and what each
+-- counter it counts has used in the current period of `at` (periods_at). Reads; writes nothing.
 local function read_scope(key, l, now, at)
   local f = fields_of(key)
   local s = { key = key, l = l, tcap = l.tcap, trate = l.trate, rcap = l.rcap, rrate = l.rrate, cmax = l.cmax,

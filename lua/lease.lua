@@ -40,7 +40,7 @@
 --          ended (absent from a replica from before endings were kept); appended
 --          once (a re-send appends nothing), as the scripts that settle store holds append theirs
 -- then twenty-eight per scope, in KEYS order:
---   its limits, ten as reserve.lua takes them (see common.lua's scope_limits: token capacity,
+--   its limits, ten (see common.lua's scope_limits and limits_of: token capacity,
 --   tokens per ms, request capacity, requests per ms, max concurrency, input token capacity, input
 --   tokens per ms, output token capacity, output tokens per ms, period budgets; leasing takes only
 --   tenants with no bucket of one side and no budget but tokens and money per UTC day and month);

@@ -279,9 +279,9 @@ local held, output_held, estimate_flag = string.format('%d', hold), ARGV[4], '0'
 if estimated == 1 then
   output_held, estimate_flag = output, '1'
 end
-local record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d, 'ks', ks,
-  'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into, 'oq', terms.quantile, 'oh', output_held,
-  'es', estimate_flag, 'md', model }
+local record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d,
+  'ks', ks, 'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into,
+  'oq', terms.quantile, 'oh', output_held, 'es', estimate_flag, 'md', model }
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
 -- record without them reads as free: see load).
 local function also(...)

@@ -199,7 +199,7 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
 }
 
 /// A scope's ten limits in one string, space separated, the period budgets last: as reserve takes
-/// them (`lua/common.lua`'s `parse_limits`).
+/// them (`lua/common.lua`'s `PARSE.limits`).
 fn packed_limits(l: &ScopeLimits) -> String {
     limits(l).join(" ").trim_end().to_string()
 }
