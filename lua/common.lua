@@ -35,7 +35,7 @@
 -- passes: a late commit reconciles against it.
 -- A hold given back because nobody received its reserve's answer (see release.lua) leaves a note
 -- at its record key, the one field `st` = `settled`, until the end of the settled period after
--- the give-back (at least as long as its bucket entry answers): a re-send of that reserve, which
+-- the give-back (as long as the entry that give-back files answers): a re-send of that reserve, which
 -- may still arrive, looks in the settled buckets only then (see reserve.lua). Every other
 -- settlement follows an answer its reserve gave, and the Redis client re-sends a call only before
 -- it has answered, so no re-send of that reserve comes after it. A note reads as no record (load).
@@ -1241,7 +1241,6 @@ local function load_settled(id, settled, now)
   return r
 end
 
--- A hold's record, or what its settled bucket kept once it settled, or nil.
 -- Leaves at a record key the note of a hold given back because nobody received its reserve's
 -- answer (see the record, above), for as long as a bucket filed now keeps its entry; only where
 -- the record is gone (an expired record, kept for a late commit, answers a re-send itself).
@@ -1253,6 +1252,7 @@ local function leave_settled_note(rk, settled, now)
   call('PEXPIRE', rk, (floor(now / settled.retention) + 2) * settled.retention - now)
 end
 
+-- A hold's record, or what its settled bucket kept once it settled, or nil.
 local function load_hold(rk, id, settled, now)
   return load(rk) or load_settled(id, settled, now)
 end

@@ -253,10 +253,9 @@ else
   call('HSET', record, '@', 1)
   call('PEXPIRE', record, idle)
   call('ZADD', leases, now + lease, member)
-  -- (An index this call made anew has no TTL yet: the tenant's scope's `lk` (see reserve.lua)
-  -- no longer says how long it lives. The tenant's scope is one of the call's.)
-  if call('PEXPIRE', leases, idle, 'GT') == 0 and call('PTTL', leases) == -1 then
-    call('PEXPIRE', leases, idle)
+  -- (An index this call made anew gets its first TTL here: the tenant's scope's `lk` (see
+  -- reserve.lua) no longer says how long it lives. The tenant's scope is one of the call's.)
+  if keep_for(leases, idle) then
     for i = FIRST_SCOPE, #KEYS do
       call('HDEL', KEYS[i], 'lk')
     end

@@ -95,7 +95,7 @@ local idle, min_samples, offset = terms.idle, terms.min_samples, terms.offset
 local ledger = { key = KEYS[6], terms = terms.ledger, tenant = tenant }
 local price_in, price_out = terms.price_in, terms.price_out
 local settled = { prefix = ARGV[11], retention = terms.retention }
-local FIRST_SCOPE = 7
+local FIRST_SCOPE, FIRST_LIMITS = 7, 13
 
 local now = now_ms()
 local at = periods_at(now, offset)
@@ -123,7 +123,7 @@ end
 -- 2. Read and refill every scope; nothing is written yet.
 local scopes = {}
 for i = FIRST_SCOPE, #KEYS do
-  scopes[#scopes + 1] = read_scope(KEYS[i], packed_scope_limits(ARGV[12 + i - FIRST_SCOPE + 1]), now, at)
+  scopes[#scopes + 1] = read_scope(KEYS[i], packed_scope_limits(ARGV[FIRST_LIMITS + i - FIRST_SCOPE]), now, at)
 end
 
 -- What each scope's daily token budget has left once `taken` more is charged (-1: it has none).

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
-use tollgate::admission::{AdmissionError, Attributes, Decision, IdempotencyKey, KeyRepeat, Priority, Reason};
+use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
 use tollgate::store::{CommitCall, CommitTerms, Store, StoreError, keys};
@@ -382,15 +382,9 @@ mod scenarios {
         assert_eq!(h.admission.renew(&id, 0).await.unwrap().state(), "expired");
     }
 
-    fn keyed<S: Store>(h: &Harness<S>, key: &str, repeat: KeyRepeat) -> Attributes {
-        let mut a = h.attributes(100, 100);
-        a.idempotency = Some(IdempotencyKey { key: key.into(), repeat });
-        a
-    }
-
     /// `Admission/Reserve` repeated with a key: the caller lost the answer and gets its hold back.
     pub async fn a_repeated_reserve_returns_the_same_hold<S: Store>(h: Harness<S>) {
-        let a = keyed(&h, "req-1", KeyRepeat::ReturnHold);
+        let a = h.keyed(100, 100, "req-1", KeyRepeat::ReturnHold);
         let first = admitted(&h.admission.reserve(&a).await).clone();
         let second = admitted(&h.admission.reserve(&a).await).clone();
         assert_eq!(first.reservation_id, second.reservation_id);
@@ -415,7 +409,7 @@ mod scenarios {
     /// A request retried through Envoy with a key: it will reach the backend again, so each attempt
     /// holds for itself; the key counts and bounds them.
     pub async fn a_retried_request_is_a_new_attempt<S: Store>(h: Harness<S>) {
-        let a = keyed(&h, "req-2", KeyRepeat::NewAttempt);
+        let a = h.keyed(100, 100, "req-2", KeyRepeat::NewAttempt);
         let first = admitted(&h.admission.reserve(&a).await).clone();
         let second = admitted(&h.admission.reserve(&a).await).clone();
         assert_ne!(first.reservation_id, second.reservation_id);
@@ -426,7 +420,7 @@ mod scenarios {
         admitted(&h.admission.reserve(&a).await);
         let before = h.snapshot(&[]).await;
         assert_eq!(denied(&h.admission.reserve(&a).await).reason, Reason::InvalidRequest, "past max_attempts");
-        let mut other = keyed(&h, "req-2", KeyRepeat::NewAttempt);
+        let mut other = h.keyed(100, 100, "req-2", KeyRepeat::NewAttempt);
         other.max_tokens = Some(99);
         let no = h.admission.reserve(&other).await;
         assert!(denied(&no).message.contains("different request"), "{:?}", denied(&no));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use support::{Harness, TOP_SEPARATOR, admitted, denied};
-use tollgate::admission::{Attributes, Reason};
+use tollgate::admission::{Attributes, KeyRepeat, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, ReleaseOutcome};
 use tollgate::store::{Reply, Script, Store, StoreError, keys};
 
@@ -244,12 +244,7 @@ mod scenarios {
     }
 
     pub async fn a_request_with_an_idempotency_key_is_decided_by_the_store<S: Store + Clone>(h: Harness<S>) {
-        let mut a = h.attributes(10, 90);
-        a.idempotency = Some(tollgate::admission::IdempotencyKey {
-            key: "k1".into(),
-            repeat: tollgate::admission::KeyRepeat::ReturnHold,
-        });
-        let d = h.admission.reserve(&a).await;
+        let d = h.admission.reserve(&h.keyed(10, 90, "k1", KeyRepeat::ReturnHold)).await;
         assert!(!admitted(&d).reservation_id.contains('@'), "{d:?}");
         let leased = h.reserve(10, 90).await;
         assert!(admitted(&leased).reservation_id.contains('@'), "{leased:?}");
@@ -262,14 +257,7 @@ mod scenarios {
     pub async fn an_index_a_lease_call_makes_anew_gets_its_ttl_from_the_next_store_hold<S: Store + Clone>(
         h: Harness<S>,
     ) {
-        let keyed = |key: &str| {
-            let mut a = h.attributes(10, 90);
-            a.idempotency = Some(tollgate::admission::IdempotencyKey {
-                key: key.into(),
-                repeat: tollgate::admission::KeyRepeat::ReturnHold,
-            });
-            a
-        };
+        let keyed = |key| h.keyed(10, 90, key, KeyRepeat::ReturnHold);
         let index = keys::leases(&h.tenant);
         // Two store holds: the second, beside the first, notes how long the index lives.
         let first = admitted(&h.admission.reserve(&keyed("k1")).await).reservation_id.clone();
@@ -291,14 +279,7 @@ mod scenarios {
     /// A renew that gives it one, the idle TTL from now, shorter than `lk`, takes `lk` away, so
     /// the store hold after it gives the holds hash the TTL a hold needs.
     pub async fn a_renew_that_gives_the_holds_hash_its_ttl_takes_lk_away<S: Store + Clone>(h: Harness<S>) {
-        let keyed = |key: &str| {
-            let mut a = h.attributes(10, 90);
-            a.idempotency = Some(tollgate::admission::IdempotencyKey {
-                key: key.into(),
-                repeat: tollgate::admission::KeyRepeat::ReturnHold,
-            });
-            a
-        };
+        let keyed = |key| h.keyed(10, 90, key, KeyRepeat::ReturnHold);
         let holds = keys::holds(&h.tenant);
         assert!(admitted(&h.reserve(10, 90).await).reservation_id.contains('@'), "a leased hold");
         let a = admitted(&h.admission.reserve(&keyed("k1")).await).reservation_id.clone();

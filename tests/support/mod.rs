@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate::admission::{Admission, Attributes, Decision};
+use tollgate::admission::{Admission, Attributes, Decision, IdempotencyKey, KeyRepeat};
 use tollgate::config::Policy;
 use tollgate::estimate::PromptSize;
 use tollgate::store::clock::ManualClock;
@@ -433,6 +433,14 @@ impl<S: Store> Harness<S> {
             stream: false,
             input_only: false,
             outputs: 1,
+        }
+    }
+
+    /// `attributes` under an idempotency key that means `repeat` when repeated.
+    pub fn keyed(&self, prompt: u64, max_tokens: u64, key: &str, repeat: KeyRepeat) -> Attributes {
+        Attributes {
+            idempotency: Some(IdempotencyKey { key: key.into(), repeat }),
+            ..self.attributes(prompt, max_tokens)
         }
     }
 

@@ -201,7 +201,9 @@ pub(super) fn push_limits(a: &mut Argv, l: &ScopeLimits) {
 /// A scope's ten limits in one string, space separated, the period budgets last: as reserve takes
 /// them (`lua/common.lua`'s `PARSE.limits`).
 fn packed_limits(l: &ScopeLimits) -> String {
-    limits(l).join(" ").trim_end().to_string()
+    let mut packed = limits(l).join(" ");
+    packed.truncate(packed.trim_end().len());
+    packed
 }
 
 /// A scope's limits as the scripts take them, in [`SCOPE_ARGV`]'s order.
