@@ -12,13 +12,17 @@ mod support;
 use std::time::Duration;
 
 use support::faults::{Fault, Faulty};
-use support::{Harness, admitted};
+use support::{Harness, admitted, denied};
 use tokio_util::sync::CancellationToken;
+use tollgate::admission::Reason;
 use tollgate::hold::{CommitOutcome, Counted, Ending, RenewOutcome};
 use tollgate::store::Store;
 
 /// A window far longer than the few statements between a test's commits, far shorter than a lease.
 const BODY: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 20 }\n";
+/// The same window, and one request at a time.
+const ONE_AT_A_TIME: &str =
+    "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
 const WAIT: Duration = Duration::from_secs(10);
 
 /// The state of a hold, read by a renew (never batched).
@@ -113,6 +117,33 @@ async fn a_batch_the_store_refuses_goes_commit_by_commit<S: Store + Clone>(h: Ha
     }
 }
 
+/// A commit alone in its window goes alone, as commit.lua (a batch's gathering would cost the
+/// store more than the call it saves).
+async fn a_commit_alone_in_its_window_goes_alone<S: Store + Clone>(h: Harness<S>) {
+    let batched = h.wrapped(|s| Faulty::new(s, "commit_many", Fault::Passes)).await;
+    let ids = holds(&batched, 1).await;
+    batched.admission.commit_from_response(&ids[0], Counted::exact(100, 3), Ending::Completed).await;
+    let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
+    assert!(landed, "the commit never landed");
+    assert_eq!(batched.admission.protocol().store().calls(), 0, "no batch call for one commit");
+    assert_eq!(used(&batched, &ids[0]).await, 103);
+}
+
+/// A slot held by a commit that waits in this replica's window comes back a few ms later: the
+/// tenant's next reserve, refused for it, sends the waiting commits at once and is asked again,
+/// so a client that sends one request at a time is not refused for its own last one. A refusal
+/// with nothing waiting stands.
+async fn a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again<S: Store + Clone>(h: Harness<S>) {
+    let first = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
+    // (Nothing has yielded to the window's timer: the commit waits, and its hold keeps the slot.)
+    let second = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    assert_eq!(state(&h, &first).await, "committed", "the waiting commit went first");
+    assert_eq!(used(&h, &first).await, 110);
+    assert_eq!(denied(&h.reserve(100, 100).await).reason, Reason::Concurrency, "{second} holds the slot");
+    assert_eq!(state(&h, &second).await, "reserved");
+}
+
 /// The window in force stays until a restart (the store's settings do): a reload whose leases it
 /// would not fit ten times into is refused, and the policy in force stays.
 async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harness<S>) {
@@ -137,32 +168,34 @@ async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harnes
 }
 
 macro_rules! everywhere {
-    ($($scenario:ident),* $(,)?) => {
+    ($($scenario:ident: $body:ident),* $(,)?) => {
         mod embedded {
             $(#[tokio::test]
             async fn $scenario() {
-                super::$scenario(crate::support::embedded(super::BODY).await).await;
+                super::$scenario(crate::support::embedded(super::$body).await).await;
             })*
         }
         mod redis {
             $(#[tokio::test]
             async fn $scenario() {
-                super::$scenario(crate::support::redis(super::BODY).await).await;
+                super::$scenario(crate::support::redis(super::$body).await).await;
             })*
         }
         mod cluster {
             $(#[tokio::test]
             async fn $scenario() {
-                super::$scenario(crate::support::cluster(super::BODY).await).await;
+                super::$scenario(crate::support::cluster(super::$body).await).await;
             })*
         }
     };
 }
 
 everywhere!(
-    a_tenants_commits_in_one_window_go_in_one_call,
-    the_drain_commits_what_waits_at_once,
-    a_batch_the_store_does_not_take_is_retried_commit_by_commit,
-    a_batch_the_store_refuses_goes_commit_by_commit,
-    a_reload_keeps_every_lease_ten_windows_long,
+    a_tenants_commits_in_one_window_go_in_one_call: BODY,
+    the_drain_commits_what_waits_at_once: BODY,
+    a_batch_the_store_does_not_take_is_retried_commit_by_commit: BODY,
+    a_batch_the_store_refuses_goes_commit_by_commit: BODY,
+    a_commit_alone_in_its_window_goes_alone: BODY,
+    a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again: ONE_AT_A_TIME,
+    a_reload_keeps_every_lease_ten_windows_long: BODY,
 );

@@ -154,9 +154,27 @@ impl<S: Store> Admission<S> {
         self.batches.tasks.wait().await;
     }
 
+    /// Sends `tenant`'s batch now, without waiting for its window to end; false when it has none.
+    /// A refusal its commits may lift is asked again once they have landed (see
+    /// [`Admission::tenant_leg`]).
+    pub(super) async fn commit_waiting(&self, tenant: &str) -> bool {
+        let batch = self.batches.take(tenant);
+        if batch.is_empty() {
+            return false;
+        }
+        self.commit_batch(tenant, batch).await;
+        true
+    }
+
     /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
-    /// commit kept for the retry queue.
+    /// commit kept for the retry queue. A batch of one goes alone, as `commit.lua`: gathering a
+    /// batch's writes (`commit_many.lua`) costs the store more than one commit saves it.
     async fn commit_batch(&self, tenant: &str, batch: Vec<CommitCall>) {
+        if let [c] = batch.as_slice() {
+            let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
+            self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
+            return;
+        }
         if batch.is_empty() {
             return;
         }

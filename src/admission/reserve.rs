@@ -391,13 +391,26 @@ impl<S: Store> Admission<S> {
             token_weights: plan.token_weights,
             zone_offset_min,
         };
-        let outcome = match self.protocol.reserve(&call).await {
-            Ok(ReserveReply { outcome, swept, budget_left }) => {
-                self.saw_budgets(plan, &budget_left);
-                self.release_swept_pool_legs(&swept).await;
-                Ok(outcome)
+        let mut may_ask_again = true;
+        let outcome = loop {
+            match self.protocol.reserve(&call).await {
+                Ok(ReserveReply { outcome, swept, budget_left }) => {
+                    self.saw_budgets(plan, &budget_left);
+                    self.release_swept_pool_legs(&swept).await;
+                    // Commits of this tenant waiting in this replica's window hold slots and tokens
+                    // they will give back: a refusal they may lift sends them at once, and the
+                    // reserve is asked once more (a refusal changed nothing).
+                    if let ReserveOutcome::Denied { reason, .. } = &outcome
+                        && reason.commits_may_lift()
+                        && std::mem::take(&mut may_ask_again)
+                        && self.commit_waiting(&plan.tenant).await
+                    {
+                        continue;
+                    }
+                    break Ok(outcome);
+                }
+                Err(e) => break Err(e),
             }
-            Err(e) => Err(e),
         };
         match outcome {
             Ok(ReserveOutcome::Admitted {
