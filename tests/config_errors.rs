@@ -125,10 +125,13 @@ fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it()
     let says = |s: &str| assert!(summary.contains(s), "{s:?} missing from:\n{summary}");
     says("calls time out after 250 ms; 5 failures in a row stop them for 100-500 ms");
     says("tenant acme:");
-    assert!(!summary.contains("batched"), "commits go one by one unless the policy says: {summary}");
-    let batched = text.replace("  breaker:", "  commit_window_ms: 5\n  breaker:");
-    let summary = Policy::parse("batched.yaml", &batched).unwrap().summary();
-    assert!(summary.contains("; commits from responses batched by tenant over 5 ms"), "{summary}");
+    says("; commits from responses batched by tenant over 5 ms");
+    let alone = text.replace("  breaker:", "  commit_window_ms: 0\n  breaker:");
+    let summary_alone = Policy::parse("alone.yaml", &alone).unwrap().summary();
+    assert!(!summary_alone.contains("batched"), "commit_window_ms: 0 commits each at once: {summary_alone}");
+    let embedded = "models:\n  m: { max_output_tokens: 100 }\ntenants:\n  acme: {}\n";
+    let summary_embedded = Policy::parse("embedded.yaml", embedded).unwrap().summary();
+    assert!(!summary_embedded.contains("batched"), "the embedded store batches only when told: {summary_embedded}");
     for (tenant, mode) in [("acme", "local"), ("paid", "fail_open"), ("free", "fail_closed")] {
         let line = summary.lines().find(|l| l.contains(&format!("tenant {tenant}:"))).unwrap();
         assert!(line.contains(&format!("store down: {mode}")), "{line}");

@@ -124,7 +124,8 @@ pub struct StoreSettings {
     /// `maxmemory`.)
     pub max_memory_bytes: usize,
     /// How long a commit from a response waits for more of its tenant's to go in one store call
-    /// (`store.commit_window_ms`; zero, the default: each goes at once). See `admission::batch`.
+    /// (`store.commit_window_ms`; 5 ms on Redis and a Cluster unless set, none on the embedded
+    /// store; zero: each goes at once). See `admission::batch`.
     pub commit_window: Duration,
 }
 

@@ -34,6 +34,12 @@ const DEFAULT_MAX_MEMORY_MB: u64 = 128;
 const MAX_COMMIT_WINDOW_MS: u64 = 100;
 /// Windows a lease is at least as long as, so a batched commit lands well inside its hold's lease.
 const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
+/// The commit window on Redis and a Redis Cluster unless `store.commit_window_ms` says otherwise:
+/// a commit's own call costs Redis more than the script's work in it. (The embedded store's calls
+/// cost nothing of the kind: none there.) It fits the shortest lease any policy may have, so no
+/// policy and no reload is refused for it.
+const DEFAULT_COMMIT_WINDOW_MS: u64 = 5;
+const _: () = assert!(DEFAULT_COMMIT_WINDOW_MS * COMMIT_WINDOWS_IN_A_LEASE <= MIN_LEASE_MS);
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
@@ -180,6 +186,17 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             .and_then(|mb| mb.checked_mul(1 << 20))
             .ok_or_else(|| problem("store.max_memory_mb", "is more memory than this machine can address"))?,
     };
+    let commit_window_ms = match (raw.store.commit_window_ms, &choice) {
+        (None, StoreChoice::Embedded) => 0,
+        (None, StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => DEFAULT_COMMIT_WINDOW_MS,
+        (Some(ms), _) if ms <= MAX_COMMIT_WINDOW_MS => ms,
+        (Some(ms), _) => {
+            return Err(problem(
+                "store.commit_window_ms",
+                format!("{ms} is more than {MAX_COMMIT_WINDOW_MS}: a commit may wait that long at most"),
+            ));
+        }
+    };
     let store = StoreSettings {
         choice,
         connect_timeout: Duration::from_millis(positive(
@@ -199,16 +216,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
         },
         max_memory_bytes,
-        commit_window: Duration::from_millis(match raw.store.commit_window_ms {
-            None => 0,
-            Some(ms) if ms <= MAX_COMMIT_WINDOW_MS => ms,
-            Some(ms) => {
-                return Err(problem(
-                    "store.commit_window_ms",
-                    format!("{ms} is more than {MAX_COMMIT_WINDOW_MS}: a commit may wait that long at most"),
-                ));
-            }
-        }),
+        commit_window: Duration::from_millis(commit_window_ms),
     };
 
     let d = raw.defaults;
