@@ -23,6 +23,9 @@ const BODY: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_min
 /// The same window, and one request at a time.
 const ONE_AT_A_TIME: &str =
     "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
+/// One request at a time, in shadow.
+const SHADOWED: &str =
+    "commit_window_ms: 100\n---store---\nshadow: true\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
 const WAIT: Duration = Duration::from_secs(10);
 
 /// The state of a hold, read by a renew (never batched).
@@ -144,6 +147,39 @@ async fn a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again<S: Sto
     assert_eq!(state(&h, &second).await, "reserved");
 }
 
+/// A refusal is asked again only once the store has taken the waiting commits: one that could not
+/// reach it goes to the retry queue, the refusal stands (the decision does not wait on a failing
+/// store twice), and the slot is back when the retry lands.
+async fn a_refusal_is_asked_again_only_once_the_store_took_the_waiting_commits<S: Store + Clone>(h: Harness<S>) {
+    let batched =
+        h.wrapped(|s| Faulty::new(Faulty::new(s, "commit", Fault::Unreachable(1)), "reserve", Fault::Passes)).await;
+    let stop = CancellationToken::new();
+    let worker = batched.admission.run_retries(stop.clone()).expect("the admission's own retry worker");
+    let first = admitted(&batched.reserve(100, 100).await).reservation_id.clone();
+    batched.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
+    assert_eq!(denied(&batched.reserve(100, 100).await).reason, Reason::Concurrency, "the commit did not land");
+    let reserves = batched.admission.protocol().store();
+    assert_eq!(reserves.calls(), 2, "the refused reserve was not asked again");
+    assert_eq!(reserves.inner.calls(), 1, "the waiting commit was sent once, alone");
+    let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
+    assert!(landed, "the retry never landed");
+    assert_eq!(used(&batched, &first).await, 110, "exactly its counts, once");
+    admitted(&batched.reserve(100, 100).await);
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(5), worker).await.expect("the worker stops").unwrap();
+}
+
+/// A shadowed tenant's commits go at once: a slot a waiting commit still held would show in its
+/// shadow as a refusal that enforcing, which sends the waiting commits and asks again, would not
+/// make.
+async fn a_shadowed_tenants_commits_go_at_once<S: Store + Clone>(h: Harness<S>) {
+    let first = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
+    assert_eq!(state(&h, &first).await, "committed", "landed before commit_from_response returned");
+    let second = h.reserve(100, 100).await;
+    assert_eq!(admitted(&second).shadow, None, "the slot was free: nothing would have refused it");
+}
+
 /// The window in force stays until a restart (the store's settings do): a reload whose leases it
 /// would not fit ten times into is refused, and the policy in force stays.
 async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harness<S>) {
@@ -197,5 +233,7 @@ everywhere!(
     a_batch_the_store_refuses_goes_commit_by_commit: BODY,
     a_commit_alone_in_its_window_goes_alone: BODY,
     a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again: ONE_AT_A_TIME,
+    a_refusal_is_asked_again_only_once_the_store_took_the_waiting_commits: ONE_AT_A_TIME,
+    a_shadowed_tenants_commits_go_at_once: SHADOWED,
     a_reload_keeps_every_lease_ten_windows_long: BODY,
 );

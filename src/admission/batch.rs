@@ -107,12 +107,17 @@ impl<S: Store> Admission<S> {
     /// this returns at once; otherwise it is made now. Either way, one that cannot reach the store
     /// is retried ([`Admission::retry`]), and what happened is logged.
     pub async fn commit_from_response(self: &Arc<Self>, id: &str, counted: Counted, ending: Ending) {
-        let window = self.policy().store.commit_window;
-        // (No window, the default: nothing read here that commit_ended reads again.)
+        let policy = self.policy();
+        let window = policy.store.commit_window;
+        // (No window: nothing read here that commit_ended reads again.) A shadowed tenant's
+        // commits go at once: a slot a waiting commit still held would show in its shadow as a
+        // refusal enforcing would not make (a refused reserve sends the waiting commits and asks
+        // again; a shadowed one is admitted, and cannot be asked again).
         let in_store = (!window.is_zero())
             .then(|| checked_commit(id, counted).ok())
             .flatten()
-            .filter(|r| matches!(self.home(r), Home::Store));
+            .filter(|r| matches!(self.home(r), Home::Store))
+            .filter(|r| !self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow));
         let joined = in_store.map(|r| {
             let tenant = r.tenant.to_string();
             let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
@@ -154,36 +159,35 @@ impl<S: Store> Admission<S> {
         self.batches.tasks.wait().await;
     }
 
-    /// Sends `tenant`'s batch now, without waiting for its window to end; false when it has none.
-    /// A refusal its commits may lift is asked again once they have landed (see
-    /// [`Admission::tenant_leg`]).
+    /// Sends `tenant`'s waiting batch now, without waiting for its window to end: true when it
+    /// had one and the store took it (see [`Admission::tenant_leg`], which then asks a refused
+    /// reserve again).
     pub(super) async fn commit_waiting(&self, tenant: &str) -> bool {
         let batch = self.batches.take(tenant);
-        if batch.is_empty() {
-            return false;
-        }
-        self.commit_batch(tenant, batch).await;
-        true
+        !batch.is_empty() && self.commit_batch(tenant, batch).await
     }
 
     /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
-    /// commit kept for the retry queue. A batch of one goes alone, as `commit.lua`: gathering a
-    /// batch's writes (`commit_many.lua`) costs the store more than one commit saves it.
-    async fn commit_batch(&self, tenant: &str, batch: Vec<CommitCall>) {
+    /// commit kept for the retry queue. True when the store took it (a commit it refused on its
+    /// own aside). A batch of one goes alone, as `commit.lua` (a window of one all the same, in
+    /// `tollgate_commit_batch`): gathering a batch's writes (`commit_many.lua`) costs the store
+    /// more than one commit saves it.
+    async fn commit_batch(&self, tenant: &str, batch: Vec<CommitCall>) -> bool {
+        if batch.is_empty() {
+            return true;
+        }
+        self.metrics.commit_batch(batch.len());
         if let [c] = batch.as_slice() {
             let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
             self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
-            return;
+            return !outcome.is_err_and(|e| e.is_transient());
         }
-        if batch.is_empty() {
-            return;
-        }
-        self.metrics.commit_batch(batch.len());
         match self.commit_together(tenant, &batch).await {
             Ok(outcomes) => {
                 for (c, outcome) in batch.iter().zip(&outcomes) {
                     self.committed_from_response(&c.id, c.counted, c.ending, Ok(outcome));
                 }
+                true
             }
             // (None of the batch is known to have run: each is retried, and a commit that did run
             // answers its retry as a repeat, charging nothing more.)
@@ -191,6 +195,7 @@ impl<S: Store> Admission<S> {
                 for c in &batch {
                     self.committed_from_response(&c.id, c.counted, c.ending, Err(&e));
                 }
+                false
             }
             // A batch the store refused (a script error before its end has written nothing of the
             // commits it gathered: see common.lua's gather): each commit alone, so that only the
@@ -201,6 +206,7 @@ impl<S: Store> Admission<S> {
                     let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
                     self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
                 }
+                true
             }
         }
     }

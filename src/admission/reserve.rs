@@ -397,11 +397,13 @@ impl<S: Store> Admission<S> {
                 Ok(ReserveReply { outcome, swept, budget_left }) => {
                     self.saw_budgets(plan, &budget_left);
                     self.release_swept_pool_legs(&swept).await;
-                    // Commits of this tenant waiting in this replica's window hold slots and tokens
-                    // they will give back: a refusal they may lift sends them at once, and the
-                    // reserve is asked once more (a refusal changed nothing).
-                    if let ReserveOutcome::Denied { reason, .. } = &outcome
-                        && reason.commits_may_lift()
+                    // Commits of this tenant waiting in this replica's window still hold their
+                    // slots: a refusal for a slot sends them at once and, once the store has taken
+                    // them, asks once more (a refusal changed nothing), so that a client sending
+                    // one request at a time is not refused for its own last one. (Not a refusal on
+                    // tokens or a budget: what a waiting commit gives back there seldom lifts it,
+                    // and under overload every window would cost a reserve more.)
+                    if let ReserveOutcome::Denied { reason: Refusal::Concurrency, .. } = &outcome
                         && std::mem::take(&mut may_ask_again)
                         && self.commit_waiting(&plan.tenant).await
                     {

@@ -41,18 +41,6 @@ pub enum Refusal {
     Unsatisfiable,
 }
 
-impl Refusal {
-    /// Whether commits yet to land may lift it: a commit gives back its hold's slot, and the tokens
-    /// (and their share of each budget) it held beyond what it used. (A request's permit stays
-    /// taken, and an idempotency key's refusals and an unsatisfiable hold stay as they are.)
-    pub fn commits_may_lift(self) -> bool {
-        matches!(
-            self,
-            Refusal::TokenRate | Refusal::InputRate | Refusal::OutputRate | Refusal::Concurrency | Refusal::Budget(_)
-        )
-    }
-}
-
 /// Why a pool refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PoolRefusal {
