@@ -136,7 +136,7 @@ async fn a_commit_alone_in_its_window_goes_alone<S: Store + Clone>(h: Harness<S>
 /// tenant's next reserve, refused for it, sends the waiting commits at once and is asked again,
 /// so a client that sends one request at a time is not refused for its own last one. A refusal
 /// with nothing waiting stands.
-async fn a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again<S: Store + Clone>(h: Harness<S>) {
+async fn a_refusal_for_a_slot_a_waiting_commit_holds_sends_it_and_asks_again<S: Store + Clone>(h: Harness<S>) {
     let first = admitted(&h.reserve(100, 100).await).reservation_id.clone();
     h.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
     // (Nothing has yielded to the window's timer: the commit waits, and its hold keeps the slot.)
@@ -158,9 +158,10 @@ async fn a_refusal_is_asked_again_only_once_the_store_took_the_waiting_commits<S
     let first = admitted(&batched.reserve(100, 100).await).reservation_id.clone();
     batched.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
     assert_eq!(denied(&batched.reserve(100, 100).await).reason, Reason::Concurrency, "the commit did not land");
-    let reserves = batched.admission.protocol().store();
-    assert_eq!(reserves.calls(), 2, "the refused reserve was not asked again");
-    assert_eq!(reserves.inner.calls(), 1, "the waiting commit was sent once, alone");
+    let store = batched.admission.protocol().store();
+    let (reserves, commits) = (store.calls(), store.inner.calls());
+    assert_eq!(reserves, 2, "the refused reserve was not asked again");
+    assert_eq!(commits, 1, "the waiting commit was sent once, alone");
     let landed = batched.eventually(WAIT, || async { batched.in_flight().await == 0.0 }).await;
     assert!(landed, "the retry never landed");
     assert_eq!(used(&batched, &first).await, 110, "exactly its counts, once");
@@ -232,7 +233,7 @@ everywhere!(
     a_batch_the_store_does_not_take_is_retried_commit_by_commit: BODY,
     a_batch_the_store_refuses_goes_commit_by_commit: BODY,
     a_commit_alone_in_its_window_goes_alone: BODY,
-    a_refusal_the_waiting_commits_may_lift_sends_them_and_asks_again: ONE_AT_A_TIME,
+    a_refusal_for_a_slot_a_waiting_commit_holds_sends_it_and_asks_again: ONE_AT_A_TIME,
     a_refusal_is_asked_again_only_once_the_store_took_the_waiting_commits: ONE_AT_A_TIME,
     a_shadowed_tenants_commits_go_at_once: SHADOWED,
     a_reload_keeps_every_lease_ten_windows_long: BODY,

@@ -111,13 +111,23 @@ async fn batched_commits_from_responses_land_with_each_its_own_usage() {
         let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
         assert_eq!((c.used_tokens, c.metered, c.ending.as_str()), (prompt + output, false, "completed"), "{c:?}");
     }
-    let (_, metrics) = support::procs::http_get(admin, "/metrics");
-    let sample = |name: &str| {
-        metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+    // (Windows and the commits they carried.)
+    let windows = || {
+        let (_, metrics) = support::procs::http_get(admin, "/metrics");
+        let sample = |name: &str| {
+            metrics.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+        };
+        (sample("tollgate_commit_batch_count"), sample("tollgate_commit_batch_sum"))
     };
-    let (batches, commits) = (sample("tollgate_commit_batch_count"), sample("tollgate_commit_batch_sum"));
-    assert_eq!(commits, 6.0, "every commit in a batch:\n{metrics}");
+    let (batches, commits) = windows();
+    assert_eq!(commits, 6.0, "every commit in a window");
     assert!((1.0..=6.0).contains(&batches), "{batches} batches");
+    // A request alone in its window: its commit goes alone (commit.lua), a window of one all the same.
+    let r = post(stack.envoy.port, CHAT, &[TENANT], chat(false, true)).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let c = stack.charged(r.header("x-sim-reservation").unwrap()).await;
+    assert_eq!(c.ending, "completed", "{c:?}");
+    assert_eq!(windows(), (batches + 1.0, 7.0), "a window of one counts as one");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

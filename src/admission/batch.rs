@@ -5,23 +5,27 @@
 //! script does anything. Nobody waits for the commit that Envoy's ext_proc makes when a response
 //! ends, so it can wait a little for company: the first commit of a tenant starts its window, and
 //! every commit of that tenant made within it goes in the same call (`commit_many.lua`), each
-//! exactly as it would alone, at one time. A batch goes early when it reaches [`MOST`].
+//! exactly as it would alone, at one time; a window that ends with one commit sends it alone
+//! (`commit.lua`). A batch goes early when it reaches [`MOST`]. Redis and a Cluster batch unless
+//! the policy says `commit_window_ms: 0`; the embedded store only when the policy sets a window.
 //!
 //! What a window changes is when a commit lands, never what it charges: until then its hold stays
 //! charged as held (refunds come later, a debt beyond the hold lands later), and its slot stays
-//! taken. The window is at most a tenth of any lease (see the policy's validation; a reload is
-//! held to the window in force), so a hold's lease covers its commit's wait. A batch that could
-//! not reach the store goes, commit by commit, to the retry queue, as a single commit from a
-//! response would; one the store refused (a script error before its end, which writes nothing of
-//! the commits it gathered: see common.lua's `gather`) goes again commit by commit, so only the
-//! one at fault fails. Stopping flushes every window at once
-//! (see [`Admission::finish_tasks`]); once the drain has begun, a commit goes alone. What waits
-//! in a window when the process dies (not a drain) is lost, as a commit on its way would be: its
-//! hold expires by its lease, settled per `expired_usage`.
+//! taken, but for a reserve of its tenant refused for a slot here, which sends the waiting commits
+//! at once and asks again ([`Admission::commit_waiting`]). The window is at most a tenth of any
+//! lease (see the policy's validation; a reload is held to the window in force), so a hold's lease
+//! covers its commit's wait. A batch that could not reach the store goes, commit by commit, to the
+//! retry queue, as a single commit from a response would; one the store refused (a script error
+//! before its end, which writes nothing of the commits it gathered: see common.lua's `gather`) goes
+//! again commit by commit, so only the one at fault fails. Stopping flushes every window at once
+//! (see [`Admission::finish_tasks`]); once the drain has begun, a commit goes alone. What waits in
+//! a window when the process dies (not a drain) is lost, as a commit on its way would be: its hold
+//! expires by its lease, settled per `expired_usage`.
 //!
 //! Only holds in the store are batched: a leased hold settles in this replica's memory, and
 //! another replica's is forwarded, neither with a store call of its own to save. Callers of
-//! `Admission/Commit` wait for their answer, and are never batched.
+//! `Admission/Commit` wait for their answer, and are never batched; nor is a shadowed tenant's
+//! commit (see [`Admission::commit_from_response`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -111,8 +115,8 @@ impl<S: Store> Admission<S> {
         let window = policy.store.commit_window;
         // (No window: nothing read here that commit_ended reads again.) A shadowed tenant's
         // commits go at once: a slot a waiting commit still held would show in its shadow as a
-        // refusal enforcing would not make (a refused reserve sends the waiting commits and asks
-        // again; a shadowed one is admitted, and cannot be asked again).
+        // refusal enforcing would not make (a reserve refused for a slot sends the waiting commits
+        // and asks again; a shadowed one is admitted, and cannot be asked again).
         let in_store = (!window.is_zero())
             .then(|| checked_commit(id, counted).ok())
             .flatten()
@@ -160,8 +164,8 @@ impl<S: Store> Admission<S> {
     }
 
     /// Sends `tenant`'s waiting batch now, without waiting for its window to end: true when it
-    /// had one and the store took it (see [`Admission::tenant_leg`], which then asks a refused
-    /// reserve again).
+    /// had one and the store took it (see [`Admission::tenant_leg`], which then asks a reserve
+    /// refused for a slot again).
     pub(super) async fn commit_waiting(&self, tenant: &str) -> bool {
         let batch = self.batches.take(tenant);
         !batch.is_empty() && self.commit_batch(tenant, batch).await
