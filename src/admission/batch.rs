@@ -112,35 +112,33 @@ impl<S: Store> Admission<S> {
     /// is retried ([`Admission::retry`]), and what happened is logged.
     pub async fn commit_from_response(self: &Arc<Self>, id: &str, counted: Counted, ending: Ending) {
         let policy = self.policy();
-        let window = policy.store.commit_window;
         // (No window: nothing read here that commit_ended reads again.) A shadowed tenant's
         // commits go at once: a slot a waiting commit still held would show in its shadow as a
         // refusal enforcing would not make (a reserve refused for a slot sends the waiting commits
         // and asks again; a shadowed one is admitted, and cannot be asked again).
-        let in_store = (!window.is_zero())
-            .then(|| checked_commit(id, counted).ok())
-            .flatten()
-            .filter(|r| matches!(self.home(r), Home::Store))
-            .filter(|r| !self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow));
-        let joined = in_store.map(|r| {
-            let tenant = r.tenant.to_string();
+        let batched = policy.store.commit_window.and_then(|window| {
+            let r = checked_commit(id, counted).ok()?;
+            let shadowed = self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow);
+            (matches!(self.home(&r), Home::Store) && !shadowed).then(|| (r.tenant.to_string(), window))
+        });
+        let joined = batched.map(|(tenant, window)| {
             let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
-            (tenant, joined)
+            (tenant, window, joined)
         });
         match joined {
-            None | Some((_, Joined::Closed)) => {
+            None | Some((_, _, Joined::Closed)) => {
                 let outcome = self.commit_ended(id, counted, ending).await;
                 self.committed_from_response(id, counted, ending, outcome.as_ref());
             }
-            Some((_, Joined::Waits)) => {}
-            Some((tenant, Joined::Filled(batch, token))) => {
+            Some((_, _, Joined::Waits)) => {}
+            Some((tenant, _, Joined::Filled(batch, token))) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
                 drop(token);
             }
             // (A window whose batch filled early sends the next batch when it ends: every batch
             // has a timer running, some a shorter window.)
-            Some((tenant, Joined::Opened(token))) => {
+            Some((tenant, window, Joined::Opened(token))) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move {
                     tokio::time::sleep(window).await;

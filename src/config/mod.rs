@@ -125,8 +125,8 @@ pub struct StoreSettings {
     pub max_memory_bytes: usize,
     /// How long a commit from a response waits for more of its tenant's to go in one store call
     /// (`store.commit_window_ms`; 5 ms on Redis and a Cluster unless set, none on the embedded
-    /// store; zero: each goes at once). See `admission::batch`.
-    pub commit_window: Duration,
+    /// store). None: each goes at once (the policy's 0). See `admission::batch`.
+    pub commit_window: Option<Duration>,
 }
 
 /// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,
@@ -462,7 +462,7 @@ impl Policy {
     /// Refuses a policy whose shortest lease is shorter than ten times `window`, the commit window
     /// in force (a reload keeps the store's settings until a restart, so this policy's own window
     /// is not the one its holds will see).
-    pub fn check_window_in_force(&self, file: &str, window: Duration) -> Result<(), ConfigError> {
+    pub fn check_window_in_force(&self, file: &str, window: Option<Duration>) -> Result<(), ConfigError> {
         validate::commit_window_fits(window, self.shortest_lease_ms(), " (in force until a restart)")
             .map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
     }

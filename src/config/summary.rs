@@ -50,9 +50,9 @@ impl Policy {
             b.open.as_millis(),
             b.max_open.as_millis()
         );
-        let batched = match self.store.commit_window.as_millis() {
-            0 => String::new(),
-            ms => format!("; commits from responses batched by tenant over {ms} ms"),
+        let batched = match self.store.commit_window {
+            None => String::new(),
+            Some(w) => format!("; commits from responses batched by tenant over {} ms", w.as_millis()),
         };
         let store = match &self.store.choice {
             StoreChoice::Embedded => {

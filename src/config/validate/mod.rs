@@ -53,9 +53,10 @@ const MAX_OUTPUT_CEILING: u64 = 10_000_000;
 /// the protocol's nouns (`hold`) re-export it for everything else.
 pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
-/// A commit window of at most a tenth of the shortest lease (`shortest_lease_ms`); `said` is what
-/// the error adds about where the window comes from.
-pub(super) fn commit_window_fits(window: Duration, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
+/// A commit window, if any, of at most a tenth of the shortest lease (`shortest_lease_ms`); `said`
+/// is what the error adds about where the window comes from.
+pub(super) fn commit_window_fits(window: Option<Duration>, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
+    let Some(window) = window else { return Ok(()) };
     let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
     if window.saturating_mul(COMMIT_WINDOWS_IN_A_LEASE) > shortest_lease_ms {
         return Err(problem(
@@ -187,9 +188,9 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             .ok_or_else(|| problem("store.max_memory_mb", "is more memory than this machine can address"))?,
     };
     let commit_window_ms = match (raw.store.commit_window_ms, &choice) {
-        (None, StoreChoice::Embedded) => 0,
-        (None, StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => DEFAULT_COMMIT_WINDOW_MS,
-        (Some(ms), _) if ms <= MAX_COMMIT_WINDOW_MS => ms,
+        (None, StoreChoice::Embedded) | (Some(0), _) => None,
+        (None, StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => Some(DEFAULT_COMMIT_WINDOW_MS),
+        (Some(ms), _) if ms <= MAX_COMMIT_WINDOW_MS => Some(ms),
         (Some(ms), _) => {
             return Err(problem(
                 "store.commit_window_ms",
@@ -216,7 +217,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
         },
         max_memory_bytes,
-        commit_window: Duration::from_millis(commit_window_ms),
+        commit_window: commit_window_ms.map(Duration::from_millis),
     };
 
     let d = raw.defaults;
