@@ -30,6 +30,11 @@
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
+--   tm  in a compact record, the reserve's terms string (reserve.lua's ARGV[12]) in place of
+--       xp, rt, it and oq; such a record also leaves out ik and ok when empty, and ch, sl, at
+--       and es as a new hold has them (h, 1, 1, 0). This version reads it (load); none writes it
+--       yet: a replica of an earlier version could not read it (it would leak the hold's slot),
+--       so it is written only once every replica reads it.
 -- Once committed or released the record is gone: what a repeat is answered with moves to its
 -- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)
 -- passes: a late commit reconciles against it.
@@ -183,6 +188,42 @@ local function split(s)
   return out
 end
 
+-- What changes only with the policy (a hold's terms, a scope's limits) may reach a phase as one
+-- string, read once per distinct string: on Redis the library's locals outlive a call, so a busy
+-- tenant's terms are parsed once, not at every call (the embedded store runs the library anew at
+-- every call, and parses them every time). What `parse` makes of a string is shared by every call
+-- that sends the same one: read only. At most 4,096 are kept; past that the cache starts afresh.
+-- (`parsed[parse][s]`, and `parsed.n` entries in all.)
+local parsed = { n = 0 }
+local function parsed_once(s, parse)
+  if parsed.n >= 4096 then
+    parsed = { n = 0 }
+  end
+  local by = parsed[parse]
+  if not by then
+    by = {}
+    parsed[parse] = by
+  end
+  local v = by[s]
+  if v == nil then
+    v = parse(s)
+    by[s], parsed.n = v, parsed.n + 1
+  end
+  return v
+end
+
+-- The readers parsed_once is given, one a kind of string (in a table: a chunk has at most 200
+-- locals, and the embedded store runs this file and a phase as one).
+local PARSE = {}
+
+-- The terms a compact record keeps in `tm`, the reserve's terms string (see reserve.lua's
+-- ARGV[12]), as the fields a record of the full form has: {xp, rt, it, oq}. Read by position,
+-- whatever follows the ninth (a later version may add terms), once per distinct string.
+function PARSE.record_terms(s)
+  local t = split(s)
+  return { t[4], t[3], t[2], t[9] }
+end
+
 -- A record's state when its key holds only the note a give-back leaves (see above).
 local SETTLED_NOTE = 'settled'
 
@@ -197,6 +238,14 @@ local function load(rk)
   end
   if not r.st or r.st == SETTLED_NOTE then
     return nil
+  end
+  -- A compact record keeps the terms it was made under as one string (`tm`), and leaves out
+  -- what every new hold starts with (no idempotency key, no estimate to teach, charged as held,
+  -- holding its slot, first attempt, not estimated): they read as the full form's fields.
+  if r.tm then
+    local t = parsed_once(r.tm, PARSE.record_terms)
+    r.xp, r.rt, r.it, r.oq = r.xp or t[1], r.rt or t[2], r.it or t[3], r.oq or t[4]
+    r.ik, r.ok, r.ch, r.sl, r.at, r.es = r.ik or '', r.ok or '', r.ch or r.h, r.sl or '1', r.at or '1', r.es or '0'
   end
   r.h = tonumber(r.h)
   r.ch = tonumber(r.ch)
@@ -462,34 +511,6 @@ local function keep_scope(key, ms)
   end
   kept[key] = max(kept[key] or 0, ms)
 end
-
--- What changes only with the policy (a hold's terms, a scope's limits) may reach a phase as one
--- string, read once per distinct string: on Redis the library's locals outlive a call, so a busy
--- tenant's terms are parsed once, not at every call (the embedded store runs the library anew at
--- every call, and parses them every time). What `parse` makes of a string is shared by every call
--- that sends the same one: read only. At most 4,096 are kept; past that the cache starts afresh.
--- (`parsed[parse][s]`, and `parsed.n` entries in all.)
-local parsed = { n = 0 }
-local function parsed_once(s, parse)
-  if parsed.n >= 4096 then
-    parsed = { n = 0 }
-  end
-  local by = parsed[parse]
-  if not by then
-    by = {}
-    parsed[parse] = by
-  end
-  local v = by[s]
-  if v == nil then
-    v = parse(s)
-    by[s], parsed.n = v, parsed.n + 1
-  end
-  return v
-end
-
--- The readers parsed_once is given, one a kind of string (in a table: a chunk has at most 200
--- locals, and the embedded store runs this file and a phase as one).
-local PARSE = {}
 
 -- A scope's limits: token capacity, tokens per ms, request capacity, requests per ms, max
 -- concurrency, input token capacity, input tokens per ms, output token capacity, output tokens

@@ -369,6 +369,43 @@ mod scenarios {
         assert_eq!(h.admission.renew(&id, 0).await.unwrap().state(), "late_committed");
     }
 
+    /// A compact record (its terms in `tm`, what a new hold starts with left out: see common.lua)
+    /// commits, renews, releases, expires and late-commits as the full form does; expiring, it
+    /// frees its slot (one at a time here: the next hold is admitted only if it did).
+    pub async fn a_compact_record_settles_as_the_full_form_does<S: Store>(h: Harness<S>) {
+        let compact = tollgate::store::Script::new(
+            "compact",
+            "local v = redis.call('HMGET', KEYS[1], 'it', 'rt', 'xp', 'oq') \
+             redis.call('HDEL', KEYS[1], 'it', 'rt', 'xp', 'oq', 'ik', 'ok', 'ch', 'sl', 'at', 'es') \
+             return redis.call('HSET', KEYS[1], 'tm', '0 ' .. v[1] .. ' ' .. v[2] .. ' ' .. v[3] .. ' 0 0 0 0 ' .. v[4])"
+                .to_string(),
+        );
+        let hold = || async {
+            let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
+            let record = keys::record(&h.tenant, &id);
+            h.admission.protocol().store().eval(&compact, vec![record.clone()], vec![]).await.expect("compacted");
+            let fields = h.inspect(vec![record.clone()]).await.remove(&record).unwrap().fields;
+            assert!(
+                fields.contains_key("tm") && !fields.contains_key("sl") && !fields.contains_key("xp"),
+                "{fields:?}"
+            );
+            id
+        };
+        let a = hold().await;
+        let c = h.admission.commit(&a, 100, 20).await.unwrap();
+        assert_eq!((c.state(), c.usage().unwrap().used, c.usage().unwrap().refunded), ("committed", 120, 480));
+        let b = hold().await;
+        assert_eq!(h.admission.renew(&b, 0).await.unwrap(), RenewOutcome::Renewed { lease_remaining_ms: 300 });
+        let r = h.admission.release(&b).await.unwrap();
+        assert_eq!(r, ReleaseOutcome::Released { refunded: 600, repeated: false });
+        let c = hold().await;
+        h.advance(400).await;
+        // The next reserve sweeps the expired hold: its slot is free, its 600 tokens stay charged.
+        admitted(&h.reserve(0, 100).await);
+        let late = h.admission.commit(&c, 100, 20).await.unwrap();
+        assert_eq!((late.state(), late.usage().unwrap().used), ("late_committed", 120));
+    }
+
     pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {
         let id = admitted(&h.reserve(1, 1).await).reservation_id.clone();
         h.advance(200).await;
@@ -1887,6 +1924,7 @@ macro_rules! conformance {
             scenario!(an_expired_hold_is_refunded_under_refund, LEASE_REFUND);
             scenario!(a_commit_after_the_lease_settles_the_expiry_first, LEASE_CHARGE);
             scenario!(renew_extends_the_lease, LEASE_CHARGE);
+            scenario!(a_compact_record_settles_as_the_full_form_does, LEASE_CHARGE);
             scenario!(a_repeated_reserve_returns_the_same_hold, BUCKET);
             scenario!(a_retried_request_is_a_new_attempt, BUCKET);
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);
