@@ -33,7 +33,7 @@
 --   tm  in a compact record, the reserve's terms string (reserve.lua's ARGV[12]) in place of
 --       xp, rt, it and oq; such a record also leaves out ik and ok when empty, and ch, sl, at
 --       and es as a new hold has them (h, 1, 1, 0). This version reads it (load); none writes it
---       yet: a replica of an earlier version could not read it (it would leak the hold's slot),
+--       yet: a replica of an earlier version could not read it (it would find no sl, xp or rt),
 --       so it is written only once every replica reads it.
 -- Once committed or released the record is gone: what a repeat is answered with moves to its
 -- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)

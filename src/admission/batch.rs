@@ -67,8 +67,8 @@ enum Joined {
     Waits,
     /// Its tenant's batch, which it filled: the batch goes now.
     Filled(Vec<CommitCall>, TaskTrackerToken),
-    /// None: the drain has begun.
-    Closed,
+    /// None: the drain has begun. The commit comes back, to go alone.
+    Closed(CommitCall),
 }
 
 impl Batches {
@@ -79,7 +79,7 @@ impl Batches {
     fn join(&self, tenant: &str, call: CommitCall) -> Joined {
         let mut waiting = self.lock();
         if waiting.closed {
-            return Joined::Closed;
+            return Joined::Closed(call);
         }
         let batch = waiting.by_tenant.entry(tenant.to_string()).or_default();
         batch.push(call);
@@ -121,24 +121,24 @@ impl<S: Store> Admission<S> {
             let shadowed = self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow);
             (matches!(self.home(&r), Home::Store) && !shadowed).then(|| (r.tenant.to_string(), window))
         });
-        let joined = batched.map(|(tenant, window)| {
-            let joined = self.batches.join(&tenant, CommitCall { id: id.to_string(), counted, ending });
-            (tenant, window, joined)
-        });
-        match joined {
-            None | Some((_, _, Joined::Closed)) => {
-                let outcome = self.commit_ended(id, counted, ending).await;
-                self.committed_from_response(id, counted, ending, outcome.as_ref());
+        let call = CommitCall { id: id.to_string(), counted, ending };
+        let Some((tenant, window)) = batched else {
+            self.commit_alone(&call).await;
+            return;
+        };
+        match self.batches.join(&tenant, call) {
+            Joined::Closed(call) => {
+                self.commit_alone(&call).await;
             }
-            Some((_, _, Joined::Waits)) => {}
-            Some((tenant, _, Joined::Filled(batch, token))) => {
+            Joined::Waits => {}
+            Joined::Filled(batch, token) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
                 drop(token);
             }
             // (A window whose batch filled early sends the next batch when it ends: every batch
             // has a timer running, some a shorter window.)
-            Some((tenant, window, Joined::Opened(token))) => {
+            Joined::Opened(token) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move {
                     tokio::time::sleep(window).await;
@@ -180,9 +180,7 @@ impl<S: Store> Admission<S> {
         }
         self.metrics.commit_batch(batch.len());
         if let [c] = batch.as_slice() {
-            let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
-            self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
-            return !outcome.is_err_and(|e| e.is_transient());
+            return self.commit_alone(c).await;
         }
         match self.commit_together(tenant, &batch).await {
             Ok(outcomes) => {
@@ -205,12 +203,19 @@ impl<S: Store> Admission<S> {
             Err(e) => {
                 tracing::warn!(error = %e, tenant, commits = batch.len(), "a batch of commits failed; committing each alone");
                 for c in &batch {
-                    let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
-                    self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
+                    self.commit_alone(c).await;
                 }
                 true
             }
         }
+    }
+
+    /// One commit from a response, made now in a call of its own, and what happened logged (one
+    /// that cannot reach the store kept for the retry queue): true when the store took it.
+    async fn commit_alone(&self, c: &CommitCall) -> bool {
+        let outcome = self.commit_ended(&c.id, c.counted, c.ending).await;
+        self.committed_from_response(&c.id, c.counted, c.ending, outcome.as_ref());
+        !outcome.is_err_and(|e| e.is_transient())
     }
 
     /// Commits `tenant`'s holds in the store in one call, each as [`Admission::commit_ended`]

@@ -401,8 +401,8 @@ impl<S: Store> Admission<S> {
                     // slots: a refusal for a slot sends them at once and, once the store has taken
                     // them, asks once more (a refusal changed nothing), so that a client sending
                     // one request at a time is not refused for its own last one. (Not a refusal on
-                    // tokens or a budget: what a waiting commit gives back there seldom lifts it,
-                    // and under overload every window would cost a reserve more.)
+                    // tokens or a budget: a waiting commit gives back only what its hold held beyond
+                    // its use, and under overload asking again would cost a reserve a window.)
                     if let ReserveOutcome::Denied { reason: Refusal::Concurrency, .. } = &outcome
                         && std::mem::take(&mut may_ask_again)
                         && self.commit_waiting(&plan.tenant).await
