@@ -32,9 +32,10 @@
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
 --   tm  in a compact record, the reserve's terms string (reserve.lua's ARGV[12]) in place of
 --       xp, rt, it and oq; such a record also leaves out ik and ok when empty, and ch, sl, at
---       and es as a new hold has them (h, 1, 1, 0). This version reads it (load); none writes it
---       yet: a replica of an earlier version could not read it (it would find no sl, xp or rt),
---       so it is written only once every replica reads it.
+--       and es as a new hold has them (h, 1, 1, 0). A replica of a version before the compact
+--       form could not read it (it would find no sl, xp or rt): a reserve writes it only when
+--       its terms say every replica sharing the store reads it (heartbeat.lua tells each
+--       replica), and load reads both forms.
 -- Once committed or released the record is gone: what a repeat is answered with moves to its
 -- tenant's settled buckets (below). An expired record keeps every field until its retention (`rt`)
 -- passes: a late commit reconciles against it.
@@ -572,13 +573,14 @@ end
 -- string (parsed_once). What the record keeps as it came stays a string.
 function PARSE.hold_terms(s)
   local t = split(s)
-  if #t ~= 22 then
-    error('a hold\'s terms have ' .. #t .. ' fields, not 22: ' .. s)
+  if #t ~= 23 then
+    error('a hold\'s terms have ' .. #t .. ' fields, not 23: ' .. s)
   end
   local terms = { lease = tonumber(t[1]), idle = t[2], late_commit_wait = t[3], policy = t[4],
     batch = tonumber(t[5]), attempt_limit = tonumber(t[6]), concurrency_wait_cap = tonumber(t[7]),
     min_samples = tonumber(t[8]), quantile = t[9], shadow = t[10] == '1', price_in = tonumber(t[11]),
-    price_out = tonumber(t[12]), retention = tonumber(t[13]), offset = tonumber(t[14]), ledger = '', cache = '' }
+    price_out = tonumber(t[12]), retention = tonumber(t[13]), offset = tonumber(t[14]), ledger = '', cache = '',
+    compact = t[23] == '2' }
   if t[15] ~= '-' then
     terms.ledger = t[15] .. ' ' .. t[16]
   end

@@ -1,17 +1,28 @@
 -- heartbeat.lua: a replica says it is alive, and learns how many are (for on_store_error: local,
--- which shares each limit among the replicas while the store cannot be reached).
+-- which shares each limit among the replicas while the store cannot be reached) and which forms
+-- of a reservation record every one of them reads (a reserve writes the compact form only once
+-- every replica reads it: see reserve.lua).
 --
--- KEYS[1] the replicas: a sorted set of replica ids by when each was last heard (ms)
+-- KEYS[1] the replicas: a sorted set of replica ids by when each was last heard (ms), each id as
+--         "<replica>#<the newest record form it reads>" ("<replica>" alone: a version from before
+--         forms were announced, which is taken to read only the first, the full form)
 -- ARGV[1] this replica
 -- ARGV[2] how long a replica counts after its last heartbeat (ms)
+-- ARGV[3] the newest record form this replica reads (1 full, 2 compact)
 --
--- Reply: the replicas heard within that time, this one included.
+-- Reply: {the replicas heard within that time, this one included; the newest record form every
+--         one of them reads}
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
-call('ZADD', KEYS[1], now, ARGV[1])
+local form = tonumber(ARGV[3])
+call('ZADD', KEYS[1], now, ARGV[1] .. '#' .. ARGV[3])
 local gone = call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 for _, replica in ipairs(gone) do
   call('ZREM', KEYS[1], replica)
 end
 call('PEXPIRE', KEYS[1], ttl)
-return #call('ZRANGE', KEYS[1], 0, -1)
+local heard = call('ZRANGE', KEYS[1], 0, -1)
+for _, replica in ipairs(heard) do
+  form = min(form, tonumber(string.match(replica, '#(%d+)$')) or 1)
+end
+return { #heard, form }

@@ -35,7 +35,9 @@
 --            under the terms it was made with); the model's terms for weighted tokens, kept on the
 --            record for commit, "<cache read weight> <cache write weight> <cache read price>
 --            <cache write price> <reasoning weight> <reasoning price>" (thousandths of a whole
---            token; nanos), or six "-" when every token counts whole at its side's price
+--            token; nanos), or six "-" when every token counts whole at its side's price; the
+--            form of the record to write, 1 full | 2 compact (every replica sharing the store
+--            reads it: see common.lua's load)
 -- then one per scope, in KEYS order: the scope's limits, the ten of common.lua's limits_of space
 --   separated (token capacity, tokens per ms, request capacity, requests per ms, max concurrency,
 --   input token capacity, input tokens per ms, output token capacity, output tokens per ms, 0
@@ -279,16 +281,35 @@ local held, output_held, estimate_flag = string.format('%d', hold), ARGV[4], '0'
 if estimated == 1 then
   output_held, estimate_flag = output, '1'
 end
-local record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d,
-  'ks', ks, 'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into,
-  'oq', terms.quantile, 'oh', output_held, 'es', estimate_flag, 'md', model }
--- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
--- record without them reads as free: see load).
+local record
 local function also(...)
   for _, v in ipairs({ ... }) do
     record[#record + 1] = v
   end
 end
+if terms.compact then
+  -- The terms as they came, and of what a new hold starts with only what differs (see load).
+  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', at.d, 'ks', ks, 'tm', ARGV[12], 'oh', output_held,
+    'md', model }
+  if ik ~= '' then
+    also('ik', ik)
+  end
+  if learn_into ~= '' then
+    also('ok', learn_into)
+  end
+  if attempts ~= 1 then
+    also('at', attempts)
+  end
+  if estimate_flag ~= '0' then
+    also('es', estimate_flag)
+  end
+else
+  record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d,
+    'ks', ks, 'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into,
+    'oq', terms.quantile, 'oh', output_held, 'es', estimate_flag, 'md', model }
+end
+-- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
+-- record without them reads as free: see load).
 if ledger.terms ~= '' then
   also('tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms)
 end

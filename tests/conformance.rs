@@ -12,7 +12,7 @@ use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{CommitCall, CommitTerms, Store, StoreError, keys};
+use tollgate::store::{COMPACT_RECORD, CommitCall, CommitTerms, Heard, Script, Store, StoreError, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
@@ -236,10 +236,8 @@ mod scenarios {
     pub async fn a_batch_that_fails_half_way_writes_nothing<S: Store>(h: Harness<S>) {
         let (ids, calls) = small_holds(&h).await;
         // The second hold's record made into something no script reads as a record.
-        let broken = tollgate::store::Script::new(
-            "broken",
-            "redis.call('DEL', KEYS[1]) return redis.call('SET', KEYS[1], 'x')".to_string(),
-        );
+        let broken =
+            Script::new("broken", "redis.call('DEL', KEYS[1]) return redis.call('SET', KEYS[1], 'x')".to_string());
         let store = h.admission.protocol().store();
         store.eval(&broken, vec![keys::record(&h.tenant, &ids[1])], vec![]).await.expect("a broken record");
         let before = h.snapshot(&[&ids[0], &ids[2]]).await;
@@ -369,41 +367,84 @@ mod scenarios {
         assert_eq!(h.admission.renew(&id, 0).await.unwrap().state(), "late_committed");
     }
 
-    /// A compact record (its terms in `tm`, what a new hold starts with left out: see common.lua)
-    /// commits, renews, releases, expires and late-commits as the full form does; expiring, it
-    /// frees its slot (one at a time here: the next hold is admitted only if it did).
-    pub async fn a_compact_record_settles_as_the_full_form_does<S: Store>(h: Harness<S>) {
-        let compact = tollgate::store::Script::new(
-            "compact",
-            "local v = redis.call('HMGET', KEYS[1], 'it', 'rt', 'xp', 'oq') \
-             redis.call('HDEL', KEYS[1], 'it', 'rt', 'xp', 'oq', 'ik', 'ok', 'ch', 'sl', 'at', 'es') \
-             return redis.call('HSET', KEYS[1], 'tm', '0 ' .. v[1] .. ' ' .. v[2] .. ' ' .. v[3] .. ' 0 0 0 0 ' .. v[4])"
+    /// A reserve writes a compact record (its terms in `tm`, what a new hold starts with left
+    /// out: see common.lua) only while every replica heard reads one: with a replica of an
+    /// earlier version heard (its heartbeat names no record form), it writes every field. Either
+    /// form commits, renews, releases, expires and late-commits alike; expiring, it frees its slot
+    /// (one at a time here: the next hold is admitted only if it did).
+    pub async fn a_record_is_compact_only_while_every_replica_reads_it<S: Store>(h: Harness<S>) {
+        let replicas = vec![keys::replicas()];
+        let earlier = vec![format!("earlier-{}", h.tenant)];
+        let heard = Script::new(
+            "an earlier replica's heartbeat",
+            "local t = redis.call('TIME') \
+             return redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])"
                 .to_string(),
         );
-        let hold = || async {
-            let id = admitted(&h.reserve(100, 500).await).reservation_id.clone();
-            let record = keys::record(&h.tenant, &id);
-            h.admission.protocol().store().eval(&compact, vec![record.clone()], vec![]).await.expect("compacted");
-            let fields = h.inspect(vec![record.clone()]).await.remove(&record).unwrap().fields;
-            assert!(
-                fields.contains_key("tm") && !fields.contains_key("sl") && !fields.contains_key("xp"),
-                "{fields:?}"
-            );
-            id
+        let gone = Script::new("an earlier replica gone", "return redis.call('ZREM', KEYS[1], ARGV[1])".to_string());
+        let store = h.admission.protocol().store();
+        for compact in [false, true] {
+            let told = if compact { &gone } else { &heard };
+            store.eval(told, replicas.clone(), earlier.clone()).await.expect("replicas told");
+            let fleet = h.admission.heartbeat().await.unwrap();
+            assert_eq!(h.admission.writes_compact_records(), compact, "{fleet:?}");
+            let hold = || async {
+                let id = admitted(&h.reserve(10, 50).await).reservation_id.clone();
+                let record = keys::record(&h.tenant, &id);
+                let fields = h.inspect(vec![record.clone()]).await.remove(&record).unwrap().fields;
+                let written = ["tm", "sl", "xp", "ch"].map(|f| fields.contains_key(f));
+                let expected = if compact { [true, false, false, false] } else { [false, true, true, true] };
+                assert_eq!(written, expected, "compact: {compact}, {fields:?}");
+                id
+            };
+            let a = hold().await;
+            let c = h.admission.commit(&a, 10, 2).await.unwrap();
+            assert_eq!((c.state(), c.usage().unwrap().used, c.usage().unwrap().refunded), ("committed", 12, 48));
+            let b = hold().await;
+            assert_eq!(h.admission.renew(&b, 0).await.unwrap(), RenewOutcome::Renewed { lease_remaining_ms: 300 });
+            let r = h.admission.release(&b).await.unwrap();
+            assert_eq!(r, ReleaseOutcome::Released { refunded: 60, repeated: false });
+            let c = hold().await;
+            h.advance(400).await;
+            // The next reserve sweeps the expired hold: its slot is free, its 60 tokens stay charged.
+            let next = admitted(&h.reserve(0, 10).await).reservation_id.clone();
+            let late = h.admission.commit(&c, 10, 2).await.unwrap();
+            assert_eq!((late.state(), late.usage().unwrap().used), ("late_committed", 12));
+            h.admission.release(&next).await.unwrap();
+        }
+    }
+
+    /// A heartbeat hears the replicas within its TTL, and the newest record form every one of
+    /// them reads: an earlier version's (no form named) reads only the full one. On the manual
+    /// clock (on Redis the replicas are shared with the tests running beside this one).
+    pub async fn a_heartbeat_hears_the_replicas_and_the_record_form_all_read<S: Store>(h: Harness<S>) {
+        if !h.exact_time() {
+            return;
+        }
+        let heard = Script::new(
+            "another replica's heartbeat",
+            "local t = redis.call('TIME') \
+             return redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])"
+                .to_string(),
+        );
+        let another = |member: &'static str| {
+            h.admission.protocol().store().eval(&heard, vec![keys::replicas()], vec![member.to_string()])
         };
-        let a = hold().await;
-        let c = h.admission.commit(&a, 100, 20).await.unwrap();
-        assert_eq!((c.state(), c.usage().unwrap().used, c.usage().unwrap().refunded), ("committed", 120, 480));
-        let b = hold().await;
-        assert_eq!(h.admission.renew(&b, 0).await.unwrap(), RenewOutcome::Renewed { lease_remaining_ms: 300 });
-        let r = h.admission.release(&b).await.unwrap();
-        assert_eq!(r, ReleaseOutcome::Released { refunded: 600, repeated: false });
-        let c = hold().await;
-        h.advance(400).await;
-        // The next reserve sweeps the expired hold: its slot is free, its 600 tokens stay charged.
-        admitted(&h.reserve(0, 100).await);
-        let late = h.admission.commit(&c, 100, 20).await.unwrap();
-        assert_eq!((late.state(), late.usage().unwrap().used), ("late_committed", 120));
+        let form = |replicas, record_form| Heard { replicas, record_form };
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, COMPACT_RECORD), "alone");
+        another("newer#3").await.unwrap();
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(2, COMPACT_RECORD));
+        assert!(h.admission.writes_compact_records());
+        h.advance(1_000).await;
+        another("earlier").await.unwrap();
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(3, 1));
+        assert!(!h.admission.writes_compact_records());
+        // Three seconds after its last heartbeat a replica is gone: the newer one, then the earlier.
+        h.advance(2_500).await;
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(2, 1));
+        h.advance(1_000).await;
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, COMPACT_RECORD));
+        assert!(h.admission.writes_compact_records());
     }
 
     pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {
@@ -631,7 +672,7 @@ mod scenarios {
         let retention = h.admission.policy().record_retention_ms;
         let period = h.now_ms() / retention;
         let bucket = format!("{}{period}", keys::settled_prefix(&h.tenant));
-        let earlier = tollgate::store::Script::new(
+        let earlier = Script::new(
             "earlier",
             "return redis.call('HSET', KEYS[1], '0123456789abcdef0123', 'c0 20 1 10 7 13000')".to_string(),
         );
@@ -1924,7 +1965,8 @@ macro_rules! conformance {
             scenario!(an_expired_hold_is_refunded_under_refund, LEASE_REFUND);
             scenario!(a_commit_after_the_lease_settles_the_expiry_first, LEASE_CHARGE);
             scenario!(renew_extends_the_lease, LEASE_CHARGE);
-            scenario!(a_compact_record_settles_as_the_full_form_does, LEASE_CHARGE);
+            scenario!(a_record_is_compact_only_while_every_replica_reads_it, LEASE_CHARGE);
+            scenario!(a_heartbeat_hears_the_replicas_and_the_record_form_all_read, BUCKET);
             scenario!(a_repeated_reserve_returns_the_same_hold, BUCKET);
             scenario!(a_retried_request_is_a_new_attempt, BUCKET);
             scenario!(user_and_model_scopes_limit_within_the_tenant, SCOPED);

@@ -12,7 +12,8 @@
 //! - `leasing`: decisions from this replica's slices, and the lease windows; `lease`, the slices
 //!   themselves.
 //! - `store_down`: what a tenant's `on_store_error` does when the store cannot be reached, and the
-//!   heartbeat that counts the replicas sharing its limits; `local`, those limits in memory.
+//!   heartbeat that counts the replicas sharing its limits (and learns whether all of them read
+//!   compact records); `local`, those limits in memory.
 //! - `settle`: commit, renew and release, routed to where the hold lives (the store, this
 //!   replica's slice, or another replica).
 //! - `pools`, `estimates`: a pool's status, throttle, calibration and live streams' progress; the
@@ -149,6 +150,9 @@ pub struct Admission<S> {
     replica: String,
     /// Admission from memory while the store is unreachable (`on_store_error: local`).
     local: LocalLimits,
+    /// Whether reserves write compact records: the last heartbeat heard only replicas that read
+    /// them (false until one has).
+    compact_records: std::sync::atomic::AtomicBool,
     /// Settlements that could not reach the store, for the retry worker; its inbox until the worker
     /// takes it ([`Admission::run_retries`]).
     retries: retry::Retries,
@@ -210,6 +214,7 @@ impl<S: Store> Admission<S> {
             leases,
             replica,
             local,
+            compact_records: std::sync::atomic::AtomicBool::new(false),
             noted: RwLock::new(HashMap::new()),
             sweep_turn: std::sync::atomic::AtomicU32::new(sweep_turn),
             retries,

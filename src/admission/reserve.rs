@@ -390,6 +390,7 @@ impl<S: Store> Admission<S> {
             price: plan.price,
             token_weights: plan.token_weights,
             zone_offset_min,
+            compact_record: self.writes_compact_records(),
         };
         let mut may_ask_again = true;
         let outcome = loop {

@@ -9,7 +9,8 @@ use super::plan::Plan;
 use super::{Admission, AdmissionError, Decision, Denial, Unmetered};
 use crate::config::OnStoreError;
 use crate::metrics::Outcome;
-use crate::store::Store;
+use crate::store::{COMPACT_RECORD, Heard, Store};
+use std::sync::atomic::Ordering;
 
 /// How often a replica says it is alive, and how long it counts after its last heartbeat.
 pub const HEARTBEAT_MS: u64 = 1_000;
@@ -17,11 +18,23 @@ pub const HEARTBEAT_TTL_MS: u64 = 3 * HEARTBEAT_MS;
 
 impl<S: Store> Admission<S> {
     /// Says this replica is alive, and counts the replicas on the store, for `on_store_error:
-    /// local`; returns the count. A store that does not answer keeps the last count.
-    pub async fn heartbeat(&self) -> Result<u64, AdmissionError> {
-        let replicas = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS).await?;
-        self.local.counted(replicas);
-        Ok(replicas)
+    /// local`, and learns whether every one of them reads compact records (then this one's
+    /// reserves write them). A store that does not answer keeps the last count, and records are
+    /// written in full until a heartbeat is answered again (a replica that cannot read the
+    /// compact form may have joined meanwhile).
+    pub async fn heartbeat(&self) -> Result<Heard, AdmissionError> {
+        let heard = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS).await;
+        let compact = matches!(heard, Ok(h) if h.record_form >= COMPACT_RECORD);
+        self.compact_records.store(compact, Ordering::Relaxed);
+        let heard = heard?;
+        self.local.counted(heard.replicas);
+        Ok(heard)
+    }
+
+    /// Whether this replica's reserves write compact records: its last heartbeat heard only
+    /// replicas that read them.
+    pub fn writes_compact_records(&self) -> bool {
+        self.compact_records.load(Ordering::Relaxed)
     }
 
     /// The replicas this one last counted.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::Admission;
+use crate::admission::{Admission, AdmissionError};
 use crate::app::cancel_on_signal;
 use crate::cli::{
     BenchArgs, BenchKind, BurstArgs, CycleArgs, DecisionArgs, InjectArgs, LedgerArgs, OverloadArgs, SimBackendArgs,
@@ -398,12 +398,16 @@ enum DecisionError {
     Config(#[from] ConfigError),
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    #[error("store: {0}")]
+    Heartbeat(#[from] AdmissionError),
 }
 
 async fn bench_decision(args: DecisionArgs) -> Result<crate::tools::bench::decision::DecisionTimes, DecisionError> {
     let policy = Arc::new(Policy::load(&args.config)?);
     let store = Backend::open(&policy, Arc::new(SystemClock)).await?;
     let admission = Arc::new(Admission::new(policy, Protocol::new(store).await?));
+    // As a server at its start: heard by the others, and writing the records they all read.
+    admission.heartbeat().await?;
     let done = CancellationToken::new();
     let leasing = tokio::spawn(Arc::clone(&admission).run_leases(done.clone()));
     let times =

@@ -341,6 +341,10 @@ impl<S: Store> Harness<S> {
             Some(c) => Admission::with_clock(Arc::new(policy), protocol, Arc::new(c.clone())),
             None => Admission::new(Arc::new(policy), protocol),
         };
+        // Its first heartbeat, as a server's at its start: records are written as the replicas
+        // heard read them. (A store failing at random may refuse it: the harness then writes
+        // every record in full, as a replica that has not heard the others does.)
+        let _ = admission.heartbeat().await;
         Harness {
             admission: Arc::new(admission),
             tenant,

@@ -84,7 +84,10 @@ pub fn wait_for_port(addr: SocketAddr, limit: Duration, what: &str, child: &mut 
 fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) -> Result<(), ExitStatus> {
     let start = Instant::now();
     while start.elapsed() < limit {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+        // (A connection from an ephemeral port that happens to be `addr`'s own connects to
+        // itself while nothing listens there yet: that one does not count.)
+        let to_itself = |s: &TcpStream| s.local_addr().ok() == Some(addr);
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok_and(|s| !to_itself(&s)) {
             return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {

@@ -1,6 +1,6 @@
 //! A replica's scripts: `lease.lua` (its slices of a tenant's scopes), `lease_forward.lua` (an
 //! operation on its leased hold left by another replica) and `heartbeat.lua` (how many replicas
-//! are alive).
+//! are alive, and which record forms all of them read).
 
 use super::reserve::push_limits;
 use super::{Argv, Fields};
@@ -58,7 +58,23 @@ pub(crate) const SCOPE_ARGV: [&str; 28] = [
 pub(crate) const FORWARD_ARGV: [&str; 3] = ["reservation id", "the operation", "TTL of the forwarded operations"];
 
 /// `heartbeat.lua`'s `ARGV`, in order.
-pub(crate) const HEARTBEAT_ARGV: [&str; 2] = ["this replica", "how long a replica counts"];
+pub(crate) const HEARTBEAT_ARGV: [&str; 3] =
+    ["this replica", "how long a replica counts", "the newest record form this replica reads"];
+
+/// The forms of a reservation record, as heartbeats announce the newest a replica reads: 1, every
+/// field (every version reads it); 2, compact (the hold's terms in one field, what a new hold
+/// starts with left out; see `load` in common.lua). This version reads both, and a reserve writes
+/// the compact form only while every replica heard reads it.
+pub const COMPACT_RECORD: u64 = 2;
+
+/// What a heartbeat learned of the replicas sharing the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heard {
+    /// The replicas heard within the heartbeat's TTL, this one included.
+    pub replicas: u64,
+    /// The newest record form every one of them reads.
+    pub record_form: u64,
+}
 
 /// One scope of a lease call: what the replica gives back, the slots it keeps, and what it asks for.
 #[derive(Debug, Clone)]
@@ -272,17 +288,23 @@ impl<S: Store> Protocol<S> {
         }
     }
 
-    /// Says this replica is alive (for `ttl_ms`), and returns how many replicas are.
-    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64) -> Result<u64, StoreError> {
+    /// Says this replica is alive (for `ttl_ms`) and reads records up to [`COMPACT_RECORD`];
+    /// returns how many replicas are, and the newest record form all of them read.
+    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64) -> Result<Heard, StoreError> {
         let script = &self.scripts.heartbeat;
         let mut a = Argv::new("heartbeat", &HEARTBEAT_ARGV, 0);
         a.push("this replica", replica.to_string());
         a.push("how long a replica counts", ttl_ms.to_string());
+        a.push("the newest record form this replica reads", COMPACT_RECORD.to_string());
         let reply = self.store.eval(script, vec![keys::replicas()], a.finish()).await?;
-        match reply {
-            Reply::Int(n) => u64::try_from(n).map_err(|_| StoreError::BadReply { script: script.name, reply }),
-            reply => Err(StoreError::BadReply { script: script.name, reply }),
-        }
+        let count = |r: Option<&Reply>| r.and_then(Reply::as_int).and_then(|n| u64::try_from(n).ok());
+        let heard = match &reply {
+            Reply::Array(v) if v.len() == 2 => count(v.first()).zip(count(v.get(1))),
+            _ => None,
+        };
+        heard
+            .map(|(replicas, record_form)| Heard { replicas, record_form })
+            .ok_or(StoreError::BadReply { script: script.name, reply })
     }
 }
 

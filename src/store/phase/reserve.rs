@@ -4,6 +4,7 @@ use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
+use super::lease::COMPACT_RECORD;
 use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits, Sides};
 use crate::store::{Protocol, Store, StoreError, keys};
 
@@ -88,6 +89,9 @@ pub struct ReserveCall<'a> {
     /// The tenant's time zone's offset from UTC now, in minutes east: its budgets' periods are
     /// numbered in it.
     pub zone_offset_min: i32,
+    /// Write the hold's record in the compact form (every replica sharing the store reads it:
+    /// see [`COMPACT_RECORD`](super::lease::COMPACT_RECORD)).
+    pub compact_record: bool,
 }
 
 /// The store's answer to a reserve: its verdict, and the expired holds its sweep settled.
@@ -238,7 +242,7 @@ fn hold_terms(call: &ReserveCall<'_>) -> String {
         w => w,
     };
     format!(
-        "{} {} {} {} {} {} {} {} {} {} {} {} {} {} {ledger} {weighted}",
+        "{} {} {} {} {} {} {} {} {} {} {} {} {} {} {ledger} {weighted} {}",
         call.lease_ms,
         call.idle_ttl_ms,
         call.late_commit_ms,
@@ -253,6 +257,7 @@ fn hold_terms(call: &ReserveCall<'_>) -> String {
         call.price.output_nanos,
         call.retention_ms,
         call.zone_offset_min,
+        if call.compact_record { COMPACT_RECORD } else { 1 },
     )
 }
 
