@@ -6,15 +6,20 @@
 -- KEYS[1] the replicas: a sorted set of replica ids by when each was last heard (ms), each id as
 --         "<replica>#<the newest record form it reads>" ("<replica>" alone: a version from before
 --         forms were announced, which is taken to read only the first, the full form)
+-- KEYS[2] the oldest record form a replica heard lately reads, when older than a heartbeat's own:
+--         remembered for ARGV[4] after such a replica was last heard
 -- ARGV[1] this replica
 -- ARGV[2] how long a replica counts after its last heartbeat (ms)
 -- ARGV[3] the newest record form this replica reads (1 full, 2 compact)
+-- ARGV[4] how long a replica reading an older form is remembered (ms): one that restarts, or that
+--         could not reach the store for a while, is not taken for gone
 --
 -- Reply: {the replicas heard within that time, this one included; the newest record form every
---         one of them reads}
+--         one of them reads, and every replica reading an older one remembered}
 local now = now_ms()
 local ttl = tonumber(ARGV[2])
-local form = tonumber(ARGV[3])
+local mine = tonumber(ARGV[3])
+local form = mine
 call('ZADD', KEYS[1], now, ARGV[1] .. '#' .. ARGV[3])
 local gone = call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 for _, replica in ipairs(gone) do
@@ -25,4 +30,9 @@ local heard = call('ZRANGE', KEYS[1], 0, -1)
 for _, replica in ipairs(heard) do
   form = min(form, tonumber(string.match(replica, '#(%d+)$')) or 1)
 end
-return { #heard, form }
+local remembered = tonumber(call('GET', KEYS[2]))
+if form < mine then
+  call('SET', KEYS[2], min(form, remembered or form))
+  call('PEXPIRE', KEYS[2], ARGV[4])
+end
+return { #heard, min(form, remembered or form) }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use support::faults::{Fault, Faulty, Resend};
 use support::{Harness, admitted, denied};
-use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, Priority, Reason};
+use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, OLDER_REPLICA_MEMORY_MS, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
 use tollgate::store::{COMPACT_RECORD, CommitCall, CommitTerms, Heard, Script, Store, StoreError, keys};
@@ -369,11 +369,12 @@ mod scenarios {
 
     /// A reserve writes a compact record (its terms in `tm`, what a new hold starts with left
     /// out: see common.lua) only while every replica heard reads one: with a replica of an
-    /// earlier version heard (its heartbeat names no record form), it writes every field. Either
-    /// form commits, renews, releases, expires and late-commits alike; expiring, it frees its slot
-    /// (one at a time here: the next hold is admitted only if it did).
+    /// earlier version heard (its heartbeat names no record form), and for a while after it was
+    /// last heard, it writes every field. Either form commits, renews, releases, expires and
+    /// late-commits alike; expiring, it frees its slot (one at a time here: the next hold is
+    /// admitted only if it did).
     pub async fn a_record_is_compact_only_while_every_replica_reads_it<S: Store>(h: Harness<S>) {
-        let replicas = vec![keys::replicas()];
+        let replicas = vec![keys::replicas(), keys::older_replicas()];
         let earlier = vec![format!("earlier-{}", h.tenant)];
         let heard = Script::new(
             "an earlier replica's heartbeat",
@@ -382,10 +383,17 @@ mod scenarios {
                 .to_string(),
         );
         let gone = Script::new("an earlier replica gone", "return redis.call('ZREM', KEYS[1], ARGV[1])".to_string());
+        let forgotten = Script::new("an earlier replica forgotten", "return redis.call('DEL', KEYS[2])".to_string());
         let store = h.admission.protocol().store();
         for compact in [false, true] {
-            let told = if compact { &gone } else { &heard };
-            store.eval(told, replicas.clone(), earlier.clone()).await.expect("replicas told");
+            if compact {
+                store.eval(&gone, replicas.clone(), earlier.clone()).await.expect("gone");
+                h.admission.heartbeat().await.unwrap();
+                assert!(!h.admission.writes_compact_records(), "an earlier replica gone is remembered");
+                store.eval(&forgotten, replicas.clone(), vec![]).await.expect("forgotten");
+            } else {
+                store.eval(&heard, replicas.clone(), earlier.clone()).await.expect("heard");
+            }
             let fleet = h.admission.heartbeat().await.unwrap();
             assert_eq!(h.admission.writes_compact_records(), compact, "{fleet:?}");
             let hold = || async {
@@ -415,8 +423,9 @@ mod scenarios {
     }
 
     /// A heartbeat hears the replicas within its TTL, and the newest record form every one of
-    /// them reads: an earlier version's (no form named) reads only the full one. On the manual
-    /// clock (on Redis the replicas are shared with the tests running beside this one).
+    /// them reads: an earlier version's (no form named) reads only the full one, and is
+    /// remembered for a quarter of an hour after it was last heard. On the manual clock (on Redis
+    /// the replicas are shared with the tests running beside this one).
     pub async fn a_heartbeat_hears_the_replicas_and_the_record_form_all_read<S: Store>(h: Harness<S>) {
         if !h.exact_time() {
             return;
@@ -439,10 +448,16 @@ mod scenarios {
         another("earlier").await.unwrap();
         assert_eq!(h.admission.heartbeat().await.unwrap(), form(3, 1));
         assert!(!h.admission.writes_compact_records());
-        // Three seconds after its last heartbeat a replica is gone: the newer one, then the earlier.
+        // Three seconds after its last heartbeat a replica is gone: the newer one, then the
+        // earlier, which is remembered for its record form.
         h.advance(2_500).await;
         assert_eq!(h.admission.heartbeat().await.unwrap(), form(2, 1));
         h.advance(1_000).await;
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, 1));
+        h.advance(OLDER_REPLICA_MEMORY_MS - 1_001).await;
+        assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, 1));
+        assert!(!h.admission.writes_compact_records());
+        h.advance(2).await;
         assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, COMPACT_RECORD));
         assert!(h.admission.writes_compact_records());
     }

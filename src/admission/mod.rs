@@ -67,7 +67,7 @@ use lease::Leases;
 use local::LocalLimits;
 pub use plan::MAX_PROMPT_BYTES;
 pub use pools::PoolStatus;
-pub use store_down::{HEARTBEAT_MS, HEARTBEAT_TTL_MS};
+pub use store_down::{HEARTBEAT_MS, HEARTBEAT_TTL_MS, OLDER_REPLICA_MEMORY_MS};
 pub use sweeper::SWEEP_MS;
 
 /// One request, as admission sees it.

@@ -67,6 +67,11 @@ pub fn replicas() -> String {
     "tg:replicas:{replicas}".to_string()
 }
 
+/// The oldest record form a replica heard lately reads (beside [`replicas`], on its slot).
+pub fn older_replicas() -> String {
+    "tg:replicas:older:{replicas}".to_string()
+}
+
 /// The scope hash of the tenant as a whole.
 pub fn tenant_scope(tenant: &str) -> String {
     format!("tg:{{{tenant}}}:s:t")

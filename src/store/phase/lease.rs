@@ -58,8 +58,12 @@ pub(crate) const SCOPE_ARGV: [&str; 28] = [
 pub(crate) const FORWARD_ARGV: [&str; 3] = ["reservation id", "the operation", "TTL of the forwarded operations"];
 
 /// `heartbeat.lua`'s `ARGV`, in order.
-pub(crate) const HEARTBEAT_ARGV: [&str; 3] =
-    ["this replica", "how long a replica counts", "the newest record form this replica reads"];
+pub(crate) const HEARTBEAT_ARGV: [&str; 4] = [
+    "this replica",
+    "how long a replica counts",
+    "the newest record form this replica reads",
+    "how long a replica reading an older form is remembered",
+];
 
 /// The forms of a reservation record, as heartbeats announce the newest a replica reads: 1, every
 /// field (every version reads it); 2, compact (the hold's terms in one field, what a new hold
@@ -289,14 +293,17 @@ impl<S: Store> Protocol<S> {
     }
 
     /// Says this replica is alive (for `ttl_ms`) and reads records up to [`COMPACT_RECORD`];
-    /// returns how many replicas are, and the newest record form all of them read.
-    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64) -> Result<Heard, StoreError> {
+    /// returns how many replicas are, and the newest record form all of them read, a replica
+    /// reading an older one remembered for `older_ms` after it was last heard.
+    pub async fn heartbeat(&self, replica: &str, ttl_ms: u64, older_ms: u64) -> Result<Heard, StoreError> {
         let script = &self.scripts.heartbeat;
         let mut a = Argv::new("heartbeat", &HEARTBEAT_ARGV, 0);
         a.push("this replica", replica.to_string());
         a.push("how long a replica counts", ttl_ms.to_string());
         a.push("the newest record form this replica reads", COMPACT_RECORD.to_string());
-        let reply = self.store.eval(script, vec![keys::replicas()], a.finish()).await?;
+        a.push("how long a replica reading an older form is remembered", older_ms.to_string());
+        let keys = vec![keys::replicas(), keys::older_replicas()];
+        let reply = self.store.eval(script, keys, a.finish()).await?;
         let count = |r: Option<&Reply>| r.and_then(Reply::as_int).and_then(|n| u64::try_from(n).ok());
         let heard = match &reply {
             Reply::Array(v) if v.len() == 2 => count(v.first()).zip(count(v.get(1))),
