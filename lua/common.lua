@@ -30,8 +30,9 @@
 --   tn ur tr  the tenant, the user ('' when none) and the tier the request was admitted for
 --   ra  when it was reserved (ms)
 --   lg  the usage ledger's terms, "<max entries> <retention ms>", or empty when there is none
---   tm  in a compact record, the reserve's terms string (reserve.lua's ARGV[12]) in place of
---       xp, rt, it and oq; such a record also leaves out ik and ok when empty, and ch, sl, at
+--   tm  in a compact record, in place of xp, rt, it and oq: those terms at the positions the
+--       reserve's terms string has them (reserve.lua's ARGV[12]: 2 it, 3 rt, 4 xp, 9 oq), '-'
+--       elsewhere; such a record also leaves out ik and ok when empty, and ch, sl, at
 --       and es as a new hold has them (h, 1, 1, 0). A replica of a version before the compact
 --       form could not read it (it would find no sl, xp or rt): a reserve writes it only when
 --       its terms say every replica sharing the store reads it (heartbeat.lua tells each
@@ -217,9 +218,9 @@ end
 -- locals, and the embedded store runs this file and a phase as one).
 local PARSE = {}
 
--- The terms a compact record keeps in `tm`, the reserve's terms string (see reserve.lua's
--- ARGV[12]), as the fields a record of the full form has: {xp, rt, it, oq}. Read by position,
--- whatever follows the ninth (a later version may add terms), once per distinct string.
+-- The terms a compact record keeps in `tm`, at the positions of the reserve's terms string (see
+-- reserve.lua's ARGV[12] and PARSE.hold_terms), as the fields a record of the full form has:
+-- {xp, rt, it, oq}. Read by position, whatever the others hold, once per distinct string.
 function PARSE.record_terms(s)
   local t = split(s)
   return { t[4], t[3], t[2], t[9] }
@@ -587,6 +588,10 @@ function PARSE.hold_terms(s)
   if t[17] ~= '-' then
     terms.cache = table.concat(t, ' ', 17, 22)
   end
+  -- What a compact record keeps of them (`tm`): the four it needs, at the positions this string
+  -- has them, '-' elsewhere, so that a record stays under Redis's 64 bytes a listpack value
+  -- (the whole string would turn its hash into a table, twice the memory).
+  terms.record = table.concat({ '-', t[2], t[3], t[4], '-', '-', '-', '-', t[9] }, ' ')
   return terms
 end
 local function hold_terms(s)

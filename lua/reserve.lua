@@ -288,8 +288,9 @@ local function also(...)
   end
 end
 if terms.compact then
-  -- The terms as they came, and of what a new hold starts with only what differs (see load).
-  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', at.d, 'ks', ks, 'tm', ARGV[12], 'oh', output_held,
+  -- The terms the record needs in one string, and of what a new hold starts with only what
+  -- differs (see load).
+  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', at.d, 'ks', ks, 'tm', terms.record, 'oh', output_held,
     'md', model }
   if ik ~= '' then
     also('ik', ik)

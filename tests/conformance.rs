@@ -12,7 +12,7 @@ use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, OLDER_REPLICA_MEMORY_MS, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
 use tollgate::store::clock::Clock;
-use tollgate::store::{COMPACT_RECORD, CommitCall, CommitTerms, Heard, Script, Store, StoreError, keys};
+use tollgate::store::{COMPACT_RECORD, CommitCall, CommitTerms, Heard, Reply, Script, Store, StoreError, keys};
 
 #[path = "conformance/periods.rs"]
 mod periods;
@@ -384,6 +384,7 @@ mod scenarios {
         );
         let gone = Script::new("an earlier replica gone", "return redis.call('ZREM', KEYS[1], ARGV[1])".to_string());
         let forgotten = Script::new("an earlier replica forgotten", "return redis.call('DEL', KEYS[2])".to_string());
+        let encoding = Script::new("encoding", "return redis.call('OBJECT', 'ENCODING', KEYS[1])".to_string());
         let store = h.admission.protocol().store();
         for compact in [false, true] {
             if compact {
@@ -403,6 +404,13 @@ mod scenarios {
                 let written = ["tm", "sl", "xp", "ch"].map(|f| fields.contains_key(f));
                 let expected = if compact { [true, false, false, false] } else { [false, true, true, true] };
                 assert_eq!(written, expected, "compact: {compact}, {fields:?}");
+                // Every value under Redis's 64 bytes a listpack value: over it, the record's hash
+                // would be a table, twice the memory.
+                assert!(fields.values().all(|v| v.len() <= 64), "{fields:?}");
+                if !h.exact_time() {
+                    let encoding = store.eval(&encoding, vec![record.clone()], vec![]).await.unwrap();
+                    assert_eq!(encoding, Reply::Text("listpack".into()), "{fields:?}");
+                }
                 id
             };
             let a = hold().await;
