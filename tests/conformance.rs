@@ -385,6 +385,8 @@ mod scenarios {
         let gone = Script::new("an earlier replica gone", "return redis.call('ZREM', KEYS[1], ARGV[1])".to_string());
         let forgotten = Script::new("an earlier replica forgotten", "return redis.call('DEL', KEYS[2])".to_string());
         let encoding = Script::new("encoding", "return redis.call('OBJECT', 'ENCODING', KEYS[1])".to_string());
+        let memory = Script::new("memory", "return redis.call('MEMORY', 'USAGE', KEYS[1])".to_string());
+        let bytes = std::sync::Mutex::new(Vec::new());
         let store = h.admission.protocol().store();
         for compact in [false, true] {
             if compact {
@@ -410,6 +412,8 @@ mod scenarios {
                 if !h.exact_time() {
                     let encoding = store.eval(&encoding, vec![record.clone()], vec![]).await.unwrap();
                     assert_eq!(encoding, Reply::Text("listpack".into()), "{fields:?}");
+                    let used = store.eval(&memory, vec![record.clone()], vec![]).await.unwrap().as_int();
+                    bytes.lock().unwrap().push((compact, used.unwrap()));
                 }
                 id
             };
@@ -427,6 +431,12 @@ mod scenarios {
             let late = h.admission.commit(&c, 10, 2).await.unwrap();
             assert_eq!((late.state(), late.usage().unwrap().used), ("late_committed", 12));
             h.admission.release(&next).await.unwrap();
+        }
+        // On Redis, a compact record takes less memory than a full one.
+        let bytes = bytes.into_inner().unwrap();
+        let most = |form: bool| bytes.iter().filter(|(compact, _)| *compact == form).map(|(_, b)| *b).max();
+        if let (Some(compact), Some(full)) = (most(true), most(false)) {
+            assert!(compact < full, "a compact record {compact} bytes, a full one {full}");
         }
     }
 
