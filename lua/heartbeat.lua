@@ -7,12 +7,13 @@
 --         "<replica>#<the newest record form it reads>" ("<replica>" alone: a version from before
 --         forms were announced, which is taken to read only the first, the full form)
 -- KEYS[2] the oldest record form a replica heard lately reads, when older than a heartbeat's own:
---         remembered for ARGV[4] after such a replica was last heard
+--         remembered for ARGV[4] after the last heartbeat that heard such a replica (a replica
+--         is heard until ARGV[2] after its own last heartbeat)
 -- ARGV[1] this replica
 -- ARGV[2] how long a replica counts after its last heartbeat (ms)
 -- ARGV[3] the newest record form this replica reads (1 full, 2 compact)
 -- ARGV[4] how long a replica reading an older form is remembered (ms): one that restarts, or that
---         could not reach the store for a while, is not taken for gone
+--         cannot reach the store for a while, is not taken for gone
 --
 -- Reply: {the replicas heard within that time, this one included; the newest record form every
 --         one of them reads, and every replica reading an older one remembered}

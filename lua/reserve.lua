@@ -17,7 +17,8 @@
 -- ARGV[7]  the model the request names (kept on the record: commit reports it)
 -- ARGV[8]  the tenant          ARGV[9]  the user ('' when none)          ARGV[10] the tier
 -- ARGV[11] the tenant's settled-bucket prefix (prefix .. period number = a bucket; see common.lua)
--- ARGV[12] the hold's terms, what changes only with the policy, in one string (read once per
+-- ARGV[12] the hold's terms, what changes only with the policy (and the record form every
+--          replica reads), in one string (read once per
 --          distinct string: common.lua's parsed_once), space separated, in order:
 --            lease (ms); idle TTL of scope hashes, index and live records (ms); how long an
 --            expired record waits for a late commit (ms); expired-usage policy, charge | refund;

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use support::faults::{Fault, Faulty, Resend};
+use support::faults::{Fault, Faulty, Queued, Resend};
 use support::{Harness, admitted, denied};
 use tollgate::admission::{AdmissionError, Attributes, Decision, KeyRepeat, OLDER_REPLICA_MEMORY_MS, Priority, Reason};
 use tollgate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
@@ -370,18 +370,14 @@ mod scenarios {
     /// A reserve writes a compact record (its terms in `tm`, what a new hold starts with left
     /// out: see common.lua) only while every replica heard reads one: with a replica of an
     /// earlier version heard (its heartbeat names no record form), and for a while after it was
-    /// last heard, it writes every field. Either form commits, renews, releases, expires and
-    /// late-commits alike; expiring, it frees its slot (one at a time here: the next hold is
-    /// admitted only if it did).
-    pub async fn a_record_is_compact_only_while_every_replica_reads_it<S: Store>(h: Harness<S>) {
-        let replicas = vec![keys::replicas(), keys::older_replicas()];
+    /// last heard, it writes every field, as it does from its start until a heartbeat is answered
+    /// and after one that failed. Either form commits, renews, releases, expires and late-commits
+    /// alike; expiring, it frees its slot (one at a time here: the next hold is admitted only if
+    /// it did).
+    pub async fn a_record_is_compact_only_while_every_replica_reads_it<S: Store + Clone>(h: Harness<S>) {
+        let replicas = vec![keys::replicas(), keys::oldest_record_form()];
         let earlier = vec![format!("earlier-{}", h.tenant)];
-        let heard = Script::new(
-            "an earlier replica's heartbeat",
-            "local t = redis.call('TIME') \
-             return redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])"
-                .to_string(),
-        );
+        let heard = another_replicas_heartbeat();
         let gone = Script::new("an earlier replica gone", "return redis.call('ZREM', KEYS[1], ARGV[1])".to_string());
         let forgotten = Script::new("an earlier replica forgotten", "return redis.call('DEL', KEYS[2])".to_string());
         let encoding = Script::new("encoding", "return redis.call('OBJECT', 'ENCODING', KEYS[1])".to_string());
@@ -436,24 +432,34 @@ mod scenarios {
         let bytes = bytes.into_inner().unwrap();
         let most = |form: bool| bytes.iter().filter(|(compact, _)| *compact == form).map(|(_, b)| *b).max();
         if let (Some(compact), Some(full)) = (most(true), most(false)) {
+            eprintln!("a record: compact {compact} bytes, full {full} bytes (MEMORY USAGE)");
             assert!(compact < full, "a compact record {compact} bytes, a full one {full}");
         }
+        // A replica writes full records until a heartbeat is answered, and again after one that
+        // was not.
+        let r = h.wrapped(|s| Queued::new(s, "heartbeat")).await;
+        assert!(!r.admission.writes_compact_records(), "nothing heard yet");
+        r.admission.heartbeat().await.unwrap();
+        assert!(r.admission.writes_compact_records());
+        r.admission.protocol().store().next(Fault::Unreachable(1));
+        assert!(r.admission.heartbeat().await.is_err());
+        assert!(!r.admission.writes_compact_records(), "after a heartbeat that failed");
+        let id = admitted(&r.reserve(10, 50).await).reservation_id.clone();
+        let record = keys::record(&r.tenant, &id);
+        let fields = r.inspect(vec![record.clone()]).await.remove(&record).unwrap().fields;
+        assert!(fields.contains_key("sl") && !fields.contains_key("tm"), "{fields:?}");
+        r.admission.release(&id).await.unwrap();
     }
 
     /// A heartbeat hears the replicas within its TTL, and the newest record form every one of
     /// them reads: an earlier version's (no form named) reads only the full one, and is
-    /// remembered for a quarter of an hour after it was last heard. On the manual clock (on Redis
+    /// remembered for a quarter of an hour after the last heartbeat that heard it. On the manual clock (on Redis
     /// the replicas are shared with the tests running beside this one).
     pub async fn a_heartbeat_hears_the_replicas_and_the_record_form_all_read<S: Store>(h: Harness<S>) {
         if !h.exact_time() {
             return;
         }
-        let heard = Script::new(
-            "another replica's heartbeat",
-            "local t = redis.call('TIME') \
-             return redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])"
-                .to_string(),
-        );
+        let heard = another_replicas_heartbeat();
         let another = |member: &'static str| {
             h.admission.protocol().store().eval(&heard, vec![keys::replicas()], vec![member.to_string()])
         };
@@ -478,6 +484,16 @@ mod scenarios {
         h.advance(2).await;
         assert_eq!(h.admission.heartbeat().await.unwrap(), form(1, COMPACT_RECORD));
         assert!(h.admission.writes_compact_records());
+    }
+
+    /// Another replica's heartbeat, as the replicas' sorted set keeps it (`ARGV[1]`: its member).
+    fn another_replicas_heartbeat() -> Script {
+        Script::new(
+            "another replica's heartbeat",
+            "local t = redis.call('TIME') \
+             return redis.call('ZADD', KEYS[1], t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1])"
+                .to_string(),
+        )
     }
 
     pub async fn renew_extends_the_lease<S: Store>(h: Harness<S>) {

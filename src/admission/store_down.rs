@@ -15,15 +15,15 @@ use std::sync::atomic::Ordering;
 /// How often a replica says it is alive, and how long it counts after its last heartbeat.
 pub const HEARTBEAT_MS: u64 = 1_000;
 pub const HEARTBEAT_TTL_MS: u64 = 3 * HEARTBEAT_MS;
-/// How long a replica that reads only an older record form is remembered after it was last heard:
-/// longer than a pod's restart, its crash-loop back-off (5 minutes at most) or a store outage.
+/// How long a replica that reads only an older record form is remembered after the last heartbeat
+/// that heard it: longer than a pod's restart or its crash-loop back-off (Kubernetes waits 5
+/// minutes at most).
 pub const OLDER_REPLICA_MEMORY_MS: u64 = 15 * 60 * 1_000;
 
 impl<S: Store> Admission<S> {
     /// Says this replica is alive, and counts the replicas on the store, for `on_store_error:
-    /// local`, and learns whether every one of them reads compact records, and every replica that
-    /// does not was last heard more than [`OLDER_REPLICA_MEMORY_MS`] ago (then this one's reserves
-    /// write them). A store that does not answer keeps the last count, and records are written in
+    /// local`, and learns whether every one of them reads compact records, none that does not
+    /// heard for [`OLDER_REPLICA_MEMORY_MS`] (then this one's reserves write them). A store that does not answer keeps the last count, and records are written in
     /// full until a heartbeat is answered again.
     pub async fn heartbeat(&self) -> Result<Heard, AdmissionError> {
         let heard = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS, OLDER_REPLICA_MEMORY_MS).await;

@@ -62,14 +62,16 @@ pub fn sweep_shard_of(tenant: &str) -> u32 {
     hash % SWEEP_SHARDS
 }
 
-/// The replicas sharing this store, by last heartbeat.
+/// The replicas sharing this store, by last heartbeat, each as `<replica>#<the newest record
+/// form it reads>`.
 pub fn replicas() -> String {
     "tg:replicas:{replicas}".to_string()
 }
 
-/// The oldest record form a replica heard lately reads (beside [`replicas`], on its slot).
-pub fn older_replicas() -> String {
-    "tg:replicas:older:{replicas}".to_string()
+/// The oldest record form a replica heard lately reads, when older than the newest (beside
+/// [`replicas`], on its slot; see `heartbeat.lua`).
+pub fn oldest_record_form() -> String {
+    "tg:replicas:oldest-form:{replicas}".to_string()
 }
 
 /// The scope hash of the tenant as a whole.

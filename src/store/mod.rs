@@ -27,9 +27,9 @@ pub mod scripts;
 use std::future::Future;
 
 pub use phase::estimate::EstimateView;
-pub use phase::lease::{COMPACT_RECORD, Earlier, Heard, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
+pub use phase::lease::{Earlier, Heard, LeaseCall, LeaseOutcome, LeaseReply, LeaseScope};
 pub use phase::pool::{PoolCall, PoolEnd, PoolOutcome, PoolRetry, PoolView, ProviderCall, ThrottleCall};
-pub use phase::reserve::{KeyCall, ReserveCall, ReserveReply};
+pub use phase::reserve::{COMPACT_RECORD, FULL_RECORD, KeyCall, ReserveCall, ReserveReply};
 pub use phase::settle::{CommitCall, CommitTerms, Learning};
 pub use phase::sweep::Swept;
 pub use protocol::Protocol;

@@ -398,7 +398,7 @@ enum DecisionError {
     Config(#[from] ConfigError),
     #[error("store: {0}")]
     Store(#[from] StoreError),
-    #[error("store: {0}")]
+    #[error("heartbeat: {0}")]
     Heartbeat(#[from] AdmissionError),
 }
 

@@ -2,7 +2,7 @@
 //! operation on its leased hold left by another replica) and `heartbeat.lua` (how many replicas
 //! are alive, and which record forms all of them read).
 
-use super::reserve::push_limits;
+use super::reserve::{COMPACT_RECORD, push_limits};
 use super::{Argv, Fields};
 use crate::config::LedgerTerms;
 use crate::hold::{Amounts, Counted, Detail, Ending, Forwarded, Headroom, Refusal, ScopeLimits};
@@ -64,12 +64,6 @@ pub(crate) const HEARTBEAT_ARGV: [&str; 4] = [
     "the newest record form this replica reads",
     "how long a replica reading an older form is remembered",
 ];
-
-/// The forms of a reservation record, as heartbeats announce the newest a replica reads: 1, every
-/// field (every version reads it); 2, compact (the hold's terms in one field, what a new hold
-/// starts with left out; see `load` in common.lua). This version reads both, and a reserve writes
-/// the compact form only while every replica heard reads it.
-pub const COMPACT_RECORD: u64 = 2;
 
 /// What a heartbeat learned of the replicas sharing the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,7 +288,7 @@ impl<S: Store> Protocol<S> {
 
     /// Says this replica is alive (for `ttl_ms`) and reads records up to [`COMPACT_RECORD`];
     /// returns how many replicas are, and the newest record form all of them read, a replica
-    /// reading an older one remembered for `older_ms` after it was last heard.
+    /// reading an older one remembered for `older_ms` after the last heartbeat that heard it.
     pub async fn heartbeat(&self, replica: &str, ttl_ms: u64, older_ms: u64) -> Result<Heard, StoreError> {
         let script = &self.scripts.heartbeat;
         let mut a = Argv::new("heartbeat", &HEARTBEAT_ARGV, 0);
@@ -302,11 +296,11 @@ impl<S: Store> Protocol<S> {
         a.push("how long a replica counts", ttl_ms.to_string());
         a.push("the newest record form this replica reads", COMPACT_RECORD.to_string());
         a.push("how long a replica reading an older form is remembered", older_ms.to_string());
-        let keys = vec![keys::replicas(), keys::older_replicas()];
+        let keys = vec![keys::replicas(), keys::oldest_record_form()];
         let reply = self.store.eval(script, keys, a.finish()).await?;
-        let count = |r: Option<&Reply>| r.and_then(Reply::as_int).and_then(|n| u64::try_from(n).ok());
+        let number = |r: Option<&Reply>| r.and_then(Reply::as_int).and_then(|n| u64::try_from(n).ok());
         let heard = match &reply {
-            Reply::Array(v) if v.len() == 2 => count(v.first()).zip(count(v.get(1))),
+            Reply::Array(v) if v.len() == 2 => number(v.first()).zip(number(v.get(1))),
             _ => None,
         };
         heard

@@ -4,7 +4,6 @@ use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
-use super::lease::COMPACT_RECORD;
 use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits, Sides};
 use crate::store::{Protocol, Store, StoreError, keys};
 
@@ -41,6 +40,13 @@ pub(crate) const SCOPE_ARGV: [&str; 10] = [
     "output tokens per ms",
     "period budgets",
 ];
+
+/// The forms of a reservation record, as heartbeats announce the newest a replica reads: every
+/// field (every version reads it), and compact (the hold's terms in one field, what a new hold
+/// starts with left out; see `load` in common.lua). This version reads both, and a reserve writes
+/// the compact form only while every replica heard reads it.
+pub const FULL_RECORD: u64 = 1;
+pub const COMPACT_RECORD: u64 = 2;
 
 /// An idempotency key as the reserve script takes it.
 #[derive(Debug, Clone)]
@@ -90,7 +96,7 @@ pub struct ReserveCall<'a> {
     /// numbered in it.
     pub zone_offset_min: i32,
     /// Write the hold's record in the compact form (every replica sharing the store reads it:
-    /// see [`COMPACT_RECORD`](super::lease::COMPACT_RECORD)).
+    /// see [`COMPACT_RECORD`]).
     pub compact_record: bool,
 }
 
@@ -232,8 +238,9 @@ fn limits(l: &ScopeLimits) -> [String; 10] {
     ]
 }
 
-/// `reserve.lua`'s terms of a hold, what changes only with the policy, in one string (its header
-/// gives the order; the script reads each distinct string once).
+/// `reserve.lua`'s terms of a hold, what changes only with the policy (and the record form the
+/// replicas read), in one string (its header gives the order; the script reads each distinct
+/// string once).
 fn hold_terms(call: &ReserveCall<'_>) -> String {
     let (min_samples, quantile) = call.adaptive.unwrap_or((0, 0.0));
     let ledger = call.ledger.map_or_else(|| "- -".to_string(), |l| format!("{} {}", l.max_len, l.retention_ms));
@@ -257,7 +264,7 @@ fn hold_terms(call: &ReserveCall<'_>) -> String {
         call.price.output_nanos,
         call.retention_ms,
         call.zone_offset_min,
-        if call.compact_record { COMPACT_RECORD } else { 1 },
+        if call.compact_record { COMPACT_RECORD } else { FULL_RECORD },
     )
 }
 
