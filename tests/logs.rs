@@ -56,6 +56,8 @@ async fn text_logs_sent_to_a_file_carry_no_escape_codes() {
     }
     let refused = log.lines().find(|l| l.contains("outcome=\"denied\"") || l.contains("outcome=denied"));
     assert!(refused.is_some_and(|l| l.contains("concurrency")), "{log}");
+    // Its first heartbeat heard itself alone: it says it writes compact records.
+    log_with(&t, "every replica heard reads compact reservation records", 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,7 +28,16 @@ impl<S: Store> Admission<S> {
     pub async fn heartbeat(&self) -> Result<Heard, AdmissionError> {
         let heard = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS, OLDER_REPLICA_MEMORY_MS).await;
         let compact = matches!(heard, Ok(h) if h.record_form >= COMPACT_RECORD);
-        self.compact_records.store(compact, Ordering::Relaxed);
+        match (self.compact_records.swap(compact, Ordering::Relaxed), compact, &heard) {
+            (false, true, _) => tracing::info!("every replica heard reads compact reservation records: writing them"),
+            (true, false, Ok(_)) => {
+                tracing::info!("a replica that reads only full reservation records was heard: writing them in full");
+            }
+            (true, false, Err(_)) => {
+                tracing::info!("a heartbeat failed: writing reservation records in full until one is answered");
+            }
+            _ => {}
+        }
         let heard = heard?;
         self.local.counted(heard.replicas);
         Ok(heard)
