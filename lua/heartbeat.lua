@@ -31,9 +31,9 @@ local heard = call('ZRANGE', KEYS[1], 0, -1)
 for _, replica in ipairs(heard) do
   form = min(form, tonumber(string.match(replica, '#(%d+)$')) or 1)
 end
-local remembered = tonumber(call('GET', KEYS[2]))
+local oldest = min(form, tonumber(call('GET', KEYS[2])) or form)
 if form < mine then
-  call('SET', KEYS[2], min(form, remembered or form))
+  call('SET', KEYS[2], oldest)
   call('PEXPIRE', KEYS[2], ARGV[4])
 end
-return { #heard, min(form, remembered or form) }
+return { #heard, oldest }

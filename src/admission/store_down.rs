@@ -23,8 +23,9 @@ pub const OLDER_REPLICA_MEMORY_MS: u64 = 15 * 60 * 1_000;
 impl<S: Store> Admission<S> {
     /// Says this replica is alive, and counts the replicas on the store, for `on_store_error:
     /// local`, and learns whether every one of them reads compact records, none that does not
-    /// heard for [`OLDER_REPLICA_MEMORY_MS`] (then this one's reserves write them). A store that does not answer keeps the last count, and records are written in
-    /// full until a heartbeat is answered again.
+    /// heard for [`OLDER_REPLICA_MEMORY_MS`] (then this one's reserves write them). A store that
+    /// does not answer keeps the last count, and records are written in full until a heartbeat
+    /// is answered again.
     pub async fn heartbeat(&self) -> Result<Heard, AdmissionError> {
         let heard = self.protocol.heartbeat(&self.replica, HEARTBEAT_TTL_MS, OLDER_REPLICA_MEMORY_MS).await;
         let compact = matches!(heard, Ok(h) if h.record_form >= COMPACT_RECORD);
