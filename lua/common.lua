@@ -117,9 +117,9 @@
 -- costs a missed lookup, a metamethod and a second lookup), and runs a library's top level with
 -- none of them in reach: so they are bound when a phase is called (scripts.rs puts `bind()` first).
 local function standard()
-  return redis.call, tonumber, ipairs, pairs, unpack, math.floor, math.max, math.min, math.ceil
+  return redis.call, tonumber, ipairs, pairs, unpack, math.floor, math.max, math.min, math.ceil, string.format
 end
-local call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil
+local call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil, format
 -- The writes a batch of commits gathers (commit_many.lua, see gather), or nil outside one. (Set
 -- back to nil as every phase starts: on Redis the library's locals outlive a call, even one that
 -- failed half way.)
@@ -127,7 +127,7 @@ local gathered = nil
 
 local function bind()
   if not call then
-    call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil = standard()
+    call, tonumber, ipairs, pairs, unpack, floor, max, min, ceil, format = standard()
   end
   gathered = nil
 end
@@ -177,9 +177,34 @@ local function month_start(month)
   return era * 146097 + doe - 719468
 end
 
+-- The store's clock now, in ms; and the same as text (see text), written once a phase.
+local clock_now, clock_text
 local function now_ms()
   local t = call('TIME')
-  return tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
+  clock_now, clock_text = t[1] * 1000 + floor(t[2] / 1000), nil
+  return clock_now
+end
+
+-- A number as a command is given it: a whole number in decimal, as `format` writes it; any other
+-- as it is. (Redis 7.0 writes every number a script gives a command with 17 significant digits,
+-- about 2,900 instructions each; '%d' costs a third of that.)
+local function text(n)
+  if n == clock_now then
+    clock_text = clock_text or format('%d', n)
+    return clock_text
+  end
+  if n % 1 ~= 0 then
+    return n
+  end
+  return format('%d', n)
+end
+
+-- A number the scripts wrote (a record's, a scope hash's), read with one parse where tonumber
+-- makes two; nil for nil. (Only for what is a number or nil: anything else is an error.)
+local function number(v)
+  if v then
+    return v + 0
+  end
 end
 
 local function split(s)
@@ -249,19 +274,19 @@ local function load(rk)
     r.xp, r.rt, r.it, r.oq = r.xp or t[1], r.rt or t[2], r.it or t[3], r.oq or t[4]
     r.ik, r.ok, r.ch, r.sl, r.at, r.es = r.ik or '', r.ok or '', r.ch or r.h, r.sl or '1', r.at or '1', r.es or '0'
   end
-  r.h = tonumber(r.h)
-  r.ch = tonumber(r.ch)
-  r.le = tonumber(r.le)
-  r.at = tonumber(r.at)
-  r.dy = tonumber(r.dy)
-  r.hr = tonumber(r.hr)
-  r.zo = tonumber(r.zo) or 0
-  r.rt = tonumber(r.rt)
-  r.it = tonumber(r.it)
-  r.pi = tonumber(r.pi) or 0
-  r.po = tonumber(r.po) or 0
-  r.hc = tonumber(r.hc) or 0
-  r.cc = tonumber(r.cc) or 0
+  r.h = number(r.h)
+  r.ch = number(r.ch)
+  r.le = number(r.le)
+  r.at = number(r.at)
+  r.dy = number(r.dy)
+  r.hr = number(r.hr)
+  r.zo = number(r.zo) or 0
+  r.rt = number(r.rt)
+  r.it = number(r.it)
+  r.pi = number(r.pi) or 0
+  r.po = number(r.po) or 0
+  r.hc = number(r.hc) or 0
+  r.cc = number(r.cc) or 0
   -- Weighted tokens: weights in thousandths of a whole token, prices; without 'cw', a cached
   -- token is an input token and a reasoning token an output token.
   r.wr, r.ww, r.pr, r.pw, r.wt, r.pt = 1000, 1000, r.pi, r.pi, 1000, r.po
@@ -298,11 +323,10 @@ end
 -- A bucket's level at `now`: its level at its last write plus the refill since, never above its
 -- capacity. A bucket never written is full.
 local function refilled(level, at, cap, rate, now)
-  level = tonumber(level)
   if level == nil then
     return cap
   end
-  return min(cap, level + rate * max(0, now - tonumber(at)))
+  return min(cap, level + rate * max(0, now - at))
 end
 
 -- Keeps `key` alive for at least `ms` more, never for less than it already has: a key that holds
@@ -316,6 +340,7 @@ end
 -- one call too (either order is right for any key; the hint only saves calls).
 -- True when the key had no TTL and was given its first here.
 local function keep_for(key, ms, fresh)
+  ms = text(ms)
   if fresh then
     if call('PEXPIRE', key, ms, 'NX') == 0 then
       call('PEXPIRE', key, ms, 'GT')
@@ -335,7 +360,7 @@ end
 -- scope's TTL is set about once in every sixteenth of its idle time rather than at every call.
 -- The new `kx` to write, or nil when the one it has will do.
 local function lasting(kx, idle, now)
-  local until_ms = tonumber(kx)
+  local until_ms = number(kx)
   if until_ms and until_ms >= now + idle then
     return nil
   end
@@ -578,7 +603,7 @@ function PARSE.hold_terms(s)
     error('a hold\'s terms have ' .. #t .. ' fields, not 23: ' .. s)
   end
   local terms = { lease = tonumber(t[1]), idle = t[2], late_commit_wait = t[3], policy = t[4],
-    batch = tonumber(t[5]), attempt_limit = tonumber(t[6]), concurrency_wait_cap = tonumber(t[7]),
+    batch = t[5], attempt_limit = tonumber(t[6]), concurrency_wait_cap = tonumber(t[7]),
     min_samples = tonumber(t[8]), quantile = t[9], shadow = t[10] == '1', price_in = tonumber(t[11]),
     price_out = tonumber(t[12]), retention = tonumber(t[13]), offset = tonumber(t[14]), ledger = '', cache = '',
     compact = t[23] == '2' }
@@ -617,7 +642,7 @@ local function read_scope(key, l, now, at)
   if s.rcap > 0 then
     s.r = refilled(f.r, f.rt, s.rcap, s.rrate, now)
   end
-  s.c = tonumber(f.c) or 0
+  s.c = number(f.c) or 0
   -- Which periods the hash counts already (its marker is the current one: `current`), and every
   -- counter the scope counts: ALWAYS, its budgets, and what its hash has counted (a counter is
   -- written only with its period's marker, so only a period with a marker can have counted any).
@@ -626,7 +651,7 @@ local function read_scope(key, l, now, at)
   for i = 1, #PERIODS do
     local p = PERIODS[i]
     local marker = f[PERIOD_MARKERS[p]]
-    current[p] = at[p] ~= nil and tonumber(marker) == at[p]
+    current[p] = at[p] ~= nil and number(marker) == at[p]
     if marker then
       local beside = BESIDE[p]
       for j = 1, #beside do
@@ -648,7 +673,7 @@ local function read_scope(key, l, now, at)
   end
   for c in pairs(used) do
     if current[PERIOD_OF[c]] then
-      used[c] = tonumber(f[c]) or 0
+      used[c] = number(f[c]) or 0
     end
   end
   return s
@@ -824,9 +849,9 @@ local OUTPUT_FIELDS = { 'g', 'gt', 'gtt', 'gtc', 'gtr' }
 -- bucket at `level` (refilled to `now`) with capacity `cap` and refill `rate` write, `stored` the
 -- scope's fields as read: its level and time, and its terms when a reload changed them.
 local function put_bucket(f, k, stored, fields, level, cap, rate, amount, now)
-  f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], max(level - amount, -cap), fields[3], now, k + 4
-  if tonumber(stored[fields[4]]) ~= cap or tonumber(stored[fields[5]]) ~= rate then
-    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[4], cap, fields[5], rate, k + 4
+  f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[2], text(max(level - amount, -cap)), fields[3], text(now), k + 4
+  if number(stored[fields[4]]) ~= cap or number(stored[fields[5]]) ~= rate then
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = fields[4], text(cap), fields[5], text(rate), k + 4
   end
   return k
 end
@@ -840,10 +865,10 @@ end
 local function take(s, n, requests, slots, at, now, idle, lk)
   local f, k = {}, 0
   if lk then
-    f[1], f[2], k = 'lk', lk, 2
+    f[1], f[2], k = 'lk', text(lk), 2
   end
   if slots ~= 0 or not s.f.c then
-    f[k + 1], f[k + 2], k = 'c', s.c + slots, k + 2
+    f[k + 1], f[k + 2], k = 'c', text(s.c + slots), k + 2
   end
   local starts = nil
   for c, used in pairs(s.used) do
@@ -853,12 +878,12 @@ local function take(s, n, requests, slots, at, now, idle, lk)
       starts[p] = true
     end
     if amount ~= 0 or not s.current[p] then
-      f[k + 1], f[k + 2], k = c, used + amount, k + 2
+      f[k + 1], f[k + 2], k = c, text(used + amount), k + 2
     end
   end
   if starts then
     for p in pairs(starts) do
-      f[k + 1], f[k + 2], k = PERIOD_MARKERS[p], at[p], k + 2
+      f[k + 1], f[k + 2], k = PERIOD_MARKERS[p], text(at[p]), k + 2
     end
   end
   -- A checked take leaves the buckets at zero or above; a shadowed one (reserve.lua) may go into
@@ -873,11 +898,11 @@ local function take(s, n, requests, slots, at, now, idle, lk)
     k = put_bucket(f, k, s.f, OUTPUT_FIELDS, s.gt, s.gcap, s.grate, n.g, now)
   end
   if s.rcap > 0 then
-    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', max(s.r - requests, -s.rcap), 'rt', now, k + 4
+    f[k + 1], f[k + 2], f[k + 3], f[k + 4], k = 'r', text(max(s.r - requests, -s.rcap)), 'rt', text(now), k + 4
   end
-  local kx = lasting(s.f.kx, tonumber(idle), now)
+  local kx = lasting(s.f.kx, number(idle), now)
   if kx then
-    f[k + 1], f[k + 2], k = 'kx', kx, k + 2
+    f[k + 1], f[k + 2], k = 'kx', text(kx), k + 2
   end
   if k > 0 then
     call('HSET', s.key, unpack(f))
@@ -925,7 +950,7 @@ local BUCKET_FIELDS = { TOKEN_FIELDS, PROMPT_FIELDS, OUTPUT_FIELDS }
 -- many of `w`'s places it fills (none when nothing is given back or the scope counts none).
 local function free_slots(w, c, slots)
   if slots > 0 and c and c > 0 then
-    w[1], w[2] = 'c', max(0, c - slots)
+    w[1], w[2] = 'c', text(max(0, c - slots))
     return 2
   end
   return 0
@@ -944,7 +969,7 @@ end
 -- counters in a scope hash read as `f` by `n`, as adjust says. Only what moves is written.
 local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
   local marker = PERIOD_MARKERS[p]
-  local was = tonumber(f[marker])
+  local was = number(f[marker])
   -- (A period the hash has no marker for counts nothing here.)
   if not was then
     return nw
@@ -960,7 +985,7 @@ local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
       local count = at and f[name]
       if count then
         if at == was or (amount > 0 and at < was) then
-          w[nw + 1], w[nw + 2], nw = name, max(0, tonumber(count) + amount), nw + 2
+          w[nw + 1], w[nw + 2], nw = name, text(max(0, count + amount)), nw + 2
         elseif amount > 0 then
           newer = true
           break
@@ -977,7 +1002,7 @@ local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
   local u, moved = { at = was }, {}
   for x = 1, #MEASURES do
     local m = MEASURES[x]
-    u[m] = tonumber(f[names[m]])
+    u[m] = number(f[names[m]])
   end
   for x = 1, #MEASURES do
     local m = MEASURES[x]
@@ -998,12 +1023,12 @@ local function move_period(w, nw, f, p, n, hold_at, now_at, may_refund)
     end
   end
   if u.at ~= was then
-    w[nw + 1], w[nw + 2], nw = marker, u.at, nw + 2
+    w[nw + 1], w[nw + 2], nw = marker, text(u.at), nw + 2
   end
   for x = 1, #MEASURES do
     local m = MEASURES[x]
     if moved[m] then
-      w[nw + 1], w[nw + 2], nw = names[m], u[m], nw + 2
+      w[nw + 1], w[nw + 2], nw = names[m], text(u[m]), nw + 2
     end
   end
   return nw
@@ -1021,7 +1046,7 @@ end
 -- (idle longer than its TTL) is not recreated: an idle bucket is full anyway.
 local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
   slots = slots or 0
-  idle = tonumber(idle)
+  idle = number(idle)
   local moves = n.u ~= 0 or n.c ~= 0 or n.p ~= 0 or n.g ~= 0
   local allowed = nil
   if moves and kc and kc ~= '' then
@@ -1032,17 +1057,17 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     if not moves and not gathered then
       -- Only slots: one field read, one written.
       local f = call('HMGET', k, 'c', 'kx')
-      nw, kx = free_slots(w, tonumber(f[1]), slots), f[2]
+      nw, kx = free_slots(w, number(f[1]), slots), f[2]
     else
       local may_refund = (allowed and allowed[i]) or IS_ALWAYS
       local f = scope_fields(k)
-      nw, kx = free_slots(w, tonumber(f.c), slots), f.kx
+      nw, kx = free_slots(w, number(f.c), slots), f.kx
       for j = 1, #BUCKET_FIELDS do
         local b = BUCKET_FIELDS[j]
-        local amount, cap = n[b[1]], tonumber(f[b[4]])
+        local amount, cap = n[b[1]], number(f[b[4]])
         if amount ~= 0 and f[b[2]] and cap then
-          local level = refilled(f[b[2]], f[b[3]], cap, tonumber(f[b[5]]) or 0, now) - amount
-          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], max(-cap, min(cap, level)), b[3], now, nw + 4
+          local level = refilled(f[b[2]], f[b[3]], cap, number(f[b[5]]) or 0, now) - amount
+          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], text(max(-cap, min(cap, level))), b[3], text(now), nw + 4
         end
       end
       for j = 1, #PERIODS do
@@ -1052,7 +1077,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     -- A hash that has expired is not made again for its TTL's sake: only a write keeps it.
     local until_ms = idle and lasting(kx, idle, now)
     if until_ms and nw > 0 then
-      w[nw + 1], w[nw + 2], nw = 'kx', until_ms, nw + 2
+      w[nw + 1], w[nw + 2], nw = 'kx', text(until_ms), nw + 2
     end
     -- (Only `nw` places: a period's writes that move_period took back may lie past them.)
     if nw > 0 and gathered then
@@ -1426,7 +1451,7 @@ end
 -- the tenant's ledger, for the holds settled without a record.
 local function sweep(leases, holds, prefix, batch, now, ledger)
   local settled = {}
-  for _, due in ipairs(call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, batch)) do
+  for _, due in ipairs(call('ZRANGEBYSCORE', leases, '-inf', text(now), 'LIMIT', '0', batch)) do
     if string.sub(due, 1, 1) == '@' then
       settle_lease(prefix .. due, leases, due)
     elseif sweep_hold(prefix .. due, due, leases, holds, now, ledger) then

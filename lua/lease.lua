@@ -71,7 +71,7 @@ local member = ARGV[1]
 local prefix = ARGV[2]
 local lease = tonumber(ARGV[3])
 local idle = tonumber(ARGV[4])
-local batch = tonumber(ARGV[5])
+local batch = ARGV[5]
 local wait_cap = tonumber(ARGV[6])
 local ending = ARGV[7] == 'end'
 local last_call = KEYS[6]

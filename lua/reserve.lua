@@ -179,7 +179,7 @@ if key_use ~= '' then
         if made >= terms.attempt_limit then
           return refuse('attempts')
         end
-        call('HSET', KEYS[3], 'n', made + 1, 'lc', id)
+        call('HSET', KEYS[3], 'n', text(made + 1), 'lc', id)
         return again(k[3], r, made + 1, 1)
       end
     end
@@ -266,12 +266,12 @@ for i, s in ipairs(scopes) do
   hourly = hourly or s.used.hu ~= nil or s.used.hc ~= nil or s.used.hp ~= nil or s.used.hg ~= nil
 end
 
-local expiry = now + terms.lease
+local expiry = text(now + terms.lease)
 local ik = ''
 if key_use ~= '' then
   ik = KEYS[3]
-  call('HSET', ik, 'fp', fingerprint, 'n', attempts, 'id', id, 'lc', id)
-  call('PEXPIRE', ik, terms.lease)
+  call('HSET', ik, 'fp', fingerprint, 'n', text(attempts), 'id', id, 'lc', id)
+  call('PEXPIRE', ik, text(terms.lease))
 end
 local learn_into = ''
 if min_samples > 0 then
@@ -291,7 +291,7 @@ end
 if terms.compact then
   -- The terms the record needs in one string, and of what a new hold starts with only what
   -- differs (see load).
-  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', at.d, 'ks', ks, 'tm', terms.record, 'oh', output_held,
+  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', text(at.d), 'ks', ks, 'tm', terms.record, 'oh', output_held,
     'md', model }
   if ik ~= '' then
     also('ik', ik)
@@ -300,32 +300,32 @@ if terms.compact then
     also('ok', learn_into)
   end
   if attempts ~= 1 then
-    also('at', attempts)
+    also('at', text(attempts))
   end
   if estimate_flag ~= '0' then
     also('es', estimate_flag)
   end
 else
-  record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', attempts, 'dy', at.d,
+  record = { 'st', 'reserved', 'h', held, 'ch', held, 'sl', '1', 'le', expiry, 'at', text(attempts), 'dy', text(at.d),
     'ks', ks, 'xp', terms.policy, 'ik', ik, 'rt', terms.late_commit_wait, 'it', idle, 'ok', learn_into,
     'oq', terms.quantile, 'oh', output_held, 'es', estimate_flag, 'md', model }
 end
 -- Who the hold is for, only where a ledger will enter it; its prices, only where it has any (a
 -- record without them reads as free: see load).
 if ledger.terms ~= '' then
-  also('tn', tenant, 'ur', user, 'tr', tier, 'ra', now, 'lg', ledger.terms)
+  also('tn', tenant, 'ur', user, 'tr', tier, 'ra', text(now), 'lg', ledger.terms)
 end
 if price_in > 0 or price_out > 0 then
-  also('pi', price_in, 'po', price_out, 'hc', cost, 'cc', cost)
+  also('pi', text(price_in), 'po', text(price_out), 'hc', text(cost), 'cc', text(cost))
 end
 if terms.cache ~= '' then
   also('cw', terms.cache)
 end
 if hourly then
-  also('hr', at.h)
+  also('hr', text(at.h))
 end
 if offset ~= 0 then
-  also('zo', offset)
+  also('zo', text(offset))
 end
 local kc = charged_counters(scopes)
 if kc ~= '' then

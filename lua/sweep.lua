@@ -18,7 +18,7 @@
 
 local leases, holds = KEYS[1], KEYS[2]
 local now = now_ms()
-local settled = sweep(leases, holds, ARGV[1], tonumber(ARGV[2]), now,
+local settled = sweep(leases, holds, ARGV[1], ARGV[2], now,
   { key = KEYS[3], terms = ARGV[3], tenant = ARGV[4] })
 local first = call('ZRANGE', leases, 0, 0, 'WITHSCORES')
 local next_due = -1
