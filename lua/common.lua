@@ -822,8 +822,8 @@ local function give_requests(key, n, cap, rate, now, only_existing)
   return true
 end
 
--- The first soft budget (in COUNTERS order) of `scopes` that taking `n` more leaves passed:
--- {counter, ms until its period ends}, or {} when none is.
+-- The first soft budget (in COUNTERS order) of `scopes` that taking `n` more leaves passed: its
+-- counter and the ms until its period ends, or '' and 0 when none is.
 local function soft_passed(scopes, n, now, at, offset)
   for _, s in ipairs(scopes) do
     if s.l.any_soft then
@@ -831,12 +831,12 @@ local function soft_passed(scopes, n, now, at, offset)
         local c = COUNTERS[i]
         local limit = s.l.soft[c]
         if limit and s.used[c] + n[MEASURE_OF[c]] > limit then
-          return { c, period_ends(PERIOD_OF[c], at, now, offset) }
+          return c, period_ends(PERIOD_OF[c], at, now, offset)
         end
       end
     end
   end
-  return {}
+  return '', 0
 end
 
 -- A token bucket's fields in a scope hash, by the measure it counts: its level, last refill (ms),
@@ -936,11 +936,11 @@ local function headroom(scopes, take_tokens, take_requests)
 end
 
 -- The tightest input and output windows after taking `prompt` and `output`, as headroom's:
--- {remaining, limit, ms to full} for prompt tokens, then for output tokens.
+-- remaining, limit and ms to full for prompt tokens, then for output tokens.
 local function side_headroom(scopes, prompt, output)
   local irem, ilim, ireset = tightest(scopes, 'pt', 'pcap', 'prate', prompt)
   local orem, olim, oreset = tightest(scopes, 'gt', 'gcap', 'grate', output)
-  return { irem, ilim, ireset, orem, olim, oreset }
+  return irem, ilim, ireset, orem, olim, oreset
 end
 
 -- The buckets adjust moves (fields as TOKEN_FIELDS).

@@ -47,25 +47,25 @@
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed, swept, shadow, budget left, sides, soft}
---   (sides: {remaining, limit, reset ms} of the tightest bucket of prompt tokens, then of output
+--                   replayed, sides (six), soft (two), shadow (three), then the lists}
+--   (sides: remaining, limit and reset ms of the tightest bucket of prompt tokens, then of output
 --    tokens, each -1 when no scope has one)
---   (soft: {counter, ms until its period ends} of the first soft budget this hold leaves past
---    (an earlier hold answered again: that its scope is past now), or {} when none is)
+--   (soft: the counter of the first soft budget this hold leaves past (an earlier hold answered
+--    again: that its scope is past now) and the ms until its period ends, or '' and 0 when none is)
 --   (output held: the output part of the hold; estimated: 1 when it came from the estimate;
 --    replayed: 1 when an idempotency key returned its earlier live hold, which charged nothing new)
 --   (remaining / limit / reset describe the scope with the fewest tokens (requests) left; -1 when no
 --    scope limits them)
---   (shadow: {} when the limits admit the hold; else {reason, scope index, retry after ms}, what a
---    denial would have said: a shadowed hold may take a scope past its limit, into debt that later
---    refills repay)
+--   (shadow: '', 0, 0 when the limits admit the hold; else the reason, scope index and retry after
+--    ms a denial would have said: a shadowed hold may take a scope past its limit, into debt that
+--    later refills repay)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
---                   token reset ms, swept, budget left}
---   (budget left, in every reply: per scope, in KEYS order, what its daily token budget has left
---    after this call, -1 when it has none: the share a replica admits locally should the store
---    become unreachable is a share of what remains)
---   (swept, in every reply: the ids of the expired holds this call settled, whose pool legs the
---    caller takes off their pools)
+--                   token reset ms, then the lists}
+--   (the lists, ending every reply, flat (a nested table costs Redis more to answer than its
+--    fields): the number of scopes; per scope, in KEYS order, what its daily token budget has left
+--    after this call, -1 when it has none (the share a replica admits locally should the store
+--    become unreachable is a share of what remains); then, to the end, the ids of the expired
+--    holds this call settled, whose pool legs the caller takes off their pools)
 --   reason: token_rate | input_rate | output_rate | request_rate | concurrency | budget:<counter>
 --           | attempts | conflict | unsatisfiable
 --   (unsatisfiable: the hold, or its cost, or its prompt or output alone, is larger than a
@@ -129,30 +129,45 @@ for i = FIRST_SCOPE, #KEYS do
   scopes[#scopes + 1] = read_scope(KEYS[i], packed_scope_limits(ARGV[FIRST_LIMITS + i - FIRST_SCOPE]), now, at)
 end
 
--- What each scope's daily token budget has left once `taken` more is charged (-1: it has none).
-local function budget_left(taken)
-  local left = {}
+-- `reply` with the lists every reply ends with (see the header), what each scope's daily token
+-- budget has left once `taken` more is charged.
+local function listed(reply, taken)
+  local k = #reply + 1
+  reply[k] = #scopes
   for i, s in ipairs(scopes) do
-    left[i] = -1
+    local left = -1
     local budget = s.l.budgets.du or 0
     if budget > 0 then
-      left[i] = max(0, budget - s.used.du - taken)
+      left = max(0, budget - s.used.du - taken)
     end
+    reply[k + i] = left
   end
-  return left
+  k = k + #scopes
+  for i = 1, #swept do
+    reply[k + i] = swept[i]
+  end
+  return reply
+end
+
+-- The reply admitting hold `hold_id` (`shadow`: what a denial would have said, or {}), and the
+-- windows and budgets as they are once `n` ({u, c, p, g}) and `requests` more are taken.
+local function admitted(hold_id, held, attempts, output_held, estimated, replayed, shadow, n, requests)
+  local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, n.u, requests)
+  local irem, ilim, ireset, orem, olim, oreset = side_headroom(scopes, n.p, n.g)
+  local soft, soft_ends = soft_passed(scopes, n, now, at, offset)
+  return listed({ 1, hold_id, held, attempts, rem, lim, reset, rrem, rlim, rreset, output_held, estimated, replayed,
+    irem, ilim, ireset, orem, olim, oreset, soft, soft_ends, shadow[1] or '', shadow[2] or 0, shadow[3] or 0 }, n.u)
 end
 
 -- An earlier hold answered again: charges nothing.
 local function again(hold_id, r, attempts, replayed)
-  local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, 0, 0)
-  return { 1, hold_id, r.h, attempts, rem, lim, reset, rrem, rlim, rreset, tonumber(r.oh) or -1,
-    tonumber(r.es) or 0, replayed, swept, {}, budget_left(0), side_headroom(scopes, 0, 0),
-    soft_passed(scopes, amounts(0, 0, 0, 0), now, at, offset) }
+  return admitted(hold_id, r.h, attempts, tonumber(r.oh) or -1, tonumber(r.es) or 0, replayed, {},
+    amounts(0, 0, 0, 0), 0)
 end
 
 local function refuse(reason)
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return { 0, reason, 1, 0, rem, lim, reset, swept, budget_left(0) }
+  return listed({ 0, reason, 1, 0, rem, lim, reset }, 0)
 end
 
 -- 3. A re-sent call whose first run made the hold: answer as that run did.
@@ -207,7 +222,7 @@ local would_refuse = {}
 for i, s in ipairs(scopes) do
   if never_fits(s, n) then
     if not terms.shadow then
-      return { 0, 'unsatisfiable', i, 0, -1, -1, -1, swept, budget_left(0) }
+      return listed({ 0, 'unsatisfiable', i, 0, -1, -1, -1 }, 0)
     end
     would_refuse = { 'unsatisfiable', i, 0 }
     break
@@ -231,7 +246,7 @@ if #would_refuse == 0 then
 end
 if reason and not terms.shadow then
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return { 0, reason, where, wait, rem, lim, reset, swept, budget_left(0) }
+  return listed({ 0, reason, where, wait, rem, lim, reset }, 0)
 end
 if reason then
   would_refuse = { reason, where, wait }
@@ -353,6 +368,4 @@ if keys_until then
   keep_for(holds, keys_until - now, first)
 end
 
-local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, hold, 1)
-return { 1, id, hold, attempts, rem, lim, reset, rrem, rlim, rreset, output, estimated, 0, swept, would_refuse,
-  budget_left(hold), side_headroom(scopes, prompt, output), soft_passed(scopes, n, now, at, offset) }
+return admitted(id, hold, attempts, output, estimated, 0, would_refuse, n, 1)

@@ -23,7 +23,7 @@ pub mod settle;
 pub mod sweep;
 
 use super::{Reply, Script, StoreError};
-use crate::hold::{BudgetKey, Measure, Period, Refusal, Settled, Window, WouldRefuse};
+use crate::hold::{BudgetKey, Measure, Period, Refusal, Settled, Window};
 
 /// Two argument lists, one after the other, as one (`N` their lengths' sum).
 // Evaluated at compile time over lists of a few dozen: indices stay below `N`.
@@ -172,20 +172,21 @@ impl<'a> Fields<'a> {
         }
     }
 
-    /// A list of counts, `None` for each `-1` ("no such limit"); empty when absent.
-    pub(crate) fn counts(&self, i: usize) -> Result<Vec<Option<u64>>, StoreError> {
-        match self.items.get(i) {
-            None => Ok(Vec::new()),
-            Some(Reply::Array(items)) => items
-                .iter()
-                .map(|n| match n.as_int() {
-                    Some(-1) => Ok(None),
-                    Some(n) => u64::try_from(n).map(Some).map_err(|_| self.bad()),
-                    None => Err(self.bad()),
-                })
-                .collect(),
-            Some(_) => Err(self.bad()),
-        }
+    /// The two lists a reply ends with, flat from `i`: a count, that many counts (`None` for
+    /// each `-1`, "no such limit"), then texts to the end.
+    pub(crate) fn lists(&self, i: usize) -> Result<(Vec<Option<u64>>, Vec<String>), StoreError> {
+        let n = usize::try_from(self.uint(i)?).map_err(|_| self.bad())?;
+        let first = i.saturating_add(1);
+        let texts_from = first.checked_add(n).filter(|&end| end <= self.items.len()).ok_or_else(|| self.bad())?;
+        let counts = (first..texts_from)
+            .map(|at| match self.int(at)? {
+                -1 => Ok(None),
+                n => u64::try_from(n).map(Some).map_err(|_| self.bad()),
+            })
+            .collect::<Result<_, _>>()?;
+        let texts =
+            (texts_from..self.items.len()).map(|at| self.text(at).map(str::to_string)).collect::<Result<_, _>>()?;
+        Ok((counts, texts))
     }
 
     /// A refusal's reason at `i`, as the scripts name it.
@@ -201,23 +202,6 @@ impl<'a> Fields<'a> {
     /// A settled hold's state, as the reply named it.
     pub(crate) fn settled(&self, text: &str) -> Result<Settled, StoreError> {
         settled(text).ok_or_else(|| self.bad())
-    }
-
-    /// `{reason, scope (1-based), retry after ms}`, or an empty table (or nothing) for none.
-    pub(crate) fn would_refuse(&self, i: usize) -> Result<Option<WouldRefuse>, StoreError> {
-        match self.items.get(i) {
-            None => Ok(None),
-            Some(Reply::Array(items)) if items.is_empty() => Ok(None),
-            Some(Reply::Array(items)) => {
-                let inner = Fields { script: self.script, reply: self.reply, items };
-                Ok(Some(WouldRefuse {
-                    reason: inner.refusal(0)?,
-                    scope: inner.scope(1)?,
-                    retry_after_ms: inner.uint(2)?,
-                }))
-            }
-            Some(_) => Err(self.bad()),
-        }
     }
 
     /// Remaining / limit / reset at these fields: the scripts send a limit of -1 for "no scope
@@ -364,6 +348,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_lists_a_reply_ends_with_are_read_by_their_count() {
+        let script = Script::new("reserve", String::new());
+        let text = |s: &str| Reply::Text(s.to_string());
+        let reply = Reply::Array(vec![Reply::Int(0), Reply::Int(2), Reply::Int(-1), text("7"), text("a"), text("b")]);
+        let r = Fields::of(&script, &reply).unwrap();
+        assert_eq!(r.lists(1).unwrap(), (vec![None, Some(7)], vec!["a".to_string(), "b".to_string()]));
+        // A count past the reply's end, or a negative one, is a bad reply, not a short list.
+        let short = Reply::Array(vec![Reply::Int(0), Reply::Int(3), Reply::Int(1)]);
+        assert!(matches!(Fields::of(&script, &short).unwrap().lists(1), Err(StoreError::BadReply { .. })));
+        let negative = Reply::Array(vec![Reply::Int(0), Reply::Int(-1)]);
+        assert!(matches!(Fields::of(&script, &negative).unwrap().lists(1), Err(StoreError::BadReply { .. })));
+        // Nothing past the count: no budgets, nothing swept.
+        let bare = Reply::Array(vec![Reply::Int(0), Reply::Int(0)]);
+        assert_eq!(Fields::of(&script, &bare).unwrap().lists(1).unwrap(), (vec![], vec![]));
     }
 
     #[test]

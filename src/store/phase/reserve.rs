@@ -4,7 +4,7 @@ use super::{Argv, Fields};
 use crate::config::{ExpiredUsage, LedgerTerms, Price, Priority, TokenWeights};
 use std::num::NonZeroU64;
 
-use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits, Sides};
+use crate::hold::{Bucket, BudgetKey, Headroom, KeyRepeat, ReserveOutcome, ScopeLimits, Sides, WouldRefuse};
 use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `reserve.lua`'s fixed `ARGV`, in order, as its header names them.
@@ -159,42 +159,51 @@ impl<S: Store> Protocol<S> {
         let reply = self.store.eval(script, keys, a.finish()).await?;
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
-            1 => Ok(ReserveReply {
-                outcome: ReserveOutcome::Admitted {
-                    id: r.text(1)?.to_string(),
-                    held: r.uint(2)?,
-                    attempts: r.count(3)?,
-                    headroom: {
-                        let sides = Fields::of(script, r.get(16).ok_or_else(|| r.bad())?)?;
-                        Headroom { tokens: r.window([4, 5, 6])?, requests: r.window([7, 8, 9])?, sides: None }
-                            .with_sides(Sides { input: sides.window([0, 1, 2])?, output: sides.window([3, 4, 5])? })
-                    },
-                    estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
-                    replayed: r.flag(12)?,
-                    shadowed: r.would_refuse(14)?,
-                    soft: {
-                        let soft = Fields::of(script, r.get(17).ok_or_else(|| r.bad())?)?;
-                        match soft.len() {
-                            0 => None,
-                            _ => {
-                                Some((BudgetKey::from_counter(soft.text(0)?).ok_or_else(|| soft.bad())?, soft.uint(1)?))
-                            }
+            1 => {
+                let (budget_left, swept) = r.lists(24)?;
+                Ok(ReserveReply {
+                    outcome: ReserveOutcome::Admitted {
+                        id: r.text(1)?.to_string(),
+                        held: r.uint(2)?,
+                        attempts: r.count(3)?,
+                        headroom: Headroom {
+                            tokens: r.window([4, 5, 6])?,
+                            requests: r.window([7, 8, 9])?,
+                            sides: None,
                         }
+                        .with_sides(Sides { input: r.window([13, 14, 15])?, output: r.window([16, 17, 18])? }),
+                        estimated_output: r.flag(11)?.then(|| r.uint(10)).transpose()?,
+                        replayed: r.flag(12)?,
+                        soft: match r.text(19)? {
+                            "" => None,
+                            counter => Some((BudgetKey::from_counter(counter).ok_or_else(|| r.bad())?, r.uint(20)?)),
+                        },
+                        shadowed: match r.text(21)? {
+                            "" => None,
+                            _ => Some(WouldRefuse {
+                                reason: r.refusal(21)?,
+                                scope: r.scope(22)?,
+                                retry_after_ms: r.uint(23)?,
+                            }),
+                        },
                     },
-                },
-                swept: r.texts(13)?,
-                budget_left: r.counts(15)?,
-            }),
-            0 => Ok(ReserveReply {
-                outcome: ReserveOutcome::Denied {
-                    reason: r.refusal(1)?,
-                    scope: r.scope(2)?,
-                    retry_after_ms: r.uint(3)?,
-                    headroom: Headroom { tokens: r.window([4, 5, 6])?, ..Headroom::default() },
-                },
-                swept: r.texts(7)?,
-                budget_left: r.counts(8)?,
-            }),
+                    swept,
+                    budget_left,
+                })
+            }
+            0 => {
+                let (budget_left, swept) = r.lists(7)?;
+                Ok(ReserveReply {
+                    outcome: ReserveOutcome::Denied {
+                        reason: r.refusal(1)?,
+                        scope: r.scope(2)?,
+                        retry_after_ms: r.uint(3)?,
+                        headroom: Headroom { tokens: r.window([4, 5, 6])?, ..Headroom::default() },
+                    },
+                    swept,
+                    budget_left,
+                })
+            }
             _ => Err(r.bad()),
         }
     }
