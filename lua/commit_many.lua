@@ -17,7 +17,8 @@
 --   exact | metered, cache reads, cache writes, reasoning tokens, how the request ended (each as
 --   commit.lua's ARGV 1, 2, 3, 6, 9, 10, 11 and 12)
 --
--- Reply: one commit.lua reply per commit, in KEYS order.
+-- Reply: each commit's commit.lua reply, in KEYS order, one after the other in one flat list (its
+--   eleven fields a commit: a nested table would cost Redis more to answer than its fields).
 
 local FIRST_RECORD, FIRST_ARG, PER_COMMIT = 4, 5, 8
 local terms = { estimate_ttl = tonumber(ARGV[1]), window = tonumber(ARGV[2]),
@@ -35,7 +36,11 @@ for i = FIRST_RECORD, #KEYS do
     make_gathered()
     gather()
   end
-  replies[#replies + 1] = commit_hold(KEYS[i], KEYS[1], KEYS[2], KEYS[3], terms, c, now)
+  local reply = commit_hold(KEYS[i], KEYS[1], KEYS[2], KEYS[3], terms, c, now)
+  local k = #replies
+  for j = 1, #reply do
+    replies[k + j] = reply[j]
+  end
 end
 make_gathered()
 return replies

@@ -134,6 +134,11 @@ impl<'a> Fields<'a> {
         self.items.get(i)
     }
 
+    /// The reply as runs of `n` fields, each read as a reply of its own (the last may be shorter).
+    pub(crate) fn chunks(&self, n: usize) -> impl Iterator<Item = Fields<'a>> + '_ {
+        self.items.chunks(n).map(|items| Fields { script: self.script, reply: self.reply, items })
+    }
+
     pub(crate) fn int(&self, i: usize) -> Result<i64, StoreError> {
         self.items.get(i).and_then(Reply::as_int).ok_or_else(|| self.bad())
     }

@@ -2,7 +2,7 @@
 
 use super::{Argv, Fields};
 use crate::hold::{CommitOutcome, Counted, Detail, Ending, ReleaseOutcome, RenewOutcome, Usage};
-use crate::store::{Protocol, Reply, Store, StoreError, keys};
+use crate::store::{Protocol, Store, StoreError, keys};
 
 /// `commit.lua`'s `ARGV`, in order.
 pub(crate) const COMMIT_ARGV: [&str; 13] = [
@@ -100,6 +100,10 @@ fn said<T: ToString>(n: Option<T>) -> String {
     n.map_or_else(String::new, |n| n.to_string())
 }
 
+/// The fields of `commit.lua`'s reply: `commit_many.lua` replies with each commit's, one after the
+/// other.
+const COMMIT_REPLY_FIELDS: usize = 11;
+
 /// What `commit.lua` replied (or `commit_many.lua`, for each of its commits).
 fn commit_outcome(r: &Fields<'_>) -> Result<CommitOutcome, StoreError> {
     Ok(match r.text(0)? {
@@ -185,12 +189,11 @@ impl<S: Store> Protocol<S> {
             keys.push(keys::record(tenant, &c.id));
         }
         let reply = self.store.eval(script, keys, a.finish()).await?;
-        match &reply {
-            Reply::Array(each) if each.len() == commits.len() => {
-                each.iter().map(|one| commit_outcome(&Fields::of(script, one)?)).collect()
-            }
-            _ => Err(StoreError::BadReply { script: script.name, reply: reply.clone() }),
+        let r = Fields::of(script, &reply)?;
+        if r.len() != commits.len().saturating_mul(COMMIT_REPLY_FIELDS) {
+            return Err(r.bad());
         }
+        r.chunks(COMMIT_REPLY_FIELDS).map(|one| commit_outcome(&one)).collect()
     }
 
     /// Extends a live hold's lease to `lease_ms` from now.
