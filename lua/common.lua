@@ -177,21 +177,21 @@ local function month_start(month)
   return era * 146097 + doe - 719468
 end
 
--- The store's clock now, in ms; and the same as text (see text), written once a phase.
-local clock_now, clock_text
+-- The store's clock as the phase read it, in ms (`ms`), and as text once a command needs it.
+local clock = {}
 local function now_ms()
   local t = call('TIME')
-  clock_now, clock_text = t[1] * 1000 + floor(t[2] / 1000), nil
-  return clock_now
+  clock.ms, clock.text = t[1] * 1000 + floor(t[2] / 1000), nil
+  return clock.ms
 end
 
--- A number as a command is given it: a whole number in decimal, as `format` writes it; any other
--- as it is. (Redis 7.0 writes every number a script gives a command with 17 significant digits,
--- about 2,900 instructions each; '%d' costs a third of that.)
+-- A number for redis.call: a whole one as '%d' text, a fraction as it is. (Redis 7.0 writes a
+-- number a script gives a command with 17 significant digits, about 2,900 instructions for a
+-- time in ms; a time the phase gives several commands, its clock's, is written once.)
 local function text(n)
-  if n == clock_now then
-    clock_text = clock_text or format('%d', n)
-    return clock_text
+  if n == clock.ms then
+    clock.text = clock.text or format('%d', n)
+    return clock.text
   end
   if n % 1 ~= 0 then
     return n
@@ -200,7 +200,7 @@ local function text(n)
 end
 
 -- A number the scripts wrote (a record's, a scope hash's), read with one parse where tonumber
--- makes two; nil for nil. (Only for what is a number or nil: anything else is an error.)
+-- makes two; nil for a missing field (nil, or false from HMGET). Anything else is an error.
 local function number(v)
   if v then
     return v + 0
@@ -321,9 +321,10 @@ local function charged_for(r, prompt, output, read, written, reasoning)
 end
 
 -- A bucket's level at `now`: its level at its last write plus the refill since, never above its
--- capacity. A bucket never written is full.
+-- capacity. A bucket never written (its level nil, or false where HMGET read a missing field) is
+-- full.
 local function refilled(level, at, cap, rate, now)
-  if level == nil then
+  if not level then
     return cap
   end
   return min(cap, level + rate * max(0, now - at))
@@ -1067,7 +1068,8 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
         local amount, cap = n[b[1]], number(f[b[4]])
         if amount ~= 0 and f[b[2]] and cap then
           local level = refilled(f[b[2]], f[b[3]], cap, number(f[b[5]]) or 0, now) - amount
-          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw = b[2], text(max(-cap, min(cap, level))), b[3], text(now), nw + 4
+          w[nw + 1], w[nw + 2], w[nw + 3], w[nw + 4], nw =
+            b[2], text(max(-cap, min(cap, level))), b[3], text(now), nw + 4
         end
       end
       for j = 1, #PERIODS do
@@ -1236,7 +1238,7 @@ local function file_settled(rk, id, r, settled, now, state, result, cost, metere
   -- (The bucket's field `ttl` is written with its TTL, in one script, so a bucket that has it has
   -- its TTL: the write says whether it had, as the count of fields it added. A bucket without it
   -- that has the entry already can only be an older version's, which gave it its TTL.)
-  local entry = string.format('%s%d %d %d %d %d %d', SETTLED_CODES[state], metered, r.h, attempts,
+  local entry = format('%s%d %d %d %d %d %d', SETTLED_CODES[state], metered, r.h, attempts,
     tonumber(r.oh) or -1, result, cost)
   if gathered then
     local g = gathered.filed
@@ -1635,8 +1637,8 @@ local function provider_charge(n, at, idle, s, kc)
 end
 
 -- A charge as provider_charge wrote it.
-local function provider_charge_read(text)
-  local c = split(text)
+local function provider_charge_read(charge)
+  local c = split(charge)
   return { held = amounts(tonumber(c[1]), tonumber(c[2]), tonumber(c[3]), tonumber(c[4])),
     at = periods_of(tonumber(c[5]), tonumber(c[6])), idle = tonumber(c[7]), rcap = tonumber(c[8]),
     rrate = tonumber(c[9]), kc = c[10] }

@@ -87,7 +87,8 @@ local prefix = ARGV[2]
 local prompt = tonumber(ARGV[3])
 -- (Values written as they came are kept as the strings they came as: Redis would format a number
 -- again. The terms a phase uses once are read from `terms` where used: a chunk has at most 200
--- locals, and the embedded store runs common.lua and this file as one.)
+-- locals, and the embedded store runs common.lua and this file as one, close to that bound at the
+-- deepest point of this file: a new local at the top level of either wants one given up there.)
 local ceiling = tonumber(ARGV[4])
 local key_use = ARGV[5]
 local fingerprint = ARGV[6]
@@ -131,7 +132,7 @@ end
 
 -- `reply` with the lists every reply ends with (see the header), what each scope's daily token
 -- budget has left once `taken` more is charged.
-local function listed(reply, taken)
+local function with_lists(reply, taken)
   local k = #reply + 1
   reply[k] = #scopes
   for i, s in ipairs(scopes) do
@@ -155,8 +156,9 @@ local function admitted(hold_id, held, attempts, output_held, estimated, replaye
   local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, n.u, requests)
   local irem, ilim, ireset, orem, olim, oreset = side_headroom(scopes, n.p, n.g)
   local soft, soft_ends = soft_passed(scopes, n, now, at, offset)
-  return listed({ 1, hold_id, held, attempts, rem, lim, reset, rrem, rlim, rreset, output_held, estimated, replayed,
-    irem, ilim, ireset, orem, olim, oreset, soft, soft_ends, shadow[1] or '', shadow[2] or 0, shadow[3] or 0 }, n.u)
+  return with_lists({ 1, hold_id, held, attempts, rem, lim, reset, rrem, rlim, rreset, output_held, estimated,
+    replayed, irem, ilim, ireset, orem, olim, oreset, soft, soft_ends, shadow[1] or '', shadow[2] or 0,
+    shadow[3] or 0 }, n.u)
 end
 
 -- An earlier hold answered again: charges nothing.
@@ -167,7 +169,7 @@ end
 
 local function refuse(reason)
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return listed({ 0, reason, 1, 0, rem, lim, reset }, 0)
+  return with_lists({ 0, reason, 1, 0, rem, lim, reset }, 0)
 end
 
 -- 3. A re-sent call whose first run made the hold: answer as that run did.
@@ -222,7 +224,7 @@ local would_refuse = {}
 for i, s in ipairs(scopes) do
   if never_fits(s, n) then
     if not terms.shadow then
-      return listed({ 0, 'unsatisfiable', i, 0, -1, -1, -1 }, 0)
+      return with_lists({ 0, 'unsatisfiable', i, 0, -1, -1, -1 }, 0)
     end
     would_refuse = { 'unsatisfiable', i, 0 }
     break
@@ -246,7 +248,7 @@ if #would_refuse == 0 then
 end
 if reason and not terms.shadow then
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return listed({ 0, reason, where, wait, rem, lim, reset }, 0)
+  return with_lists({ 0, reason, where, wait, rem, lim, reset }, 0)
 end
 if reason then
   would_refuse = { reason, where, wait }
@@ -293,7 +295,7 @@ if min_samples > 0 then
   learn_into = KEYS[4]
 end
 local ks = table.concat(names, ' ')
-local held, output_held, estimate_flag = string.format('%d', hold), ARGV[4], '0'
+local held, output_held, estimate_flag = text(hold), ARGV[4], '0'
 if estimated == 1 then
   output_held, estimate_flag = output, '1'
 end
@@ -306,8 +308,8 @@ end
 if terms.compact then
   -- The terms the record needs in one string, and of what a new hold starts with only what
   -- differs (see load).
-  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', text(at.d), 'ks', ks, 'tm', terms.record, 'oh', output_held,
-    'md', model }
+  record = { 'st', 'reserved', 'h', held, 'le', expiry, 'dy', text(at.d), 'ks', ks, 'tm', terms.record,
+    'oh', output_held, 'md', model }
   if ik ~= '' then
     also('ik', ik)
   end
@@ -350,7 +352,7 @@ call('HSET', KEYS[2], unpack(record))
 call('PEXPIRE', KEYS[2], idle)
 call('ZADD', leases, expiry, id)
 -- The holds hash's entry, and beside it the hold's detail where it has one (one write).
-local entry = { id, string.format('%d %d %s %d %s', hold, at.d, terms.policy, cost, ks) }
+local entry = { id, format('%d %d %s %d %s', hold, at.d, terms.policy, cost, ks) }
 local sided = false
 for _, s in ipairs(scopes) do
   sided = sided or s.pcap > 0 or s.gcap > 0
@@ -360,7 +362,7 @@ if kc ~= '' or sided then
   if hourly then
     hour = at.h
   end
-  entry[3], entry[4] = id .. '+', string.format('%d %d %s', output, hour, kc)
+  entry[3], entry[4] = id .. '+', format('%d %d %s', output, hour, kc)
 end
 call('HSET', holds, unpack(entry))
 if keys_until then
