@@ -207,6 +207,14 @@ local function number(v)
   end
 end
 
+-- A table whose first 24 places are made at once: a write's field-value list grows there without
+-- the table being made again at every power of two (Lua 5.1 has no table.new; a constructor of
+-- nils sizes the array part). Read it back with its count (unpack(t, 1, n)).
+local function places()
+  return { nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil, nil,
+    nil, nil, nil }
+end
+
 local function split(s)
   local out = {}
   for w in string.gmatch(s, '%S+') do
@@ -374,8 +382,8 @@ end
 -- number (PERIOD_MARKERS), so a counter counts while its marker is the current period's and a
 -- new period starts all of them at zero. Periods are numbered in the tenant's time zone, given as
 -- its offset from UTC in minutes: local time = now + offset. A scope always counts tokens and
--- cost per day and month (ALWAYS), whatever budgets it has, and goes on counting whatever it
--- has counted while its hash lives.
+-- cost per day and month (ALWAYS: the counters IS_ALWAYS names, du dc mu mc), whatever budgets
+-- it has, and goes on counting whatever it has counted while its hash lives.
 local HOUR_MS = 3600000
 local PERIODS = { 'h', 'd', 'w', 'm' }
 local PERIOD_MARKERS = { h = 'h', d = 'd', w = 'w', m = 'mo' }
@@ -393,7 +401,6 @@ for i = 1, #PERIODS do
     PERIOD_OF[c], MEASURE_OF[c], COUNTER_OF[p][MEASURES[j]] = p, MEASURES[j], c
   end
 end
-local ALWAYS = { 'du', 'dc', 'mu', 'mc' }
 local IS_ALWAYS = { du = true, dc = true, mu = true, mc = true }
 -- Each counter's place in COUNTERS; and each period's counters beside ALWAYS, the ones a scope
 -- counts only when a budget names them or its hash has counted them.
@@ -629,26 +636,12 @@ end
 -- counter it counts has used in the current period of `at` (periods_at). Reads; writes nothing.
 local function read_scope(key, l, now, at)
   local f = fields_of(key)
-  local s = { key = key, l = l, tcap = l.tcap, trate = l.trate, rcap = l.rcap, rrate = l.rrate, cmax = l.cmax,
-    pcap = l.pcap, prate = l.prate, gcap = l.gcap, grate = l.grate }
-  if s.tcap > 0 then
-    s.t = refilled(f.t, f.tt, s.tcap, s.trate, now)
-  end
-  if s.pcap > 0 then
-    s.pt = refilled(f.pt, f.ptt, s.pcap, s.prate, now)
-  end
-  if s.gcap > 0 then
-    s.gt = refilled(f.gt, f.gtt, s.gcap, s.grate, now)
-  end
-  if s.rcap > 0 then
-    s.r = refilled(f.r, f.rt, s.rcap, s.rrate, now)
-  end
-  s.c = number(f.c) or 0
   -- Which periods the hash counts already (its marker is the current one: `current`), and every
   -- counter the scope counts: ALWAYS, its budgets, and what its hash has counted (a counter is
   -- written only with its period's marker, so only a period with a marker can have counted any).
-  local used, current = {}, {}
-  s.f, s.used, s.current = f, used, current
+  -- (Each table is made with the keys it gets, so that it is not made again as it grows: `used`
+  -- with ALWAYS's counters, the ones IS_ALWAYS names.)
+  local used, current = { du = 0, dc = 0, mu = 0, mc = 0 }, { h = false, d = false, w = false, m = false }
   for i = 1, #PERIODS do
     local p = PERIODS[i]
     local marker = f[PERIOD_MARKERS[p]]
@@ -663,9 +656,6 @@ local function read_scope(key, l, now, at)
       end
     end
   end
-  for i = 1, #ALWAYS do
-    used[ALWAYS[i]] = 0
-  end
   for c in pairs(l.budgets) do
     used[c] = 0
   end
@@ -677,7 +667,13 @@ local function read_scope(key, l, now, at)
       used[c] = number(f[c]) or 0
     end
   end
-  return s
+  return { key = key, l = l, tcap = l.tcap, trate = l.trate, rcap = l.rcap, rrate = l.rrate, cmax = l.cmax,
+    pcap = l.pcap, prate = l.prate, gcap = l.gcap, grate = l.grate,
+    t = l.tcap > 0 and refilled(f.t, f.tt, l.tcap, l.trate, now) or nil,
+    pt = l.pcap > 0 and refilled(f.pt, f.ptt, l.pcap, l.prate, now) or nil,
+    gt = l.gcap > 0 and refilled(f.gt, f.gtt, l.gcap, l.grate, now) or nil,
+    r = l.rcap > 0 and refilled(f.r, f.rt, l.rcap, l.rrate, now) or nil,
+    c = number(f.c) or 0, f = f, used = used, current = current }
 end
 
 -- When `need` more slots of scope `s` free, in ms from now, or `cap` when that is later or not
@@ -864,7 +860,7 @@ end
 -- before), its buckets refilled to now and taken from, and a bucket's terms when a reload changed
 -- them; and `lk`, when given (reserve.lua), in the same write.
 local function take(s, n, requests, slots, at, now, idle, lk)
-  local f, k = {}, 0
+  local f, k = places(), 0
   if lk then
     f[1], f[2], k = 'lk', text(lk), 2
   end
@@ -906,7 +902,7 @@ local function take(s, n, requests, slots, at, now, idle, lk)
     f[k + 1], f[k + 2], k = 'kx', text(kx), k + 2
   end
   if k > 0 then
-    call('HSET', s.key, unpack(f))
+    call('HSET', s.key, unpack(f, 1, k))
   end
   if kx then
     keep_for(s.key, kx - now, next(s.f) == nil)
@@ -1054,7 +1050,7 @@ local function adjust(keys, n, hold_at, now_at, now, kc, slots, idle)
     allowed = refundable(kc)
   end
   for i, k in ipairs(keys) do
-    local w, nw, kx = {}, 0, nil
+    local w, nw, kx = places(), 0, nil
     if not moves and not gathered then
       -- Only slots: one field read, one written.
       local f = call('HMGET', k, 'c', 'kx')
@@ -1869,11 +1865,11 @@ local function make_gathered()
     f()
   end
   for _, key in ipairs(g.dirty) do
-    local w = {}
+    local w, n = places(), 0
     for field, value in pairs(g.dirty[key]) do
-      w[#w + 1], w[#w + 2] = field, value
+      w[n + 1], w[n + 2], n = field, value, n + 2
     end
-    call('HSET', key, unpack(w))
+    call('HSET', key, unpack(w, 1, n))
   end
   for _, key in ipairs(g.kept) do
     keep_for(key, g.kept[key])
