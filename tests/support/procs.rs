@@ -98,6 +98,32 @@ fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) -
     panic!("{what} did not listen on {addr} within {limit:?}");
 }
 
+/// Whether process `pid` holds a socket listening on `addr` (an IPv4 one), by `/proc`: a
+/// connection `listening` made may have reached another listener that had the port for a
+/// moment (another test's free_port probe, in this very process) while the child was still
+/// starting, and the child may then have found the port taken and exited. Where `/proc` cannot
+/// tell (not Linux), the connection is taken at its word.
+fn holds_listener(pid: u32, addr: SocketAddr) -> bool {
+    let SocketAddr::V4(v4) = addr else { return true };
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else { return true };
+    // (/proc/net/tcp writes an address as its four bytes in host order, then the port, in hex.)
+    let local = format!("{:08X}:{:04X}", u32::from_le_bytes(v4.ip().octets()), v4.port());
+    let listening: Vec<String> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            (cols.get(1) == Some(&local.as_str()) && cols.get(3) == Some(&"0A"))
+                .then(|| cols.get(9).map(|inode| format!("socket:[{inode}]")))
+                .flatten()
+        })
+        .collect();
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| listening.iter().any(|l| target.as_os_str() == l.as_str()))
+    })
+}
+
 pub fn tollgate_bin() -> &'static str {
     env!("CARGO_BIN_EXE_tollgate")
 }
@@ -150,7 +176,18 @@ impl Tollgate {
                 .stderr(log)
                 .spawn()
                 .expect("spawn tollgate");
-            let Err(status) = listening(addr, Duration::from_secs(20), "tollgate", &mut child) else {
+            let mut started = listening(addr, Duration::from_secs(20), "tollgate", &mut child);
+            let since = Instant::now();
+            while started.is_ok() && !holds_listener(child.id(), addr) {
+                if let Ok(Some(status)) = child.try_wait() {
+                    started = Err(status);
+                } else if since.elapsed() > Duration::from_secs(20) {
+                    panic!("something listens on {addr}, not the tollgate started there");
+                } else {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            let Err(status) = started else {
                 return Tollgate { child, addr, dir };
             };
             let log = std::fs::read_to_string(dir.0.join("tollgate.log")).unwrap_or_default();
