@@ -167,9 +167,11 @@ local function again(hold_id, r, attempts, replayed)
     amounts(0, 0, 0, 0), 0)
 end
 
-local function refuse(reason)
+-- The reply refusing for `reason` in scope `where` (1 when no scope is at fault), `wait` ms
+-- until a retry may pass (0: none will).
+local function refuse(reason, where, wait)
   local rem, lim, reset = headroom(scopes, 0, 0)
-  return with_lists({ 0, reason, 1, 0, rem, lim, reset }, 0)
+  return with_lists({ 0, reason, where or 1, wait or 0, rem, lim, reset }, 0)
 end
 
 -- 3. A re-sent call whose first run made the hold: answer as that run did.
@@ -247,8 +249,7 @@ if #would_refuse == 0 then
   end
 end
 if reason and not terms.shadow then
-  local rem, lim, reset = headroom(scopes, 0, 0)
-  return with_lists({ 0, reason, where, wait, rem, lim, reset }, 0)
+  return refuse(reason, where, wait)
 end
 if reason then
   would_refuse = { reason, where, wait }

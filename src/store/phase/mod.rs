@@ -324,6 +324,38 @@ mod tests {
         found
     }
 
+    /// The fields of the first `{…}` after `Reply:` in a script's header, its parenthesised
+    /// notes left out.
+    fn reply_fields(source: &str) -> Vec<String> {
+        let text = header(source).iter().map(|l| l.trim_start_matches('-')).collect::<Vec<_>>().join(" ");
+        let reply = text.split_once("Reply: {").map(|(_, rest)| rest).unwrap_or_default();
+        let (mut depth, mut field, mut fields) = (0_u32, String::new(), Vec::new());
+        for c in reply.chars() {
+            match c {
+                '(' => depth = depth.saturating_add(1),
+                ')' => depth = depth.saturating_sub(1),
+                ',' | '}' if depth == 0 => {
+                    fields.push(field.split_whitespace().collect::<Vec<_>>().join(" "));
+                    field.clear();
+                    if c == '}' {
+                        break;
+                    }
+                }
+                _ if depth == 0 => field.push(c),
+                _ => {}
+            }
+        }
+        fields
+    }
+
+    #[test]
+    fn a_commit_reply_has_the_fields_commit_lua_names() {
+        let fields = reply_fields(include_str!("../../../lua/commit.lua"));
+        assert_eq!(fields.len(), settle::COMMIT_REPLY_FIELDS, "{fields:?}");
+        assert_eq!(fields.first().map(String::as_str), Some("state"));
+        assert_eq!(fields.last().map(String::as_str), Some("ending"));
+    }
+
     #[test]
     fn a_pools_provider_limits_go_as_a_scopes() {
         assert_eq!(pool::PROVIDER_ARGV[5..], reserve::SCOPE_ARGV);

@@ -102,7 +102,7 @@ fn said<T: ToString>(n: Option<T>) -> String {
 
 /// The fields of `commit.lua`'s reply: `commit_many.lua` replies with each commit's, one after the
 /// other.
-const COMMIT_REPLY_FIELDS: usize = 11;
+pub(super) const COMMIT_REPLY_FIELDS: usize = 11;
 
 /// What `commit.lua` replied (or `commit_many.lua`, for each of its commits).
 fn commit_outcome(r: &Fields<'_>) -> Result<CommitOutcome, StoreError> {
@@ -278,46 +278,4 @@ fn hold_keys(tenant: &str, id: &str) -> Vec<String> {
 fn push_settled(a: &mut Argv, tenant: &str, retention_ms: u64) {
     a.push("the tenant's settled-bucket prefix", keys::settled_prefix(tenant));
     a.push("retention of settled records", retention_ms.to_string());
-}
-
-#[cfg(test)]
-mod tests {
-    use super::COMMIT_REPLY_FIELDS;
-
-    /// The fields of the first `{…}` after `Reply:` in a script's header, its parenthesised
-    /// notes left out.
-    fn reply_fields(source: &str) -> Vec<String> {
-        let header: String = source
-            .lines()
-            .take_while(|l| l.starts_with("--") || l.trim().is_empty())
-            .map(|l| l.trim_start_matches('-'))
-            .collect::<Vec<_>>()
-            .join(" ");
-        let reply = header.split_once("Reply: {").map(|(_, rest)| rest).unwrap_or_default();
-        let (mut depth, mut field, mut fields) = (0_u32, String::new(), Vec::new());
-        for c in reply.chars() {
-            match c {
-                '(' => depth = depth.saturating_add(1),
-                ')' => depth = depth.saturating_sub(1),
-                ',' | '}' if depth == 0 => {
-                    fields.push(field.split_whitespace().collect::<Vec<_>>().join(" "));
-                    field.clear();
-                    if c == '}' {
-                        break;
-                    }
-                }
-                _ if depth == 0 => field.push(c),
-                _ => {}
-            }
-        }
-        fields
-    }
-
-    #[test]
-    fn a_commit_reply_has_the_fields_commit_lua_names() {
-        let fields = reply_fields(include_str!("../../../lua/commit.lua"));
-        assert_eq!(fields.len(), COMMIT_REPLY_FIELDS, "{fields:?}");
-        assert_eq!(fields.first().map(String::as_str), Some("state"));
-        assert_eq!(fields.last().map(String::as_str), Some("ending"));
-    }
 }
