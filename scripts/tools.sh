@@ -183,3 +183,9 @@ script_calls() {
   redis-cli -p "$1" info commandstats | grep -E '^cmdstat_(evalsha|fcall):' |
     sed -E 's/.*calls=([0-9]+),usec=([0-9]+),.*/\1 \2/' | awk '{ n += $1; s += $2 } END { print n + 0, s + 0 }'
 }
+
+# The reads the Redis on port $1 made from its clients' sockets since its stats were last reset
+# (`total_reads_processed`, `INFO stats`): its round trips, however many calls each carried.
+redis_reads() {
+  redis-cli -p "$1" info stats | sed -nE 's/^total_reads_processed:([0-9]+).*/\1/p'
+}

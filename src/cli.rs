@@ -46,6 +46,10 @@ pub enum Command {
     BenchFloor {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,
+        /// A Redis every Check calls once before it answers (a function that does nothing, on one
+        /// key): the floor of a decision that takes one round trip to Redis.
+        #[arg(long, value_name = "URL")]
+        redis: Option<String>,
         /// The runtime's worker threads, as `serve --worker-threads`.
         #[arg(long, env = "TOLLGATE_WORKER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
         worker_threads: u16,

@@ -90,7 +90,7 @@ fn main() -> ExitCode {
                 run::sim_backend(args).await
             }
             Command::SimLoad(args) => run::sim_load(args).await,
-            Command::BenchFloor { listen, .. } => run::bench_floor(listen).await,
+            Command::BenchFloor { listen, redis, .. } => run::bench_floor(listen, redis).await,
             Command::Inject(args) => {
                 let _telemetry = tollgate::telemetry::init("info", log_format, None);
                 run::inject(args).await

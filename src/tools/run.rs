@@ -275,9 +275,19 @@ pub async fn sim_backend(args: SimBackendArgs) -> ExitCode {
 }
 
 /// `tollgate bench-floor`: serves until a signal.
-pub async fn bench_floor(listen: SocketAddr) -> ExitCode {
+pub async fn bench_floor(listen: SocketAddr, redis: Option<String>) -> ExitCode {
     let shutdown = CancellationToken::new();
     cancel_on_signal(shutdown.clone());
+    let redis = match redis {
+        None => None,
+        Some(url) => match crate::tools::bench::floor::redis(&url).await {
+            Ok(client) => Some(client),
+            Err(e) => {
+                eprintln!("tollgate: bench-floor: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     let listener = match TcpListener::bind(listen).await {
         Ok(l) => l,
         Err(e) => {
@@ -285,7 +295,7 @@ pub async fn bench_floor(listen: SocketAddr) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match crate::tools::bench::floor::serve(listener, shutdown).await {
+    match crate::tools::bench::floor::serve(listener, redis, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tollgate: bench-floor: {e}");

@@ -4,7 +4,10 @@
 //! nothing (Envoy's shipped filter observes: it waits for no answer), doing no work at all.
 //! `tollgate bench` against it measures what the load generator, the kernel and the gRPC stack cost
 //! here, and `scripts/bench-envoy` what Envoy's two filters cost with nothing behind them, so that
-//! tollgate's own share of a figure is measured, not guessed.
+//! tollgate's own share of a figure is measured, not guessed. Given a Redis, every Check first
+//! calls it once (a function that does nothing, on one key): the floor of a decision that takes
+//! one round trip to Redis, what any limiter on Redis pays it a request before its script does
+//! anything.
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -16,6 +19,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use fred::prelude::Client;
+use fred::prelude::{ClientLike, Config, FunctionInterface};
+use fred::types::Value;
 use tokio::net::TcpListener;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -31,13 +37,36 @@ use crate::proto::{
     PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
 
-/// Answers without work.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Floor;
+/// Answers without work (but one call to Redis a Check, given one).
+#[derive(Clone, Default)]
+pub struct Floor {
+    redis: Option<Client>,
+}
+
+/// The library of the function a Check calls: it returns 1.
+const LIBRARY: &str = "#!lua name=tollgate_floor\nredis.register_function('tollgate_floor', function() return 1 end)";
+
+/// Connects to the Redis at `url` and loads the function a Check calls.
+pub async fn redis(url: &str) -> Result<Client, String> {
+    let config = Config::from_url(url).map_err(|e| format!("bad Redis URL {url:?}: {e}"))?;
+    let client = Client::new(config, None, None, None);
+    client.init().await.map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
+    client
+        .function_load::<Value, _>(true, LIBRARY)
+        .await
+        .map_err(|e| format!("cannot load the floor's function: {e}"))?;
+    Ok(client)
+}
 
 #[tonic::async_trait]
 impl Authorization for Floor {
     async fn check(&self, _: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
+        if let Some(redis) = &self.redis {
+            redis
+                .fcall::<Value, _, _, _>("tollgate_floor", "tg:{floor}:x", Vec::<String>::new())
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?;
+        }
         let admitted = Decision::Admitted(Admitted {
             reservation_id: "floor:00000000000000000000000000000000".into(),
             model: "m".into(),
@@ -119,17 +148,23 @@ impl Admission for Floor {
     }
 }
 
-/// Serves the floor until `shutdown`, with tollgate's server settings.
-pub async fn serve(listener: TcpListener, shutdown: CancellationToken) -> Result<(), tonic::transport::Error> {
+/// Serves the floor until `shutdown`, with tollgate's server settings; each Check calls `redis`
+/// once, given one.
+pub async fn serve(
+    listener: TcpListener,
+    redis: Option<Client>,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let floor = Floor { redis };
     Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .timeout(Duration::from_secs(5))
         .concurrency_limit_per_connection(4096)
         .load_shed(true)
-        .add_service(AuthorizationServer::new(Floor))
-        .add_service(AdmissionServer::new(Floor))
-        .add_service(ExternalProcessorServer::new(Floor))
+        .add_service(AuthorizationServer::new(floor.clone()))
+        .add_service(AdmissionServer::new(floor.clone()))
+        .add_service(ExternalProcessorServer::new(floor))
         .serve_with_incoming_shutdown(crate::grpc::server::incoming(listener), shutdown.cancelled_owned())
         .await
 }
