@@ -185,7 +185,8 @@ script_calls() {
 }
 
 # The reads the Redis on port $1 made from its clients' sockets since its stats were last reset
-# (`total_reads_processed`, `INFO stats`): its round trips, however many calls each carried.
+# (`total_reads_processed`, `INFO stats`): about its round trips (one read may carry calls that
+# arrived together).
 redis_reads() {
   redis-cli -p "$1" info stats | sed -nE 's/^total_reads_processed:([0-9]+).*/\1/p'
 }

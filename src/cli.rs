@@ -46,7 +46,7 @@ pub enum Command {
     BenchFloor {
         #[arg(long, default_value = "127.0.0.1:50052")]
         listen: SocketAddr,
-        /// A Redis every Check calls once before it answers (a function that does nothing, on one
+        /// A Redis every Check calls once before it answers (a script that does nothing, on one
         /// key): the floor of a decision that takes one round trip to Redis.
         #[arg(long, value_name = "URL")]
         redis: Option<String>,

@@ -280,7 +280,7 @@ pub async fn bench_floor(listen: SocketAddr, redis: Option<String>) -> ExitCode 
     cancel_on_signal(shutdown.clone());
     let redis = match redis {
         None => None,
-        Some(url) => match crate::tools::bench::floor::redis(&url).await {
+        Some(url) => match crate::tools::bench::floor::connect_redis(&url).await {
             Ok(client) => Some(client),
             Err(e) => {
                 eprintln!("tollgate: bench-floor: {e}");

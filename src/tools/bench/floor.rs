@@ -5,7 +5,7 @@
 //! `tollgate bench` against it measures what the load generator, the kernel and the gRPC stack cost
 //! here, and `scripts/bench-envoy` what Envoy's two filters cost with nothing behind them, so that
 //! tollgate's own share of a figure is measured, not guessed. Given a Redis, every Check first
-//! calls it once (a function that does nothing, on one key): the floor of a decision that takes
+//! calls it once (a script that does nothing, on one key): the floor of a decision that takes
 //! one round trip to Redis, what any limiter on Redis pays it a request before its script does
 //! anything.
 
@@ -19,9 +19,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Phase;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use fred::prelude::Client;
-use fred::prelude::{ClientLike, Config, FunctionInterface};
-use fred::types::Value;
 use tokio::net::TcpListener;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -36,34 +33,35 @@ use crate::proto::{
     CommitRequest, CommitResponse, OutputEstimateRequest, OutputEstimateResponse, PoolStatusRequest,
     PoolStatusResponse, ReleaseRequest, ReleaseResponse, RenewRequest, RenewResponse, ReserveRequest, ReserveResponse,
 };
+use crate::store::redis::{RedisOptions, RedisStore, RedisTarget};
+use crate::store::{Script, Store, StoreError};
 
 /// Answers without work (but one call to Redis a Check, given one).
 #[derive(Clone, Default)]
 pub struct Floor {
-    redis: Option<Client>,
+    redis: Option<(RedisStore, Script)>,
 }
 
-/// The library of the function a Check calls: it returns 1.
-const LIBRARY: &str = "#!lua name=tollgate_floor\nredis.register_function('tollgate_floor', function() return 1 end)";
+/// The script a Check calls: it does nothing. KEYS[1] only routes the call (on a Cluster, to the
+/// node that has it); the reply is 1.
+const NOTHING: &str = "return 1";
 
-/// Connects to the Redis at `url` and loads the function a Check calls.
-pub async fn redis(url: &str) -> Result<Client, String> {
-    let config = Config::from_url(url).map_err(|e| format!("bad Redis URL {url:?}: {e}"))?;
-    let client = Client::new(config, None, None, None);
-    client.init().await.map_err(|e| format!("cannot connect to Redis at {url}: {e}"))?;
-    client
-        .function_load::<Value, _>(true, LIBRARY)
-        .await
-        .map_err(|e| format!("cannot load the floor's function: {e}"))?;
-    Ok(client)
+/// The key the floor's calls name: a tool's, outside the protocol's key space (`store::keys`).
+const FLOOR_KEY: &str = "tg:{floor}:x";
+
+/// Connects to the Redis at `url` as tollgate does (the same reconnects and timeouts), for
+/// [`serve`].
+pub async fn connect_redis(url: &str) -> Result<(RedisStore, Script), StoreError> {
+    let store = RedisStore::connect(&RedisTarget::Single(url.to_string()), RedisOptions::default()).await?;
+    Ok((store, Script::new("floor", NOTHING.to_string())))
 }
 
 #[tonic::async_trait]
 impl Authorization for Floor {
     async fn check(&self, _: Request<CheckRequest>) -> Result<Response<CheckResponse>, Status> {
-        if let Some(redis) = &self.redis {
-            redis
-                .fcall::<Value, _, _, _>("tollgate_floor", "tg:{floor}:x", Vec::<String>::new())
+        if let Some((store, nothing)) = &self.redis {
+            store
+                .eval(nothing, vec![FLOOR_KEY.to_string()], Vec::new())
                 .await
                 .map_err(|e| Status::unavailable(e.to_string()))?;
         }
@@ -152,7 +150,7 @@ impl Admission for Floor {
 /// once, given one.
 pub async fn serve(
     listener: TcpListener,
-    redis: Option<Client>,
+    redis: Option<(RedisStore, Script)>,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let floor = Floor { redis };
