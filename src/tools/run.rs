@@ -281,7 +281,7 @@ pub async fn bench_floor(listen: SocketAddr, redis: Option<String>) -> ExitCode 
     let redis = match redis {
         None => None,
         Some(url) => match crate::tools::bench::floor::connect_redis(&url).await {
-            Ok(client) => Some(client),
+            Ok(connected) => Some(connected),
             Err(e) => {
                 eprintln!("tollgate: bench-floor: {e}");
                 return ExitCode::FAILURE;

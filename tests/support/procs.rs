@@ -74,20 +74,23 @@ impl Drop for TempDir {
 
 /// Waits until something accepts TCP connections on `addr`, or panics after `limit`.
 pub fn wait_for_port(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) {
-    if let Err(status) = listening(addr, limit, what, child) {
+    if let Err(status) = listening(addr, limit, what, child, false) {
         panic!("{what} exited with {status} before listening on {addr}");
     }
 }
 
-/// Waits until something accepts TCP connections on `addr`: the child's exit status if it exited
-/// first; panics after `limit`.
-fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) -> Result<(), ExitStatus> {
+/// Waits until something accepts TCP connections on `addr` (with `held`, a listener the child's own
+/// process holds: see holds_listener): the child's exit status if it exited first; panics after
+/// `limit`.
+fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child, held: bool) -> Result<(), ExitStatus> {
     let start = Instant::now();
     while start.elapsed() < limit {
         // (A connection from an ephemeral port that happens to be `addr`'s own connects to
         // itself while nothing listens there yet: that one does not count.)
         let to_itself = |s: &TcpStream| s.local_addr().ok() == Some(addr);
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok_and(|s| !to_itself(&s)) {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok_and(|s| !to_itself(&s))
+            && (!held || holds_listener(child.id(), addr))
+        {
             return Ok(());
         }
         if let Ok(Some(status)) = child.try_wait() {
@@ -176,18 +179,7 @@ impl Tollgate {
                 .stderr(log)
                 .spawn()
                 .expect("spawn tollgate");
-            let mut started = listening(addr, Duration::from_secs(20), "tollgate", &mut child);
-            let since = Instant::now();
-            while started.is_ok() && !holds_listener(child.id(), addr) {
-                if let Ok(Some(status)) = child.try_wait() {
-                    started = Err(status);
-                } else if since.elapsed() > Duration::from_secs(20) {
-                    panic!("something listens on {addr}, not the tollgate started there");
-                } else {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-            let Err(status) = started else {
+            let Err(status) = listening(addr, Duration::from_secs(20), "tollgate", &mut child, true) else {
                 return Tollgate { child, addr, dir };
             };
             let log = std::fs::read_to_string(dir.0.join("tollgate.log")).unwrap_or_default();
