@@ -28,8 +28,12 @@ use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 
 /// Operations in one run (bounded, as every loop in a soak test is).
 const OPS: usize = 400;
-/// Attempts at a commit or release before the test gives up on the store.
-const ATTEMPTS: usize = 50;
+/// Attempts at a commit or release (or a lease window once the faults are off) before the test
+/// gives up on the store, `RETRY_EVERY` apart: five seconds, past several of the client's
+/// reconnects (at most 500 ms apart after connections cut in a row), while which every call fails
+/// at once.
+const ATTEMPTS: usize = 1_000;
+const RETRY_EVERY: Duration = Duration::from_millis(5);
 
 fn policy() -> String {
     format!(
@@ -57,6 +61,7 @@ struct Run {
 
 /// Commits (`Some(usage)`) or releases a hold at `at`, retrying what failed. Never `NOT_FOUND`.
 async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mut Run) {
+    let mut last = None;
     for _ in 0..ATTEMPTS {
         let outcome = match usage {
             Some(used) => r.admission.commit(&h.id, used / 2, used - used / 2).await.map(|o| {
@@ -70,13 +75,14 @@ async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mu
         };
         match outcome {
             Ok(_) => return,
-            Err(_) => {
+            Err(e) => {
                 run.failed_calls += 1;
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                last = Some(e);
+                tokio::time::sleep(RETRY_EVERY).await;
             }
         }
     }
-    panic!("{h:?} could not be settled in {ATTEMPTS} attempts");
+    panic!("{h:?} could not be settled in {ATTEMPTS} attempts, the last failing with {last:?}");
 }
 
 /// A window of `r` once the faults are off: a connection still being made again may fail the
@@ -86,7 +92,7 @@ async fn window<S: Store>(r: &Harness<S>, ending: bool) {
         if r.admission.lease_tick(ending).await.is_ok() {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::time::sleep(RETRY_EVERY).await;
     }
     panic!("no window went through once the faults were off");
 }
