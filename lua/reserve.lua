@@ -47,7 +47,7 @@
 --
 -- Reply, admitted: {1, id, held, attempts, remaining tokens, token limit, token reset ms,
 --                   remaining requests, request limit, request reset ms, output held, estimated,
---                   replayed, sides (six), soft (two), shadow (three), then the lists}
+--                   replayed, sides (six), soft (two), shadow (three), slots left, then the lists}
 --   (sides: remaining, limit and reset ms of the tightest bucket of prompt tokens, then of output
 --    tokens, each -1 when no scope has one)
 --   (soft: the counter of the first soft budget this hold leaves past (an earlier hold answered
@@ -59,6 +59,8 @@
 --   (shadow: '', 0, 0 when the limits admit the hold; else the reason, scope index and retry after
 --    ms a denial would have said: a shadowed hold may take a scope past its limit, into debt that
 --    later refills repay)
+--   (slots left: the fewest concurrency slots a scope capping them has left with this hold, -1 when
+--    no scope caps them: the gateway commits at once what frees a slot its tenant is short of)
 -- Reply, denied:   {0, reason, scope index (1-based), retry after ms, remaining tokens, token limit,
 --                   token reset ms, then the lists}
 --   (the lists, ending every reply, flat (a nested table costs Redis more to answer than its
@@ -151,14 +153,21 @@ local function with_lists(reply, taken)
 end
 
 -- The reply admitting hold `hold_id` (`shadow`: what a denial would have said, or {}), and the
--- windows and budgets as they are once `n` ({u, c, p, g}) and `requests` more are taken.
+-- windows, slots and budgets as they are once `n` ({u, c, p, g}) and `requests` more (each with
+-- its slot) are taken.
 local function admitted(hold_id, held, attempts, output_held, estimated, replayed, shadow, n, requests)
   local rem, lim, reset, rrem, rlim, rreset = headroom(scopes, n.u, requests)
   local irem, ilim, ireset, orem, olim, oreset = side_headroom(scopes, n.p, n.g)
   local soft, soft_ends = soft_passed(scopes, n, now, at, offset)
+  local slots = -1
+  for _, s in ipairs(scopes) do
+    if s.cmax > 0 and (slots == -1 or s.cmax - s.c - requests < slots) then
+      slots = max(0, s.cmax - s.c - requests)
+    end
+  end
   return with_lists({ 1, hold_id, held, attempts, rem, lim, reset, rrem, rlim, rreset, output_held, estimated,
     replayed, irem, ilim, ireset, orem, olim, oreset, soft, soft_ends, shadow[1] or '', shadow[2] or 0,
-    shadow[3] or 0 }, n.u)
+    shadow[3] or 0, slots }, n.u)
 end
 
 -- An earlier hold answered again: charges nothing.

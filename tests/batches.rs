@@ -26,6 +26,9 @@ const ONE_AT_A_TIME: &str =
 /// One request at a time, in shadow.
 const SHADOWED: &str =
     "commit_window_ms: 100\n---store---\nshadow: true\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
+/// The same window, and slots to spare: more than one batch's commits could hold.
+const ROOMY: &str =
+    "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1000 }\n";
 const WAIT: Duration = Duration::from_secs(10);
 
 /// The state of a hold, read by a renew (never batched).
@@ -202,6 +205,42 @@ async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harnes
     );
     assert_eq!(h.admission.policy().version, before, "the policy in force stays");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// How long a commit waits, on the test's own clock (`start_paused`: whenever every task waits,
+// time moves on to the next timer), counted as its call is made (`Faulty` counts a call as it
+// starts): between the commit and the counts the test awaits no store call, during which time
+// would move on. On the embedded store (a Redis client's own timeouts would fire first on such a
+// clock).
+
+/// A commit whose tenant is short of slots (a reserve here left it fewer than a batch's commits
+/// could hold) goes within 5 ms, where its window is 100: a request of its tenant at another
+/// replica does not meet the slot still held.
+#[tokio::test(start_paused = true)]
+async fn a_commit_of_a_tenant_short_of_slots_goes_within_5_ms() {
+    let h = support::embedded(ONE_AT_A_TIME).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(Duration::from_millis(4)).await;
+    assert_eq!(store.calls(), 0, "waits for company a moment");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went within 5 ms");
+    assert_eq!(used(&h, &id).await, 110);
+}
+
+/// A commit whose tenant has slots to spare waits its whole window for company.
+#[tokio::test(start_paused = true)]
+async fn a_commit_of_a_tenant_with_slots_to_spare_waits_its_window() {
+    let h = support::embedded(ROOMY).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(Duration::from_millis(99)).await;
+    assert_eq!(store.calls(), 0, "waits the window");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went when the window ended");
+    assert_eq!(used(&h, &id).await, 110);
 }
 
 macro_rules! everywhere {

@@ -125,7 +125,14 @@ fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it()
     let says = |s: &str| assert!(summary.contains(s), "{s:?} missing from:\n{summary}");
     says("calls time out after 250 ms; 5 failures in a row stop them for 100-500 ms");
     says("tenant acme:");
-    says("; commits from responses batched by tenant over 5 ms");
+    says("; commits from responses batched by tenant over 50 ms (5 ms where they free what the tenant is short of)");
+    // A window the policy does not set fits itself to its shortest lease, a reload's too: such a
+    // reload is not refused for the window in force.
+    let short_leases =
+        Policy::parse("short.yaml", &text.replace("  acme: {}", "  acme: { lease_ttl_ms: 300 }")).unwrap();
+    let summary_short = short_leases.summary();
+    assert!(summary_short.contains("batched by tenant over 30 ms (5 ms where"), "{summary_short}");
+    short_leases.check_window_in_force("short.yaml", tollgate::config::CommitWindow::Default).unwrap();
     let alone = text.replace("  breaker:", "  commit_window_ms: 0\n  breaker:");
     let summary_alone = Policy::parse("alone.yaml", &alone).unwrap().summary();
     assert!(!summary_alone.contains("batched"), "commit_window_ms: 0 commits each at once: {summary_alone}");

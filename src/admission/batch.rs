@@ -7,14 +7,20 @@
 //! every commit of that tenant made within it goes in the same call (`commit_many.lua`), each
 //! exactly as it would alone, at one time; a window that ends with one commit sends it alone
 //! (`commit.lua`). A batch goes early when it reaches [`MOST`]. Redis and a Cluster batch unless
-//! the policy says `commit_window_ms: 0`; the embedded store only when the policy sets a window.
+//! the policy says `commit_window_ms: 0` (over 50 ms unless it says otherwise); the embedded store
+//! only when the policy sets a window.
 //!
 //! What a window changes is when a commit lands, never what it charges: until then its hold stays
 //! charged as held (refunds come later, a debt beyond the hold lands later), and its slot stays
-//! taken, but for a reserve of its tenant refused for a slot here, which sends the waiting commits
-//! at once and asks again ([`Admission::commit_waiting`]). The window is at most a tenth of any
-//! lease (see the policy's validation; a reload is held to the window in force), so a hold's lease
-//! covers its commit's wait. A batch that could not reach the store goes, commit by commit, to the
+//! taken. So a commit that frees what another request may be waiting for goes within
+//! [`SHORT_COMMIT_WINDOW`], and takes its tenant's batch with it: a pool's slot (capacity
+//! admission), or a slot of a tenant short of them (a reserve here found fewer left than one batch
+//! could hold, or refused one: [`Batches::saw_slots`]), which a request of its tenant at another
+//! replica would otherwise meet still taken. Here, a reserve of its tenant refused for a slot sends
+//! the waiting commits at once and asks again ([`Admission::commit_waiting`]). The window is at
+//! most a tenth of any lease (see the policy's validation; a reload is held to a window the policy
+//! set, and a default one fits itself to the leases in force), so a hold's lease covers its
+//! commit's wait. A batch that could not reach the store goes, commit by commit, to the
 //! retry queue, as a single commit from a response would; one the store refused (a script error
 //! before its end, which writes nothing of the commits it gathered: see common.lua's `gather`) goes
 //! again commit by commit, so only the one at fault fails. Stopping flushes every window at once
@@ -29,6 +35,9 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use tokio_util::task::TaskTracker;
 use tokio_util::task::task_tracker::TaskTrackerToken;
@@ -36,11 +45,23 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 use super::retry::Settlement;
 use super::settle::{Home, checked_commit};
 use super::{Admission, AdmissionError};
+use crate::config::SHORT_COMMIT_WINDOW;
 use crate::hold::{CommitOutcome, Counted, Ending};
 use crate::store::{CommitCall, Store};
 
 /// The most commits one call carries: a batch this large goes at once.
 pub const MOST: usize = 64;
+
+/// A tenant a reserve here found with fewer concurrency slots left than this (in its tightest
+/// scope) is short of them: as many commits as one batch carries could hold the rest.
+const SHORT_OF_SLOTS: u64 = MOST as u64;
+
+/// How long a tenant stays short of slots after a reserve here found it so, unless a later one
+/// finds it with slots to spare.
+const SHORT_FOR: Duration = Duration::from_secs(10);
+
+/// Tenants kept short of slots before those whose time has passed are forgotten.
+const SHORT_KEPT: usize = 1_024;
 
 /// The commits waiting for their tenant's window to end, and the windows' timers.
 #[derive(Debug, Default)]
@@ -52,19 +73,36 @@ pub(super) struct Batches {
 
 #[derive(Debug, Default)]
 struct Waiting {
-    by_tenant: HashMap<String, Vec<CommitCall>>,
+    by_tenant: HashMap<String, Batch>,
+    /// Tenants short of concurrency slots, until when (see [`Batches::saw_slots`]).
+    short_of_slots: HashMap<String, Instant>,
     /// Set as the drain begins (under the same lock as a commit joins a batch, so none joins one
     /// the drain will not send): from then on a commit goes alone.
     closed: bool,
 }
 
+/// A tenant's commits waiting, and when its window ends.
+#[derive(Debug)]
+struct Batch {
+    calls: Vec<CommitCall>,
+    due: Instant,
+}
+
+/// `wait` after `now` (past the clock's range: `now`).
+fn later(now: Instant, wait: Duration) -> Instant {
+    now.checked_add(wait).unwrap_or(now)
+}
+
 /// Where a commit from a response went. A batch to send comes with a token of the batches'
 /// tracker, taken under the lock the drain closes them with, so the drain waits for it.
 enum Joined {
-    /// Its tenant's batch, opening it (its window starts now).
-    Opened(TaskTrackerToken),
+    /// Its tenant's batch, opening it: the batch goes when this window ends.
+    Opened(Duration, TaskTrackerToken),
     /// Its tenant's batch, already open.
     Waits,
+    /// Its tenant's batch, already open, whose window it shortens: the batch goes when this one
+    /// ends.
+    Hurries(Duration, TaskTrackerToken),
     /// Its tenant's batch, which it filled: the batch goes now.
     Filled(Vec<CommitCall>, TaskTrackerToken),
     /// None: the drain has begun. The commit comes back, to go alone.
@@ -76,17 +114,29 @@ impl Batches {
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn join(&self, tenant: &str, call: CommitCall) -> Joined {
+    /// Puts `call` in its tenant's batch, to go within `window`, or within the short window
+    /// where it frees what another request may be waiting for (`quick`: a pool's slot; or a slot
+    /// of a tenant short of them).
+    fn join(&self, tenant: &str, call: CommitCall, window: Duration, quick: bool) -> Joined {
+        let now = Instant::now();
         let mut waiting = self.lock();
         if waiting.closed {
             return Joined::Closed(call);
         }
-        let batch = waiting.by_tenant.entry(tenant.to_string()).or_default();
-        batch.push(call);
-        if batch.len() >= MOST {
-            Joined::Filled(std::mem::take(batch), self.tasks.token())
-        } else if batch.len() == 1 {
-            Joined::Opened(self.tasks.token())
+        let short = quick || waiting.short_of_slots.get(tenant).is_some_and(|&until| now < until);
+        let window = if short { window.min(SHORT_COMMIT_WINDOW) } else { window };
+        let Some(batch) = waiting.by_tenant.get_mut(tenant) else {
+            waiting.by_tenant.insert(tenant.to_string(), Batch { calls: vec![call], due: later(now, window) });
+            return Joined::Opened(window, self.tasks.token());
+        };
+        batch.calls.push(call);
+        if batch.calls.len() >= MOST {
+            let calls = std::mem::take(&mut batch.calls);
+            waiting.by_tenant.remove(tenant);
+            Joined::Filled(calls, self.tasks.token())
+        } else if later(now, window) < batch.due {
+            batch.due = later(now, window);
+            Joined::Hurries(window, self.tasks.token())
         } else {
             Joined::Waits
         }
@@ -94,14 +144,40 @@ impl Batches {
 
     /// Takes `tenant`'s batch, leaving none.
     fn take(&self, tenant: &str) -> Vec<CommitCall> {
-        self.lock().by_tenant.remove(tenant).unwrap_or_default()
+        self.lock().by_tenant.remove(tenant).map(|b| b.calls).unwrap_or_default()
     }
 
     /// Every batch, leaving none, and no more to come.
     fn close(&self) -> Vec<(String, Vec<CommitCall>)> {
         let mut waiting = self.lock();
         waiting.closed = true;
-        waiting.by_tenant.drain().filter(|(_, batch)| !batch.is_empty()).collect()
+        waiting.by_tenant.drain().filter(|(_, batch)| !batch.calls.is_empty()).map(|(t, b)| (t, b.calls)).collect()
+    }
+
+    /// What a reserve of `tenant` here found: the fewest concurrency slots its scopes have left
+    /// (`None`: no scope caps them). A tenant found with fewer than [`SHORT_OF_SLOTS`] is short
+    /// of them for [`SHORT_FOR`], or until a reserve finds it with more: its commits go within the
+    /// short window meanwhile, so that a request of its at another replica does not meet a slot
+    /// a commit waiting here still holds.
+    pub(super) fn saw_slots(&self, tenant: &str, slots_left: Option<u64>) {
+        let short = slots_left.is_some_and(|n| n < SHORT_OF_SLOTS);
+        let mut waiting = self.lock();
+        if !short {
+            if !waiting.short_of_slots.is_empty() {
+                waiting.short_of_slots.remove(tenant);
+            }
+            return;
+        }
+        let until = later(Instant::now(), SHORT_FOR);
+        if let Some(kept) = waiting.short_of_slots.get_mut(tenant) {
+            *kept = until;
+            return;
+        }
+        if waiting.short_of_slots.len() >= SHORT_KEPT {
+            let now = Instant::now();
+            waiting.short_of_slots.retain(|_, kept| *kept > now);
+        }
+        waiting.short_of_slots.insert(tenant.to_string(), until);
     }
 }
 
@@ -116,17 +192,19 @@ impl<S: Store> Admission<S> {
         // commits go at once: a slot a waiting commit still held would show in its shadow as a
         // refusal enforcing would not make (a reserve refused for a slot sends the waiting commits
         // and asks again; a shadowed one is admitted, and cannot be asked again).
-        let batched = policy.store.commit_window.and_then(|window| {
+        // A hold with a pool leg frees a pool's slot: it goes within the short window.
+        let batched = policy.commit_window().and_then(|window| {
             let r = checked_commit(id, counted).ok()?;
             let shadowed = self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow);
-            (matches!(self.home(&r), Home::Store) && !shadowed).then(|| (r.tenant.to_string(), window))
+            (matches!(self.home(&r), Home::Store) && !shadowed)
+                .then(|| (r.tenant.to_string(), window, r.pool.is_some()))
         });
         let call = CommitCall { id: id.to_string(), counted, ending };
-        let Some((tenant, window)) = batched else {
+        let Some((tenant, window, pooled)) = batched else {
             self.commit_alone(&call).await;
             return;
         };
-        match self.batches.join(&tenant, call) {
+        match self.batches.join(&tenant, call, window, pooled) {
             Joined::Closed(call) => {
                 self.commit_alone(&call).await;
             }
@@ -136,9 +214,9 @@ impl<S: Store> Admission<S> {
                 self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
                 drop(token);
             }
-            // (A window whose batch filled early sends the next batch when it ends: every batch
-            // has a timer running, some a shorter window.)
-            Joined::Opened(token) => {
+            // (A window whose batch filled early, or went with a shorter window, sends the next
+            // batch when it ends: every batch has a timer running, some a shorter window.)
+            Joined::Opened(window, token) | Joined::Hurries(window, token) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move {
                     tokio::time::sleep(window).await;
@@ -270,5 +348,71 @@ impl<S: Store> Admission<S> {
             }
             Err(e) => tracing::warn!(error = %e, reservation = id, "commit from the response failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_millis(100);
+
+    fn call(n: usize) -> CommitCall {
+        CommitCall { id: format!("hold-{n}"), counted: Counted::AsHeld, ending: Ending::Completed }
+    }
+
+    fn window(joined: &Joined) -> Option<Duration> {
+        match joined {
+            Joined::Opened(w, _) | Joined::Hurries(w, _) => Some(*w),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_tenant_with_slots_to_spare_waits_the_window_and_one_short_of_them_five_ms() {
+        let b = Batches::default();
+        b.saw_slots("roomy", Some(SHORT_OF_SLOTS));
+        b.saw_slots("uncapped", None);
+        b.saw_slots("short", Some(SHORT_OF_SLOTS - 1));
+        assert_eq!(window(&b.join("roomy", call(0), WINDOW, false)), Some(WINDOW));
+        assert_eq!(window(&b.join("uncapped", call(1), WINDOW, false)), Some(WINDOW));
+        assert_eq!(window(&b.join("short", call(2), WINDOW, false)), Some(SHORT_COMMIT_WINDOW));
+        // A pool's slot: within the short window whatever its tenant's.
+        assert_eq!(window(&b.join("pooled", call(3), WINDOW, true)), Some(SHORT_COMMIT_WINDOW));
+        // A window shorter than the short one stays as it is.
+        assert_eq!(window(&b.join("brief", call(4), Duration::from_millis(2), true)), Some(Duration::from_millis(2)));
+    }
+
+    #[test]
+    fn a_commit_that_must_go_soon_hurries_an_open_window_and_one_that_may_wait_joins_it() {
+        let b = Batches::default();
+        assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)));
+        assert!(matches!(b.join("t", call(1), WINDOW, false), Joined::Waits), "the window is open");
+        b.saw_slots("t", Some(0));
+        assert_eq!(window(&b.join("t", call(2), WINDOW, false)), Some(SHORT_COMMIT_WINDOW), "hurries it");
+        assert!(matches!(b.join("t", call(3), WINDOW, false), Joined::Waits), "already due that soon");
+        assert_eq!(b.take("t").len(), 4, "one batch, all four");
+    }
+
+    #[test]
+    fn a_tenant_found_with_slots_to_spare_again_is_no_longer_short_of_them() {
+        let b = Batches::default();
+        b.saw_slots("t", Some(0));
+        assert_eq!(window(&b.join("t", call(0), WINDOW, false)), Some(SHORT_COMMIT_WINDOW));
+        b.take("t");
+        b.saw_slots("t", Some(SHORT_OF_SLOTS));
+        assert_eq!(window(&b.join("t", call(1), WINDOW, false)), Some(WINDOW));
+        assert!(b.lock().short_of_slots.is_empty());
+    }
+
+    #[test]
+    fn a_batch_goes_when_full_and_the_next_opens_anew() {
+        let b = Batches::default();
+        for n in 0..MOST - 1 {
+            assert!(!matches!(b.join("t", call(n), WINDOW, false), Joined::Filled(..)));
+        }
+        let Joined::Filled(batch, _) = b.join("t", call(MOST), WINDOW, false) else { panic!("not filled") };
+        assert_eq!(batch.len(), MOST);
+        assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)), "a new window");
     }
 }

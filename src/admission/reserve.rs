@@ -398,6 +398,18 @@ impl<S: Store> Admission<S> {
                 Ok(ReserveReply { outcome, swept, budget_left }) => {
                     self.saw_budgets(plan, &budget_left);
                     self.release_swept_pool_legs(&swept).await;
+                    // How short of slots the tenant is decides how long its commits wait here.
+                    if policy.commit_window().is_some() {
+                        match &outcome {
+                            ReserveOutcome::Admitted { slots_left, .. } => {
+                                self.batches.saw_slots(&plan.tenant, *slots_left);
+                            }
+                            ReserveOutcome::Denied { reason: Refusal::Concurrency, .. } => {
+                                self.batches.saw_slots(&plan.tenant, Some(0));
+                            }
+                            ReserveOutcome::Denied { .. } => {}
+                        }
+                    }
                     // Commits of this tenant waiting in this replica's window still hold their
                     // slots: a refusal for a slot sends them at once and, once the store has taken
                     // them, asks once more (a refusal changed nothing), so that a client sending
@@ -425,6 +437,7 @@ impl<S: Store> Admission<S> {
                 replayed,
                 shadowed,
                 soft,
+                slots_left: _,
             }) => {
                 // (Only a tenant whose soft budgets act is demoted: no other takes the lock.) The
                 // demotion lasts until the period turns.

@@ -50,9 +50,13 @@ impl Policy {
             b.open.as_millis(),
             b.max_open.as_millis()
         );
-        let batched = match self.store.commit_window {
+        let batched = match self.commit_window() {
             None => String::new(),
-            Some(w) => format!("; commits from responses batched by tenant over {} ms", w.as_millis()),
+            Some(w) => format!(
+                "; commits from responses batched by tenant over {} ms ({} ms where they free what the tenant is short of)",
+                w.as_millis(),
+                w.min(super::SHORT_COMMIT_WINDOW).as_millis()
+            ),
         };
         let store = match &self.store.choice {
             StoreChoice::Embedded => {

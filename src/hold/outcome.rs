@@ -21,6 +21,9 @@ pub enum ReserveOutcome {
         shadowed: Option<WouldRefuse>,
         /// The soft budget the hold left past, and the ms until its period ends.
         soft: Option<(BudgetKey, u64)>,
+        /// The fewest concurrency slots a scope of the hold has left with it (`None`: no scope
+        /// caps them).
+        slots_left: Option<u64>,
     },
     Denied {
         reason: Refusal,

@@ -14,9 +14,9 @@ use super::budget::Period;
 use super::names as ids;
 use super::raw::{RawAdaptive, RawPolicy, RawPool, RawTenant, RawTls};
 use super::{
-    AdaptiveOutput, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI, MAX_PRICE_NANOS,
-    MetricsSettings, ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice, StoreSettings, TenantPolicy,
-    TlsSettings, TokenWeights, Zone,
+    AdaptiveOutput, CommitWindow, Leasing, LedgerSettings, LedgerTerms, Limits, MAX_CACHE_WEIGHT_MILLI,
+    MAX_PRICE_NANOS, MetricsSettings, ModelPolicy, Policy, PoolPolicy, Price, ServerSettings, StoreChoice,
+    StoreSettings, TenantPolicy, TlsSettings, TokenWeights, Zone,
 };
 
 use limits::{check_limits, check_within, children, money_needs_prices, soft_budgets};
@@ -33,13 +33,11 @@ const DEFAULT_MAX_MEMORY_MB: u64 = 128;
 /// The longest a commit from a response waits for its batch (`store.commit_window_ms`).
 const MAX_COMMIT_WINDOW_MS: u64 = 100;
 /// Windows a lease is at least as long as, so a batched commit lands well inside its hold's lease.
-const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
-/// The commit window on Redis and a Redis Cluster unless `store.commit_window_ms` says otherwise:
-/// a commit's own call costs Redis more than the script's work in it. (The embedded store's calls
-/// cost nothing of the kind: none there.) It fits the shortest lease any policy may have, so no
-/// policy and no reload is refused for it.
-const DEFAULT_COMMIT_WINDOW_MS: u64 = 5;
-const _: () = assert!(DEFAULT_COMMIT_WINDOW_MS * COMMIT_WINDOWS_IN_A_LEASE <= MIN_LEASE_MS);
+pub(super) const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
+// (The short window fits the shortest lease any policy may have; a default one fits itself to the
+// policy's: see `Policy::commit_window`.)
+const _: () =
+    assert!(super::SHORT_COMMIT_WINDOW.as_millis() * COMMIT_WINDOWS_IN_A_LEASE as u128 <= MIN_LEASE_MS as u128);
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
@@ -55,8 +53,8 @@ pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
 /// A commit window, if any, of at most a tenth of the shortest lease (`shortest_lease_ms`); `said`
 /// is what the error adds about where the window comes from.
-pub(super) fn commit_window_fits(window: Option<Duration>, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
-    let Some(window) = window else { return Ok(()) };
+pub(super) fn commit_window_fits(window: CommitWindow, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
+    let CommitWindow::Set(window) = window else { return Ok(()) };
     let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
     if window.saturating_mul(COMMIT_WINDOWS_IN_A_LEASE) > shortest_lease_ms {
         return Err(problem(
@@ -187,10 +185,10 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             .and_then(|mb| mb.checked_mul(1 << 20))
             .ok_or_else(|| problem("store.max_memory_mb", "is more memory than this machine can address"))?,
     };
-    let commit_window_ms = match (raw.store.commit_window_ms, &choice) {
-        (None, StoreChoice::Embedded) | (Some(0), _) => None,
-        (None, StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => Some(DEFAULT_COMMIT_WINDOW_MS),
-        (Some(ms), _) if ms <= MAX_COMMIT_WINDOW_MS => Some(ms),
+    let commit_window = match (raw.store.commit_window_ms, &choice) {
+        (None, StoreChoice::Embedded) | (Some(0), _) => CommitWindow::Off,
+        (None, StoreChoice::Redis { .. } | StoreChoice::Cluster { .. }) => CommitWindow::Default,
+        (Some(ms), _) if ms <= MAX_COMMIT_WINDOW_MS => CommitWindow::Set(Duration::from_millis(ms)),
         (Some(ms), _) => {
             return Err(problem(
                 "store.commit_window_ms",
@@ -217,7 +215,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
             Some(f) => return Err(problem("store.local_factor", format!("{f} is outside (0, 1]"))),
         },
         max_memory_bytes,
-        commit_window: commit_window_ms.map(Duration::from_millis),
+        commit_window,
     };
 
     let d = raw.defaults;

@@ -160,7 +160,7 @@ impl<S: Store> Protocol<S> {
         let r = Fields::of(script, &reply)?;
         match r.uint(0)? {
             1 => {
-                let (budget_left, swept) = r.lists(24)?;
+                let (budget_left, swept) = r.lists(25)?;
                 Ok(ReserveReply {
                     outcome: ReserveOutcome::Admitted {
                         id: r.text(1)?.to_string(),
@@ -186,6 +186,7 @@ impl<S: Store> Protocol<S> {
                                 retry_after_ms: r.uint(23)?,
                             }),
                         },
+                        slots_left: u64::try_from(r.int(24)?).ok(),
                     },
                     swept,
                     budget_left,
