@@ -18,17 +18,18 @@ use tollgate::admission::Reason;
 use tollgate::hold::{CommitOutcome, Counted, Ending, RenewOutcome};
 use tollgate::store::Store;
 
-/// A window far longer than the few statements between a test's commits, far shorter than a lease.
-const BODY: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 20 }\n";
-/// The same window, and one request at a time.
+/// A window far longer than the few statements between a test's commits, far shorter than a lease;
+/// slots to spare (more than one batch's commits could hold), so a commit waits its whole window.
+const BODY: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1000 }\n";
+/// The same window, and no cap on concurrency.
+const UNCAPPED: &str = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000 }\n";
+/// The same window, and one request at a time: the tenant is short of slots, its commits go within
+/// 5 ms (a refused reserve finds them waiting, or on their way).
 const ONE_AT_A_TIME: &str =
     "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
 /// One request at a time, in shadow.
 const SHADOWED: &str =
     "commit_window_ms: 100\n---store---\nshadow: true\nlimits: { tokens_per_minute: 600000, max_concurrency: 1 }\n";
-/// The same window, and slots to spare: more than one batch's commits could hold.
-const ROOMY: &str =
-    "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000, max_concurrency: 1000 }\n";
 const WAIT: Duration = Duration::from_secs(10);
 
 /// The state of a hold, read by a renew (never batched).
@@ -229,18 +230,58 @@ async fn a_commit_of_a_tenant_short_of_slots_goes_within_5_ms() {
     assert_eq!(used(&h, &id).await, 110);
 }
 
-/// A commit whose tenant has slots to spare waits its whole window for company.
+/// A commit whose tenant has slots to spare (or no cap on them) waits its whole window for company.
 #[tokio::test(start_paused = true)]
 async fn a_commit_of_a_tenant_with_slots_to_spare_waits_its_window() {
-    let h = support::embedded(ROOMY).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    for body in [BODY, UNCAPPED] {
+        waits_its_window(body).await;
+    }
+}
+
+async fn waits_its_window(body: &str) {
+    let h = support::embedded(body).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
     let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
     h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
     let store = h.admission.protocol().store();
     tokio::time::sleep(Duration::from_millis(99)).await;
-    assert_eq!(store.calls(), 0, "waits the window");
+    assert_eq!(store.calls(), 0, "waits the window: {body}");
     tokio::time::sleep(Duration::from_millis(2)).await;
-    assert_eq!(store.calls(), 1, "went when the window ended");
+    assert_eq!(store.calls(), 1, "went when the window ended: {body}");
     assert_eq!(used(&h, &id).await, 110);
+}
+
+/// A reserve refused for a slot that a commit on its way from its window holds (it left, it has not
+/// landed) waits for it to land, and is asked again.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_for_a_slot_a_commit_on_its_way_holds_waits_for_it_and_asks_again() {
+    let slow = Duration::from_millis(20);
+    let h = support::embedded(ONE_AT_A_TIME).await.wrapped(|s| Faulty::new(s, "commit", Fault::SlowCall(slow))).await;
+    let first = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&first, Counted::exact(100, 10), Ending::Completed).await;
+    tokio::time::sleep(Duration::from_millis(6)).await;
+    assert_eq!(h.admission.protocol().store().calls(), 1, "the window sent it");
+    let second = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    assert_eq!(used(&h, &first).await, 110, "landed before the reserve was asked again");
+    assert_eq!(state(&h, &second).await, "reserved");
+}
+
+/// A window the policy does not set (on Redis, 50 ms) fits itself to the leases in force: a reload
+/// whose shortest lease is 300 ms is applied, and its commits wait 30 ms.
+#[tokio::test]
+async fn a_default_window_fits_itself_to_a_reloads_leases() {
+    let h = support::redis("limits: { tokens_per_minute: 600000 }\n").await;
+    assert_eq!(h.admission.policy().commit_window(), Some(Duration::from_millis(50)));
+    let dir = std::env::temp_dir().join(format!("tollgate-batches-{}", h.tenant));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("policy.yaml");
+    let short =
+        format!("models:\n  m: {{ max_output_tokens: 100 }}\ntenants:\n  {}:\n    lease_ttl_ms: 300\n", h.tenant);
+    std::fs::write(&path, short).unwrap();
+    let keep: tollgate::reload::Adjust = std::sync::Arc::new(|_| Ok(()));
+    let reloaded = tollgate::reload::reload(&path, &h.admission, &keep).await;
+    assert!(matches!(reloaded, tollgate::reload::Reloaded::Applied { .. }), "{reloaded:?}");
+    assert_eq!(h.admission.policy().commit_window(), Some(Duration::from_millis(30)));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 macro_rules! everywhere {

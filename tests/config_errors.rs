@@ -132,7 +132,10 @@ fn check_config_says_how_redis_is_guarded_and_what_each_tenant_does_without_it()
         Policy::parse("short.yaml", &text.replace("  acme: {}", "  acme: { lease_ttl_ms: 300 }")).unwrap();
     let summary_short = short_leases.summary();
     assert!(summary_short.contains("batched by tenant over 30 ms (5 ms where"), "{summary_short}");
-    short_leases.check_window_in_force("short.yaml", tollgate::config::CommitWindow::Default).unwrap();
+    use tollgate::config::CommitWindow;
+    let window_in_force = |w| short_leases.check_window_in_force("short.yaml", w).map_err(|e| e.to_string());
+    assert!(window_in_force(CommitWindow::Set(Duration::from_millis(50))).is_err(), "a set window is held to");
+    window_in_force(CommitWindow::Default).unwrap();
     let alone = text.replace("  breaker:", "  commit_window_ms: 0\n  breaker:");
     let summary_alone = Policy::parse("alone.yaml", &alone).unwrap().summary();
     assert!(!summary_alone.contains("batched"), "commit_window_ms: 0 commits each at once: {summary_alone}");

@@ -34,11 +34,14 @@
 //! commit (see [`Admission::commit_from_response`]).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
 use tokio::time::Instant;
-
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tokio_util::task::task_tracker::TaskTrackerToken;
 
@@ -64,18 +67,35 @@ const SHORT_FOR: Duration = Duration::from_secs(10);
 const SHORT_KEPT: usize = 1_024;
 
 /// The commits waiting for their tenant's window to end, and the windows' timers.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(super) struct Batches {
     waiting: Mutex<Waiting>,
+    /// Tenants short of concurrency slots, until when (see [`Batches::saw_slots`]): every reserve
+    /// looks, so a lock of its own, and a flag that spares the lock while no tenant is.
+    short_of_slots: Mutex<HashMap<String, Instant>>,
+    any_short: AtomicBool,
     /// The windows open and the batches on their way to the store: the drain waits for them.
     tasks: TaskTracker,
+    /// Cancelled as the drain begins: the windows' timers stop waiting (the drain sends what they
+    /// waited for).
+    closing: CancellationToken,
 }
 
-#[derive(Debug, Default)]
+impl std::fmt::Debug for Batches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batches").field("tasks", &self.tasks).finish_non_exhaustive()
+    }
+}
+
+/// A batch on its way to the store: true once the store has taken it.
+type Sending = Shared<BoxFuture<'static, bool>>;
+
+#[derive(Default)]
 struct Waiting {
     by_tenant: HashMap<String, Batch>,
-    /// Tenants short of concurrency slots, until when (see [`Batches::saw_slots`]).
-    short_of_slots: HashMap<String, Instant>,
+    /// Each tenant's batch on its way to the store from a window, the latest: a reserve refused for
+    /// a slot while it is waits for it (see [`Admission::commit_waiting`]).
+    sending: HashMap<String, Sending>,
     /// Set as the drain begins (under the same lock as a commit joins a batch, so none joins one
     /// the drain will not send): from then on a commit goes alone.
     closed: bool,
@@ -96,13 +116,12 @@ fn later(now: Instant, wait: Duration) -> Instant {
 /// Where a commit from a response went. A batch to send comes with a token of the batches'
 /// tracker, taken under the lock the drain closes them with, so the drain waits for it.
 enum Joined {
-    /// Its tenant's batch, opening it: the batch goes when this window ends.
-    Opened(Duration, TaskTrackerToken),
+    /// Its tenant's batch, opening it: the batch goes when its window ends, then.
+    Opened(Instant, TaskTrackerToken),
     /// Its tenant's batch, already open.
     Waits,
-    /// Its tenant's batch, already open, whose window it shortens: the batch goes when this one
-    /// ends.
-    Hurries(Duration, TaskTrackerToken),
+    /// Its tenant's batch, already open, whose window it shortens: the batch goes then.
+    Hurries(Instant, TaskTrackerToken),
     /// Its tenant's batch, which it filled: the batch goes now.
     Filled(Vec<CommitCall>, TaskTrackerToken),
     /// None: the drain has begun. The commit comes back, to go alone.
@@ -115,28 +134,27 @@ impl Batches {
     }
 
     /// Puts `call` in its tenant's batch, to go within `window`, or within the short window
-    /// where it frees what another request may be waiting for (`quick`: a pool's slot; or a slot
+    /// where it frees what another request may be waiting for (`soon`: a pool's slot, or a slot
     /// of a tenant short of them).
-    fn join(&self, tenant: &str, call: CommitCall, window: Duration, quick: bool) -> Joined {
+    fn join(&self, tenant: &str, call: CommitCall, window: Duration, soon: bool) -> Joined {
         let now = Instant::now();
+        let due = later(now, if soon { window.min(SHORT_COMMIT_WINDOW) } else { window });
         let mut waiting = self.lock();
         if waiting.closed {
             return Joined::Closed(call);
         }
-        let short = quick || waiting.short_of_slots.get(tenant).is_some_and(|&until| now < until);
-        let window = if short { window.min(SHORT_COMMIT_WINDOW) } else { window };
         let Some(batch) = waiting.by_tenant.get_mut(tenant) else {
-            waiting.by_tenant.insert(tenant.to_string(), Batch { calls: vec![call], due: later(now, window) });
-            return Joined::Opened(window, self.tasks.token());
+            waiting.by_tenant.insert(tenant.to_string(), Batch { calls: vec![call], due });
+            return Joined::Opened(due, self.tasks.token());
         };
         batch.calls.push(call);
         if batch.calls.len() >= MOST {
             let calls = std::mem::take(&mut batch.calls);
             waiting.by_tenant.remove(tenant);
             Joined::Filled(calls, self.tasks.token())
-        } else if later(now, window) < batch.due {
-            batch.due = later(now, window);
-            Joined::Hurries(window, self.tasks.token())
+        } else if due < batch.due {
+            batch.due = due;
+            Joined::Hurries(due, self.tasks.token())
         } else {
             Joined::Waits
         }
@@ -147,10 +165,25 @@ impl Batches {
         self.lock().by_tenant.remove(tenant).map(|b| b.calls).unwrap_or_default()
     }
 
-    /// Every batch, leaving none, and no more to come.
+    /// Takes `tenant`'s batch if its window has ended, and notes it as on its way (`send` makes
+    /// its call), in one step: a reserve refused for a slot finds it waiting or on its way, never
+    /// between. (A timer set for a window a later commit shortened, or for a batch that filled,
+    /// may find another batch, with a timer of its own.)
+    fn take_due(&self, tenant: &str, send: impl FnOnce(Vec<CommitCall>) -> Sending) -> Option<Sending> {
+        let mut waiting = self.lock();
+        if waiting.by_tenant.get(tenant).is_none_or(|batch| batch.due > Instant::now()) {
+            return None;
+        }
+        let sending = send(waiting.by_tenant.remove(tenant)?.calls);
+        waiting.sending.insert(tenant.to_string(), sending.clone());
+        Some(sending)
+    }
+
+    /// Every batch, leaving none, and no more to come; the windows' timers stop.
     fn close(&self) -> Vec<(String, Vec<CommitCall>)> {
         let mut waiting = self.lock();
         waiting.closed = true;
+        self.closing.cancel();
         waiting.by_tenant.drain().filter(|(_, batch)| !batch.calls.is_empty()).map(|(t, b)| (t, b.calls)).collect()
     }
 
@@ -158,26 +191,58 @@ impl Batches {
     /// (`None`: no scope caps them). A tenant found with fewer than [`SHORT_OF_SLOTS`] is short
     /// of them for [`SHORT_FOR`], or until a reserve finds it with more: its commits go within the
     /// short window meanwhile, so that a request of its at another replica does not meet a slot
-    /// a commit waiting here still holds.
+    /// a commit waiting here still holds. (A commit already waiting goes with its window, or with
+    /// the next commit of its tenant.)
     pub(super) fn saw_slots(&self, tenant: &str, slots_left: Option<u64>) {
         let short = slots_left.is_some_and(|n| n < SHORT_OF_SLOTS);
-        let mut waiting = self.lock();
-        if !short {
-            if !waiting.short_of_slots.is_empty() {
-                waiting.short_of_slots.remove(tenant);
-            }
+        if !short && !self.any_short.load(Ordering::Acquire) {
             return;
         }
-        let until = later(Instant::now(), SHORT_FOR);
-        if let Some(kept) = waiting.short_of_slots.get_mut(tenant) {
-            *kept = until;
-            return;
-        }
-        if waiting.short_of_slots.len() >= SHORT_KEPT {
+        let mut kept = self.short_of_slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if short {
             let now = Instant::now();
-            waiting.short_of_slots.retain(|_, kept| *kept > now);
+            if !kept.contains_key(tenant) && kept.len() >= SHORT_KEPT {
+                kept.retain(|_, until| *until > now);
+                if kept.len() >= SHORT_KEPT {
+                    // (Every one still short: all forgotten. Their commits wait their window until
+                    // a reserve here finds them short again.)
+                    kept.clear();
+                }
+            }
+            kept.insert(tenant.to_string(), later(now, SHORT_FOR));
+        } else {
+            kept.remove(tenant);
         }
-        waiting.short_of_slots.insert(tenant.to_string(), until);
+        self.any_short.store(!kept.is_empty(), Ordering::Release);
+    }
+
+    /// Whether `tenant` is short of slots (see [`Batches::saw_slots`]).
+    fn short_of_slots(&self, tenant: &str) -> bool {
+        self.any_short.load(Ordering::Acquire)
+            && self
+                .short_of_slots
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(tenant)
+                .is_some_and(|&until| Instant::now() < until)
+    }
+
+    /// Notes `sending` as `tenant`'s batch on its way.
+    fn on_its_way_now(&self, tenant: &str, sending: &Sending) {
+        self.lock().sending.insert(tenant.to_string(), sending.clone());
+    }
+
+    /// `tenant`'s batch `sending` has landed: no longer on its way (a later one may be).
+    fn landed(&self, tenant: &str, sending: &Sending) {
+        let mut waiting = self.lock();
+        if waiting.sending.get(tenant).is_some_and(|s| s.ptr_eq(sending)) {
+            waiting.sending.remove(tenant);
+        }
+    }
+
+    /// `tenant`'s batch on its way from a window, if one is.
+    fn on_its_way(&self, tenant: &str) -> Option<Sending> {
+        self.lock().sending.get(tenant).cloned()
     }
 }
 
@@ -192,59 +257,92 @@ impl<S: Store> Admission<S> {
         // commits go at once: a slot a waiting commit still held would show in its shadow as a
         // refusal enforcing would not make (a reserve refused for a slot sends the waiting commits
         // and asks again; a shadowed one is admitted, and cannot be asked again).
-        // A hold with a pool leg frees a pool's slot: it goes within the short window.
+        // One that frees a pool's slot, or a slot of a tenant short of them, goes soon.
         let batched = policy.commit_window().and_then(|window| {
             let r = checked_commit(id, counted).ok()?;
             let shadowed = self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow);
-            (matches!(self.home(&r), Home::Store) && !shadowed)
-                .then(|| (r.tenant.to_string(), window, r.pool.is_some()))
+            (matches!(self.home(&r), Home::Store) && !shadowed).then(|| {
+                let soon = r.pool.is_some() || self.batches.short_of_slots(r.tenant);
+                (r.tenant.to_string(), window, soon)
+            })
         });
         let call = CommitCall { id: id.to_string(), counted, ending };
-        let Some((tenant, window, pooled)) = batched else {
+        let Some((tenant, window, soon)) = batched else {
             self.commit_alone(&call).await;
             return;
         };
-        match self.batches.join(&tenant, call, window, pooled) {
+        match self.batches.join(&tenant, call, window, soon) {
             Joined::Closed(call) => {
                 self.commit_alone(&call).await;
             }
             Joined::Waits => {}
             Joined::Filled(batch, token) => {
-                let admission = Arc::clone(self);
-                self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
+                self.send_batch(tenant, batch);
                 drop(token);
             }
-            // (A window whose batch filled early, or went with a shorter window, sends the next
-            // batch when it ends: every batch has a timer running, some a shorter window.)
-            Joined::Opened(window, token) | Joined::Hurries(window, token) => {
+            Joined::Opened(due, token) | Joined::Hurries(due, token) => {
                 let admission = Arc::clone(self);
                 self.batches.tasks.spawn(async move {
-                    tokio::time::sleep(window).await;
-                    let batch = admission.batches.take(&tenant);
-                    admission.commit_batch(&tenant, batch).await;
+                    tokio::select! {
+                        () = tokio::time::sleep_until(due) => {}
+                        // (The drain sends what waits.)
+                        () = admission.batches.closing.cancelled() => return,
+                    }
+                    if let Some(sending) =
+                        admission.batches.take_due(&tenant, |batch| admission.sending(&tenant, batch))
+                    {
+                        admission.sent(tenant, sending).await;
+                    }
                 });
                 drop(token);
             }
         }
     }
 
+    /// `tenant`'s `batch` made ready to go ([`Admission::commit_batch`]), for a reserve refused for
+    /// a slot to wait for too.
+    fn sending(self: &Arc<Self>, tenant: &str, batch: Vec<CommitCall>) -> Sending {
+        let (admission, tenant) = (Arc::clone(self), tenant.to_string());
+        async move { admission.commit_batch(&tenant, batch).await }.boxed().shared()
+    }
+
+    /// Sends `tenant`'s batch `sending` (noted as on its way), no longer on its way once it lands.
+    async fn sent(self: Arc<Self>, tenant: String, sending: Sending) {
+        sending.clone().await;
+        self.batches.landed(&tenant, &sending);
+    }
+
+    /// Sends `tenant`'s `batch` now, noted as on its way until it lands (a batch that filled, the
+    /// drain's).
+    fn send_batch(self: &Arc<Self>, tenant: String, batch: Vec<CommitCall>) {
+        let sending = self.sending(&tenant, batch);
+        self.batches.on_its_way_now(&tenant, &sending);
+        self.batches.tasks.spawn(Arc::clone(self).sent(tenant, sending));
+    }
+
     /// Commits every batch waiting now, without waiting for their windows, and waits for those on
     /// their way: the drain's. From then on a commit from a response goes alone.
     pub(super) async fn flush_batches(self: &Arc<Self>) {
         for (tenant, batch) in self.batches.close() {
-            let admission = Arc::clone(self);
-            self.batches.tasks.spawn(async move { admission.commit_batch(&tenant, batch).await });
+            self.send_batch(tenant, batch);
         }
         self.batches.tasks.close();
         self.batches.tasks.wait().await;
     }
 
-    /// Sends `tenant`'s waiting batch now, without waiting for its window to end: true when it
-    /// had one and the store took it (see [`Admission::tenant_leg`], which then asks a reserve
-    /// refused for a slot again).
+    /// Sends `tenant`'s waiting batch now, without waiting for its window to end, or, where none
+    /// waits, waits for the one its window sent, if that is on its way: true when there was one
+    /// and the store took it (see [`Admission::tenant_leg`], which then asks a reserve refused for
+    /// a slot again).
     pub(super) async fn commit_waiting(&self, tenant: &str) -> bool {
         let batch = self.batches.take(tenant);
-        !batch.is_empty() && self.commit_batch(tenant, batch).await
+        if !batch.is_empty() {
+            return self.commit_batch(tenant, batch).await;
+        }
+        match self.batches.on_its_way(tenant) {
+            Some(sending) => sending.await,
+            None => false,
+        }
     }
 
     /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
@@ -361,9 +459,13 @@ mod tests {
         CommitCall { id: format!("hold-{n}"), counted: Counted::AsHeld, ending: Ending::Completed }
     }
 
+    /// The window a commit's batch goes after, from when it joined (now, to the ms above).
     fn window(joined: &Joined) -> Option<Duration> {
         match joined {
-            Joined::Opened(w, _) | Joined::Hurries(w, _) => Some(*w),
+            Joined::Opened(due, _) | Joined::Hurries(due, _) => {
+                let left = due.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000);
+                Some(Duration::from_millis(u64::try_from(left).unwrap()))
+            }
             _ => None,
         }
     }
@@ -374,9 +476,9 @@ mod tests {
         b.saw_slots("roomy", Some(SHORT_OF_SLOTS));
         b.saw_slots("uncapped", None);
         b.saw_slots("short", Some(SHORT_OF_SLOTS - 1));
-        assert_eq!(window(&b.join("roomy", call(0), WINDOW, false)), Some(WINDOW));
-        assert_eq!(window(&b.join("uncapped", call(1), WINDOW, false)), Some(WINDOW));
-        assert_eq!(window(&b.join("short", call(2), WINDOW, false)), Some(SHORT_COMMIT_WINDOW));
+        assert_eq!(window(&b.join("roomy", call(0), WINDOW, b.short_of_slots("roomy"))), Some(WINDOW));
+        assert_eq!(window(&b.join("uncapped", call(1), WINDOW, b.short_of_slots("uncapped"))), Some(WINDOW));
+        assert_eq!(window(&b.join("short", call(2), WINDOW, b.short_of_slots("short"))), Some(SHORT_COMMIT_WINDOW));
         // A pool's slot: within the short window whatever its tenant's.
         assert_eq!(window(&b.join("pooled", call(3), WINDOW, true)), Some(SHORT_COMMIT_WINDOW));
         // A window shorter than the short one stays as it is.
@@ -389,7 +491,11 @@ mod tests {
         assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)));
         assert!(matches!(b.join("t", call(1), WINDOW, false), Joined::Waits), "the window is open");
         b.saw_slots("t", Some(0));
-        assert_eq!(window(&b.join("t", call(2), WINDOW, false)), Some(SHORT_COMMIT_WINDOW), "hurries it");
+        assert_eq!(
+            window(&b.join("t", call(2), WINDOW, b.short_of_slots("t"))),
+            Some(SHORT_COMMIT_WINDOW),
+            "hurries it"
+        );
         assert!(matches!(b.join("t", call(3), WINDOW, false), Joined::Waits), "already due that soon");
         assert_eq!(b.take("t").len(), 4, "one batch, all four");
     }
@@ -398,11 +504,47 @@ mod tests {
     fn a_tenant_found_with_slots_to_spare_again_is_no_longer_short_of_them() {
         let b = Batches::default();
         b.saw_slots("t", Some(0));
-        assert_eq!(window(&b.join("t", call(0), WINDOW, false)), Some(SHORT_COMMIT_WINDOW));
-        b.take("t");
+        assert!(b.short_of_slots("t"));
         b.saw_slots("t", Some(SHORT_OF_SLOTS));
-        assert_eq!(window(&b.join("t", call(1), WINDOW, false)), Some(WINDOW));
-        assert!(b.lock().short_of_slots.is_empty());
+        assert!(!b.short_of_slots("t"));
+        assert!(!b.any_short.load(Ordering::Acquire), "none kept: reserves take no lock");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tenant_stays_short_of_slots_ten_seconds_and_a_timer_takes_only_a_batch_that_is_due() {
+        let b = Batches::default();
+        b.saw_slots("t", Some(0));
+        tokio::time::advance(SHORT_FOR - Duration::from_millis(1)).await;
+        assert!(b.short_of_slots("t"));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!b.short_of_slots("t"), "ten seconds on");
+        let nothing = || -> Sending { async { true }.boxed().shared() };
+        assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)));
+        assert!(b.take_due("t", |_| nothing()).is_none(), "not due yet");
+        tokio::time::advance(WINDOW).await;
+        let mut carried = 0;
+        let sending = b.take_due("t", |batch| {
+            carried = batch.len();
+            nothing()
+        });
+        assert_eq!(carried, 1);
+        let sending = sending.expect("due");
+        assert!(b.on_its_way("t").is_some_and(|s| s.ptr_eq(&sending)), "on its way");
+        b.landed("t", &sending);
+        assert!(b.on_its_way("t").is_none());
+    }
+
+    #[test]
+    fn tenants_kept_short_of_slots_are_bounded() {
+        let b = Batches::default();
+        for n in 0..SHORT_KEPT {
+            b.saw_slots(&format!("t{n}"), Some(0));
+        }
+        b.saw_slots("t0", Some(1));
+        assert_eq!(b.short_of_slots.lock().unwrap().len(), SHORT_KEPT, "one already kept: kept again");
+        b.saw_slots("one more", Some(0));
+        assert_eq!(b.short_of_slots.lock().unwrap().len(), 1, "every one still short: forgotten but the newest");
+        assert!(b.short_of_slots("one more"));
     }
 
     #[test]

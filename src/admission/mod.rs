@@ -291,6 +291,7 @@ impl<S: Store> Admission<S> {
         let kept = old.restart_only_changes(&new);
         new.server = old.server.clone();
         new.store = old.store.clone();
+        new.fit_commit_window();
         new.leasing = old.leasing;
         new.ledger = old.ledger.clone();
         let new = Arc::new(new);

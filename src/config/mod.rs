@@ -8,6 +8,7 @@ pub mod names;
 mod raw;
 mod summary;
 mod validate;
+mod window;
 mod zone;
 
 use std::collections::HashMap;
@@ -23,6 +24,7 @@ pub use models::{
 pub use raw::{Limits, MAX_MONEY, Money, NANOS};
 pub use summary::without_password;
 pub use validate::MAX_TOKEN_COUNT;
+pub use window::{CommitWindow, DEFAULT_COMMIT_WINDOW, SHORT_COMMIT_WINDOW};
 pub use zone::Zone;
 
 /// Request priority tier (`x-priority`, or the tenant's default). As a pool fills, `sheddable` is
@@ -127,31 +129,6 @@ pub struct StoreSettings {
     /// (`store.commit_window_ms`): see [`CommitWindow`] and `admission::batch`.
     pub commit_window: CommitWindow,
 }
-
-/// `store.commit_window_ms` as the policy says it. The window a commit waits is
-/// [`Policy::commit_window`]'s.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CommitWindow {
-    /// Each commit goes at once: the policy's 0, and the embedded store's unless set.
-    Off,
-    /// As the policy sets it: at most a tenth of its shortest lease (a policy or a reload that
-    /// leases for less is refused while it is in force).
-    Set(Duration),
-    /// Redis's and a Cluster's unless set: [`DEFAULT_COMMIT_WINDOW`], or a tenth of the policy's
-    /// shortest lease where that is less (a reload's leases shorten it).
-    Default,
-}
-
-/// The commit window on Redis and a Redis Cluster unless `store.commit_window_ms` says otherwise:
-/// at a few hundred requests a second of a tenant a window of 5 ms carries two or three commits a
-/// call, 50 ms twenty or more, and each call a commit does not make saves Redis its round trip.
-/// (A commit that frees what its tenant is short of goes within [`SHORT_COMMIT_WINDOW`]; see
-/// `admission::batch`.)
-pub const DEFAULT_COMMIT_WINDOW: Duration = Duration::from_millis(50);
-
-/// The most a commit waits whose hold frees a slot its tenant is short of, or a pool's: another
-/// request may be waiting for it.
-pub const SHORT_COMMIT_WINDOW: Duration = Duration::from_millis(5);
 
 /// When calls to Redis stop (see `store::breaker`): after `failures` transient errors in a row,
 /// for `open` and then doubling up to `max_open` while probes fail.
@@ -406,6 +383,9 @@ pub struct Policy {
     /// goes to the store.
     pub leasing: Option<Leasing>,
     pub metrics: MetricsSettings,
+    /// How long a commit from a response waits for more of its tenant's: see
+    /// [`Policy::commit_window`].
+    batch_window: Option<Duration>,
     /// The usage ledger: every settled hold entered by the script that settles it; `None`: off.
     pub ledger: Option<LedgerSettings>,
 }
@@ -490,20 +470,6 @@ impl Policy {
     pub fn check_window_in_force(&self, file: &str, window: CommitWindow) -> Result<(), ConfigError> {
         validate::commit_window_fits(window, self.shortest_lease_ms(), " (in force until a restart)")
             .map_err(|(field, why)| ConfigError::Invalid { file: file.to_string(), field, why })
-    }
-
-    /// How long a commit from a response waits for more of its tenant's (see `admission::batch`),
-    /// `None` for not at all: as the store's settings say, a default window never more than a
-    /// tenth of this policy's shortest lease.
-    pub fn commit_window(&self) -> Option<Duration> {
-        match self.store.commit_window {
-            CommitWindow::Off => None,
-            CommitWindow::Set(window) => Some(window),
-            CommitWindow::Default => {
-                let tenth = Duration::from_millis(self.shortest_lease_ms() / validate::COMMIT_WINDOWS_IN_A_LEASE);
-                Some(DEFAULT_COMMIT_WINDOW.min(tenth))
-            }
-        }
     }
 
     /// The shortest lease any hold of this policy is made with (its tenants', plans' and

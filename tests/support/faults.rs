@@ -37,6 +37,8 @@ type Call = (Script, Vec<String>, Vec<String>);
 pub enum Fault {
     /// It runs, then its reply takes this long to arrive.
     SlowReply(Duration),
+    /// It takes this long to reach the store, then runs.
+    SlowCall(Duration),
     /// It runs, then its reply is lost: the caller sees a timeout. (The call is kept for
     /// [`Faulty::send_lost_again`].)
     LostReply,
@@ -99,6 +101,10 @@ impl<S: Store> Store for Faulty<S> {
                 let reply = self.inner.eval(script, keys, args).await;
                 tokio::time::sleep(delay).await;
                 reply
+            }
+            Fault::SlowCall(delay) => {
+                tokio::time::sleep(delay).await;
+                self.inner.eval(script, keys, args).await
             }
             Fault::LostReply => {
                 *self.lost.lock().unwrap() = Some((script.clone(), keys.clone(), args.clone()));
@@ -181,6 +187,10 @@ impl<S: Store> Store for Queued<S> {
                 let reply = self.inner.eval(script, keys, args).await;
                 tokio::time::sleep(delay).await;
                 reply
+            }
+            Some(Fault::SlowCall(delay)) => {
+                tokio::time::sleep(delay).await;
+                self.inner.eval(script, keys, args).await
             }
             Some(Fault::Refused) => {
                 Err(StoreError::Script { script: script.name, message: "injected: refused".into() })

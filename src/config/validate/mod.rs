@@ -34,10 +34,10 @@ const DEFAULT_MAX_MEMORY_MB: u64 = 128;
 const MAX_COMMIT_WINDOW_MS: u64 = 100;
 /// Windows a lease is at least as long as, so a batched commit lands well inside its hold's lease.
 pub(super) const COMMIT_WINDOWS_IN_A_LEASE: u64 = 10;
-// (The short window fits the shortest lease any policy may have; a default one fits itself to the
-// policy's: see `Policy::commit_window`.)
-const _: () =
-    assert!(super::SHORT_COMMIT_WINDOW.as_millis() * COMMIT_WINDOWS_IN_A_LEASE as u128 <= MIN_LEASE_MS as u128);
+// (A default window, which fits itself to the leases, is never shorter than the short one; and it
+// is a window a policy may set.)
+const _: () = assert!((MIN_LEASE_MS / COMMIT_WINDOWS_IN_A_LEASE) as u128 >= super::SHORT_COMMIT_WINDOW.as_millis());
+const _: () = assert!(super::DEFAULT_COMMIT_WINDOW.as_millis() <= MAX_COMMIT_WINDOW_MS as u128);
 /// The most entries a tenant's ledger stream may be configured to keep.
 const MAX_LEDGER_LEN: u64 = 100_000_000;
 /// Tenants `metrics.tenants` may list: each adds a few dozen series.
@@ -51,8 +51,9 @@ const MAX_OUTPUT_CEILING: u64 = 10_000_000;
 /// the protocol's nouns (`hold`) re-export it for everything else.
 pub const MAX_TOKEN_COUNT: u64 = 1_000_000_000;
 
-/// A commit window, if any, of at most a tenth of the shortest lease (`shortest_lease_ms`); `said`
-/// is what the error adds about where the window comes from.
+/// A commit window the policy sets, of at most a tenth of the shortest lease (`shortest_lease_ms`);
+/// `said` is what the error adds about where the window comes from. (A default one fits itself to
+/// the leases: see `Policy::commit_window`.)
 pub(super) fn commit_window_fits(window: CommitWindow, shortest_lease_ms: u64, said: &str) -> Result<(), Problem> {
     let CommitWindow::Set(window) = window else { return Ok(()) };
     let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
@@ -394,8 +395,11 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         ledger,
         leasing: raw.leasing.map(leasing).transpose()?,
         metrics: metrics(raw.metrics)?,
+        batch_window: None,
     };
     commit_window_fits(policy.store.commit_window, policy.shortest_lease_ms(), "")?;
+    let mut policy = policy;
+    policy.fit_commit_window();
     Ok(policy)
 }
 

@@ -148,6 +148,14 @@ impl<'a> Fields<'a> {
         u64::try_from(self.int(i)?).map_err(|_| self.bad())
     }
 
+    /// A count, or `None` for `-1`, "no such limit".
+    pub(crate) fn optional_uint(&self, i: usize) -> Result<Option<u64>, StoreError> {
+        match self.int(i)? {
+            -1 => Ok(None),
+            n => u64::try_from(n).map(Some).map_err(|_| self.bad()),
+        }
+    }
+
     pub(crate) fn count(&self, i: usize) -> Result<u32, StoreError> {
         u32::try_from(self.int(i)?).map_err(|_| self.bad())
     }
@@ -183,12 +191,7 @@ impl<'a> Fields<'a> {
         let n = usize::try_from(self.uint(i)?).map_err(|_| self.bad())?;
         let first = i.saturating_add(1);
         let texts_from = first.checked_add(n).filter(|&end| end <= self.items.len()).ok_or_else(|| self.bad())?;
-        let counts = (first..texts_from)
-            .map(|at| match self.int(at)? {
-                -1 => Ok(None),
-                n => u64::try_from(n).map(Some).map_err(|_| self.bad()),
-            })
-            .collect::<Result<_, _>>()?;
+        let counts = (first..texts_from).map(|at| self.optional_uint(at)).collect::<Result<_, _>>()?;
         let texts =
             (texts_from..self.items.len()).map(|at| self.text(at).map(str::to_string)).collect::<Result<_, _>>()?;
         Ok((counts, texts))

@@ -186,7 +186,7 @@ impl<S: Store> Protocol<S> {
                                 retry_after_ms: r.uint(23)?,
                             }),
                         },
-                        slots_left: u64::try_from(r.int(24)?).ok(),
+                        slots_left: r.optional_uint(24)?,
                     },
                     swept,
                     budget_left,
