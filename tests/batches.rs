@@ -230,6 +230,24 @@ async fn a_commit_of_a_tenant_short_of_slots_goes_within_5_ms() {
     assert_eq!(used(&h, &id).await, 110);
 }
 
+/// A commit whose hold has a pool leg frees a slot of the pool's, which capacity admission counts:
+/// it goes within 5 ms, though its tenant has no cap on its own slots.
+#[tokio::test(start_paused = true)]
+async fn a_commit_that_frees_a_pools_slot_goes_within_5_ms() {
+    let pooled = "commit_window_ms: 100\n---store---\nlimits: { tokens_per_minute: 600000 }\n---pool---\n\
+                  max_sequences: 100\nprefill_tokens_per_second: 100000\ndecode_tokens_per_second: 100000\n\
+                  max_queue_delay_ms: 60000\n";
+    let h = support::embedded(pooled).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(Duration::from_millis(4)).await;
+    assert_eq!(store.calls(), 0, "waits for company a moment");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went within 5 ms");
+    assert_eq!(used(&h, &id).await, 110);
+}
+
 /// A commit whose tenant has slots to spare (or no cap on them) waits its whole window for company.
 #[tokio::test(start_paused = true)]
 async fn a_commit_of_a_tenant_with_slots_to_spare_waits_its_window() {
