@@ -398,8 +398,9 @@ impl<S: Store> Admission<S> {
                 Ok(ReserveReply { outcome, swept, budget_left }) => {
                     self.saw_budgets(plan, &budget_left);
                     self.release_swept_pool_legs(&swept).await;
-                    // How short of slots the tenant is decides how long its commits wait here.
-                    if policy.commit_window().is_some() {
+                    // How short of slots the tenant is decides how long its commits wait here (a
+                    // shadowed tenant's go at once).
+                    if policy.commit_window().is_some() && !plan.tp.shadow {
                         match &outcome {
                             ReserveOutcome::Admitted { slots_left, .. } => {
                                 self.batches.saw_slots(&plan.tenant, *slots_left);
