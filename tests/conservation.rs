@@ -29,11 +29,12 @@ use tollgate::store::redis::{RedisOptions, RedisStore, RedisTarget};
 /// Operations in one run (bounded, as every loop in a soak test is).
 const OPS: usize = 400;
 /// Attempts at a commit or release (or a lease window once the faults are off) before the test
-/// gives up on the store, `RETRY_EVERY` apart: five seconds, past several of the client's
-/// reconnects (at most 500 ms apart after connections cut in a row), while which every call fails
-/// at once.
+/// gives up on the store, `RETRY_EVERY` apart, for at most `RETRY_FOR`: five seconds, past several
+/// of the client's reconnects (at most 500 ms apart after connections cut in a row), while which
+/// every call fails at once.
 const ATTEMPTS: usize = 1_000;
 const RETRY_EVERY: Duration = Duration::from_millis(5);
+const RETRY_FOR: Duration = Duration::from_secs(5);
 
 fn policy() -> String {
     format!(
@@ -61,8 +62,11 @@ struct Run {
 
 /// Commits (`Some(usage)`) or releases a hold at `at`, retrying what failed. Never `NOT_FOUND`.
 async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mut Run) {
-    let mut last = None;
+    let (mut last, until) = (None, std::time::Instant::now() + RETRY_FOR);
     for _ in 0..ATTEMPTS {
+        if std::time::Instant::now() > until {
+            break;
+        }
         let outcome = match usage {
             Some(used) => r.admission.commit(&h.id, used / 2, used - used / 2).await.map(|o| {
                 assert_ne!(o, CommitOutcome::NotFound, "the commit of an admitted hold: {h:?}");
@@ -82,13 +86,17 @@ async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mu
             }
         }
     }
-    panic!("{h:?} could not be settled in {ATTEMPTS} attempts, the last failing with {last:?}");
+    panic!("{h:?} could not be settled in {RETRY_FOR:?} ({ATTEMPTS} attempts at most), the last failing with {last:?}");
 }
 
 /// A window of `r` once the faults are off: a connection still being made again may fail the
 /// first tries.
 async fn window<S: Store>(r: &Harness<S>, ending: bool) {
+    let until = std::time::Instant::now() + RETRY_FOR;
     for _ in 0..ATTEMPTS {
+        if std::time::Instant::now() > until {
+            break;
+        }
         if r.admission.lease_tick(ending).await.is_ok() {
             return;
         }

@@ -17,7 +17,8 @@
 //! admission), or a slot of a tenant short of them (a reserve here found fewer left than one batch
 //! could hold, or refused one: [`Batches::saw_slots`]), which a request of its tenant at another
 //! replica would otherwise meet still taken. Here, a reserve of its tenant refused for a slot sends
-//! the waiting commits at once and asks again ([`Admission::commit_waiting`]). The window is at
+//! the waiting commits at once, or waits for those on their way, and asks again
+//! ([`Admission::commit_waiting`]). The window is at
 //! most a tenth of any lease (see the policy's validation; a reload is held to a window the policy
 //! set, and a default one fits itself to the leases in force), so a hold's lease covers its
 //! commit's wait. A batch that could not reach the store goes, commit by commit, to the
@@ -66,13 +67,20 @@ const SHORT_FOR: Duration = Duration::from_secs(10);
 /// Tenants kept short of slots before those whose time has passed are forgotten.
 const SHORT_KEPT: usize = 1_024;
 
+/// Tenants short of concurrency slots, until when, and when those whose time has passed go next.
+#[derive(Default)]
+struct Short {
+    until: HashMap<String, Instant>,
+    next_prune: Option<Instant>,
+}
+
 /// The commits waiting for their tenant's window to end, and the windows' timers.
 #[derive(Default)]
 pub(super) struct Batches {
     waiting: Mutex<Waiting>,
     /// Tenants short of concurrency slots, until when (see [`Batches::saw_slots`]): every reserve
     /// looks, so a lock of its own, and a flag that spares the lock while no tenant is.
-    short_of_slots: Mutex<HashMap<String, Instant>>,
+    short_of_slots: Mutex<Short>,
     any_short: AtomicBool,
     /// The windows open and the batches on their way to the store: the drain waits for them.
     tasks: TaskTracker,
@@ -87,14 +95,15 @@ impl std::fmt::Debug for Batches {
     }
 }
 
-/// A batch on its way to the store: true once the store has taken it.
+/// A batch on its way to the store: true once the store has taken it. (Whoever awaits it first
+/// makes the call; every other waits for the same answer.)
 type Sending = Shared<BoxFuture<'static, bool>>;
 
 #[derive(Default)]
 struct Waiting {
     by_tenant: HashMap<String, Batch>,
-    /// Each tenant's batch on its way to the store from a window, the latest: a reserve refused for
-    /// a slot while it is waits for it (see [`Admission::commit_waiting`]).
+    /// Each tenant's batch on its way to the store, the latest: a reserve refused for a slot while
+    /// it is waits for it (see [`Admission::commit_waiting`]).
     sending: HashMap<String, Sending>,
     /// Set as the drain begins (under the same lock as a commit joins a batch, so none joins one
     /// the drain will not send): from then on a commit goes alone.
@@ -165,13 +174,13 @@ impl Batches {
         self.lock().by_tenant.remove(tenant).map(|b| b.calls).unwrap_or_default()
     }
 
-    /// Takes `tenant`'s batch if its window has ended, and notes it as on its way (`send` makes
-    /// its call), in one step: a reserve refused for a slot finds it waiting or on its way, never
-    /// between. (A timer set for a window a later commit shortened, or for a batch that filled,
-    /// may find another batch, with a timer of its own.)
-    fn take_due(&self, tenant: &str, send: impl FnOnce(Vec<CommitCall>) -> Sending) -> Option<Sending> {
+    /// Takes `tenant`'s batch if the window that ended at `due` was its, and notes it as on its
+    /// way (`send` makes its call), in one step: a reserve refused for a slot finds it waiting or
+    /// on its way, never between. (A timer set for a window a later commit shortened, or for a
+    /// batch that filled, may find another batch, due later, with a timer of its own.)
+    fn take_due(&self, tenant: &str, due: Instant, send: impl FnOnce(Vec<CommitCall>) -> Sending) -> Option<Sending> {
         let mut waiting = self.lock();
-        if waiting.by_tenant.get(tenant).is_none_or(|batch| batch.due > Instant::now()) {
+        if waiting.by_tenant.get(tenant).is_none_or(|batch| batch.due > due) {
             return None;
         }
         let sending = send(waiting.by_tenant.remove(tenant)?.calls);
@@ -192,28 +201,32 @@ impl Batches {
     /// of them for [`SHORT_FOR`], or until a reserve finds it with more: its commits go within the
     /// short window meanwhile, so that a request of its at another replica does not meet a slot
     /// a commit waiting here still holds. (A commit already waiting goes with its window, or with
-    /// the next commit of its tenant.)
+    /// the next commit of its tenant.) Those whose time has passed are forgotten every
+    /// [`SHORT_FOR`], and at most [`SHORT_KEPT`] are kept (past that, every one: all forgotten,
+    /// their commits wait their window until a reserve here finds them short again).
     pub(super) fn saw_slots(&self, tenant: &str, slots_left: Option<u64>) {
         let short = slots_left.is_some_and(|n| n < SHORT_OF_SLOTS);
         if !short && !self.any_short.load(Ordering::Acquire) {
             return;
         }
+        let now = Instant::now();
         let mut kept = self.short_of_slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if kept.next_prune.is_none_or(|at| at <= now) {
+            kept.until.retain(|_, until| *until > now);
+            kept.next_prune = Some(later(now, SHORT_FOR));
+        }
         if short {
-            let now = Instant::now();
-            if !kept.contains_key(tenant) && kept.len() >= SHORT_KEPT {
-                kept.retain(|_, until| *until > now);
-                if kept.len() >= SHORT_KEPT {
-                    // (Every one still short: all forgotten. Their commits wait their window until
-                    // a reserve here finds them short again.)
-                    kept.clear();
+            if !kept.until.contains_key(tenant) && kept.until.len() >= SHORT_KEPT {
+                kept.until.retain(|_, until| *until > now);
+                if kept.until.len() >= SHORT_KEPT {
+                    kept.until.clear();
                 }
             }
-            kept.insert(tenant.to_string(), later(now, SHORT_FOR));
+            kept.until.insert(tenant.to_string(), later(now, SHORT_FOR));
         } else {
-            kept.remove(tenant);
+            kept.until.remove(tenant);
         }
-        self.any_short.store(!kept.is_empty(), Ordering::Release);
+        self.any_short.store(!kept.until.is_empty(), Ordering::Release);
     }
 
     /// Whether `tenant` is short of slots (see [`Batches::saw_slots`]).
@@ -223,12 +236,13 @@ impl Batches {
                 .short_of_slots
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
+                .until
                 .get(tenant)
                 .is_some_and(|&until| Instant::now() < until)
     }
 
     /// Notes `sending` as `tenant`'s batch on its way.
-    fn on_its_way_now(&self, tenant: &str, sending: &Sending) {
+    fn note_on_its_way(&self, tenant: &str, sending: &Sending) {
         self.lock().sending.insert(tenant.to_string(), sending.clone());
     }
 
@@ -240,7 +254,7 @@ impl Batches {
         }
     }
 
-    /// `tenant`'s batch on its way from a window, if one is.
+    /// `tenant`'s batch on its way, if one is.
     fn on_its_way(&self, tenant: &str) -> Option<Sending> {
         self.lock().sending.get(tenant).cloned()
     }
@@ -289,9 +303,9 @@ impl<S: Store> Admission<S> {
                         () = admission.batches.closing.cancelled() => return,
                     }
                     if let Some(sending) =
-                        admission.batches.take_due(&tenant, |batch| admission.sending(&tenant, batch))
+                        admission.batches.take_due(&tenant, due, |batch| admission.to_send(&tenant, batch))
                     {
-                        admission.sent(tenant, sending).await;
+                        admission.land(tenant, sending).await;
                     }
                 });
                 drop(token);
@@ -301,13 +315,13 @@ impl<S: Store> Admission<S> {
 
     /// `tenant`'s `batch` made ready to go ([`Admission::commit_batch`]), for a reserve refused for
     /// a slot to wait for too.
-    fn sending(self: &Arc<Self>, tenant: &str, batch: Vec<CommitCall>) -> Sending {
+    fn to_send(self: &Arc<Self>, tenant: &str, batch: Vec<CommitCall>) -> Sending {
         let (admission, tenant) = (Arc::clone(self), tenant.to_string());
         async move { admission.commit_batch(&tenant, batch).await }.boxed().shared()
     }
 
     /// Sends `tenant`'s batch `sending` (noted as on its way), no longer on its way once it lands.
-    async fn sent(self: Arc<Self>, tenant: String, sending: Sending) {
+    async fn land(self: Arc<Self>, tenant: String, sending: Sending) {
         sending.clone().await;
         self.batches.landed(&tenant, &sending);
     }
@@ -315,9 +329,9 @@ impl<S: Store> Admission<S> {
     /// Sends `tenant`'s `batch` now, noted as on its way until it lands (a batch that filled, the
     /// drain's).
     fn send_batch(self: &Arc<Self>, tenant: String, batch: Vec<CommitCall>) {
-        let sending = self.sending(&tenant, batch);
-        self.batches.on_its_way_now(&tenant, &sending);
-        self.batches.tasks.spawn(Arc::clone(self).sent(tenant, sending));
+        let sending = self.to_send(&tenant, batch);
+        self.batches.note_on_its_way(&tenant, &sending);
+        self.batches.tasks.spawn(Arc::clone(self).land(tenant, sending));
     }
 
     /// Commits every batch waiting now, without waiting for their windows, and waits for those on
@@ -336,13 +350,22 @@ impl<S: Store> Admission<S> {
     /// a slot again).
     pub(super) async fn commit_waiting(&self, tenant: &str) -> bool {
         let batch = self.batches.take(tenant);
-        if !batch.is_empty() {
-            return self.commit_batch(tenant, batch).await;
+        if batch.is_empty() {
+            return match self.batches.on_its_way(tenant) {
+                Some(sending) => sending.await,
+                None => false,
+            };
         }
-        match self.batches.on_its_way(tenant) {
-            Some(sending) => sending.await,
-            None => false,
-        }
+        // Sent here, and noted as on its way meanwhile, for another reserve refused for a slot to
+        // wait for too (the answer reaches it through `landed`; a reserve dropped half way leaves
+        // a note that answers false).
+        let (landed, answer) = tokio::sync::oneshot::channel();
+        let sending: Sending = async move { answer.await.unwrap_or(false) }.boxed().shared();
+        self.batches.note_on_its_way(tenant, &sending);
+        let taken = self.commit_batch(tenant, batch).await;
+        let _ = landed.send(taken);
+        self.batches.landed(tenant, &sending);
+        taken
     }
 
     /// A batch sent: its commits' outcomes logged, and, where the store did not take it, each
@@ -511,24 +534,32 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_tenant_stays_short_of_slots_ten_seconds_and_a_timer_takes_only_a_batch_that_is_due() {
+    async fn a_tenant_stays_short_of_slots_ten_seconds_then_is_forgotten() {
         let b = Batches::default();
         b.saw_slots("t", Some(0));
         tokio::time::advance(SHORT_FOR - Duration::from_millis(1)).await;
         assert!(b.short_of_slots("t"));
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(!b.short_of_slots("t"), "ten seconds on");
+        b.saw_slots("another", None);
+        assert!(!b.any_short.load(Ordering::Acquire), "forgotten: reserves take no lock again");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timer_takes_only_the_batch_whose_window_ended_and_notes_it_on_its_way() {
+        let b = Batches::default();
         let nothing = || -> Sending { async { true }.boxed().shared() };
-        assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)));
-        assert!(b.take_due("t", |_| nothing()).is_none(), "not due yet");
+        let Joined::Opened(due, _) = b.join("t", call(0), WINDOW, false) else { panic!("not opened") };
+        let early = Instant::now();
+        assert!(b.take_due("t", early, |_| nothing()).is_none(), "a timer of a window that ended earlier");
         tokio::time::advance(WINDOW).await;
         let mut carried = 0;
-        let sending = b.take_due("t", |batch| {
+        let sending = b.take_due("t", due, |batch| {
             carried = batch.len();
             nothing()
         });
         assert_eq!(carried, 1);
-        let sending = sending.expect("due");
+        let sending = sending.expect("its own window's timer");
         assert!(b.on_its_way("t").is_some_and(|s| s.ptr_eq(&sending)), "on its way");
         b.landed("t", &sending);
         assert!(b.on_its_way("t").is_none());
@@ -541,9 +572,9 @@ mod tests {
             b.saw_slots(&format!("t{n}"), Some(0));
         }
         b.saw_slots("t0", Some(1));
-        assert_eq!(b.short_of_slots.lock().unwrap().len(), SHORT_KEPT, "one already kept: kept again");
+        assert_eq!(b.short_of_slots.lock().unwrap().until.len(), SHORT_KEPT, "one already kept: kept again");
         b.saw_slots("one more", Some(0));
-        assert_eq!(b.short_of_slots.lock().unwrap().len(), 1, "every one still short: forgotten but the newest");
+        assert_eq!(b.short_of_slots.lock().unwrap().until.len(), 1, "every one still short: forgotten but the newest");
         assert!(b.short_of_slots("one more"));
     }
 

@@ -385,7 +385,7 @@ pub struct Policy {
     pub metrics: MetricsSettings,
     /// How long a commit from a response waits for more of its tenant's: see
     /// [`Policy::commit_window`].
-    batch_window: Option<Duration>,
+    commit_wait: Option<Duration>,
     /// The usage ledger: every settled hold entered by the script that settles it; `None`: off.
     pub ledger: Option<LedgerSettings>,
 }

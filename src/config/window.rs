@@ -37,13 +37,13 @@ impl Policy {
     /// tenth of this policy's shortest lease. (Worked out once: see
     /// [`Policy::fit_commit_window`].)
     pub fn commit_window(&self) -> Option<Duration> {
-        self.batch_window
+        self.commit_wait
     }
 
     /// Works out [`Policy::commit_window`] from the store's settings and this policy's leases:
     /// as the policy is read, and again once a reload has given it the store settings in force.
     pub fn fit_commit_window(&mut self) {
-        self.batch_window = match self.store.commit_window {
+        self.commit_wait = match self.store.commit_window {
             CommitWindow::Off => None,
             CommitWindow::Set(window) => Some(window),
             CommitWindow::Default => {

@@ -377,7 +377,7 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         .collect();
 
     let ledger = raw.ledger.map(|l| ledger(l, &store.choice)).transpose()?;
-    let policy = Policy {
+    let mut policy = Policy {
         version: String::new(),
         server,
         store,
@@ -395,10 +395,9 @@ pub(super) fn validate(raw: RawPolicy) -> Result<Policy, Problem> {
         ledger,
         leasing: raw.leasing.map(leasing).transpose()?,
         metrics: metrics(raw.metrics)?,
-        batch_window: None,
+        commit_wait: None,
     };
     commit_window_fits(policy.store.commit_window, policy.shortest_lease_ms(), "")?;
-    let mut policy = policy;
     policy.fit_commit_window();
     Ok(policy)
 }
