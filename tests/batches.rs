@@ -187,18 +187,27 @@ async fn a_shadowed_tenants_commits_go_at_once<S: Store + Clone>(h: Harness<S>) 
     assert_eq!(admitted(&second).shadow, None, "the slot was free: nothing would have refused it");
 }
 
-/// The window in force stays until a restart (the store's settings do): a reload whose leases it
-/// would not fit ten times into is refused, and the policy in force stays.
-async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harness<S>) {
+/// Reloads `h` from a policy file whose one tenant, `h`'s, leases for `lease_ms`.
+async fn reload_leasing_for<S: Store>(h: &Harness<S>, lease_ms: u64) -> tollgate::reload::Reloaded {
     let dir = std::env::temp_dir().join(format!("tollgate-batches-{}", h.tenant));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("policy.yaml");
-    let short =
-        format!("models:\n  m: {{ max_output_tokens: 100 }}\ntenants:\n  {}:\n    lease_ttl_ms: 500\n", h.tenant);
-    std::fs::write(&path, short).unwrap();
+    let text = format!(
+        "models:\n  m: {{ max_output_tokens: 100 }}\ntenants:\n  {}:\n    lease_ttl_ms: {lease_ms}\n",
+        h.tenant
+    );
+    std::fs::write(&path, text).unwrap();
     let keep: tollgate::reload::Adjust = std::sync::Arc::new(|_| Ok(()));
-    let before = h.admission.policy().version.clone();
     let reloaded = tollgate::reload::reload(&path, &h.admission, &keep).await;
+    std::fs::remove_dir_all(&dir).unwrap();
+    reloaded
+}
+
+/// The window in force stays until a restart (the store's settings do): a reload whose leases it
+/// would not fit ten times into is refused, and the policy in force stays.
+async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harness<S>) {
+    let before = h.admission.policy().version.clone();
+    let reloaded = reload_leasing_for(&h, 500).await;
     let tollgate::reload::Reloaded::Refused(why) = reloaded else { panic!("reloaded: {reloaded:?}") };
     assert!(
         why.contains(
@@ -207,7 +216,6 @@ async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harnes
         "{why}"
     );
     assert_eq!(h.admission.policy().version, before, "the policy in force stays");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 // How long a commit waits, on the test's own clock (`start_paused`: whenever every task waits,
@@ -288,17 +296,9 @@ async fn a_refusal_for_a_slot_a_commit_on_its_way_holds_waits_for_it_and_asks_ag
 async fn a_default_window_fits_itself_to_a_reloads_leases() {
     let h = support::redis("limits: { tokens_per_minute: 600000 }\n").await;
     assert_eq!(h.admission.policy().commit_window(), Some(Duration::from_millis(50)));
-    let dir = std::env::temp_dir().join(format!("tollgate-batches-{}", h.tenant));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("policy.yaml");
-    let short =
-        format!("models:\n  m: {{ max_output_tokens: 100 }}\ntenants:\n  {}:\n    lease_ttl_ms: 300\n", h.tenant);
-    std::fs::write(&path, short).unwrap();
-    let keep: tollgate::reload::Adjust = std::sync::Arc::new(|_| Ok(()));
-    let reloaded = tollgate::reload::reload(&path, &h.admission, &keep).await;
+    let reloaded = reload_leasing_for(&h, 300).await;
     assert!(matches!(reloaded, tollgate::reload::Reloaded::Applied { .. }), "{reloaded:?}");
     assert_eq!(h.admission.policy().commit_window(), Some(Duration::from_millis(30)));
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 macro_rules! everywhere {

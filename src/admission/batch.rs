@@ -216,13 +216,18 @@ impl Batches {
             kept.next_prune = Some(later(now, SHORT_FOR));
         }
         if short {
-            if !kept.until.contains_key(tenant) && kept.until.len() >= SHORT_KEPT {
-                kept.until.retain(|_, until| *until > now);
+            // (A tenant kept already: its time moved on, no key made again for each reserve.)
+            if let Some(until) = kept.until.get_mut(tenant) {
+                *until = later(now, SHORT_FOR);
+            } else {
                 if kept.until.len() >= SHORT_KEPT {
-                    kept.until.clear();
+                    kept.until.retain(|_, until| *until > now);
+                    if kept.until.len() >= SHORT_KEPT {
+                        kept.until.clear();
+                    }
                 }
+                kept.until.insert(tenant.to_string(), later(now, SHORT_FOR));
             }
-            kept.until.insert(tenant.to_string(), later(now, SHORT_FOR));
         } else {
             kept.until.remove(tenant);
         }
