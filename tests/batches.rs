@@ -263,6 +263,29 @@ async fn a_commit_of_a_tenant_with_slots_to_spare_waits_its_window() {
     }
 }
 
+/// A tenant becomes short of slots where a reserve is refused one, too: a replica whose own reserve
+/// left slots to spare, refused once another replica has taken the rest, sends its commit within
+/// 5 ms, where its window is 100.
+#[tokio::test(start_paused = true)]
+async fn a_commit_goes_within_5_ms_once_its_replica_was_refused_a_slot() {
+    const SLOTS: usize = 100;
+    let body = format!(
+        "commit_window_ms: 100\n---store---\nlimits: {{ tokens_per_minute: 6000000, max_concurrency: {SLOTS} }}\n"
+    );
+    let other = support::embedded(&body).await;
+    let h = other.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    holds(&other, SLOTS - 1).await;
+    assert_eq!(denied(&h.reserve(100, 100).await).reason, Reason::Concurrency);
+    h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(Duration::from_millis(4)).await;
+    assert_eq!(store.calls(), 0, "waits its 5 ms");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went within 5 ms, not the window's 100");
+    assert_eq!(used(&h, &id).await, 110);
+}
+
 /// The drain waits for no window: what waits goes at once, and the windows' timers stop.
 #[tokio::test(start_paused = true)]
 async fn the_drain_waits_for_no_window() {
