@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tollgate::admission::Reason;
 use tollgate::hold::{CommitOutcome, Counted, Ending, RenewOutcome};
 use tollgate::store::Store;
+use tollgate::store::embedded::EmbeddedStore;
 
 /// A window far longer than the few statements between a test's commits, far shorter than a lease;
 /// slots to spare (more than one batch's commits could hold), so a commit waits its whole window.
@@ -263,26 +264,66 @@ async fn a_commit_of_a_tenant_with_slots_to_spare_waits_its_window() {
     }
 }
 
+/// Two replicas on one embedded store, of a tenant of [`SLOTS`] slots and 100 ms windows: another,
+/// and one whose commit calls are counted.
+async fn two_replicas() -> (Harness<EmbeddedStore>, Harness<Faulty<EmbeddedStore>>) {
+    let body = format!(
+        "commit_window_ms: 100\n---store---\nlimits: {{ tokens_per_minute: 6000000, max_concurrency: {SLOTS} }}\n"
+    );
+    let other = support::embedded(&body).await;
+    let counted = other.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    (other, counted)
+}
+
+/// The slots of [`two_replicas`]' tenant: more than a batch of commits could hold.
+const SLOTS: usize = 100;
+
+/// `h`'s commit calls: none for 4 ms, then one by 6 (its window 100).
+async fn a_commit_went_within_5_ms(h: &Harness<Faulty<EmbeddedStore>>) {
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(Duration::from_millis(4)).await;
+    assert_eq!(store.calls(), 0, "waits its 5 ms");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went within 5 ms, not its window's 100");
+}
+
 /// A tenant becomes short of slots where a reserve is refused one, too: a replica whose own reserve
 /// left slots to spare, refused once another replica has taken the rest, sends its commit within
 /// 5 ms, where its window is 100.
 #[tokio::test(start_paused = true)]
 async fn a_commit_goes_within_5_ms_once_its_replica_was_refused_a_slot() {
-    const SLOTS: usize = 100;
-    let body = format!(
-        "commit_window_ms: 100\n---store---\nlimits: {{ tokens_per_minute: 6000000, max_concurrency: {SLOTS} }}\n"
-    );
-    let other = support::embedded(&body).await;
-    let h = other.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
+    let (other, h) = two_replicas().await;
     let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
     holds(&other, SLOTS - 1).await;
     assert_eq!(denied(&h.reserve(100, 100).await).reason, Reason::Concurrency);
     h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
-    let store = h.admission.protocol().store();
-    tokio::time::sleep(Duration::from_millis(4)).await;
-    assert_eq!(store.calls(), 0, "waits its 5 ms");
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    assert_eq!(store.calls(), 1, "went within 5 ms, not the window's 100");
+    a_commit_went_within_5_ms(&h).await;
+    assert_eq!(used(&h, &id).await, 110);
+}
+
+/// A commit waiting in its window when a reserve here finds its tenant short of slots goes within
+/// 5 ms of that reserve, though it joined with slots to spare and its window is 100; its window's
+/// own timer then finds nothing to send.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_commit_goes_within_5_ms_once_its_tenant_becomes_short_of_slots() {
+    let (other, h) = two_replicas().await;
+    let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
+    holds(&other, SLOTS / 2).await;
+    // (A task that never rests keeps the paused clock where the test puts it while the embedded
+    // store's thread answers the reserve below: a resting runtime would move it on to the window's
+    // end.)
+    let busy = tokio::spawn(async {
+        loop {
+            tokio::task::yield_now().await;
+        }
+    });
+    h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
+    tokio::time::advance(Duration::from_millis(50)).await;
+    admitted(&h.reserve(100, 100).await);
+    busy.abort();
+    a_commit_went_within_5_ms(&h).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(h.admission.protocol().store().calls(), 1, "the window's own timer sent nothing more");
     assert_eq!(used(&h, &id).await, 110);
 }
 

@@ -15,8 +15,8 @@
 //! taken. So a commit that frees what another request may be waiting for goes within
 //! [`SHORT_COMMIT_WINDOW`], and takes its tenant's batch with it: a pool's slot (capacity
 //! admission), or a slot of a tenant short of them (a reserve here found fewer left than one batch
-//! could hold, or refused one: [`Batches::saw_slots`]), which a request of its tenant at another
-//! replica would otherwise meet still taken. Here, a reserve of its tenant refused for a slot sends
+//! could hold, or refused one: see `short.rs`; a batch already waiting then is hurried too),
+//! which a request of its tenant at another replica would otherwise meet still taken. Here, a reserve of its tenant refused for a slot sends
 //! the waiting commits at once, or waits for those on their way, and asks again
 //! ([`Admission::commit_waiting`]). The window is at
 //! most a tenth of any lease (see the policy's validation; a reload is held to a window the policy
@@ -35,7 +35,6 @@
 //! commit (see [`Admission::commit_from_response`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -48,6 +47,7 @@ use tokio_util::task::task_tracker::TaskTrackerToken;
 
 use super::retry::Settlement;
 use super::settle::{Home, checked_commit};
+use super::short::ShortOfSlots;
 use super::{Admission, AdmissionError};
 use crate::config::SHORT_COMMIT_WINDOW;
 use crate::hold::{CommitOutcome, Counted, Ending};
@@ -56,32 +56,12 @@ use crate::store::{CommitCall, Store};
 /// The most commits one call carries: a batch this large goes at once.
 pub const MOST: usize = 64;
 
-/// A tenant a reserve here found with fewer concurrency slots left than this (in its tightest
-/// scope) is short of them: as many commits as one batch carries could hold the rest.
-const SHORT_OF_SLOTS: u64 = MOST as u64;
-
-/// How long a tenant stays short of slots after a reserve here found it so, unless a later one
-/// finds it with slots to spare.
-const SHORT_FOR: Duration = Duration::from_secs(10);
-
-/// Tenants kept short of slots before those whose time has passed are forgotten.
-const SHORT_KEPT: usize = 1_024;
-
-/// Tenants short of concurrency slots, until when, and when those whose time has passed go next.
-#[derive(Default)]
-struct Short {
-    until: HashMap<String, Instant>,
-    next_prune: Option<Instant>,
-}
-
 /// The commits waiting for their tenant's window to end, and the windows' timers.
 #[derive(Default)]
 pub(super) struct Batches {
     waiting: Mutex<Waiting>,
-    /// Tenants short of concurrency slots, until when (see [`Batches::saw_slots`]): every reserve
-    /// looks, so a lock of its own, and a flag that spares the lock while no tenant is.
-    short_of_slots: Mutex<Short>,
-    any_short: AtomicBool,
+    /// Tenants short of concurrency slots: their commits go within the short window.
+    pub(super) short: ShortOfSlots,
     /// The windows open and the batches on their way to the store: the drain waits for them.
     tasks: TaskTracker,
     /// Cancelled as the drain begins: the windows' timers stop waiting (the drain sends what they
@@ -118,8 +98,14 @@ struct Batch {
 }
 
 /// `wait` after `now` (past the clock's range: `now`).
-fn later(now: Instant, wait: Duration) -> Instant {
+pub(super) fn later(now: Instant, wait: Duration) -> Instant {
     now.checked_add(wait).unwrap_or(now)
+}
+
+/// The window of a commit that frees what another request may be waiting for: the short one, or
+/// the policy's `window` where that is shorter.
+fn short(window: Duration) -> Duration {
+    window.min(SHORT_COMMIT_WINDOW)
 }
 
 /// Where a commit from a response went. A batch to send comes with a token of the batches'
@@ -147,7 +133,7 @@ impl Batches {
     /// of a tenant short of them).
     fn join(&self, tenant: &str, call: CommitCall, window: Duration, soon: bool) -> Joined {
         let now = Instant::now();
-        let due = later(now, if soon { window.min(SHORT_COMMIT_WINDOW) } else { window });
+        let due = later(now, if soon { short(window) } else { window });
         let mut waiting = self.lock();
         if waiting.closed {
             return Joined::Closed(call);
@@ -176,8 +162,8 @@ impl Batches {
 
     /// Takes `tenant`'s batch if the window that ended at `due` was its, and notes it as on its
     /// way (`send` makes its call), in one step: a reserve refused for a slot finds it waiting or
-    /// on its way, never between. (A timer set for a window a later commit shortened, or for a
-    /// batch that filled, may find another batch, due later, with a timer of its own.)
+    /// on its way, never between. (A timer set for a window a later commit or a reserve shortened,
+    /// or for a batch that filled, may find another batch, due later, with a timer of its own.)
     fn take_due(&self, tenant: &str, due: Instant, send: impl FnOnce(Vec<CommitCall>) -> Sending) -> Option<Sending> {
         let mut waiting = self.lock();
         if waiting.by_tenant.get(tenant).is_none_or(|batch| batch.due > due) {
@@ -196,54 +182,15 @@ impl Batches {
         waiting.by_tenant.drain().filter(|(_, batch)| !batch.calls.is_empty()).map(|(t, b)| (t, b.calls)).collect()
     }
 
-    /// What a reserve of `tenant` here found: the fewest concurrency slots its scopes have left
-    /// (`None`: no scope caps them). A tenant found with fewer than [`SHORT_OF_SLOTS`] is short
-    /// of them for [`SHORT_FOR`], or until a reserve finds it with more: its commits go within the
-    /// short window meanwhile, so that a request of its at another replica does not meet a slot
-    /// a commit waiting here still holds. (A commit already waiting goes with its window, or with
-    /// the next commit of its tenant.) Those whose time has passed are forgotten every
-    /// [`SHORT_FOR`], and at most [`SHORT_KEPT`] are kept (past that, every one: all forgotten,
-    /// their commits wait their window until a reserve here finds them short again).
-    pub(super) fn saw_slots(&self, tenant: &str, slots_left: Option<u64>) {
-        let short = slots_left.is_some_and(|n| n < SHORT_OF_SLOTS);
-        if !short && !self.any_short.load(Ordering::Acquire) {
-            return;
-        }
-        let now = Instant::now();
-        let mut kept = self.short_of_slots.lock().unwrap_or_else(PoisonError::into_inner);
-        if kept.next_prune.is_none_or(|at| at <= now) {
-            kept.until.retain(|_, until| *until > now);
-            kept.next_prune = Some(later(now, SHORT_FOR));
-        }
-        if short {
-            // (A tenant kept already: its time moved on, no key made again for each reserve.)
-            if let Some(until) = kept.until.get_mut(tenant) {
-                *until = later(now, SHORT_FOR);
-            } else {
-                if kept.until.len() >= SHORT_KEPT {
-                    kept.until.retain(|_, until| *until > now);
-                    if kept.until.len() >= SHORT_KEPT {
-                        kept.until.clear();
-                    }
-                }
-                kept.until.insert(tenant.to_string(), later(now, SHORT_FOR));
-            }
-        } else {
-            kept.until.remove(tenant);
-        }
-        self.any_short.store(!kept.until.is_empty(), Ordering::Release);
-    }
-
-    /// Whether `tenant` is short of slots (see [`Batches::saw_slots`]).
-    fn short_of_slots(&self, tenant: &str) -> bool {
-        self.any_short.load(Ordering::Acquire)
-            && self
-                .short_of_slots
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .until
-                .get(tenant)
-                .is_some_and(|&until| Instant::now() < until)
+    /// Shortens `tenant`'s open window to the short one from now, if it would end later than that:
+    /// its tenant has just become short of slots. The batch then goes at the time returned, the
+    /// token keeping the drain waiting until the timer that sends it is spawned.
+    fn hurry(&self, tenant: &str, window: Duration) -> Option<(Instant, TaskTrackerToken)> {
+        let due = later(Instant::now(), short(window));
+        let mut waiting = self.lock();
+        let batch = waiting.by_tenant.get_mut(tenant).filter(|batch| batch.due > due)?;
+        batch.due = due;
+        Some((due, self.tasks.token()))
     }
 
     /// Notes `sending` as `tenant`'s batch on its way.
@@ -281,7 +228,7 @@ impl<S: Store> Admission<S> {
             let r = checked_commit(id, counted).ok()?;
             let shadowed = self.tenant_policy(&policy, r.tenant).is_some_and(|tp| tp.shadow);
             (matches!(self.home(&r), Home::Store) && !shadowed).then(|| {
-                let soon = r.pool.is_some() || self.batches.short_of_slots(r.tenant);
+                let soon = r.pool.is_some() || self.batches.short.is_short(r.tenant);
                 (r.tenant.to_string(), window, soon)
             })
         });
@@ -299,23 +246,35 @@ impl<S: Store> Admission<S> {
                 self.send_batch(tenant, batch);
                 drop(token);
             }
-            Joined::Opened(due, token) | Joined::Hurries(due, token) => {
-                let admission = Arc::clone(self);
-                self.batches.tasks.spawn(async move {
-                    tokio::select! {
-                        () = tokio::time::sleep_until(due) => {}
-                        // (The drain sends what waits.)
-                        () = admission.batches.closing.cancelled() => return,
-                    }
-                    if let Some(sending) =
-                        admission.batches.take_due(&tenant, due, |batch| admission.to_send(&tenant, batch))
-                    {
-                        admission.land(tenant, sending).await;
-                    }
-                });
-                drop(token);
-            }
+            Joined::Opened(due, token) | Joined::Hurries(due, token) => self.send_when_due(tenant, due, token),
         }
+    }
+
+    /// Hurries `tenant`'s waiting commits to the short window (see [`Batches::saw_slots`]): the
+    /// tenant has just become short of slots.
+    pub(super) fn hurry_commits(self: &Arc<Self>, tenant: &str) {
+        let Some(window) = self.policy().commit_window() else { return };
+        if let Some((due, token)) = self.batches.hurry(tenant, window) {
+            self.send_when_due(tenant.to_string(), due, token);
+        }
+    }
+
+    /// Sends `tenant`'s batch when its window ends at `due`, unless it went before (another
+    /// timer's, filled, the drain's, or sent by a reserve refused for a slot); the task spawned
+    /// keeps the drain waiting for it (`token` until it is spawned).
+    fn send_when_due(self: &Arc<Self>, tenant: String, due: Instant, token: TaskTrackerToken) {
+        let admission = Arc::clone(self);
+        self.batches.tasks.spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep_until(due) => {}
+                // (The drain sends what waits.)
+                () = admission.batches.closing.cancelled() => return,
+            }
+            if let Some(sending) = admission.batches.take_due(&tenant, due, |batch| admission.to_send(&tenant, batch)) {
+                admission.land(tenant, sending).await;
+            }
+        });
+        drop(token);
     }
 
     /// `tenant`'s `batch` made ready to go ([`Admission::commit_batch`]), for a reserve refused for
@@ -480,6 +439,7 @@ impl<S: Store> Admission<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::admission::short::SHORT_OF_SLOTS;
 
     const WINDOW: Duration = Duration::from_millis(100);
 
@@ -501,12 +461,12 @@ mod tests {
     #[test]
     fn a_tenant_with_slots_to_spare_waits_the_window_and_one_short_of_them_five_ms() {
         let b = Batches::default();
-        b.saw_slots("roomy", Some(SHORT_OF_SLOTS));
-        b.saw_slots("uncapped", None);
-        b.saw_slots("short", Some(SHORT_OF_SLOTS - 1));
-        assert_eq!(window(&b.join("roomy", call(0), WINDOW, b.short_of_slots("roomy"))), Some(WINDOW));
-        assert_eq!(window(&b.join("uncapped", call(1), WINDOW, b.short_of_slots("uncapped"))), Some(WINDOW));
-        assert_eq!(window(&b.join("short", call(2), WINDOW, b.short_of_slots("short"))), Some(SHORT_COMMIT_WINDOW));
+        b.short.saw("roomy", Some(SHORT_OF_SLOTS));
+        b.short.saw("uncapped", None);
+        b.short.saw("short", Some(SHORT_OF_SLOTS - 1));
+        assert_eq!(window(&b.join("roomy", call(0), WINDOW, b.short.is_short("roomy"))), Some(WINDOW));
+        assert_eq!(window(&b.join("uncapped", call(1), WINDOW, b.short.is_short("uncapped"))), Some(WINDOW));
+        assert_eq!(window(&b.join("short", call(2), WINDOW, b.short.is_short("short"))), Some(SHORT_COMMIT_WINDOW));
         // A pool's slot: within the short window whatever its tenant's.
         assert_eq!(window(&b.join("pooled", call(3), WINDOW, true)), Some(SHORT_COMMIT_WINDOW));
         // A window shorter than the short one stays as it is.
@@ -518,9 +478,9 @@ mod tests {
         let b = Batches::default();
         assert!(matches!(b.join("t", call(0), WINDOW, false), Joined::Opened(..)));
         assert!(matches!(b.join("t", call(1), WINDOW, false), Joined::Waits), "the window is open");
-        b.saw_slots("t", Some(0));
+        b.short.saw("t", Some(0));
         assert_eq!(
-            window(&b.join("t", call(2), WINDOW, b.short_of_slots("t"))),
+            window(&b.join("t", call(2), WINDOW, b.short.is_short("t"))),
             Some(SHORT_COMMIT_WINDOW),
             "hurries it"
         );
@@ -528,26 +488,19 @@ mod tests {
         assert_eq!(b.take("t").len(), 4, "one batch, all four");
     }
 
-    #[test]
-    fn a_tenant_found_with_slots_to_spare_again_is_no_longer_short_of_them() {
-        let b = Batches::default();
-        b.saw_slots("t", Some(0));
-        assert!(b.short_of_slots("t"));
-        b.saw_slots("t", Some(SHORT_OF_SLOTS));
-        assert!(!b.short_of_slots("t"));
-        assert!(!b.any_short.load(Ordering::Acquire), "none kept: reserves take no lock");
-    }
-
     #[tokio::test(start_paused = true)]
-    async fn a_tenant_stays_short_of_slots_ten_seconds_then_is_forgotten() {
+    async fn a_hurried_window_ends_at_the_short_one_from_now_and_its_timer_takes_it() {
         let b = Batches::default();
-        b.saw_slots("t", Some(0));
-        tokio::time::advance(SHORT_FOR - Duration::from_millis(1)).await;
-        assert!(b.short_of_slots("t"));
-        tokio::time::advance(Duration::from_millis(1)).await;
-        assert!(!b.short_of_slots("t"), "ten seconds on");
-        b.saw_slots("another", None);
-        assert!(!b.any_short.load(Ordering::Acquire), "forgotten: reserves take no lock again");
+        let nothing = || -> Sending { async { true }.boxed().shared() };
+        let Joined::Opened(first_due, _) = b.join("t", call(0), WINDOW, false) else { panic!("not opened") };
+        tokio::time::advance(WINDOW / 2).await;
+        let (due, _) = b.hurry("t", WINDOW).expect("the open window hurried");
+        assert_eq!(due, Instant::now() + SHORT_COMMIT_WINDOW, "the short window from now");
+        assert!(b.hurry("t", WINDOW).is_none(), "due that soon already");
+        assert!(b.hurry("none", WINDOW).is_none(), "no window open");
+        tokio::time::advance(SHORT_COMMIT_WINDOW).await;
+        assert!(b.take_due("t", due, |_| nothing()).is_some(), "its timer takes it");
+        assert!(b.take_due("t", first_due, |_| nothing()).is_none(), "the window's first timer finds none");
     }
 
     #[tokio::test(start_paused = true)]
@@ -568,19 +521,6 @@ mod tests {
         assert!(b.on_its_way("t").is_some_and(|s| s.ptr_eq(&sending)), "on its way");
         b.landed("t", &sending);
         assert!(b.on_its_way("t").is_none());
-    }
-
-    #[test]
-    fn tenants_kept_short_of_slots_are_bounded() {
-        let b = Batches::default();
-        for n in 0..SHORT_KEPT {
-            b.saw_slots(&format!("t{n}"), Some(0));
-        }
-        b.saw_slots("t0", Some(1));
-        assert_eq!(b.short_of_slots.lock().unwrap().until.len(), SHORT_KEPT, "one already kept: kept again");
-        b.saw_slots("one more", Some(0));
-        assert_eq!(b.short_of_slots.lock().unwrap().until.len(), 1, "every one still short: forgotten but the newest");
-        assert!(b.short_of_slots("one more"));
     }
 
     #[test]

@@ -42,6 +42,7 @@ mod pools;
 mod reserve;
 pub mod retry;
 mod settle;
+mod short;
 mod soft;
 mod store_down;
 mod sweeper;

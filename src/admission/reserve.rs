@@ -150,7 +150,10 @@ impl<S: Store> Admission<S> {
             let decided = this.hold(&plan, &mut tidy, &mut waited, || answer.is_closed()).await;
             let sent = answer.send((decided, waited, tidy.store_mode(&plan)));
             // Answered first: tidying up never delays a decision (nor, on a dead store, adds a
-            // second timeout to it).
+            // second timeout to it). The hurry takes no store call: before the tidying, which may.
+            if tidy.hurry_commits {
+                this.hurry_commits(&plan.tenant);
+            }
             this.tidy(&plan, tidy).await;
             if let Err((Decision::Admitted(undelivered), _, _)) = sent
                 && !undelivered.replayed
@@ -403,10 +406,10 @@ impl<S: Store> Admission<S> {
                     if policy.commit_window().is_some() && !plan.tp.shadow {
                         match &outcome {
                             ReserveOutcome::Admitted { slots_left, .. } => {
-                                self.batches.saw_slots(&plan.tenant, *slots_left);
+                                tidy.hurry_commits = self.batches.short.saw(&plan.tenant, *slots_left);
                             }
                             ReserveOutcome::Denied { reason: Refusal::Concurrency, .. } => {
-                                self.batches.saw_slots(&plan.tenant, Some(0));
+                                tidy.hurry_commits = self.batches.short.saw(&plan.tenant, Some(0));
                             }
                             ReserveOutcome::Denied { .. } => {}
                         }
@@ -539,8 +542,9 @@ fn pool_leg_end(decision: &Decision) -> PoolEnd {
     if matches!(decision, Decision::Unmetered(_)) { PoolEnd::AsHeld } else { PoolEnd::Unused }
 }
 
-/// Store calls a decision leaves behind after a store failure, made once it is answered: a
-/// decision waits on a failing store once, never twice.
+/// What a decision leaves to do once it is answered: the store calls a store failure left behind
+/// (a decision waits on a failing store once, never twice), and the hurry of its tenant's waiting
+/// commits.
 #[derive(Debug, Default)]
 pub(super) struct Tidy {
     /// A store call failed: the tenant's `on_store_error` decided.
@@ -553,6 +557,8 @@ pub(super) struct Tidy {
     /// Release the pool leg's hold (and settle its provider charge so): its call failed, or the
     /// tenant leg's did.
     pub(super) pool_leg: Option<PoolEnd>,
+    /// The tenant has just become short of slots: hurry its commits waiting here.
+    pub(super) hurry_commits: bool,
 }
 
 impl Tidy {
