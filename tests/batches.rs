@@ -225,16 +225,22 @@ async fn a_reload_keeps_every_lease_ten_windows_long<S: Store + Clone>(h: Harnes
 // would move on. On the embedded store (a Redis client's own timeouts would fire first on such a
 // clock).
 
+/// `h`'s commit calls from now: none until `window` has all but ended, one just after (`what` says
+/// whose).
+async fn one_commit_call_after<S: Store>(h: &Harness<Faulty<S>>, window: Duration, what: &str) {
+    let store = h.admission.protocol().store();
+    tokio::time::sleep(window - Duration::from_millis(1)).await;
+    assert_eq!(store.calls(), 0, "waits for company: {what}");
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    assert_eq!(store.calls(), 1, "went as its window ended: {what}");
+}
+
 /// A commit of `body`'s tenant goes when `window` ends, not before.
 async fn a_commit_goes_after(body: &str, window: Duration) {
     let h = support::embedded(body).await.wrapped(|s| Faulty::new(s, "commit", Fault::Passes)).await;
     let id = admitted(&h.reserve(100, 100).await).reservation_id.clone();
     h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
-    let store = h.admission.protocol().store();
-    tokio::time::sleep(window - Duration::from_millis(1)).await;
-    assert_eq!(store.calls(), 0, "waits for company: {body}");
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    assert_eq!(store.calls(), 1, "went as its window ended: {body}");
+    one_commit_call_after(&h, window, body).await;
     assert_eq!(used(&h, &id).await, 110);
 }
 
@@ -278,15 +284,6 @@ async fn two_replicas() -> (Harness<EmbeddedStore>, Harness<Faulty<EmbeddedStore
 /// The slots of [`two_replicas`]' tenant: more than a batch of commits could hold.
 const SLOTS: usize = 100;
 
-/// `h`'s commit calls: none for 4 ms, then one by 6 (its window 100).
-async fn a_commit_went_within_5_ms(h: &Harness<Faulty<EmbeddedStore>>) {
-    let store = h.admission.protocol().store();
-    tokio::time::sleep(Duration::from_millis(4)).await;
-    assert_eq!(store.calls(), 0, "waits its 5 ms");
-    tokio::time::sleep(Duration::from_millis(2)).await;
-    assert_eq!(store.calls(), 1, "went within 5 ms, not its window's 100");
-}
-
 /// A tenant becomes short of slots where a reserve is refused one, too: a replica whose own reserve
 /// left slots to spare, refused once another replica has taken the rest, sends its commit within
 /// 5 ms, where its window is 100.
@@ -297,7 +294,7 @@ async fn a_commit_goes_within_5_ms_once_its_replica_was_refused_a_slot() {
     holds(&other, SLOTS - 1).await;
     assert_eq!(denied(&h.reserve(100, 100).await).reason, Reason::Concurrency);
     h.admission.commit_from_response(&id, Counted::exact(100, 10), Ending::Completed).await;
-    a_commit_went_within_5_ms(&h).await;
+    one_commit_call_after(&h, Duration::from_millis(5), "within 5 ms, not its window's 100").await;
     assert_eq!(used(&h, &id).await, 110);
 }
 
@@ -321,7 +318,7 @@ async fn a_waiting_commit_goes_within_5_ms_once_its_tenant_becomes_short_of_slot
     tokio::time::advance(Duration::from_millis(50)).await;
     admitted(&h.reserve(100, 100).await);
     busy.abort();
-    a_commit_went_within_5_ms(&h).await;
+    one_commit_call_after(&h, Duration::from_millis(5), "within 5 ms of the reserve, not its window's 100").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(h.admission.protocol().store().calls(), 1, "the window's own timer sent nothing more");
     assert_eq!(used(&h, &id).await, 110);

@@ -36,6 +36,12 @@ const ATTEMPTS: usize = 1_000;
 const RETRY_EVERY: Duration = Duration::from_millis(5);
 const RETRY_FOR: Duration = Duration::from_secs(5);
 
+/// The attempts of one retry loop: at most [`ATTEMPTS`], for at most [`RETRY_FOR`].
+fn attempts() -> impl Iterator<Item = usize> {
+    let until = std::time::Instant::now() + RETRY_FOR;
+    (0..ATTEMPTS).take_while(move |_| std::time::Instant::now() <= until)
+}
+
 fn policy() -> String {
     format!(
         "leasing:\n  window_ms: 250\n  max_share: 0.5\n{TOP_SEPARATOR}lease_ttl_ms: 60000\non_store_error: fail_closed\n\
@@ -62,11 +68,8 @@ struct Run {
 
 /// Commits (`Some(usage)`) or releases a hold at `at`, retrying what failed. Never `NOT_FOUND`.
 async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mut Run) {
-    let (mut last, until) = (None, std::time::Instant::now() + RETRY_FOR);
-    for _ in 0..ATTEMPTS {
-        if std::time::Instant::now() > until {
-            break;
-        }
+    let mut last = None;
+    for _ in attempts() {
         let outcome = match usage {
             Some(used) => r.admission.commit(&h.id, used / 2, used - used / 2).await.map(|o| {
                 assert_ne!(o, CommitOutcome::NotFound, "the commit of an admitted hold: {h:?}");
@@ -92,11 +95,7 @@ async fn settle<S: Store>(r: &Harness<S>, h: &Hold, usage: Option<u64>, run: &mu
 /// A window of `r` once the faults are off: a connection still being made again may fail the
 /// first tries.
 async fn window<S: Store>(r: &Harness<S>, ending: bool) {
-    let until = std::time::Instant::now() + RETRY_FOR;
-    for _ in 0..ATTEMPTS {
-        if std::time::Instant::now() > until {
-            break;
-        }
+    for _ in attempts() {
         if r.admission.lease_tick(ending).await.is_ok() {
             return;
         }

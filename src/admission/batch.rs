@@ -16,10 +16,10 @@
 //! [`SHORT_COMMIT_WINDOW`], and takes its tenant's batch with it: a pool's slot (capacity
 //! admission), or a slot of a tenant short of them (a reserve here found fewer left than one batch
 //! could hold, or refused one: see `short.rs`; a batch already waiting then is hurried too),
-//! which a request of its tenant at another replica would otherwise meet still taken. Here, a reserve of its tenant refused for a slot sends
-//! the waiting commits at once, or waits for those on their way, and asks again
-//! ([`Admission::commit_waiting`]). The window is at
-//! most a tenth of any lease (see the policy's validation; a reload is held to a window the policy
+//! which a request of its tenant at another replica would otherwise meet still taken. Here, a
+//! reserve of its tenant refused for a slot sends the waiting commits at once, or waits for those
+//! on their way, and asks again ([`Admission::commit_waiting`]). The window is at most a tenth of
+//! any lease (see the policy's validation; a reload is held to a window the policy
 //! set, and a default one fits itself to the leases in force), so a hold's lease covers its
 //! commit's wait. A batch that could not reach the store goes, commit by commit, to the
 //! retry queue, as a single commit from a response would; one the store refused (a script error
@@ -250,7 +250,7 @@ impl<S: Store> Admission<S> {
         }
     }
 
-    /// Hurries `tenant`'s waiting commits to the short window (see [`Batches::saw_slots`]): the
+    /// Hurries `tenant`'s waiting commits to the short window (see [`ShortOfSlots::saw`]): the
     /// tenant has just become short of slots.
     pub(super) fn hurry_commits(self: &Arc<Self>, tenant: &str) {
         let Some(window) = self.policy().commit_window() else { return };
