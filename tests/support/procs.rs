@@ -72,24 +72,24 @@ impl Drop for TempDir {
     }
 }
 
-/// Waits until something accepts TCP connections on `addr`, or panics after `limit`.
+/// Waits until `child` accepts TCP connections on `addr` (a listener its own process holds), or
+/// panics after `limit`.
 pub fn wait_for_port(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) {
-    if let Err(status) = listening(addr, limit, what, child, false) {
+    if let Err(status) = listening(addr, limit, what, child) {
         panic!("{what} exited with {status} before listening on {addr}");
     }
 }
 
-/// Waits until something accepts TCP connections on `addr` (with `held`, a listener the child's own
-/// process holds: see holds_listener): the child's exit status if it exited first; panics after
-/// `limit`.
-fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child, held: bool) -> Result<(), ExitStatus> {
+/// Waits until the child accepts TCP connections on `addr`, on a listener its own process holds
+/// (see holds_listener): the child's exit status if it exited first; panics after `limit`.
+fn listening(addr: SocketAddr, limit: Duration, what: &str, child: &mut Child) -> Result<(), ExitStatus> {
     let start = Instant::now();
     while start.elapsed() < limit {
         // (A connection from an ephemeral port that happens to be `addr`'s own connects to
         // itself while nothing listens there yet: that one does not count.)
         let to_itself = |s: &TcpStream| s.local_addr().ok() == Some(addr);
         if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok_and(|s| !to_itself(&s))
-            && (!held || holds_listener(child.id(), addr))
+            && holds_listener(child.id(), addr)
         {
             return Ok(());
         }
@@ -179,7 +179,7 @@ impl Tollgate {
                 .stderr(log)
                 .spawn()
                 .expect("spawn tollgate");
-            let Err(status) = listening(addr, Duration::from_secs(20), "tollgate", &mut child, true) else {
+            let Err(status) = listening(addr, Duration::from_secs(20), "tollgate", &mut child) else {
                 return Tollgate { child, addr, dir };
             };
             let log = std::fs::read_to_string(dir.0.join("tollgate.log")).unwrap_or_default();
