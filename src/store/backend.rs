@@ -59,7 +59,11 @@ impl Store for Backend {
     async fn eval(&self, script: &Script, keys: Vec<String>, args: Vec<String>) -> Result<Reply, StoreError> {
         match self {
             Backend::Embedded(s) => s.eval(script, keys, args).await,
-            Backend::Redis(s) => s.eval(script, keys, args).await,
+            // Boxed: a call into fred is a future of several KB, and every future that may call
+            // the store holds one inline, whether it calls or not. Boxed, a leased commit's (no
+            // store call) stays small: the ext_proc stream's task 9.7 -> 4.1 KB, a request's
+            // sidecar instructions -22% (docs/BENCHMARKS.md, the twenty-fifth session).
+            Backend::Redis(s) => Box::pin(s.eval(script, keys, args)).await,
         }
     }
 }

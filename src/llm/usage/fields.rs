@@ -51,6 +51,19 @@ impl Reported {
     }
 }
 
+/// Every top-level field [`reported`] reads (of `embeddings`, only whether it is an array): what
+/// [`super::skim`] keeps of a JSON body.
+pub(super) const COUNTED: [&str; 8] = [
+    "usage",
+    "message",
+    "response",
+    "usageMetadata",
+    "amazon-bedrock-invocationMetrics",
+    "prompt_eval_count",
+    "eval_count",
+    "embeddings",
+];
+
 /// What `v` reports it used, in any of the formats read.
 pub fn reported(v: &Value) -> Reported {
     let mut found = Reported::default();

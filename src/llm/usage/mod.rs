@@ -4,7 +4,7 @@
 //! Framings read:
 //!
 //! - JSON (`application/json`, `+json`): one body (or, as Gemini streams without `alt=sse`, an
-//!   array of its chunks), read whole at its end.
+//!   array of its chunks), read whole at its end, for its counts alone (`skim`).
 //! - Server-sent events (`text/event-stream`): every `data:` payload is an event (OpenAI,
 //!   Anthropic, the Responses API, Gemini with `alt=sse`).
 //! - Newline-delimited JSON (`application/x-ndjson`): every line is an event (Ollama's streams).
@@ -28,6 +28,7 @@
 
 pub mod aws;
 pub mod fields;
+mod skim;
 
 use fields::len;
 
@@ -192,7 +193,7 @@ impl Meter {
         match self.format {
             Format::Json if !self.overflowed => {
                 let body = std::mem::take(&mut self.pending);
-                match serde_json::from_slice::<serde_json::Value>(&body) {
+                match skim::counts_only(&body) {
                     // Gemini's stream as one JSON array of its chunks.
                     Ok(serde_json::Value::Array(chunks)) => chunks.iter().for_each(|c| self.take_counts(c)),
                     Ok(v) => self.take_counts(&v),

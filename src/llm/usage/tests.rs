@@ -337,3 +337,57 @@ fn more_shapes_of_output_and_endings() {
         "a running count is not made exact by [DONE]"
     );
 }
+
+/// A JSON body is read for its counts alone (`skim::counts_only`): whatever the body, what
+/// that reports is what the whole body, read as a `Value`, reports. Every JSON body these tests
+/// read, and the shapes that could tell the two apart: a field named with escapes, duplicated
+/// fields (the last one stands), an `embeddings` that is not an array, nested arrays, scalars,
+/// counts inside the skipped output, and bodies that are not JSON at all.
+#[test]
+fn a_body_read_for_its_counts_reports_what_the_whole_body_does() {
+    let bodies = [
+        r#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":7,"total_tokens":19}}"#,
+        r#"{"data":[],"usage":{"prompt_tokens":8,"total_tokens":8}}"#,
+        r#"{"type":"message","usage":{"input_tokens":10,"cache_read_input_tokens":5,"output_tokens":3}}"#,
+        r#"{"object":"response","usage":{"input_tokens":4,"output_tokens":9,"total_tokens":13}}"#,
+        r#"{"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}"#,
+        r#"{"type":"response.completed","response":{"usage":{"input_tokens":2,"output_tokens":5}}}"#,
+        r#"[{"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":1}},{"candidates":[{"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":2,"thoughtsTokenCount":4}}]"#,
+        r#"{"amazon-bedrock-invocationMetrics":{"inputTokenCount":7,"outputTokenCount":2,"cacheReadInputTokenCount":1}}"#,
+        r#"{"output":{"message":{"content":[{"text":"Hi"}]}},"usage":{"inputTokens":5,"outputTokens":2,"cacheWriteInputTokens":3}}"#,
+        r#"{"model":"llama3.2","message":{"role":"assistant","content":"Hi"},"done":true,"prompt_eval_count":26,"eval_count":290}"#,
+        r#"{"model":"all-minilm","embeddings":[[0.1,0.2]],"prompt_eval_count":8}"#,
+        r#"{"model":"all-minilm","embeddings":{"a":[1]},"prompt_eval_count":8}"#,
+        r#"{"embeddings":[[1]],"embeddings":null,"prompt_eval_count":8}"#,
+        r#"{"model":"m","response":"abcd","eval_count":3}"#,
+        r#"{"us\u0061ge":{"prompt_tokens":1,"completion_tokens":2}}"#,
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":{"prompt_tokens":5,"completion_tokens":6}}"#,
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":"none"}"#,
+        r#"{"choices":[{"usage":{"prompt_tokens":100,"completion_tokens":100}}],"text":"usage"}"#,
+        r#"[[{"usage":{"prompt_tokens":1,"completion_tokens":1}}],{"usage":{"prompt_tokens":2,"completion_tokens":3}},7,"x",null]"#,
+        r#""usage""#,
+        "12",
+        "null",
+        "{}",
+        "[]",
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}"#,
+        r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}} trailing"#,
+        r#"{"choices":[{"message":{"content":"unclosed}}],"usage":{"prompt_tokens":1,"completion_tokens":2}}"#,
+        "",
+    ];
+    let reported = |v: &serde_json::Value| match v {
+        serde_json::Value::Array(chunks) => chunks.iter().map(fields::reported).collect(),
+        v => vec![fields::reported(v)],
+    };
+    for body in bodies {
+        let whole = serde_json::from_slice::<serde_json::Value>(body.as_bytes());
+        let counts = skim::counts_only(body.as_bytes());
+        assert_eq!(whole.is_ok(), counts.is_ok(), "{body}: read as JSON by one and not the other");
+        if let (Ok(whole), Ok(counts)) = (whole, counts) {
+            assert_eq!(reported(&counts), reported(&whole), "{body}");
+        }
+    }
+    // Nothing else of the body is kept: the output text, the choices.
+    let kept = skim::counts_only(bodies[0].as_bytes()).unwrap();
+    assert_eq!(kept, serde_json::json!({"usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}));
+}
