@@ -119,6 +119,23 @@ fn the_configmap_envoy_closes_the_loop_as_the_shipped_one() {
     }
 }
 
+/// The shipped ext_proc filter forwards exactly the headers the commit from the response reads:
+/// none it reads is left out (the read would find nothing, in production alone: a test's debug
+/// build asserts it reads no other), and none it does not read is sent.
+#[test]
+fn the_shipped_ext_proc_forwards_exactly_the_headers_tollgate_reads() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("envoy/envoy.yaml");
+    let shipped: Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ext_proc = http_filter(connection_manager(&shipped), "envoy.filters.http.ext_proc");
+    let patterns = ext_proc["forward_rules"]["allowed_headers"]["patterns"].as_sequence().expect("forward_rules");
+    let mut forwarded: Vec<&str> =
+        patterns.iter().map(|p| p["exact"].as_str().unwrap_or_else(|| panic!("not an exact name: {p:?}"))).collect();
+    let mut read = tollgate::grpc::headers::EXT_PROC_READS.to_vec();
+    forwarded.sort_unstable();
+    read.sort_unstable();
+    assert_eq!(forwarded, read);
+}
+
 #[test]
 fn the_demo_policy_is_valid_and_pools_its_model() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/demo-policy.yaml");

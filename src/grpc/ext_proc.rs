@@ -503,8 +503,10 @@ fn text<'a>(metadata: &'a Struct, field: &str) -> Option<&'a str> {
     }
 }
 
-/// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes).
+/// A header's value, from `value` or `raw_value` (newer Envoys send the raw bytes). Only those
+/// the shipped config forwards are read ([`headers::EXT_PROC_READS`]).
 fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    debug_assert!(headers::EXT_PROC_READS.contains(&name), "{name} is not forwarded to ext_proc");
     let h = headers.headers.iter().find(|h| h.key.eq_ignore_ascii_case(name))?;
     if !h.value.is_empty() {
         return Some(&h.value);

@@ -62,6 +62,29 @@ pub const OUTPUT_CEILING: &str = "x-tollgate-output-ceiling";
 /// Response: the backend says it commits itself (`caller`), so ext_proc leaves the hold to it.
 pub const COMMIT: &str = "x-tollgate-commit";
 
+/// Every header the commit from the response reads (`super::ext_proc`, a debug assertion says it
+/// reads no other): of the request, its path, size and what `Check` set; of the response, its
+/// status, framing, a provider's retry hints and counts, and whether the backend commits itself.
+/// `envoy/envoy.yaml`'s ext_proc filter forwards these alone (`forward_rules`: a client's other
+/// headers are neither serialized by Envoy nor decoded here), and `tests/deploy.rs` checks that it
+/// names each and no other.
+pub const EXT_PROC_READS: [&str; 14] = [
+    ":path",
+    CONTENT_LENGTH,
+    CONTENT_ENCODING,
+    RESERVATION,
+    MODEL,
+    FORECAST,
+    OUTPUT_CEILING,
+    ":status",
+    CONTENT_TYPE,
+    COMMIT,
+    RETRY_AFTER,
+    RETRY_AFTER_MS,
+    BEDROCK_INPUT_TOKENS,
+    BEDROCK_OUTPUT_TOKENS,
+];
+
 // Retry hints, on a refusal to the client and read from a provider's 429.
 
 /// Whole seconds, rounded up.
@@ -71,11 +94,51 @@ pub const RETRY_AFTER_MS: &str = "retry-after-ms";
 /// `false` where retrying cannot help, or the wait is past what an SDK should sleep through (see
 /// `Denial::should_retry`; OpenAI's and Anthropic's SDKs read it).
 pub const SHOULD_RETRY: &str = "x-should-retry";
-/// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}`: the tightest scope's window.
-pub const RATELIMIT_PREFIX: &str = "x-ratelimit-";
-/// `anthropic-ratelimit-{tokens,requests}-{limit,remaining,reset}`, on Anthropic's routes: the
-/// same windows, the reset as an RFC 3339 time.
-pub const ANTHROPIC_RATELIMIT_PREFIX: &str = "anthropic-ratelimit-";
+/// A window's rate-limit headers, each `[limit, remaining, reset]`: OpenAI's
+/// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}` (it has none for one side of a
+/// request), and, on Anthropic's routes, `anthropic-ratelimit-{kind}-{limit,remaining,reset}`,
+/// the reset as an RFC 3339 time. Written out, not put together for every response.
+pub struct RateLimitNames {
+    pub openai: Option<[&'static str; 3]>,
+    pub anthropic: [&'static str; 3],
+}
+
+/// The tightest scope's token window.
+pub const RATELIMIT_TOKENS: RateLimitNames = RateLimitNames {
+    openai: Some(["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]),
+    anthropic: [
+        "anthropic-ratelimit-tokens-limit",
+        "anthropic-ratelimit-tokens-remaining",
+        "anthropic-ratelimit-tokens-reset",
+    ],
+};
+/// Its request window.
+pub const RATELIMIT_REQUESTS: RateLimitNames = RateLimitNames {
+    openai: Some(["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"]),
+    anthropic: [
+        "anthropic-ratelimit-requests-limit",
+        "anthropic-ratelimit-requests-remaining",
+        "anthropic-ratelimit-requests-reset",
+    ],
+};
+/// Its input-token window (the prompt's side).
+pub const RATELIMIT_INPUT_TOKENS: RateLimitNames = RateLimitNames {
+    openai: None,
+    anthropic: [
+        "anthropic-ratelimit-input-tokens-limit",
+        "anthropic-ratelimit-input-tokens-remaining",
+        "anthropic-ratelimit-input-tokens-reset",
+    ],
+};
+/// Its output-token window.
+pub const RATELIMIT_OUTPUT_TOKENS: RateLimitNames = RateLimitNames {
+    openai: None,
+    anthropic: [
+        "anthropic-ratelimit-output-tokens-limit",
+        "anthropic-ratelimit-output-tokens-remaining",
+        "anthropic-ratelimit-output-tokens-reset",
+    ],
+};
 
 // Envoy's dynamic metadata.
 

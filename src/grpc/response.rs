@@ -20,8 +20,8 @@ use crate::llm::api::Family;
 use super::refusal::refusal;
 
 use super::headers::{
-    self, ANTHROPIC_RATELIMIT_PREFIX, MODEL_FIELD, RATELIMIT_PREFIX, REASON, RESERVATION, RESERVATION_FIELD,
-    RESERVED_TOKENS, SHADOW, SOFT_LIMIT, SOFT_LIMIT_FIELD, TIER_FIELD,
+    self, MODEL_FIELD, RATELIMIT_INPUT_TOKENS, RATELIMIT_OUTPUT_TOKENS, RATELIMIT_REQUESTS, RATELIMIT_TOKENS, REASON,
+    RESERVATION, RESERVATION_FIELD, RESERVED_TOKENS, SHADOW, SOFT_LIMIT, SOFT_LIMIT_FIELD, TIER_FIELD,
 };
 
 /// google.rpc.Code values Envoy reads from `CheckResponse.status`.
@@ -149,30 +149,25 @@ fn rate_limit_headers(h: &Headroom, family: Family) -> Vec<HeaderValueOption> {
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
     };
-    // (OpenAI has no headers for one side; Anthropic has, as input-tokens and output-tokens.)
     let sides = h.sides();
     let windows = [
-        ("tokens", h.tokens, true),
-        ("requests", h.requests, true),
-        ("input-tokens", sides.input, false),
-        ("output-tokens", sides.output, false),
+        (&RATELIMIT_TOKENS, h.tokens),
+        (&RATELIMIT_REQUESTS, h.requests),
+        (&RATELIMIT_INPUT_TOKENS, sides.input),
+        (&RATELIMIT_OUTPUT_TOKENS, sides.output),
     ];
-    for (kind, window, openai) in windows {
-        if let Some(w) = window {
-            if openai {
-                out.push(header(&format!("{RATELIMIT_PREFIX}limit-{kind}"), w.limit.to_string()));
-                out.push(header(&format!("{RATELIMIT_PREFIX}remaining-{kind}"), w.remaining.max(0).to_string()));
-                out.push(header(&format!("{RATELIMIT_PREFIX}reset-{kind}"), duration_text(w.reset_ms)));
-            }
-            if family == Family::Anthropic {
-                let reset = rfc3339(now_ms().saturating_add(w.reset_ms));
-                out.push(header(&format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-limit"), w.limit.to_string()));
-                out.push(header(
-                    &format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-remaining"),
-                    w.remaining.max(0).to_string(),
-                ));
-                out.push(header(&format!("{ANTHROPIC_RATELIMIT_PREFIX}{kind}-reset"), reset));
-            }
+    for (names, window) in windows {
+        let Some(w) = window else { continue };
+        if let Some([limit, remaining, reset]) = names.openai {
+            out.push(header(limit, w.limit.to_string()));
+            out.push(header(remaining, w.remaining.max(0).to_string()));
+            out.push(header(reset, duration_text(w.reset_ms)));
+        }
+        if family == Family::Anthropic {
+            let [limit, remaining, reset] = names.anthropic;
+            out.push(header(limit, w.limit.to_string()));
+            out.push(header(remaining, w.remaining.max(0).to_string()));
+            out.push(header(reset, rfc3339(now_ms().saturating_add(w.reset_ms))));
         }
     }
     out
