@@ -99,7 +99,9 @@ pub const SHOULD_RETRY: &str = "x-should-retry";
 /// request), and, on Anthropic's routes, `anthropic-ratelimit-{kind}-{limit,remaining,reset}`,
 /// the reset as an RFC 3339 time. Written out, not put together for every response.
 pub struct RateLimitNames {
+    /// OpenAI's names, where it has them.
     pub openai: Option<[&'static str; 3]>,
+    /// Anthropic's names.
     pub anthropic: [&'static str; 3],
 }
 

@@ -368,6 +368,32 @@ mod tests {
         assert!(!openai.iter().any(|k| k.contains("input-tokens")), "OpenAI has no header for one side: {openai:?}");
     }
 
+    /// Every window's headers, by name, on an Anthropic route: OpenAI's for tokens and requests,
+    /// Anthropic's for all four.
+    #[test]
+    fn every_rate_limit_header_is_named_as_its_provider_names_it() {
+        use crate::hold::Window;
+        let w = Some(Window { remaining: 1, limit: 2, reset_ms: 3 });
+        let headroom =
+            Headroom { tokens: w, requests: w, sides: None }.with_sides(crate::hold::Sides { input: w, output: w });
+        let mut names: Vec<String> =
+            rate_limit_headers(&headroom, Family::Anthropic).into_iter().map(|h| h.header.unwrap().key).collect();
+        names.sort();
+        let mut expected = Vec::new();
+        for kind in ["tokens", "requests"] {
+            for field in ["limit", "remaining", "reset"] {
+                expected.push(format!("x-ratelimit-{field}-{kind}"));
+            }
+        }
+        for kind in ["tokens", "requests", "input-tokens", "output-tokens"] {
+            for field in ["limit", "remaining", "reset"] {
+                expected.push(format!("anthropic-ratelimit-{kind}-{field}"));
+            }
+        }
+        expected.sort();
+        assert_eq!(names, expected);
+    }
+
     #[test]
     fn durations_read_like_openai_headers() {
         assert_eq!(duration_text(250), "250ms");

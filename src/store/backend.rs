@@ -61,8 +61,9 @@ impl Store for Backend {
             Backend::Embedded(s) => s.eval(script, keys, args).await,
             // Boxed: a call into fred is a future of several KB, and every future that may call
             // the store holds one inline, whether it calls or not. Boxed, a leased commit's (no
-            // store call) stays small: the ext_proc stream's task 9.7 -> 4.1 KB, a request's
-            // sidecar instructions -22% (docs/BENCHMARKS.md, the twenty-fifth session).
+            // store call) stays small: the ext_proc stream's task 9.7 -> 4.1 KB (docs/
+            // BENCHMARKS.md, the twenty-fifth session). (The embedded store's call is a send to
+            // its thread and a wait for the answer: small already.)
             Backend::Redis(s) => Box::pin(s.eval(script, keys, args)).await,
         }
     }

@@ -51,8 +51,8 @@ impl Reported {
     }
 }
 
-/// Every top-level field [`reported`] reads (of `embeddings`, only whether it is an array): what
-/// [`super::skim`] keeps of a JSON body.
+/// Every top-level field [`reported`] reads (of `message` and `response`, their `usage`; of
+/// `embeddings`, only whether it is an array): what [`super::skim`] keeps of a JSON body.
 pub(super) const COUNTED: [&str; 8] = [
     "usage",
     "message",
@@ -64,7 +64,8 @@ pub(super) const COUNTED: [&str; 8] = [
     "embeddings",
 ];
 
-/// What `v` reports it used, in any of the formats read.
+/// What `v` reports it used, in any of the formats read. (A top-level field read here is one of
+/// [`COUNTED`]: a JSON body is read for those alone.)
 pub fn reported(v: &Value) -> Reported {
     let mut found = Reported::default();
     // OpenAI and Anthropic (`usage`, `message.usage`), the Responses API (`response.usage`),

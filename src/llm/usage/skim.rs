@@ -1,7 +1,11 @@
 //! A JSON body read for its counts alone: what [`reported`](super::fields::reported) reads of it
-//! is kept, and the rest (the output text, the choices, an embedding's vectors) is checked as JSON
-//! and skipped, never copied into a `Value`. A completion's body is mostly its text; its usage is
-//! a few numbers.
+//! is kept, and the rest (the output text, the choices, an embedding's vectors) is skipped, never
+//! copied into a `Value`. A completion's body is mostly its text; its usage is a few numbers.
+//!
+//! What it skips it reads as JSON's shape only: a lone surrogate, bytes that are not UTF-8 or a
+//! number past `f64` in the text (a server that cut its output mid-character writes the first)
+//! do not cost the counts the body reports, where a whole-body parse refused such a body and the
+//! response was metered.
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
@@ -9,19 +13,28 @@ use serde_json::Value;
 use super::fields::COUNTED;
 
 /// A JSON body as [`reported`](super::fields::reported) reads it: its top-level [`COUNTED`]
-/// fields and nothing else; a top-level array (Gemini's chunks) so, chunk by chunk. `reported` of
-/// it is `reported` of the whole body; an error where the whole body is not JSON.
-pub fn counts_only(body: &[u8]) -> serde_json::Result<Value> {
+/// fields and nothing else (of `message` and `response`, their `usage`; of `embeddings`, whether it
+/// is an array); a top-level array (Gemini's chunks) so, chunk by chunk. An error where the body's
+/// shape is not JSON's.
+pub(super) fn counts_only(body: &[u8]) -> serde_json::Result<Value> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let v = CountsOnly.deserialize(&mut de)?;
+    let v = Skim::Counted.deserialize(&mut de)?;
     de.end()?;
     Ok(v)
 }
 
-/// [`counts_only`]'s reader, of one value.
-struct CountsOnly;
+/// What of one value is kept.
+#[derive(Clone, Copy)]
+enum Skim {
+    /// A body's (or a chunk's) counted fields.
+    Counted,
+    /// An object's `usage` (Anthropic's `message`, the Responses API's `response`).
+    Usage,
+    /// Whether it is an array (an empty one stands for it).
+    IsArray,
+}
 
-impl<'de> DeserializeSeed<'de> for CountsOnly {
+impl<'de> DeserializeSeed<'de> for Skim {
     type Value = Value;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
@@ -29,7 +42,7 @@ impl<'de> DeserializeSeed<'de> for CountsOnly {
     }
 }
 
-impl<'de> Visitor<'de> for CountsOnly {
+impl<'de> Visitor<'de> for Skim {
     type Value = Value;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -37,31 +50,44 @@ impl<'de> Visitor<'de> for CountsOnly {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let names: &[&'static str] = match self {
+            Skim::Counted => &COUNTED,
+            Skim::Usage => &["usage"],
+            Skim::IsArray => &[],
+        };
         let mut kept = serde_json::Map::new();
-        while let Some(field) = map.next_key_seed(Counted)? {
-            match field {
-                // (A later duplicate replaces an earlier one, as in a whole `Value`.)
-                Some("embeddings") => {
-                    let array = map.next_value_seed(IsArray)?;
-                    kept.insert("embeddings".to_string(), if array { Value::Array(Vec::new()) } else { Value::Null });
-                }
-                Some(name) => {
-                    kept.insert(name.to_string(), map.next_value()?);
-                }
-                None => {
-                    map.next_value::<IgnoredAny>()?;
-                }
-            }
+        // (A later duplicate replaces an earlier one, as in a whole `Value`.)
+        while let Some(field) = map.next_key_seed(OneOf(names))? {
+            let Some(name) = field else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            let value = match name {
+                "embeddings" => map.next_value_seed(Skim::IsArray)?,
+                "message" | "response" => map.next_value_seed(Skim::Usage)?,
+                _ => map.next_value()?,
+            };
+            kept.insert(name.to_string(), value);
         }
-        Ok(Value::Object(kept))
+        Ok(match self {
+            Skim::Counted | Skim::Usage => Value::Object(kept),
+            Skim::IsArray => Value::Null,
+        })
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        let mut chunks = Vec::new();
-        while let Some(chunk) = seq.next_element_seed(CountsOnly)? {
-            chunks.push(chunk);
+        if matches!(self, Skim::Counted) {
+            let mut chunks = Vec::new();
+            while let Some(chunk) = seq.next_element_seed(Skim::Counted)? {
+                chunks.push(chunk);
+            }
+            return Ok(Value::Array(chunks));
         }
-        Ok(Value::Array(chunks))
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(match self {
+            Skim::IsArray => Value::Array(Vec::new()),
+            Skim::Counted | Skim::Usage => Value::Null,
+        })
     }
 
     // A scalar reports nothing.
@@ -85,10 +111,10 @@ impl<'de> Visitor<'de> for CountsOnly {
     }
 }
 
-/// A field's name, as the [`COUNTED`] one it is, if it is one.
-struct Counted;
+/// A field's name, as the one of these it is, if it is one.
+struct OneOf(&'static [&'static str]);
 
-impl<'de> DeserializeSeed<'de> for Counted {
+impl<'de> DeserializeSeed<'de> for OneOf {
     type Value = Option<&'static str>;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
@@ -96,7 +122,7 @@ impl<'de> DeserializeSeed<'de> for Counted {
     }
 }
 
-impl<'de> Visitor<'de> for Counted {
+impl<'de> Visitor<'de> for OneOf {
     type Value = Option<&'static str>;
 
     fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -104,54 +130,6 @@ impl<'de> Visitor<'de> for Counted {
     }
 
     fn visit_str<E>(self, name: &str) -> Result<Self::Value, E> {
-        Ok(COUNTED.into_iter().find(|c| *c == name))
-    }
-}
-
-/// Whether a value is an array, its elements skipped.
-struct IsArray;
-
-impl<'de> DeserializeSeed<'de> for IsArray {
-    type Value = bool;
-
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for IsArray {
-    type Value = bool;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("JSON")
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(true)
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(false)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<bool, E> {
-        Ok(false)
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
-        Ok(false)
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
-        Ok(false)
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
-        Ok(false)
-    }
-    fn visit_str<E>(self, _: &str) -> Result<bool, E> {
-        Ok(false)
-    }
-    fn visit_unit<E>(self) -> Result<bool, E> {
-        Ok(false)
+        Ok(self.0.iter().copied().find(|n| *n == name))
     }
 }

@@ -339,7 +339,8 @@ fn more_shapes_of_output_and_endings() {
 }
 
 /// A JSON body is read for its counts alone (`skim::counts_only`): whatever the body, what
-/// that reports is what the whole body, read as a `Value`, reports. Every JSON body these tests
+/// that reports is what the whole body, read as a `Value`, reports (where that reads it at all:
+/// the next test). Every JSON body these tests
 /// read, and the shapes that could tell the two apart: a field named with escapes, duplicated
 /// fields (the last one stands), an `embeddings` that is not an array, nested arrays, scalars,
 /// counts inside the skipped output, and bodies that are not JSON at all.
@@ -387,7 +388,36 @@ fn a_body_read_for_its_counts_reports_what_the_whole_body_does() {
             assert_eq!(reported(&counts), reported(&whole), "{body}");
         }
     }
-    // Nothing else of the body is kept: the output text, the choices.
-    let kept = skim::counts_only(bodies[0].as_bytes()).unwrap();
-    assert_eq!(kept, serde_json::json!({"usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}));
+    // Nothing else of the body is kept: the output text, the choices, Ollama's answer beside its
+    // counts, Anthropic's message beside its usage.
+    let kept = |body: &str| skim::counts_only(body.as_bytes()).unwrap();
+    assert_eq!(
+        kept(bodies[0]),
+        serde_json::json!({"usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}})
+    );
+    assert_eq!(kept(bodies[9]), serde_json::json!({"message": {}, "prompt_eval_count": 26, "eval_count": 290}));
+    assert_eq!(kept(bodies[13]), serde_json::json!({"response": null, "eval_count": 3}));
+    let message = r#"{"type":"message_start","message":{"content":[{"text":"long"}],"usage":{"input_tokens":3}}}"#;
+    assert_eq!(kept(message), serde_json::json!({"message": {"usage": {"input_tokens": 3}}}));
+}
+
+/// What a JSON body's counts are read past: text a whole-body parse refuses (a lone surrogate, as
+/// a server that cut its output mid-character writes; bytes that are not UTF-8; a number past
+/// `f64`) does not cost the counts the body reports, where the response was metered before.
+#[test]
+fn counts_survive_text_a_whole_body_parse_refuses() {
+    let usage = br#""usage":{"prompt_tokens":3,"completion_tokens":4}"#.as_slice();
+    let texts: [&[u8]; 3] = [br#""\ud83d""#, b"\"\xff\xfe\"", b"1e400"];
+    for text in texts {
+        let body = [br#"{"choices":[{"message":{"content":"#.as_slice(), text, b"}}],", usage, b"}"].concat();
+        assert!(serde_json::from_slice::<serde_json::Value>(&body).is_err(), "{}", String::from_utf8_lossy(&body));
+        let counts = skim::counts_only(&body).unwrap();
+        assert_eq!(
+            fields::reported(&counts),
+            fields::Reported { prompt: Some(3), output: Some(4), ..Default::default() }
+        );
+        let mut m = Meter::new(Some("application/json"), None, 4.0);
+        m.feed(&body);
+        assert_eq!(m.measured(), Measured::exact(3, 4));
+    }
 }
