@@ -18,6 +18,13 @@ ensure_redis() {
   (service redis-server stop || true) >/dev/null 2>&1
 }
 
+# valgrind (callgrind, for the benchmarks' instruction counts), from Debian's packages.
+ensure_valgrind() {
+  if command -v valgrind >/dev/null && command -v callgrind_control >/dev/null; then return; fi
+  echo "installing valgrind from Debian's packages" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
+}
+
 ensure_venv_tools() {
   local venv=$TOLLGATE_TOOLS/venv
   if [ ! -x "$venv/bin/python" ]; then

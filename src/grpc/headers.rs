@@ -97,7 +97,7 @@ pub const SHOULD_RETRY: &str = "x-should-retry";
 /// A window's rate-limit headers, each `[limit, remaining, reset]`: OpenAI's
 /// `x-ratelimit-{limit,remaining,reset}-{tokens,requests}` (it has none for one side of a
 /// request), and, on Anthropic's routes, `anthropic-ratelimit-{kind}-{limit,remaining,reset}`,
-/// the reset as an RFC 3339 time. Written out, not put together for every response.
+/// the reset as an RFC 3339 time. Put together once, at compile time, not for every response.
 pub struct RateLimitNames {
     /// OpenAI's names, where it has them.
     pub openai: Option<[&'static str; 3]>,
@@ -105,42 +105,39 @@ pub struct RateLimitNames {
     pub anthropic: [&'static str; 3],
 }
 
+/// A window's [`RateLimitNames`] from its kind (`tokens`, `input-tokens`): Anthropic's, and with
+/// `openai`, OpenAI's too.
+macro_rules! rate_limit_names {
+    (@anthropic $kind:literal) => {
+        [
+            concat!("anthropic-ratelimit-", $kind, "-limit"),
+            concat!("anthropic-ratelimit-", $kind, "-remaining"),
+            concat!("anthropic-ratelimit-", $kind, "-reset"),
+        ]
+    };
+    ($kind:literal) => {
+        RateLimitNames { openai: None, anthropic: rate_limit_names!(@anthropic $kind) }
+    };
+    ($kind:literal, openai) => {
+        RateLimitNames {
+            openai: Some([
+                concat!("x-ratelimit-limit-", $kind),
+                concat!("x-ratelimit-remaining-", $kind),
+                concat!("x-ratelimit-reset-", $kind),
+            ]),
+            anthropic: rate_limit_names!(@anthropic $kind),
+        }
+    };
+}
+
 /// The tightest scope's token window.
-pub const RATELIMIT_TOKENS: RateLimitNames = RateLimitNames {
-    openai: Some(["x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]),
-    anthropic: [
-        "anthropic-ratelimit-tokens-limit",
-        "anthropic-ratelimit-tokens-remaining",
-        "anthropic-ratelimit-tokens-reset",
-    ],
-};
+pub const RATELIMIT_TOKENS: RateLimitNames = rate_limit_names!("tokens", openai);
 /// Its request window.
-pub const RATELIMIT_REQUESTS: RateLimitNames = RateLimitNames {
-    openai: Some(["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"]),
-    anthropic: [
-        "anthropic-ratelimit-requests-limit",
-        "anthropic-ratelimit-requests-remaining",
-        "anthropic-ratelimit-requests-reset",
-    ],
-};
+pub const RATELIMIT_REQUESTS: RateLimitNames = rate_limit_names!("requests", openai);
 /// Its input-token window (the prompt's side).
-pub const RATELIMIT_INPUT_TOKENS: RateLimitNames = RateLimitNames {
-    openai: None,
-    anthropic: [
-        "anthropic-ratelimit-input-tokens-limit",
-        "anthropic-ratelimit-input-tokens-remaining",
-        "anthropic-ratelimit-input-tokens-reset",
-    ],
-};
+pub const RATELIMIT_INPUT_TOKENS: RateLimitNames = rate_limit_names!("input-tokens");
 /// Its output-token window.
-pub const RATELIMIT_OUTPUT_TOKENS: RateLimitNames = RateLimitNames {
-    openai: None,
-    anthropic: [
-        "anthropic-ratelimit-output-tokens-limit",
-        "anthropic-ratelimit-output-tokens-remaining",
-        "anthropic-ratelimit-output-tokens-reset",
-    ],
-};
+pub const RATELIMIT_OUTPUT_TOKENS: RateLimitNames = rate_limit_names!("output-tokens");
 
 // Envoy's dynamic metadata.
 
